@@ -1,0 +1,26 @@
+//! IO_URING_DMABUF: a NIXL transfer-backend plugin that moves bytes between memory and storage
+//! through io_uring.
+//!
+//! Layers, outermost first:
+//! - `shim/` (C++): owns NIXL's vtable and std:: objects, forwards every call through the flat C
+//!   bridge (`shim/bridge.h`, seen from Rust as [`bridge`]).
+//! - [`ffi`]: the only `extern "C"` code: the two NIXL entry points and the bridge's function
+//!   table, each body behind one panic boundary.
+//! - [`engine`]: registrations, transfer planning and the request state machine.
+//! - [`uring`]: the io_uring ring shared by all requests of an engine.
+//! - [`mem`]: one module per NIXL memory kind.
+//!
+//! One error type ([`error::Error`]) is mapped to `nixl_status_t` in one place.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+pub mod bridge;
+pub mod engine;
+pub mod error;
+pub mod ffi;
+pub mod log;
+pub mod manifest;
+pub mod mem;
+pub mod params;
+pub mod uring;
+pub mod xfer;

@@ -12,11 +12,15 @@
 #include <exception>
 #include <string>
 
+// The shim hands NIXL's descriptor vector to Rust as iud_desc[] without copying.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
 static_assert(sizeof(iud_desc) == sizeof(nixlMetaDesc), "iud_desc mirrors nixlMetaDesc");
 static_assert(offsetof(iud_desc, addr) == offsetof(nixlMetaDesc, addr));
 static_assert(offsetof(iud_desc, len) == offsetof(nixlMetaDesc, len));
 static_assert(offsetof(iud_desc, dev_id) == offsetof(nixlMetaDesc, devId));
 static_assert(offsetof(iud_desc, md) == offsetof(nixlMetaDesc, metadataP));
+#pragma GCC diagnostic pop
 
 namespace {
 
@@ -49,14 +53,13 @@ iud_desc_list view(const nixl_meta_dlist_t &list) {
                          reinterpret_cast<const iud_desc *>(list.data())};
 }
 
-// NIXL stores and compares these pointers but never looks inside; wrapping the Rust pointers in
-// real C++ objects keeps them valid polymorphic objects in case a NIXL release ever does.
-class ShimMD final : public nixlBackendMD {
-public:
-    explicit ShimMD(void *rust) : nixlBackendMD(true), rust(rust) {}
-    void *rust;
-};
+// NIXL stores, compares and passes back MD pointers but never dereferences or deletes them
+// (nixl-plugin-abi.md §2.5). The MD is therefore the Rust registration pointer itself: it comes
+// back inside every nixlMetaDesc, which the shim hands to Rust without copying or unwrapping.
+inline nixlBackendMD *asMD(void *rust) { return static_cast<nixlBackendMD *>(rust); }
+inline void *fromMD(nixlBackendMD *md) { return static_cast<void *>(md); }
 
+// Request handles are only ever passed back to this shim, so they can be real C++ objects.
 class ShimReqH final : public nixlBackendReqH {
 public:
     explicit ShimReqH(void *rust) : rust(rust) {}
@@ -97,25 +100,15 @@ public:
             void *md = nullptr;
             auto st = static_cast<nixl_status_t>(
                 g_api->register_mem(rust, &d, static_cast<int32_t>(kind), &md));
-            if (st != NIXL_SUCCESS) return st;
-            try {
-                out = new ShimMD(md);
-            }
-            catch (...) {
-                g_api->deregister_mem(rust, md);
-                throw;
-            }
-            return NIXL_SUCCESS;
+            if (st == NIXL_SUCCESS) out = asMD(md);
+            return st;
         });
     }
 
     nixl_status_t deregisterMem(nixlBackendMD *meta) override {
         return guarded("deregisterMem", [&] {
-            auto *md = static_cast<ShimMD *>(meta);
-            if (!md) return NIXL_ERR_INVALID_PARAM;
-            auto st = static_cast<nixl_status_t>(g_api->deregister_mem(rust, md->rust));
-            delete md;
-            return st;
+            if (!meta) return NIXL_ERR_INVALID_PARAM;
+            return static_cast<nixl_status_t>(g_api->deregister_mem(rust, fromMD(meta)));
         });
     }
 

@@ -1,0 +1,187 @@
+//! The engine behind one NIXL backend instance: registrations, prepared requests, the ring.
+//!
+//! Thread-safety: every method takes `&self`. Registration bookkeeping is behind its own small
+//! lock, and everything that touches io_uring goes through the ring's lock, so NIXL may call the
+//! data path from many threads at once (sync modes NONE and RW).
+
+use std::collections::HashSet;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::mem::{DramRegion, FileRegion, MemKind, Registration};
+use crate::params::{EngineParams, FixedBuffers};
+use crate::uring::{Progress, RequestKey, Ring};
+use crate::xfer::{plan, Plan, XferOp};
+use crate::bridge::iud_desc;
+
+/// One backend instance.
+pub struct Engine {
+    local_agent: String,
+    params: EngineParams,
+    ring: Arc<Ring>,
+    /// devIds of live path-mode FILE registrations (they must be unique per file).
+    path_dev_ids: Mutex<HashSet<u64>>,
+    fixed_buffer_fallback_logged: AtomicBool,
+}
+
+/// A prepared transfer: NIXL holds it between prepXfer and releaseReqH.
+#[derive(Debug)]
+pub struct Request {
+    key: RequestKey,
+    plan: Plan,
+}
+
+impl Engine {
+    pub fn new<'a>(local_agent: &str, params: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Engine> {
+        let (params, ignored) = EngineParams::parse(params)?;
+        if !ignored.is_empty() {
+            tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
+        }
+        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files)?);
+        tracing::debug!(agent = local_agent, ?params, "IO_URING_DMABUF engine created");
+        Ok(Engine {
+            local_agent: local_agent.to_owned(),
+            params,
+            ring,
+            path_dev_ids: Mutex::new(HashSet::new()),
+            fixed_buffer_fallback_logged: AtomicBool::new(false),
+        })
+    }
+
+    pub fn params(&self) -> &EngineParams {
+        &self.params
+    }
+
+    /// Registers one descriptor; returns the MD pointer handed to NIXL.
+    pub fn register(&self, kind: i32, addr: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<*const c_void> {
+        let kind = MemKind::from_nixl(kind)
+            .ok_or_else(|| Error::invalid(format!("registerMem: unknown memory kind {kind}")))?;
+        if len == 0 {
+            return Err(Error::invalid(format!("registerMem: {} descriptor devId {dev_id} at {addr} has zero length", kind.name())));
+        }
+        let reg = match kind {
+            MemKind::Dram => Registration::Dram(self.register_dram(addr, len, dev_id)?),
+            MemKind::File => Registration::File(self.register_file(addr, len, dev_id, meta_info)?),
+            other => {
+                return Err(Error::new(
+                    ErrorKind::NotSupported,
+                    format!("registerMem: {} is not supported by IO_URING_DMABUF (supported: DRAM_SEG, FILE_SEG)", other.name()),
+                ))
+            }
+        };
+        Ok(Arc::into_raw(Arc::new(reg)).cast())
+    }
+
+    fn register_dram(&self, addr: u64, len: u64, dev_id: u64) -> Result<DramRegion> {
+        if addr == 0 || addr.checked_add(len).is_none() {
+            return Err(Error::invalid(format!("registerMem: DRAM range 0x{addr:x}+{len} is not a valid address range")));
+        }
+        let want_fixed = self.params.fixed_buffers == FixedBuffers::Auto;
+        // SAFETY: NIXL's contract: registered memory stays mapped until deregisterMem, and the
+        // region (with its pinned slots) is dropped only after deregistration and the release
+        // of every request using it.
+        let (region, fallback) = unsafe { DramRegion::register(Arc::clone(&self.ring), addr, len, dev_id, want_fixed) };
+        if let Some(why) = fallback {
+            if !self.fixed_buffer_fallback_logged.swap(true, Ordering::Relaxed) {
+                tracing::info!("DRAM region 0x{addr:x}+{len} uses plain READ/WRITE instead of fixed buffers: {}; further fallbacks are logged at debug level", why.0);
+            } else {
+                tracing::debug!("DRAM region 0x{addr:x}+{len} uses plain READ/WRITE: {}", why.0);
+            }
+        }
+        Ok(region)
+    }
+
+    fn register_file(&self, offset: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<FileRegion> {
+        let region = FileRegion::register(Arc::clone(&self.ring), offset, len, dev_id, meta_info, self.params.fixed_files)?;
+        if region.owned_path.is_some() {
+            let mut ids = self.path_dev_ids.lock().unwrap_or_else(|p| p.into_inner());
+            if !ids.insert(dev_id) {
+                return Err(Error::invalid(format!(
+                    "registerMem: path-mode devId {dev_id} is already registered for another file; path-mode devIds must be unique per file"
+                )));
+            }
+        }
+        Ok(region)
+    }
+
+    /// Drops NIXL's reference to a registration. Requests that still use it keep it alive.
+    ///
+    /// # Safety
+    /// `md` must be a pointer returned by [`Engine::register`] of this engine, not yet
+    /// deregistered.
+    pub unsafe fn deregister(&self, md: *const c_void) -> Result<()> {
+        if md.is_null() {
+            return Err(Error::invalid("deregisterMem: null metadata"));
+        }
+        // SAFETY: per the contract, md came from Arc::into_raw in register() and NIXL's
+        // reference is still counted.
+        let reg = unsafe { Arc::from_raw(md.cast::<Registration>()) };
+        if let Registration::File(f) = &*reg {
+            if f.owned_path.is_some() {
+                self.path_dev_ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&f.dev_id);
+            }
+        }
+        drop(reg);
+        Ok(())
+    }
+
+    /// Validates the lists and prepares a request.
+    ///
+    /// # Safety
+    /// The descriptors' MD pointers must be live registrations of this engine (as NIXL
+    /// guarantees).
+    pub unsafe fn prep(
+        &self,
+        op: i32,
+        local_kind: i32,
+        local: &[iud_desc],
+        remote_kind: i32,
+        remote: &[iud_desc],
+        remote_agent: &str,
+    ) -> Result<Box<Request>> {
+        let op = XferOp::from_nixl(op)?;
+        if remote_agent != self.local_agent {
+            return Err(Error::invalid(format!(
+                "prepXfer: remote agent {remote_agent:?} is not this agent {:?}; IO_URING_DMABUF only moves data between this agent's memory and its storage",
+                self.local_agent
+            )));
+        }
+        // SAFETY: forwarded from the caller.
+        let plan = unsafe { plan(op, local_kind, local, remote_kind, remote, self.params.max_io_size) }?;
+        let key = self.ring.add_request(Arc::clone(&plan.ops));
+        Ok(Box::new(Request { key, plan }))
+    }
+
+    /// Starts a prepared request; Ok(Done) when it completed during the call.
+    pub fn post(&self, req: &Request, op: i32, local_count: usize, remote_count: usize) -> Result<Progress> {
+        let op = XferOp::from_nixl(op)?;
+        if op != req.plan.op || local_count != req.plan.local_count || remote_count != req.plan.remote_count {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                "postXfer: operation or descriptor lists differ from what was prepared",
+            ));
+        }
+        for reg in &req.plan.registrations {
+            if let Registration::File(f) = &**reg {
+                f.check_still_open()?;
+            }
+        }
+        self.ring.post(req.key)
+    }
+
+    /// Reaps completions without blocking; Ok(Done) once the request finished.
+    pub fn check(&self, req: &Request) -> Result<Progress> {
+        self.ring.check(req.key)
+    }
+
+    /// Releases a request, aborting it if it is in flight. On error the request is handed back
+    /// (NIXL keeps it and may try again).
+    pub fn release(&self, req: Box<Request>) -> std::result::Result<(), (Box<Request>, Error)> {
+        match self.ring.remove_request(req.key) {
+            Ok(()) => Ok(()),
+            Err(e) => Err((req, e)),
+        }
+    }
+}

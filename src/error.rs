@@ -1,0 +1,165 @@
+//! The one error type of the engine and its one mapping to `nixl_status_t`.
+//!
+//! Every error carries a complete, human-readable cause (descriptor index, fd, offset, errno,
+//! what to do). The FFI boundary logs it exactly once when it turns it into a status.
+
+use std::fmt;
+use std::io;
+
+/// NIXL status numbers (`nixl_status_t`, nixl-headers/nixl_abi.h).
+pub mod status {
+    pub const IN_PROG: i32 = 1;
+    pub const SUCCESS: i32 = 0;
+    pub const ERR_INVALID_PARAM: i32 = -2;
+    pub const ERR_BACKEND: i32 = -3;
+    pub const ERR_NOT_FOUND: i32 = -4;
+    pub const ERR_MISMATCH: i32 = -5;
+    pub const ERR_NOT_ALLOWED: i32 = -6;
+    pub const ERR_REPOST_ACTIVE: i32 = -7;
+    pub const ERR_NOT_SUPPORTED: i32 = -9;
+    pub const ERR_CANCELED: i32 = -11;
+}
+
+/// What went wrong, at the granularity NIXL's status codes can express.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The caller passed something malformed (list types, lengths, alignment, params).
+    InvalidParam,
+    /// A descriptor is not covered by a registration of this engine.
+    NotFound,
+    /// The request does not fit what the engine or kernel can do.
+    NotSupported,
+    /// Lists of a request disagree with each other or with what was prepared.
+    Mismatch,
+    /// The request is still in flight.
+    RepostActive,
+    /// The operation is not allowed in the current state (e.g. a fd that changed under a
+    /// registration).
+    NotAllowed,
+    /// The kernel or a device failed the I/O, or the engine failed internally.
+    Backend,
+    /// The request was aborted by releaseReqH.
+    Canceled,
+}
+
+/// An engine error: a kind plus the full message for the log line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Error {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error { kind, message: message.into() }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidParam, message)
+    }
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::NotFound, message)
+    }
+    pub fn backend(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Backend, message)
+    }
+    /// A failed system call: the message names the call's context and the errno.
+    pub fn os(context: impl fmt::Display, err: &io::Error) -> Self {
+        Self::backend(format!("{context}: {}", describe_os_error(err)))
+    }
+
+    /// The one mapping from engine errors to NIXL status numbers.
+    pub fn to_status(&self) -> i32 {
+        match self.kind {
+            ErrorKind::InvalidParam => status::ERR_INVALID_PARAM,
+            ErrorKind::NotFound => status::ERR_NOT_FOUND,
+            ErrorKind::NotSupported => status::ERR_NOT_SUPPORTED,
+            ErrorKind::Mismatch => status::ERR_MISMATCH,
+            ErrorKind::RepostActive => status::ERR_REPOST_ACTIVE,
+            ErrorKind::NotAllowed => status::ERR_NOT_ALLOWED,
+            ErrorKind::Backend => status::ERR_BACKEND,
+            ErrorKind::Canceled => status::ERR_CANCELED,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// "EIO (Input/output error)" style text for an OS error.
+pub fn describe_os_error(err: &io::Error) -> String {
+    match err.raw_os_error() {
+        Some(code) => format!("{} ({err_text})", errno_name(code), err_text = io::Error::from_raw_os_error(code)),
+        None => err.to_string(),
+    }
+}
+
+/// The symbolic name of the errno values the engine meets; the number for the rest.
+pub fn errno_name(code: i32) -> String {
+    let name = match code {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EINTR => "EINTR",
+        libc::EIO => "EIO",
+        libc::EBADF => "EBADF",
+        libc::EAGAIN => "EAGAIN",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
+        libc::EFAULT => "EFAULT",
+        libc::EBUSY => "EBUSY",
+        libc::EEXIST => "EEXIST",
+        libc::ENODEV => "ENODEV",
+        libc::EISDIR => "EISDIR",
+        libc::EINVAL => "EINVAL",
+        libc::EMFILE => "EMFILE",
+        libc::EFBIG => "EFBIG",
+        libc::ENOSPC => "ENOSPC",
+        libc::EROFS => "EROFS",
+        libc::EOVERFLOW => "EOVERFLOW",
+        libc::ENOSYS => "ENOSYS",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::ECANCELED => "ECANCELED",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::EDQUOT => "EDQUOT",
+        _ => return format!("errno {code}"),
+    };
+    name.to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_maps_to_a_distinct_nixl_error_status() {
+        let kinds = [
+            ErrorKind::InvalidParam,
+            ErrorKind::NotFound,
+            ErrorKind::NotSupported,
+            ErrorKind::Mismatch,
+            ErrorKind::RepostActive,
+            ErrorKind::NotAllowed,
+            ErrorKind::Backend,
+            ErrorKind::Canceled,
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for k in kinds {
+            let s = Error::new(k, "x").to_status();
+            assert!(s < 0, "{k:?} must be an error status");
+            assert!(seen.insert(s), "{k:?} shares status {s}");
+        }
+    }
+
+    #[test]
+    fn os_errors_name_the_errno() {
+        let e = Error::os("pwrite fd 7", &io::Error::from_raw_os_error(libc::ENOSPC));
+        assert!(e.message.starts_with("pwrite fd 7: ENOSPC ("), "{}", e.message);
+        assert_eq!(e.to_status(), status::ERR_BACKEND);
+    }
+}

@@ -1,0 +1,233 @@
+//! The only `extern "C"` code of the plugin: NIXL's two entry points and the function table the
+//! C++ shim calls (`iud_rust_api`, see src/shim/bridge.h).
+//!
+//! Ownership across the boundary:
+//! - engine: `Box<Engine>` raw pointer, freed by `engine_destroy`;
+//! - MD: `Arc<Registration>` raw pointer, NIXL's reference released by `deregister_mem`;
+//! - request: `Box<Request>` raw pointer, freed by a successful `release_req`.
+//!
+//! Every function body runs inside [`boundary`]: an error is logged once and mapped to its
+//! status; a panic is caught, logged, and becomes NIXL_ERR_BACKEND.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+
+use once_cell::sync::Lazy;
+
+use crate::bridge::{iud_desc_list, iud_engine_config, iud_param_default, iud_reg_desc, iud_rust_api, iud_shim_plugin, iud_str};
+use crate::engine::{Engine, Request};
+use crate::error::{status, Result};
+use crate::uring::Progress;
+use crate::{log, manifest};
+
+/// Runs `body`, turning errors and panics into a status and one log line.
+fn boundary(what: &str, body: impl FnOnce() -> Result<i32>) -> i32 {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(status)) => status,
+        Ok(Err(e)) => {
+            tracing::error!("{what}: {e}");
+            e.to_status()
+        }
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            tracing::error!("{what}: internal error ({msg}); please report this as a bug");
+            status::ERR_BACKEND
+        }
+    }
+}
+
+fn progress_status(p: Progress) -> i32 {
+    match p {
+        Progress::Done => status::SUCCESS,
+        Progress::InFlight => status::IN_PROG,
+    }
+}
+
+/// # Safety
+/// `engine` must be a pointer returned by `engine_create` and not yet destroyed.
+unsafe fn engine_ref<'a>(engine: *mut c_void) -> &'a Engine {
+    // SAFETY: per the contract.
+    unsafe { &*(engine as *const Engine) }
+}
+
+unsafe extern "C" fn engine_create(config: *const iud_engine_config, engine_out: *mut *mut c_void) -> i32 {
+    boundary("create_backend", || {
+        // SAFETY: the shim passes a config that is valid for this call.
+        let cfg = unsafe { &*config };
+        // SAFETY: the strings and the params array live for the duration of this call.
+        let agent = unsafe { cfg.local_agent.as_string() };
+        let pairs: Vec<(String, String)> = if cfg.params.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: params/param_count describe the shim's vector, valid during the call.
+            unsafe { std::slice::from_raw_parts(cfg.params, cfg.param_count as usize) }
+                .iter()
+                // SAFETY: each key/value view points into the agent's params map.
+                .map(|kv| unsafe { (kv.key.as_string().into_owned(), kv.value.as_string().into_owned()) })
+                .collect()
+        };
+        tracing::debug!(sync_mode = cfg.sync_mode, enable_prog_thread = cfg.enable_prog_thread, "create_backend");
+        let engine = Engine::new(&agent, pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
+        // SAFETY: engine_out is a valid out-pointer from the shim.
+        unsafe { *engine_out = Box::into_raw(Box::new(engine)).cast() };
+        Ok(status::SUCCESS)
+    })
+}
+
+unsafe extern "C" fn engine_destroy(engine: *mut c_void) {
+    boundary("destroy_engine", || {
+        if !engine.is_null() {
+            // SAFETY: the shim calls this once, with the pointer engine_create returned.
+            drop(unsafe { Box::from_raw(engine as *mut Engine) });
+        }
+        Ok(status::SUCCESS)
+    });
+}
+
+unsafe extern "C" fn register_mem(engine: *mut c_void, desc: *const iud_reg_desc, mem_kind: i32, md_out: *mut *mut c_void) -> i32 {
+    boundary("registerMem", || {
+        // SAFETY: engine and desc are valid for the call (shim contract).
+        let (engine, d) = unsafe { (engine_ref(engine), &*desc) };
+        // SAFETY: meta_info points into the agent's descriptor for the duration of the call.
+        let meta = unsafe { d.meta_info.as_string() };
+        let md = engine.register(mem_kind, d.addr, d.len, d.dev_id, &meta)?;
+        // SAFETY: md_out is a valid out-pointer from the shim.
+        unsafe { *md_out = md as *mut c_void };
+        Ok(status::SUCCESS)
+    })
+}
+
+unsafe extern "C" fn deregister_mem(engine: *mut c_void, md: *mut c_void) -> i32 {
+    boundary("deregisterMem", || {
+        // SAFETY: md was returned by register_mem of this engine; the shim passes it once.
+        unsafe { engine_ref(engine).deregister(md) }?;
+        Ok(status::SUCCESS)
+    })
+}
+
+unsafe extern "C" fn prep_xfer(
+    engine: *mut c_void,
+    op: i32,
+    local: *const iud_desc_list,
+    remote: *const iud_desc_list,
+    remote_agent: iud_str,
+    req_out: *mut *mut c_void,
+) -> i32 {
+    boundary("prepXfer", || {
+        // SAFETY: the lists point at the agent's descriptor vectors, valid during the call; their
+        // MDs are live registrations of this engine.
+        let req = unsafe {
+            let (l, r) = (&*local, &*remote);
+            engine_ref(engine).prep(op, l.mem_kind, l.as_slice(), r.mem_kind, r.as_slice(), &remote_agent.as_string())
+        }?;
+        // SAFETY: req_out is a valid out-pointer; it is written only on success.
+        unsafe { *req_out = Box::into_raw(req).cast() };
+        Ok(status::SUCCESS)
+    })
+}
+
+unsafe extern "C" fn post_xfer(
+    engine: *mut c_void,
+    req: *mut c_void,
+    op: i32,
+    local: *const iud_desc_list,
+    remote: *const iud_desc_list,
+) -> i32 {
+    boundary("postXfer", || {
+        // SAFETY: req was returned by prep_xfer and not released; lists are valid for the call.
+        let (engine, req, lc, rc) = unsafe { (engine_ref(engine), &*(req as *const Request), (*local).count, (*remote).count) };
+        engine.post(req, op, lc as usize, rc as usize).map(progress_status)
+    })
+}
+
+unsafe extern "C" fn check_xfer(engine: *mut c_void, req: *mut c_void) -> i32 {
+    boundary("checkXfer", || {
+        // SAFETY: req was returned by prep_xfer and not released.
+        let (engine, req) = unsafe { (engine_ref(engine), &*(req as *const Request)) };
+        engine.check(req).map(progress_status)
+    })
+}
+
+unsafe extern "C" fn release_req(engine: *mut c_void, req: *mut c_void) -> i32 {
+    boundary("releaseReqH", || {
+        // SAFETY: req was returned by prep_xfer; the shim calls this once per handle (again only
+        // after an error, when we handed ownership back by leaking the Box).
+        let (engine, req) = unsafe { (engine_ref(engine), Box::from_raw(req as *mut Request)) };
+        match engine.release(req) {
+            Ok(()) => Ok(status::SUCCESS),
+            Err((req, e)) => {
+                // NIXL keeps the request after an error: keep the allocation alive for it.
+                let _ = Box::into_raw(req);
+                Err(e)
+            }
+        }
+    })
+}
+
+unsafe extern "C" fn log_error(message: *const c_char) {
+    if message.is_null() {
+        return;
+    }
+    // SAFETY: the shim passes a NUL-terminated string valid for the call.
+    let text = unsafe { CStr::from_ptr(message) }.to_string_lossy();
+    tracing::error!("{text}");
+}
+
+/// The function table and the static data it points to.
+struct ApiTable {
+    api: iud_rust_api,
+    _params: Vec<iud_param_default>,
+}
+
+// SAFETY: the table only holds pointers to 'static data (manifest strings, the params vector
+// owned by the table itself, which is never mutated) and function pointers.
+unsafe impl Sync for ApiTable {}
+// SAFETY: as above.
+unsafe impl Send for ApiTable {}
+
+static API: Lazy<ApiTable> = Lazy::new(|| {
+    let params: Vec<iud_param_default> = manifest::PARAMS
+        .iter()
+        .map(|p| iud_param_default { name: p.name_c.as_ptr(), default_value: p.default_c.as_ptr() })
+        .collect();
+    let api = iud_rust_api {
+        plugin_name: manifest::PLUGIN_NAME_C.as_ptr(),
+        plugin_version: manifest::PLUGIN_VERSION_C.as_ptr(),
+        mems: manifest::MEMS.as_ptr(),
+        mem_count: manifest::MEMS.len() as u32,
+        params: params.as_ptr(),
+        param_count: params.len() as u32,
+        engine_create: Some(engine_create),
+        engine_destroy: Some(engine_destroy),
+        register_mem: Some(register_mem),
+        deregister_mem: Some(deregister_mem),
+        prep_xfer: Some(prep_xfer),
+        post_xfer: Some(post_xfer),
+        check_xfer: Some(check_xfer),
+        release_req: Some(release_req),
+        log_error: Some(log_error),
+    };
+    ApiTable { api, _params: params }
+});
+
+/// NIXL's plugin entry point: returns the process-wide `nixlBackendPlugin`. Idempotent (NIXL
+/// calls init/fini repeatedly, e.g. around `getPluginParams`).
+#[no_mangle]
+pub extern "C" fn nixl_plugin_init() -> *mut c_void {
+    catch_unwind(|| {
+        log::init();
+        // SAFETY: API is a 'static table that outlives every use the shim makes of it.
+        unsafe { iud_shim_plugin(&API.api) }
+    })
+    .unwrap_or(ptr::null_mut())
+}
+
+/// NIXL's plugin exit point. The plugin struct and its table are process-lifetime statics
+/// (NIXL dlopens with RTLD_NODELETE and may call init again), so there is nothing to free.
+#[no_mangle]
+pub extern "C" fn nixl_plugin_fini() {}

@@ -1,0 +1,196 @@
+//! FILE registrations: a byte range of a file, named by an fd the application opened (fd mode,
+//! devId = fd) or by a path the plugin opens and closes itself (path mode, see `path_meta`).
+//!
+//! The registration remembers the file's identity (st_dev, st_ino) so that a fd closed or reused
+//! after registration is refused at post time instead of silently reaching another file, and
+//! its O_DIRECT alignment so that misaligned descriptors are refused at prep time with a message
+//! instead of an EINVAL from the kernel.
+
+use std::ffi::CString;
+use std::fmt;
+use std::io;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::mem::path_meta::PathMeta;
+use crate::uring::{FileKey, FileRef, Ring};
+
+/// O_DIRECT alignment of a file: memory address and file offset/length granularity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirectAlign {
+    pub mem: u64,
+    pub offset: u64,
+}
+
+/// A registered file range.
+pub struct FileRegion {
+    pub fd: i32,
+    pub dev_id: u64,
+    pub offset: u64,
+    pub len: u64,
+    /// Set when the file was opened with O_DIRECT.
+    pub direct: Option<DirectAlign>,
+    pub writable: bool,
+    pub readable: bool,
+    /// The plugin opened the file (path mode) and closes it on drop.
+    pub owned_path: Option<String>,
+    key: FileKey,
+    fixed_slot: Option<u32>,
+    ring: Arc<Ring>,
+}
+
+impl fmt::Debug for FileRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "FileRegion(fd {}, devId {}, {}+{}, path {:?})", self.fd, self.dev_id, self.offset, self.len, self.owned_path)
+    }
+}
+
+impl FileRegion {
+    /// Registers `[offset, offset+len)` of the file named by `dev_id`/`meta_info`.
+    pub fn register(ring: Arc<Ring>, offset: u64, len: u64, dev_id: u64, meta_info: &str, fixed_files: bool) -> Result<FileRegion> {
+        let path_meta = PathMeta::parse(meta_info).map_err(|e| Error::invalid(format!("FILE registration devId {dev_id}: {e}")))?;
+        let (fd, owned_path) = match &path_meta {
+            Some(m) => (open_path(m, dev_id)?, Some(m.path.clone())),
+            None => {
+                let fd = i32::try_from(dev_id).map_err(|_| {
+                    Error::invalid(format!(
+                        "FILE registration: devId {dev_id} is not a file descriptor; pass an open fd, or metaInfo \"rw:/path\" for path mode"
+                    ))
+                })?;
+                (fd, None)
+            }
+        };
+        let guard = ClosesOnError { fd, owned: owned_path.is_some() };
+        let st = fstat(fd).map_err(|e| {
+            Error::os(
+                format!("FILE registration: fstat(fd {fd}) failed; devId must be an fd open in this process, or use path-mode metaInfo"),
+                &e,
+            )
+        })?;
+        let fmt = st.st_mode & libc::S_IFMT;
+        if fmt != libc::S_IFREG && fmt != libc::S_IFBLK {
+            return Err(Error::invalid(format!("FILE registration: fd {fd} is neither a regular file nor a block device")));
+        }
+        // SAFETY: F_GETFL on an fd we just fstat'ed; no memory is involved.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if flags < 0 {
+            return Err(Error::os(format!("FILE registration: fcntl(fd {fd}, F_GETFL)"), &io::Error::last_os_error()));
+        }
+        let access = flags & libc::O_ACCMODE;
+        let direct = if flags & libc::O_DIRECT != 0 { Some(direct_align(fd, fmt == libc::S_IFBLK)) } else { None };
+        let key = FileKey { fd, dev: st.st_dev, ino: st.st_ino };
+        let fixed_slot = if fixed_files { ring.acquire_file(key) } else { None };
+        std::mem::forget(guard);
+        Ok(FileRegion {
+            fd,
+            dev_id,
+            offset,
+            len,
+            direct,
+            writable: access == libc::O_WRONLY || access == libc::O_RDWR,
+            readable: access == libc::O_RDONLY || access == libc::O_RDWR,
+            owned_path,
+            key,
+            fixed_slot,
+            ring,
+        })
+    }
+
+    /// How SQEs name this file.
+    pub fn file_ref(&self) -> FileRef {
+        match self.fixed_slot {
+            Some(slot) => FileRef::Fixed(slot),
+            None => FileRef::Raw(self.fd),
+        }
+    }
+
+    /// Fails when an application-owned fd was closed, or now names another file, since the
+    /// registration (the fixed-file table would otherwise keep writing to the old file).
+    pub fn check_still_open(&self) -> Result<()> {
+        if self.owned_path.is_some() {
+            return Ok(());
+        }
+        match fstat(self.fd) {
+            Ok(st) if st.st_dev == self.key.dev && st.st_ino == self.key.ino => Ok(()),
+            Ok(_) => Err(Error::new(
+                crate::error::ErrorKind::NotAllowed,
+                format!("fd {} now refers to a different file than when it was registered; deregister and register the new file", self.fd),
+            )),
+            Err(e) => Err(Error::os(
+                format!("fd {} registered as FILE is no longer open; keep it open until deregistration", self.fd),
+                &e,
+            )),
+        }
+    }
+}
+
+impl Drop for FileRegion {
+    fn drop(&mut self) {
+        if self.fixed_slot.is_some() {
+            self.ring.release_file(self.key);
+        }
+        if self.owned_path.is_some() {
+            // SAFETY: the fd was opened by this registration and nothing else closes it. The
+            // fixed-file slot (if any) holds its own reference to the file.
+            unsafe { libc::close(self.fd) };
+        }
+    }
+}
+
+/// Closes a plugin-opened fd if registration fails after opening it.
+struct ClosesOnError {
+    fd: i32,
+    owned: bool,
+}
+
+impl Drop for ClosesOnError {
+    fn drop(&mut self) {
+        if self.owned {
+            // SAFETY: the fd was opened by the registration that is failing.
+            unsafe { libc::close(self.fd) };
+        }
+    }
+}
+
+fn open_path(m: &PathMeta, dev_id: u64) -> Result<i32> {
+    let c = CString::new(m.path.as_bytes())
+        .map_err(|_| Error::invalid(format!("FILE registration devId {dev_id}: path {:?} contains a NUL byte", m.path)))?;
+    // SAFETY: c is a valid NUL-terminated string; the mode argument is read only with O_CREAT.
+    let fd = unsafe { libc::open(c.as_ptr(), m.open_flags(), 0o644 as libc::c_uint) };
+    if fd < 0 {
+        return Err(Error::os(format!("FILE registration devId {dev_id}: open({:?})", m.path), &io::Error::last_os_error()));
+    }
+    Ok(fd)
+}
+
+fn fstat(fd: i32) -> io::Result<libc::stat> {
+    // SAFETY: an all-zero stat is a valid value to be overwritten.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes into st; an invalid fd is reported through errno.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+/// The O_DIRECT alignment of an open file: statx(STATX_DIOALIGN) where the kernel and file
+/// system report it, the logical block size for block devices, else 512 (the smallest logical
+/// block size Linux supports, so a conservative check never rejects valid I/O... on 512-byte
+/// devices; on 4 KiB devices the kernel's EINVAL remains the backstop).
+fn direct_align(fd: i32, is_block: bool) -> DirectAlign {
+    if is_block {
+        let mut lbs: libc::c_int = 0;
+        // SAFETY: BLKSSZGET writes one int.
+        if unsafe { libc::ioctl(fd, libc::BLKSSZGET, &mut lbs) } == 0 && lbs > 0 {
+            return DirectAlign { mem: lbs as u64, offset: lbs as u64 };
+        }
+    }
+    // SAFETY: an all-zero statx is a valid value to be overwritten.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx with AT_EMPTY_PATH and "" queries the fd itself and writes into stx.
+    let rc = unsafe { libc::statx(fd, c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx) };
+    if rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 && stx.stx_dio_offset_align > 0 {
+        return DirectAlign { mem: stx.stx_dio_mem_align.max(1) as u64, offset: stx.stx_dio_offset_align as u64 };
+    }
+    DirectAlign { mem: 512, offset: 512 }
+}

@@ -1,0 +1,119 @@
+//! Backend parameters: the values of the manifest's parameters for one engine.
+//!
+//! Parameters the manifest does not declare are ignored with one debug line (LMCache passes its
+//! own keys such as `file_path` and `use_direct_io` straight into create_backend). A declared
+//! parameter with a malformed value fails engine creation with a message naming it.
+
+use crate::error::{Error, Result};
+use crate::manifest;
+
+/// Whether DRAM registrations become io_uring fixed buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FixedBuffers {
+    Auto,
+    Off,
+}
+
+/// Parsed backend parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineParams {
+    pub ring_entries: u32,
+    pub fixed_buffers: FixedBuffers,
+    pub fixed_files: bool,
+    pub max_io_size: u64,
+}
+
+const RING_ENTRIES_RANGE: (u32, u32) = (16, 32768);
+
+impl EngineParams {
+    /// Parses `(key, value)` pairs; returns the params and the keys that were ignored.
+    pub fn parse<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<(Self, Vec<String>)> {
+        let mut values: Vec<(&'static str, String)> =
+            manifest::PARAMS.iter().map(|p| (p.name, p.default.to_owned())).collect();
+        let mut ignored = Vec::new();
+        for (key, value) in pairs {
+            match values.iter_mut().find(|(name, _)| *name == key) {
+                Some(slot) => slot.1 = value.trim().to_owned(),
+                None => ignored.push(key.to_owned()),
+            }
+        }
+        let get = |name: &str| -> &str {
+            values.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str()).expect("manifest param")
+        };
+        let ring_entries = parse_u64("ring_entries", get("ring_entries"))?;
+        let (lo, hi) = RING_ENTRIES_RANGE;
+        if ring_entries < lo as u64 || ring_entries > hi as u64 {
+            return Err(Error::invalid(format!(
+                "backend parameter ring_entries={ring_entries} is outside {lo}..{hi}"
+            )));
+        }
+        let fixed_buffers = match get("fixed_buffers").to_ascii_lowercase().as_str() {
+            "auto" | "on" | "true" => FixedBuffers::Auto,
+            "off" | "false" => FixedBuffers::Off,
+            other => {
+                return Err(Error::invalid(format!(
+                    "backend parameter fixed_buffers={other:?} must be auto or off"
+                )))
+            }
+        };
+        let fixed_files = parse_bool("fixed_files", get("fixed_files"))?;
+        let max_io_size = parse_u64("max_io_size", get("max_io_size"))?;
+        if max_io_size != 0 && max_io_size < 4096 {
+            return Err(Error::invalid(format!(
+                "backend parameter max_io_size={max_io_size} must be 0 (no split) or at least 4096"
+            )));
+        }
+        let params = EngineParams { ring_entries: ring_entries as u32, fixed_buffers, fixed_files, max_io_size };
+        Ok((params, ignored))
+    }
+}
+
+impl Default for EngineParams {
+    fn default() -> Self {
+        Self::parse(std::iter::empty()).expect("manifest defaults parse").0
+    }
+}
+
+fn parse_u64(name: &str, value: &str) -> Result<u64> {
+    value
+        .parse::<u64>()
+        .map_err(|_| Error::invalid(format!("backend parameter {name}={value:?} is not a non-negative integer")))
+}
+
+fn parse_bool(name: &str, value: &str) -> Result<bool> {
+    match value.to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(Error::invalid(format!("backend parameter {name}={value:?} must be true or false"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+
+    #[test]
+    fn manifest_defaults_give_a_working_configuration() {
+        let p = EngineParams::default();
+        assert!(p.ring_entries >= 16);
+        assert_eq!(p.fixed_buffers, FixedBuffers::Auto);
+    }
+
+    #[test]
+    fn unknown_keys_are_reported_not_rejected() {
+        let (p, ignored) =
+            EngineParams::parse([("file_path", "/x"), ("use_direct_io", "True"), ("ring_entries", "64")]).unwrap();
+        assert_eq!(p.ring_entries, 64);
+        assert_eq!(ignored, vec!["file_path".to_owned(), "use_direct_io".to_owned()]);
+    }
+
+    #[test]
+    fn malformed_values_name_the_parameter() {
+        for (k, v) in [("ring_entries", "lots"), ("ring_entries", "8"), ("fixed_buffers", "maybe"), ("fixed_files", "2"), ("max_io_size", "100")] {
+            let e = EngineParams::parse([(k, v)]).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidParam);
+            assert!(e.message.contains(k), "{}", e.message);
+        }
+    }
+}

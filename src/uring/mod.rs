@@ -1,0 +1,611 @@
+//! The io_uring ring shared by all requests of one engine, and the request progress it drives.
+//!
+//! Invariants:
+//! - Everything that touches the ring (SQ, CQ, register calls) happens under the one `core`
+//!   lock, so NIXL may call post/check/release from any number of threads (sync modes NONE/RW).
+//! - `user_data` is a slab key of the in-flight table, never a pointer. An in-flight entry keeps
+//!   the op until its CQE arrives; a request is removed only when none of its ops is in flight.
+//! - At most `max_inflight` ops are in the kernel at once (the CQ is twice as large), so CQEs
+//!   never overflow in normal operation; the rest wait in the engine ("describe, then fill").
+//! - Resources released by registrations (fixed-buffer and fixed-file slots) are retired through
+//!   a leaf lock and unregistered the next time the core lock is taken, so a registration may be
+//!   dropped anywhere, including while the core lock is held.
+
+mod op;
+mod slots;
+
+pub use op::{FileRef, IoOp};
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use io_uring::{opcode, types, IoUring};
+use slab::Slab;
+
+use crate::error::{describe_os_error, Error, ErrorKind, Result};
+use slots::SlotPool;
+
+/// user_data of SQEs whose completions carry no information (cancellations).
+const IGNORED_CQE: u64 = u64::MAX;
+/// Registered-buffer table size: the kernel's IORING_MAX_REG_BUFFERS.
+const BUFFER_TABLE_SLOTS: u32 = 1 << 14;
+/// Largest fixed buffer the kernel accepts in one slot.
+pub const MAX_FIXED_BUFFER: u64 = 1 << 30;
+/// Upper bound of the registered-file table (also limited by RLIMIT_NOFILE).
+const FILE_TABLE_SLOTS: u32 = 4096;
+/// How long teardown waits for in-flight I/O before giving up on it.
+const TEARDOWN_WAIT: Duration = Duration::from_secs(30);
+
+/// The ops of one prepared request.
+#[derive(Debug)]
+pub struct RequestOps {
+    pub write: bool,
+    pub ops: Vec<IoOp>,
+}
+
+/// Key of a request in the ring's progress table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestKey(usize);
+
+/// Outcome of a post or check that did not fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    InFlight,
+    Done,
+}
+
+/// Identity of an open file, so a fd number that was closed and reused maps to a new slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FileKey {
+    pub fd: i32,
+    pub dev: u64,
+    pub ino: u64,
+}
+
+enum Retired {
+    Buffer(u16),
+    File(FileKey),
+}
+
+/// The ring of one engine.
+pub struct Ring {
+    core: Mutex<Core>,
+    retired: Mutex<Vec<Retired>>,
+    pub sq_entries: u32,
+}
+
+struct FileSlot {
+    slot: u32,
+    refs: u32,
+}
+
+enum State {
+    Idle,
+    Running { next: usize, outstanding: usize, error: Option<Error>, abort: bool },
+    Done,
+    Failed(Error),
+}
+
+struct RequestProgress {
+    ops: Arc<RequestOps>,
+    state: State,
+}
+
+struct InFlight {
+    req: usize,
+    op: IoOp,
+}
+
+struct Core {
+    uring: IoUring,
+    max_inflight: usize,
+    inflight: Slab<InFlight>,
+    requests: Slab<RequestProgress>,
+    /// Requests that still have ops not yet handed to the kernel, oldest first.
+    queue: VecDeque<usize>,
+    /// Remainders of short I/O and ops the kernel asked to retry; they go first.
+    retry: VecDeque<InFlight>,
+    buffer_slots: Option<SlotPool>,
+    file_slots: Option<SlotPool>,
+    files: HashMap<FileKey, FileSlot>,
+}
+
+impl Ring {
+    /// Creates the ring and its sparse buffer and file tables. A table the kernel refuses is
+    /// simply absent (I/O then uses plain buffers or fds), logged once.
+    pub fn new(sq_entries: u32, fixed_files: bool) -> Result<Ring> {
+        let uring = IoUring::builder()
+            .setup_cqsize(sq_entries * 2)
+            .setup_submit_all()
+            .dontfork()
+            .build(sq_entries)
+            .or_else(|_| IoUring::builder().setup_cqsize(sq_entries * 2).build(sq_entries))
+            .map_err(|e| {
+                Error::os(
+                    format!("io_uring_setup({sq_entries} entries) failed; is io_uring disabled (sysctl kernel.io_uring_disabled, seccomp)?"),
+                    &e,
+                )
+            })?;
+        let sq = uring.params().sq_entries();
+        let cq = uring.params().cq_entries();
+        let buffer_slots = match uring.submitter().register_buffers_sparse(BUFFER_TABLE_SLOTS) {
+            Ok(()) => Some(SlotPool::new(BUFFER_TABLE_SLOTS)),
+            Err(e) => {
+                tracing::info!("io_uring fixed buffers unavailable ({}); DRAM uses plain READ/WRITE", describe_os_error(&e));
+                None
+            }
+        };
+        let file_slots = if fixed_files {
+            let nofile = nofile_limit().min(FILE_TABLE_SLOTS as u64) as u32;
+            match uring.submitter().register_files_sparse(nofile) {
+                Ok(()) => Some(SlotPool::new(nofile)),
+                Err(e) => {
+                    tracing::info!("io_uring fixed files unavailable ({}); I/O passes raw fds", describe_os_error(&e));
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        tracing::debug!(sq, cq, "io_uring ring ready");
+        Ok(Ring {
+            core: Mutex::new(Core {
+                uring,
+                max_inflight: (cq / 2).max(1) as usize,
+                inflight: Slab::new(),
+                requests: Slab::new(),
+                queue: VecDeque::new(),
+                retry: VecDeque::new(),
+                buffer_slots,
+                file_slots,
+                files: HashMap::new(),
+            }),
+            retired: Mutex::new(Vec::new()),
+            sq_entries: sq,
+        })
+    }
+
+    /// Locks the core and first unregisters whatever was retired since the last lock.
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        let mut core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        let retired = std::mem::take(&mut *self.retired.lock().unwrap_or_else(|p| p.into_inner()));
+        for r in retired {
+            core.unregister(r);
+        }
+        core
+    }
+
+    fn retire(&self, r: Retired) {
+        self.retired.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+    }
+
+    /// Registers `len` bytes at `addr` (at most 1 GiB) as a fixed buffer.
+    ///
+    /// # Safety
+    /// The memory must stay mapped until [`Ring::release_buffer`] for the returned slot; the
+    /// kernel pins it and may read or write it for any op that names the slot.
+    pub unsafe fn register_buffer(&self, addr: u64, len: u64) -> io::Result<u16> {
+        debug_assert!(len <= MAX_FIXED_BUFFER);
+        let mut core = self.lock();
+        let core = &mut *core;
+        let pool = core.buffer_slots.as_mut().ok_or_else(|| io::Error::from_raw_os_error(libc::ENXIO))?;
+        let slot = pool.take().ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
+        let iov = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize };
+        // SAFETY: the caller keeps the memory mapped until the slot is released.
+        match unsafe { core.uring.submitter().register_buffers_update(slot, &[iov], None) } {
+            Ok(()) => Ok(slot as u16),
+            Err(e) => {
+                pool.put(slot);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives a fixed-buffer slot back (deferred until the next time the ring is locked).
+    pub fn release_buffer(&self, slot: u16) {
+        self.retire(Retired::Buffer(slot));
+    }
+
+    /// A registered-file slot for `key`, shared by every registration of the same open file.
+    /// None when the table is absent or full (I/O then passes the raw fd).
+    pub fn acquire_file(&self, key: FileKey) -> Option<u32> {
+        let mut core = self.lock();
+        let core = &mut *core;
+        if let Some(f) = core.files.get_mut(&key) {
+            f.refs += 1;
+            return Some(f.slot);
+        }
+        let pool = core.file_slots.as_mut()?;
+        let slot = pool.take()?;
+        match core.uring.submitter().register_files_update(slot, &[key.fd]) {
+            Ok(_) => {
+                core.files.insert(key, FileSlot { slot, refs: 1 });
+                Some(slot)
+            }
+            Err(e) => {
+                pool.put(slot);
+                tracing::debug!(fd = key.fd, "fixed-file registration failed ({}); using the raw fd", describe_os_error(&e));
+                None
+            }
+        }
+    }
+
+    /// Drops one reference to the file slot of `key` (deferred like buffers).
+    pub fn release_file(&self, key: FileKey) {
+        self.retire(Retired::File(key));
+    }
+
+    /// Adds a prepared request; it starts idle.
+    pub fn add_request(&self, ops: Arc<RequestOps>) -> RequestKey {
+        let mut core = self.lock();
+        RequestKey(core.requests.insert(RequestProgress { ops, state: State::Idle }))
+    }
+
+    /// Starts (or restarts) a request. Returns Done when everything completed during the call.
+    pub fn post(&self, key: RequestKey) -> Result<Progress> {
+        let mut core = self.lock();
+        let req = core.requests.get_mut(key.0).ok_or_else(|| Error::backend("postXfer: unknown request handle"))?;
+        if matches!(req.state, State::Running { .. }) {
+            return Err(Error::new(ErrorKind::RepostActive, "postXfer: the request is still in flight; wait for it or release it"));
+        }
+        let total = req.ops.ops.len();
+        if total == 0 {
+            req.state = State::Done;
+            return Ok(Progress::Done);
+        }
+        req.state = State::Running { next: 0, outstanding: total, error: None, abort: false };
+        core.queue.push_back(key.0);
+        core.progress()?;
+        core.status(key.0)
+    }
+
+    /// Reaps completions (for every request) without blocking and reports this request's state.
+    pub fn check(&self, key: RequestKey) -> Result<Progress> {
+        let mut core = self.lock();
+        core.progress()?;
+        core.status(key.0)
+    }
+
+    /// Removes a request. One still in flight is aborted: its queued ops are dropped, its
+    /// in-flight ops cancelled, and the call waits until the kernel has let go of all of them.
+    pub fn remove_request(&self, key: RequestKey) -> Result<()> {
+        let mut core = self.lock();
+        let running = matches!(core.requests.get(key.0).map(|r| &r.state), Some(State::Running { .. }));
+        if running {
+            core.abort(key.0);
+            let deadline = Instant::now() + TEARDOWN_WAIT;
+            while matches!(core.requests[key.0].state, State::Running { .. }) {
+                if Instant::now() > deadline {
+                    return Err(Error::backend(format!(
+                        "releaseReqH: in-flight I/O did not finish within {}s after cancellation; the request is kept",
+                        TEARDOWN_WAIT.as_secs()
+                    )));
+                }
+                core.wait_one(Duration::from_millis(100))?;
+            }
+        }
+        if core.requests.contains(key.0) {
+            core.requests.remove(key.0);
+        }
+        Ok(())
+    }
+}
+
+impl Core {
+    /// Fills the SQ from the retry queue and the request queue, submits, reaps; repeats while
+    /// completions free room for more work.
+    fn progress(&mut self) -> Result<()> {
+        loop {
+            self.fill();
+            self.submit()?;
+            if self.reap() == 0 || (self.retry.is_empty() && self.queue.is_empty()) {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Moves as many waiting ops into the SQ as the SQ and the in-flight bound allow.
+    fn fill(&mut self) {
+        let Core { uring, max_inflight, inflight, requests, queue, retry, .. } = self;
+        let (submitter, mut sq, _) = uring.split();
+        loop {
+            if inflight.len() >= *max_inflight {
+                break;
+            }
+            let next = if let Some(op) = retry.pop_front() {
+                let Some(req) = requests.get_mut(op.req) else { continue };
+                match &mut req.state {
+                    State::Running { error: None, abort: false, .. } => Some((op, req.ops.write)),
+                    State::Running { outstanding, .. } => {
+                        // The request is failing or aborted: drop the retry.
+                        *outstanding -= 1;
+                        finish_if_drained(req);
+                        continue;
+                    }
+                    _ => continue,
+                }
+            } else if let Some(&key) = queue.front() {
+                let req = match requests.get_mut(key) {
+                    Some(r) => r,
+                    None => {
+                        queue.pop_front();
+                        continue;
+                    }
+                };
+                match &mut req.state {
+                    State::Running { next, error: None, abort: false, .. } if *next < req.ops.ops.len() => {
+                        let op = req.ops.ops[*next];
+                        *next += 1;
+                        if *next == req.ops.ops.len() {
+                            queue.pop_front();
+                        }
+                        Some((InFlight { req: key, op }, req.ops.write))
+                    }
+                    _ => {
+                        queue.pop_front();
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            let Some((entry, write)) = next else { break };
+            if sq.is_full() {
+                sq.sync();
+                if submitter.submit().is_err() {
+                    // Put it back; a later call retries.
+                    retry.push_front(entry);
+                    break;
+                }
+                sq.sync();
+                if sq.is_full() {
+                    retry.push_front(entry);
+                    break;
+                }
+            }
+            let user_data = inflight.vacant_key() as u64;
+            let sqe = entry.op.to_sqe(write, user_data);
+            inflight.insert(entry);
+            // SAFETY: the SQE names memory of a registration that the request keeps alive (its
+            // plan holds the registration Arcs) and user memory that NIXL's contract keeps valid
+            // until the request is released; release waits for every in-flight op.
+            unsafe { sq.push(&sqe) }.expect("SQ has room: checked above");
+        }
+        sq.sync();
+    }
+
+    /// Hands queued SQEs to the kernel (and flushes overflowed CQEs when the kernel says so).
+    fn submit(&mut self) -> Result<()> {
+        let need = {
+            let sq = self.uring.submission();
+            !sq.is_empty() || sq.cq_overflow() || sq.taskrun()
+        };
+        if !need {
+            return Ok(());
+        }
+        loop {
+            match self.uring.submit() {
+                Ok(_) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                // The kernel is short of resources or CQ room: what was not consumed stays in
+                // the SQ and goes with the next submit.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EBUSY)) => return Ok(()),
+                Err(e) => return Err(Error::os("io_uring_enter (submit)", &e)),
+            }
+        }
+    }
+
+    /// Processes every available CQE; returns how many there were.
+    fn reap(&mut self) -> usize {
+        let Core { uring, inflight, requests, retry, .. } = self;
+        let mut n = 0;
+        for cqe in uring.completion() {
+            n += 1;
+            let ud = cqe.user_data();
+            if ud == IGNORED_CQE {
+                continue;
+            }
+            let Some(entry) = inflight.try_remove(ud as usize) else {
+                tracing::error!(user_data = ud, "io_uring completion for an unknown op; ignored");
+                continue;
+            };
+            let req = &mut requests[entry.req];
+            let write = req.ops.write;
+            let State::Running { outstanding, error, abort, .. } = &mut req.state else {
+                tracing::error!("io_uring completion for a request that is not running; ignored");
+                continue;
+            };
+            let op = entry.op;
+            let res = cqe.result();
+            if res >= 0 && res as u32 == op.len {
+                *outstanding -= 1;
+            } else if res > 0 {
+                // Short transfer: finish the remainder (NIXL's POSIX fails the request here).
+                retry.push_back(InFlight { req: entry.req, op: op.remainder(res as u32) });
+            } else if res == 0 {
+                if error.is_none() {
+                    *error = Some(if write {
+                        Error::backend(format!(
+                            "write to fd {} at offset {} ({} bytes left, descriptor {}) made no progress (0 bytes written)",
+                            op.fd, op.file_offset, op.len, op.desc_index
+                        ))
+                    } else {
+                        Error::backend(format!(
+                            "read past end of file: fd {} offset {} length {} (descriptor {}) — the file is shorter than the descriptor",
+                            op.fd, op.file_offset, op.len, op.desc_index
+                        ))
+                    });
+                }
+                *outstanding -= 1;
+            } else {
+                let errno = -res;
+                let retryable = errno == libc::EAGAIN || errno == libc::EINTR || (errno == libc::ECANCELED && !*abort);
+                if retryable && error.is_none() && !*abort {
+                    retry.push_back(InFlight { req: entry.req, op });
+                } else {
+                    if error.is_none() && !*abort {
+                        *error = Some(Error::os(
+                            format!(
+                                "{} fd {} offset {} length {} (descriptor {}, memory 0x{:x})",
+                                if write { "write to" } else { "read from" },
+                                op.fd,
+                                op.file_offset,
+                                op.len,
+                                op.desc_index,
+                                op.addr
+                            ),
+                            &io::Error::from_raw_os_error(errno),
+                        ));
+                    }
+                    *outstanding -= 1;
+                }
+            }
+            stop_if_failing(req);
+            finish_if_drained(req);
+        }
+        n
+    }
+
+    /// This request's state as a post/check result.
+    fn status(&mut self, key: usize) -> Result<Progress> {
+        let req = self.requests.get_mut(key).ok_or_else(|| Error::backend("unknown request handle"))?;
+        match &req.state {
+            State::Idle => Err(Error::new(ErrorKind::InvalidParam, "checkXfer on a request that was never posted")),
+            State::Running { .. } => Ok(Progress::InFlight),
+            State::Done => Ok(Progress::Done),
+            State::Failed(e) => Err(e.clone()),
+        }
+    }
+
+    /// Marks a request aborted and asks the kernel to cancel its in-flight ops.
+    fn abort(&mut self, key: usize) {
+        let Some(req) = self.requests.get_mut(key) else { return };
+        if let State::Running { abort, .. } = &mut req.state {
+            *abort = true;
+        }
+        stop_if_failing(req);
+        finish_if_drained(req);
+        let targets: Vec<u64> = self.inflight.iter().filter(|(_, f)| f.req == key).map(|(k, _)| k as u64).collect();
+        for ud in targets {
+            let sqe = opcode::AsyncCancel::new(ud).build().user_data(IGNORED_CQE);
+            loop {
+                // SAFETY: a cancel SQE references no memory.
+                if unsafe { self.uring.submission().push(&sqe) }.is_ok() {
+                    break;
+                }
+                if self.submit().is_err() {
+                    break;
+                }
+                self.reap();
+            }
+        }
+        let _ = self.submit();
+    }
+
+    /// Waits (bounded) for at least one completion and processes what arrived.
+    fn wait_one(&mut self, timeout: Duration) -> Result<()> {
+        let ts = types::Timespec::new().sec(timeout.as_secs()).nsec(timeout.subsec_nanos());
+        let args = types::SubmitArgs::new().timespec(&ts);
+        match self.uring.submitter().submit_with_args(1, &args) {
+            Ok(_) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => {}
+            Err(e) => return Err(Error::os("io_uring_enter (wait)", &e)),
+        }
+        self.reap();
+        self.fill();
+        self.submit()
+    }
+
+    fn unregister(&mut self, r: Retired) {
+        match r {
+            Retired::Buffer(slot) => {
+                let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+                // SAFETY: an empty iovec clears the slot; no memory is handed to the kernel.
+                let res = unsafe { self.uring.submitter().register_buffers_update(slot as u32, &[empty], None) };
+                match res {
+                    Ok(()) => {
+                        if let Some(pool) = self.buffer_slots.as_mut() {
+                            pool.put(slot as u32)
+                        }
+                    }
+                    Err(e) => tracing::error!(slot, "unregistering fixed buffer slot failed ({}); slot leaked", describe_os_error(&e)),
+                }
+            }
+            Retired::File(key) => {
+                let Some(f) = self.files.get_mut(&key) else { return };
+                f.refs -= 1;
+                if f.refs > 0 {
+                    return;
+                }
+                let slot = f.slot;
+                self.files.remove(&key);
+                match self.uring.submitter().register_files_update(slot, &[-1]) {
+                    Ok(_) => {
+                        if let Some(pool) = self.file_slots.as_mut() {
+                            pool.put(slot)
+                        }
+                    }
+                    Err(e) => tracing::error!(slot, "unregistering fixed file slot failed ({}); slot leaked", describe_os_error(&e)),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Core {
+    /// Never free the ring while the kernel may still write into user memory: cancel and wait
+    /// (bounded) for every in-flight op first.
+    fn drop(&mut self) {
+        if self.inflight.is_empty() {
+            return;
+        }
+        let keys: Vec<usize> = self.requests.iter().map(|(k, _)| k).collect();
+        for k in keys {
+            self.abort(k);
+        }
+        let deadline = Instant::now() + TEARDOWN_WAIT;
+        while !self.inflight.is_empty() && Instant::now() < deadline {
+            if self.wait_one(Duration::from_millis(100)).is_err() {
+                break;
+            }
+        }
+        if !self.inflight.is_empty() {
+            tracing::error!(ops = self.inflight.len(), "engine destroyed with I/O still in flight after cancellation");
+        }
+    }
+}
+
+/// Once a request has an error or is aborted, ops not yet handed to the kernel are dropped.
+fn stop_if_failing(req: &mut RequestProgress) {
+    let total = req.ops.ops.len();
+    if let State::Running { next, outstanding, error, abort } = &mut req.state {
+        if (error.is_some() || *abort) && *next < total {
+            *outstanding -= total - *next;
+            *next = total;
+        }
+    }
+}
+
+fn finish_if_drained(req: &mut RequestProgress) {
+    if let State::Running { outstanding: 0, error, abort, .. } = &mut req.state {
+        req.state = if *abort {
+            State::Failed(Error::new(ErrorKind::Canceled, "request released while in flight"))
+        } else if let Some(e) = error.take() {
+            State::Failed(e)
+        } else {
+            State::Done
+        };
+    }
+}
+
+fn nofile_limit() -> u64 {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        lim.rlim_cur
+    } else {
+        1024
+    }
+}

@@ -1,0 +1,83 @@
+//! One storage I/O as the ring sees it: a contiguous piece of one transfer descriptor.
+//!
+//! Ops are described once (at prepXfer) and turned into SQEs only when the ring has room
+//! ("describe, then fill"), so a request of any size never needs more SQ entries than exist.
+
+use io_uring::{opcode, squeue, types};
+
+/// How the target file is named in the SQE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileRef {
+    /// Index into the ring's registered-file table.
+    Fixed(u32),
+    /// A plain file descriptor.
+    Raw(i32),
+}
+
+/// One read or write between a memory address and a file offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoOp {
+    pub file: FileRef,
+    /// The caller-visible fd (or path-mode devId's fd), for error messages.
+    pub fd: i32,
+    pub file_offset: u64,
+    pub addr: u64,
+    pub len: u32,
+    /// Fixed-buffer slot that covers `addr..addr+len`, if the memory is registered.
+    pub buf_index: Option<u16>,
+    /// Index of the transfer descriptor this op belongs to, for error messages.
+    pub desc_index: u32,
+}
+
+impl IoOp {
+    /// The op that finishes this one after `done` bytes were transferred.
+    pub fn remainder(&self, done: u32) -> IoOp {
+        debug_assert!(done < self.len);
+        IoOp {
+            file_offset: self.file_offset + done as u64,
+            addr: self.addr + done as u64,
+            len: self.len - done,
+            ..*self
+        }
+    }
+
+    /// Builds the SQE. Building is safe; pushing it is where the kernel starts using `addr`.
+    pub fn to_sqe(&self, write: bool, user_data: u64) -> squeue::Entry {
+        macro_rules! build {
+            ($fd:expr) => {
+                match (write, self.buf_index) {
+                    (false, Some(idx)) => opcode::ReadFixed::new($fd, self.addr as *mut u8, self.len, idx)
+                        .offset(self.file_offset)
+                        .build(),
+                    (true, Some(idx)) => opcode::WriteFixed::new($fd, self.addr as *const u8, self.len, idx)
+                        .offset(self.file_offset)
+                        .build(),
+                    (false, None) => opcode::Read::new($fd, self.addr as *mut u8, self.len)
+                        .offset(self.file_offset)
+                        .build(),
+                    (true, None) => opcode::Write::new($fd, self.addr as *const u8, self.len)
+                        .offset(self.file_offset)
+                        .build(),
+                }
+            };
+        }
+        let entry = match self.file {
+            FileRef::Fixed(slot) => build!(types::Fixed(slot)),
+            FileRef::Raw(fd) => build!(types::Fd(fd)),
+        };
+        entry.user_data(user_data)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remainder_continues_where_the_short_io_stopped() {
+        let op = IoOp { file: FileRef::Raw(3), fd: 3, file_offset: 4096, addr: 0x1000, len: 8192, buf_index: Some(2), desc_index: 5 };
+        let rest = op.remainder(1000);
+        assert_eq!((rest.file_offset, rest.addr, rest.len), (5096, 0x1000 + 1000, 7192));
+        assert_eq!((rest.buf_index, rest.desc_index, rest.fd), (Some(2), 5, 3));
+    }
+}

@@ -1,0 +1,5 @@
+//! Transfers: validation and planning of descriptor lists (prepXfer) into ring ops.
+
+pub mod plan;
+
+pub use plan::{plan, Plan, XferOp};

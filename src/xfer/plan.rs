@@ -1,0 +1,207 @@
+//! prepXfer's work: check a (local memory list, remote storage list) pair against the
+//! registrations and turn it into ring ops.
+//!
+//! Every rule the kernel would otherwise enforce with a bare EINVAL is checked here with a
+//! message that names the descriptor: list kinds, counts, equal lengths, coverage by a
+//! registration of this engine, the file's access mode, and O_DIRECT alignment. Descriptors are
+//! split at `max_io_size` and at fixed-buffer slot boundaries.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use crate::bridge::iud_desc;
+use crate::error::{Error, ErrorKind, Result};
+use crate::mem::{MemKind, Registration};
+use crate::uring::{IoOp, RequestOps, MAX_FIXED_BUFFER};
+
+/// NIXL's transfer direction: READ = storage -> memory, WRITE = memory -> storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XferOp {
+    Read,
+    Write,
+}
+
+impl XferOp {
+    pub fn from_nixl(value: i32) -> Result<XferOp> {
+        match value {
+            0 => Ok(XferOp::Read),
+            1 => Ok(XferOp::Write),
+            v => Err(Error::invalid(format!("unknown transfer operation {v} (expected NIXL_READ=0 or NIXL_WRITE=1)"))),
+        }
+    }
+}
+
+/// A validated request: its ops plus the registrations they use, kept alive until release.
+#[derive(Debug)]
+pub struct Plan {
+    pub op: XferOp,
+    pub ops: Arc<RequestOps>,
+    /// Every registration named by the lists (also keeps fd-mode files for the post-time check).
+    pub registrations: Vec<Arc<Registration>>,
+    pub local_count: usize,
+    pub remote_count: usize,
+}
+
+/// Turns an MD pointer from NIXL back into a shared registration, without taking over NIXL's
+/// reference.
+///
+/// # Safety
+/// `md` must be null or a pointer produced by `Arc::into_raw` on an `Arc<Registration>` whose
+/// NIXL reference has not been released (NIXL only passes MDs of live registrations).
+unsafe fn registration_of(md: *const c_void) -> Option<Arc<Registration>> {
+    if md.is_null() {
+        return None;
+    }
+    let ptr = md.cast::<Registration>();
+    // SAFETY: per the contract, ptr came from Arc::into_raw and is still counted by NIXL's
+    // reference; we add one for ourselves before rebuilding an Arc.
+    unsafe {
+        Arc::increment_strong_count(ptr);
+        Some(Arc::from_raw(ptr))
+    }
+}
+
+/// Deduplicates the registrations of a list (typically one or a few MDs for thousands of
+/// descriptors).
+#[derive(Default)]
+struct RegistrationSet {
+    index: HashMap<usize, usize>,
+    list: Vec<Arc<Registration>>,
+}
+
+impl RegistrationSet {
+    /// # Safety
+    /// As [`registration_of`].
+    unsafe fn get(&mut self, md: *const c_void) -> Option<&Arc<Registration>> {
+        let key = md as usize;
+        if let Some(&i) = self.index.get(&key) {
+            return Some(&self.list[i]);
+        }
+        // SAFETY: forwarded from the caller.
+        let reg = unsafe { registration_of(md) }?;
+        self.list.push(reg);
+        self.index.insert(key, self.list.len() - 1);
+        self.list.last()
+    }
+}
+
+/// Validates the lists and builds the request's ops.
+///
+/// # Safety
+/// Every non-null `md` in the lists must satisfy [`registration_of`]'s contract.
+pub unsafe fn plan(
+    op: XferOp,
+    local_kind: i32,
+    local: &[iud_desc],
+    remote_kind: i32,
+    remote: &[iud_desc],
+    max_io_size: u64,
+) -> Result<Plan> {
+    let lk = MemKind::from_nixl(local_kind);
+    let rk = MemKind::from_nixl(remote_kind);
+    if lk != Some(MemKind::Dram) || rk != Some(MemKind::File) {
+        return Err(Error::invalid(format!(
+            "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG (local) <-> FILE_SEG (remote)",
+            lk.map_or("unknown", |k| k.name()),
+            rk.map_or("unknown", |k| k.name())
+        )));
+    }
+    if local.len() != remote.len() {
+        return Err(Error::new(
+            ErrorKind::Mismatch,
+            format!("local list has {} descriptors but remote list has {}", local.len(), remote.len()),
+        ));
+    }
+    let max_piece = if max_io_size == 0 { MAX_FIXED_BUFFER } else { max_io_size.min(MAX_FIXED_BUFFER) };
+    let mut regs = RegistrationSet::default();
+    let mut ops = Vec::with_capacity(local.len());
+    for (i, (l, r)) in local.iter().zip(remote).enumerate() {
+        if l.len != r.len {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                format!("descriptor {i}: local length {} differs from remote length {}", l.len, r.len),
+            ));
+        }
+        if l.len == 0 {
+            return Err(Error::invalid(format!("descriptor {i}: zero length")));
+        }
+        // SAFETY: the caller guarantees the MDs are live registrations.
+        let mem = match unsafe { regs.get(l.md) }.map(|r| Arc::clone(r)) {
+            Some(reg) => reg,
+            None => return Err(Error::not_found(format!("descriptor {i}: local memory 0x{:x}+{} is not registered with this backend", l.addr, l.len))),
+        };
+        // SAFETY: as above.
+        let file_reg = match unsafe { regs.get(r.md) }.map(|r| Arc::clone(r)) {
+            Some(reg) => reg,
+            None => return Err(Error::not_found(format!("descriptor {i}: file range devId {} offset {}+{} is not registered with this backend", r.dev_id, r.addr, r.len))),
+        };
+        let Registration::Dram(dram) = &*mem else {
+            return Err(Error::invalid(format!("descriptor {i}: local descriptor's registration is {}, not DRAM_SEG", mem.kind().name())));
+        };
+        let Registration::File(file) = &*file_reg else {
+            return Err(Error::invalid(format!("descriptor {i}: remote descriptor's registration is {}, not FILE_SEG", file_reg.kind().name())));
+        };
+        check_covered(i, "local memory", l, &mem)?;
+        check_covered(i, "file range", r, &file_reg)?;
+        match op {
+            XferOp::Write if !file.writable => {
+                return Err(Error::invalid(format!("descriptor {i}: WRITE to fd {} which is open read-only", file.fd)))
+            }
+            XferOp::Read if !file.readable => {
+                return Err(Error::invalid(format!("descriptor {i}: READ from fd {} which is open write-only", file.fd)))
+            }
+            _ => {}
+        }
+        if let Some(a) = file.direct {
+            if r.addr % a.offset != 0 || r.len % a.offset != 0 || l.addr % a.mem != 0 {
+                return Err(Error::invalid(format!(
+                    "descriptor {i}: O_DIRECT on fd {} needs file offset and length multiples of {} and memory aligned to {}; got offset {}, length {}, memory 0x{:x}",
+                    file.fd, a.offset, a.mem, r.addr, r.len, l.addr
+                )));
+            }
+        }
+        // Split into pieces that fit max_io_size and never straddle a fixed-buffer slot.
+        let mut done = 0u64;
+        while done < l.len {
+            let addr = l.addr + done;
+            let mut piece = (l.len - done).min(max_piece);
+            let buf_index = match dram.fixed_slot(addr) {
+                Some((slot, slot_end)) => {
+                    piece = piece.min(slot_end - addr);
+                    Some(slot)
+                }
+                None => None,
+            };
+            ops.push(IoOp {
+                file: file.file_ref(),
+                fd: file.fd,
+                file_offset: r.addr + done,
+                addr,
+                len: piece as u32,
+                buf_index,
+                desc_index: i as u32,
+            });
+            done += piece;
+        }
+    }
+    Ok(Plan {
+        op,
+        ops: Arc::new(RequestOps { write: op == XferOp::Write, ops }),
+        registrations: regs.list,
+        local_count: local.len(),
+        remote_count: remote.len(),
+    })
+}
+
+fn check_covered(i: usize, what: &str, d: &iud_desc, reg: &Registration) -> Result<()> {
+    let (start, end) = reg.range();
+    let d_end = d.addr.checked_add(d.len);
+    if d.dev_id != reg.dev_id() || d.addr < start || d_end.is_none_or(|e| e > end) {
+        return Err(Error::not_found(format!(
+            "descriptor {i}: {what} devId {} [{}, +{}) is outside its registration devId {} [{}, {})",
+            d.dev_id, d.addr, d.len, reg.dev_id(), start, end
+        )));
+    }
+    Ok(())
+}
