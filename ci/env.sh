@@ -8,8 +8,19 @@ export IUD_NIXL_WHEEL="${IUD_NIXL_WHEEL:-nixl-cu12==1.5.1}"
 export IUD_TARGET="${CARGO_TARGET_DIR:-$IUD_ROOT/target}"
 export IUD_PLUGIN_SO="$IUD_TARGET/release/libio_uring_dmabuf.so"
 # The private plugin directory: our plugin under its NIXL name plus links to the wheel's own
-# plugins, so one agent can run IO_URING_DMABUF and POSIX side by side.
-export IUD_PLUGIN_DIR="$IUD_TARGET/nixl-plugins"
+# plugins, so one agent can run IO_URING_DMABUF and POSIX side by side. It must sit directly in
+# the wheel's library folder: the wheel's plugins find their libraries through RPATH $ORIGIN/..,
+# and $ORIGIN is the folder of the path NIXL dlopens (the link), not of the link's target.
+# Empty until ci/setup.sh has installed the wheel; source this file again after setup.
+iud_plugin_dir() {
+    local d
+    for d in "$IUD_VENV"/lib/python3*/site-packages/.nixl_cu1[23].mesonpy.libs; do
+        if [ -d "$d" ]; then echo "$d/iud-plugins"; return 0; fi
+    done
+    return 1
+}
+IUD_PLUGIN_DIR="$(iud_plugin_dir || true)"
+export IUD_PLUGIN_DIR
 iud_nixl_libs() {
     "$IUD_PY" - <<'PY'
 import importlib.util, os, sys
