@@ -4,7 +4,8 @@
 //! Every rule the kernel would otherwise enforce with a bare EINVAL is checked here with a
 //! message that names the descriptor: list kinds, counts, equal lengths, coverage by a
 //! registration of this engine, the file's access mode, and O_DIRECT alignment. Descriptors are
-//! split at `max_io_size` and at fixed-buffer slot boundaries.
+//! split at `max_io_size` and at fixed-buffer slot boundaries, and neighbours that continue each
+//! other in memory and file are merged up to the same size.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -173,15 +174,19 @@ pub unsafe fn plan(
                 }
                 None => None,
             };
-            ops.push(IoOp {
-                file: file.file_ref(),
-                fd: file.fd,
-                file_offset: r.addr + done,
-                addr,
-                len: piece as u32,
-                buf_index,
-                desc_index: i as u32,
-            });
+            push_coalesced(
+                &mut ops,
+                IoOp {
+                    file: file.file_ref(),
+                    fd: file.fd,
+                    file_offset: r.addr + done,
+                    addr,
+                    len: piece as u32,
+                    buf_index,
+                    desc_index: i as u32,
+                },
+                max_piece,
+            );
             done += piece;
         }
     }
@@ -194,6 +199,25 @@ pub unsafe fn plan(
     })
 }
 
+/// Appends `op`, or extends the previous op when `op` continues it in both memory and file (same
+/// file, same fixed-buffer slot) and the result stays within `max_piece`. Applications often
+/// describe one contiguous run as many small blocks (KV-cache pages); one larger I/O moves the
+/// same bytes with one SQE and one completion.
+fn push_coalesced(ops: &mut Vec<IoOp>, op: IoOp, max_piece: u64) {
+    if let Some(last) = ops.last_mut() {
+        let continues = last.file == op.file
+            && last.buf_index == op.buf_index
+            && last.file_offset + last.len as u64 == op.file_offset
+            && last.addr + last.len as u64 == op.addr
+            && last.len as u64 + op.len as u64 <= max_piece;
+        if continues {
+            last.len += op.len;
+            return;
+        }
+    }
+    ops.push(op);
+}
+
 fn check_covered(i: usize, what: &str, d: &iud_desc, reg: &Registration) -> Result<()> {
     let (start, end) = reg.range();
     let d_end = d.addr.checked_add(d.len);
@@ -204,4 +228,36 @@ fn check_covered(i: usize, what: &str, d: &iud_desc, reg: &Registration) -> Resu
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::uring::FileRef;
+
+    fn op(file_offset: u64, addr: u64, len: u32, buf_index: Option<u16>) -> IoOp {
+        IoOp { file: FileRef::Fixed(0), fd: 5, file_offset, addr, len, buf_index, desc_index: 0 }
+    }
+
+    #[test]
+    fn neighbours_in_memory_and_file_merge_up_to_the_limit() {
+        let mut ops = Vec::new();
+        for i in 0..4u64 {
+            push_coalesced(&mut ops, op(i * 4096, 0x10000 + i * 4096, 4096, Some(1)), 8192);
+        }
+        assert_eq!(ops.len(), 2);
+        assert_eq!((ops[0].len, ops[1].file_offset, ops[1].len), (8192, 8192, 8192));
+    }
+
+    #[test]
+    fn gaps_other_slots_and_other_files_do_not_merge() {
+        let mut ops = vec![op(0, 0x1000, 512, Some(1))];
+        push_coalesced(&mut ops, op(1024, 0x1200, 512, Some(1)), 1 << 20); // file gap
+        push_coalesced(&mut ops, op(1536, 0x2000, 512, Some(1)), 1 << 20); // memory gap
+        push_coalesced(&mut ops, op(2048, 0x2200, 512, Some(2)), 1 << 20); // other slot
+        let mut other = op(2560, 0x2400, 512, Some(2));
+        other.file = FileRef::Fixed(1);
+        push_coalesced(&mut ops, other, 1 << 20); // other file
+        assert_eq!(ops.len(), 5);
+    }
 }
