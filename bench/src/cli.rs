@@ -1,0 +1,425 @@
+//! gflags-style command line (`--flag value`, `--flag=value`, `-flag`, `--noflag` for booleans),
+//! with nixlbench's flag names where nixlbench has the flag.
+
+use std::fmt;
+
+pub const USAGE: &str = "\
+iud-bench: nixlbench-style storage benchmark (DRAM <-> FILE) over the NIXL runtime (nixl-sys).
+
+Run with LD_LIBRARY_PATH=<wheel>/.nixl_cu12.mesonpy.libs and NIXL_PLUGIN_DIR=<plugin dir>
+(ci/bench.sh does this). Flags (nixlbench names; sizes are bytes, K/M/G suffixes = KiB/MiB/GiB):
+
+  --backend LIST            comma-separated backend specs, run one after another, each in its own
+                            agent: NAME or NAME:key=value;key=value
+                            e.g. IO_URING_DMABUF,POSIX:use_uring=true,POSIX:use_aio=true
+                            (default IO_URING_DMABUF). Params start from the plugin's
+                            get_plugin_params() defaults, like nixlbench.
+  --posix_api_type T        AIO|URING|POSIXAIO: for POSIX specs that set none of
+                            use_aio/use_uring/use_posix_aio themselves
+  --posix_ios_pool_size N   POSIX ios_pool_size (only if given)
+  --posix_kernel_queue_size N  POSIX kernel_queue_size (only if given)
+  --filepath PATH           file to use (kept); a directory = temp file in it (removed at exit);
+                            default: temp file in /tmp, removed at exit
+  --op_type OP              READ|WRITE|BOTH (default WRITE; BOTH runs WRITE then READ)
+  --total_buffer_size N     DRAM buffer = file region size (default 1G), split across threads
+  --start_block_size N      default 4096
+  --max_block_size N        default 16M; block sizes double from start to max
+  --start_batch_size N      descriptors per request, doubling to --max_batch_size (default 1)
+  --max_batch_size N        default 1
+  --batch_sizes LIST        explicit batch sizes, e.g. 1,64 (overrides start/max batch size)
+  --num_iter N              timed iterations per point, divided by --large_blk_iter_ftr for
+                            blocks > 1 MiB, split across threads; 0 (default) = time-based:
+                            each point runs for --duration_ms (at least 3 iterations)
+  --duration_ms N           time per point when --num_iter 0 (default 500)
+  --warmup_iter N           warmup iterations per point (default 10; time-capped at
+                            duration/5 when --num_iter 0)
+  --large_blk_iter_ftr N    default 16
+  --num_threads N           threads posting concurrently (agent sync mode RW when > 1)
+  --storage_enable_direct   open the file with O_DIRECT
+  --check_consistency       verify data after every point (random pattern)
+  --recreate_xfer           create and release the request every iteration (timed as prep)
+  --prepared_xfer           prepXferDlist once per point + makeXferReq (else createXferReq)
+  --enable_pt               agent progress thread on (default off, like nixlbench)
+  --initiator_seg_type T    DRAM only
+  --seed N                  random pattern seed (default 1)
+  --help
+
+Columns: B/W = bytes / wall time of the timed loop / 1e9; Avg Lat = wall time / iterations per
+thread; Prep = createXferReq/makeXferReq; Post = postXferReq call; Tx = post return until
+getXferStatus (spun) reports done; IOPS = descriptors completed per second.
+";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Write,
+    Read,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Write => "WRITE",
+            Op::Read => "READ",
+        })
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct BackendSpec {
+    pub name: String,
+    pub params: Vec<(String, String)>,
+}
+
+impl BackendSpec {
+    pub fn label(&self) -> String {
+        if self.params.is_empty() {
+            self.name.clone()
+        } else {
+            let p: Vec<String> = self.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            format!("{}:{}", self.name, p.join(";"))
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub backends: Vec<BackendSpec>,
+    pub posix_api_type: Option<String>,
+    pub posix_ios_pool_size: Option<u64>,
+    pub posix_kernel_queue_size: Option<u64>,
+    pub filepath: Option<String>,
+    pub ops: Vec<Op>,
+    pub total_buffer_size: u64,
+    pub start_block_size: u64,
+    pub max_block_size: u64,
+    pub start_batch_size: u64,
+    pub max_batch_size: u64,
+    pub batch_sizes: Option<Vec<u64>>,
+    pub num_iter: u64,
+    pub duration_ms: u64,
+    pub warmup_iter: u64,
+    pub large_blk_iter_ftr: u64,
+    pub num_threads: usize,
+    pub storage_enable_direct: bool,
+    pub check_consistency: bool,
+    pub recreate_xfer: bool,
+    pub prepared_xfer: bool,
+    pub enable_pt: bool,
+    pub seed: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            backends: parse_backends("IO_URING_DMABUF").unwrap(),
+            posix_api_type: None,
+            posix_ios_pool_size: None,
+            posix_kernel_queue_size: None,
+            filepath: None,
+            ops: vec![Op::Write],
+            total_buffer_size: 1 << 30,
+            start_block_size: 4096,
+            max_block_size: 16 << 20,
+            start_batch_size: 1,
+            max_batch_size: 1,
+            batch_sizes: None,
+            num_iter: 0,
+            duration_ms: 500,
+            warmup_iter: 10,
+            large_blk_iter_ftr: 16,
+            num_threads: 1,
+            storage_enable_direct: false,
+            check_consistency: false,
+            recreate_xfer: false,
+            prepared_xfer: false,
+            enable_pt: false,
+            seed: 1,
+        }
+    }
+}
+
+impl Config {
+    pub fn block_sizes(&self) -> Vec<u64> {
+        let mut v = Vec::new();
+        let mut b = self.start_block_size;
+        while b <= self.max_block_size {
+            v.push(b);
+            b *= 2;
+        }
+        v
+    }
+
+    pub fn batches(&self) -> Vec<u64> {
+        if let Some(b) = &self.batch_sizes {
+            return b.clone();
+        }
+        let mut v = Vec::new();
+        let mut b = self.start_batch_size;
+        while b <= self.max_batch_size {
+            v.push(b);
+            b *= 2;
+        }
+        v
+    }
+
+    /// Per-thread share of the buffer (and of the file region), page aligned.
+    pub fn region_per_thread(&self) -> u64 {
+        (self.total_buffer_size / self.num_threads as u64) & !4095
+    }
+}
+
+pub enum Parsed {
+    Run(Config),
+    Help,
+}
+
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let m = match c.to_ascii_uppercase() {
+                'K' => 1u64 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'T' => 1 << 40,
+                _ => return Err(format!("bad size '{s}'")),
+            };
+            (&t[..i], m)
+        }
+        _ => (t, 1),
+    };
+    let n: u64 = num.parse().map_err(|_| format!("bad size '{s}'"))?;
+    n.checked_mul(mult).ok_or_else(|| format!("size '{s}' overflows"))
+}
+
+fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "y" | "t" => Ok(true),
+        "0" | "false" | "no" | "n" | "f" => Ok(false),
+        _ => Err(format!("bad boolean '{s}'")),
+    }
+}
+
+/// `NAME` or `NAME:k=v;k=v`, comma separated. A comma-separated token without ':' that contains
+/// '=' continues the previous spec's parameters (so `POSIX:use_uring=true,kernel_queue_size=512`
+/// is one spec).
+pub fn parse_backends(s: &str) -> Result<Vec<BackendSpec>, String> {
+    let mut out: Vec<BackendSpec> = Vec::new();
+    for tok in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+        let (name, params) = match tok.split_once(':') {
+            Some((n, p)) => (Some(n.trim()), p),
+            None if tok.contains('=') => (None, tok),
+            None => (Some(tok), ""),
+        };
+        let mut kv = Vec::new();
+        for p in params.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = p
+                .split_once('=')
+                .ok_or_else(|| format!("backend parameter '{p}' is not key=value"))?;
+            kv.push((k.trim().to_string(), v.trim().to_string()));
+        }
+        match name {
+            Some(n) => {
+                if n.is_empty() {
+                    return Err(format!("empty backend name in '{tok}'"));
+                }
+                out.push(BackendSpec { name: n.to_string(), params: kv })
+            }
+            None => match out.last_mut() {
+                Some(last) => last.params.extend(kv),
+                None => return Err(format!("backend list starts with parameters: '{tok}'")),
+            },
+        }
+    }
+    if out.is_empty() {
+        return Err("empty --backend".into());
+    }
+    Ok(out)
+}
+
+const BOOL_FLAGS: &[&str] = &[
+    "storage_enable_direct",
+    "check_consistency",
+    "recreate_xfer",
+    "prepared_xfer",
+    "enable_pt",
+    "help",
+];
+
+pub fn parse(args: &[String]) -> Result<Parsed, String> {
+    let mut c = Config::default();
+    let mut i = 0;
+    while i < args.len() {
+        let a = &args[i];
+        i += 1;
+        let body = a
+            .strip_prefix("--")
+            .or_else(|| a.strip_prefix('-'))
+            .ok_or_else(|| format!("unexpected argument '{a}'"))?;
+        let (key, inline_val) = match body.split_once('=') {
+            Some((k, v)) => (k.replace('-', "_"), Some(v.to_string())),
+            None => (body.replace('-', "_"), None),
+        };
+        // Booleans: --flag, --flag=value, --noflag.
+        let bool_key = if BOOL_FLAGS.contains(&key.as_str()) {
+            Some((key.clone(), true))
+        } else {
+            key.strip_prefix("no")
+                .filter(|k| BOOL_FLAGS.contains(k) && inline_val.is_none())
+                .map(|k| (k.to_string(), false))
+        };
+        if let Some((k, dflt)) = bool_key {
+            let v = match &inline_val {
+                Some(v) => parse_bool(v)?,
+                None => dflt,
+            };
+            match k.as_str() {
+                "storage_enable_direct" => c.storage_enable_direct = v,
+                "check_consistency" => c.check_consistency = v,
+                "recreate_xfer" => c.recreate_xfer = v,
+                "prepared_xfer" => c.prepared_xfer = v,
+                "enable_pt" => c.enable_pt = v,
+                "help" => return Ok(Parsed::Help),
+                _ => unreachable!(),
+            }
+            continue;
+        }
+        let val = match inline_val {
+            Some(v) => v,
+            None => {
+                let v = args
+                    .get(i)
+                    .ok_or_else(|| format!("flag --{key} needs a value"))?
+                    .clone();
+                i += 1;
+                v
+            }
+        };
+        let num = |v: &str| -> Result<u64, String> {
+            v.trim().parse::<u64>().map_err(|_| format!("--{key}: bad number '{v}'"))
+        };
+        match key.as_str() {
+            "backend" => c.backends = parse_backends(&val)?,
+            "posix_api_type" => {
+                let t = val.to_ascii_uppercase();
+                if !["AIO", "URING", "POSIXAIO"].contains(&t.as_str()) {
+                    return Err(format!("--posix_api_type: expected AIO|URING|POSIXAIO, got '{val}'"));
+                }
+                c.posix_api_type = Some(t);
+            }
+            "posix_ios_pool_size" => c.posix_ios_pool_size = Some(num(&val)?),
+            "posix_kernel_queue_size" => c.posix_kernel_queue_size = Some(num(&val)?),
+            "filepath" => c.filepath = Some(val),
+            "op_type" => {
+                c.ops = match val.to_ascii_uppercase().as_str() {
+                    "READ" => vec![Op::Read],
+                    "WRITE" => vec![Op::Write],
+                    "BOTH" | "WRITE,READ" => vec![Op::Write, Op::Read],
+                    "READ,WRITE" => vec![Op::Read, Op::Write],
+                    _ => return Err(format!("--op_type: expected READ|WRITE|BOTH, got '{val}'")),
+                }
+            }
+            "total_buffer_size" => c.total_buffer_size = parse_size(&val)?,
+            "start_block_size" => c.start_block_size = parse_size(&val)?,
+            "max_block_size" => c.max_block_size = parse_size(&val)?,
+            "start_batch_size" => c.start_batch_size = num(&val)?,
+            "max_batch_size" => c.max_batch_size = num(&val)?,
+            "batch_sizes" => {
+                let v: Result<Vec<u64>, String> =
+                    val.split(',').filter(|s| !s.trim().is_empty()).map(|s| num(s)).collect();
+                c.batch_sizes = Some(v?);
+            }
+            "num_iter" => c.num_iter = num(&val)?,
+            "duration_ms" => c.duration_ms = num(&val)?,
+            "warmup_iter" => c.warmup_iter = num(&val)?,
+            "large_blk_iter_ftr" => c.large_blk_iter_ftr = num(&val)?,
+            "num_threads" => c.num_threads = num(&val)? as usize,
+            "seed" => c.seed = num(&val)?,
+            "initiator_seg_type" => {
+                if !val.eq_ignore_ascii_case("DRAM") {
+                    return Err(format!("--initiator_seg_type {val}: only DRAM is supported"));
+                }
+            }
+            "worker_type" => {
+                if val != "nixl" {
+                    return Err(format!("--worker_type {val}: only nixl is supported"));
+                }
+            }
+            _ => return Err(format!("unknown flag --{key} (see --help)")),
+        }
+    }
+    validate(&c)?;
+    Ok(Parsed::Run(c))
+}
+
+fn validate(c: &Config) -> Result<(), String> {
+    if c.num_threads == 0 {
+        return Err("--num_threads must be >= 1".into());
+    }
+    if c.start_block_size == 0 || c.start_block_size > c.max_block_size {
+        return Err("need 0 < --start_block_size <= --max_block_size".into());
+    }
+    let batches = c.batches();
+    if batches.is_empty() || batches.contains(&0) {
+        return Err("need batch sizes >= 1 (--start_batch_size <= --max_batch_size)".into());
+    }
+    if c.large_blk_iter_ftr == 0 {
+        return Err("--large_blk_iter_ftr must be > 0".into());
+    }
+    if c.region_per_thread() < c.start_block_size {
+        return Err(format!(
+            "--total_buffer_size {} / --num_threads {} is smaller than --start_block_size {}",
+            c.total_buffer_size, c.num_threads, c.start_block_size
+        ));
+    }
+    if c.num_iter == 0 && c.duration_ms == 0 {
+        return Err("--num_iter 0 needs --duration_ms > 0".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn backend_specs() {
+        let b = parse_backends("IO_URING_DMABUF,POSIX:use_uring=true,POSIX:use_aio=true;kernel_queue_size=512,ios_pool_size=128").unwrap();
+        assert_eq!(b.len(), 3);
+        assert_eq!(b[0].name, "IO_URING_DMABUF");
+        assert!(b[0].params.is_empty());
+        assert_eq!(b[1].label(), "POSIX:use_uring=true");
+        assert_eq!(b[2].params.len(), 3);
+        assert_eq!(b[2].params[2], ("ios_pool_size".into(), "128".into()));
+        assert!(parse_backends("k=v").is_err());
+    }
+
+    #[test]
+    fn flags() {
+        let Parsed::Run(c) = parse(&s(&[
+            "--op_type=BOTH",
+            "--max_block_size",
+            "64K",
+            "-storage_enable_direct",
+            "--nocheck_consistency",
+            "--batch_sizes=1,64",
+            "--num_iter",
+            "100",
+        ]))
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(c.ops, vec![Op::Write, Op::Read]);
+        assert_eq!(c.block_sizes(), vec![4096, 8192, 16384, 32768, 65536]);
+        assert!(c.storage_enable_direct && !c.check_consistency);
+        assert_eq!(c.batches(), vec![1, 64]);
+        assert_eq!(c.num_iter, 100);
+        assert!(parse(&s(&["--bogus", "1"])).is_err());
+        assert!(parse(&s(&["--max_block_size"])).is_err());
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+    }
+}

@@ -1,0 +1,298 @@
+//! iud-bench: a nixlbench-style storage benchmark (DRAM <-> FILE, loopback in one agent) over the
+//! real NIXL runtime through nixl-sys, for comparing IO_URING_DMABUF with NIXL's POSIX backend.
+//! See `iud-bench --help` and ci/bench.sh.
+
+mod cli;
+mod mem;
+mod report;
+mod runner;
+mod sysinfo;
+
+use std::ffi::CString;
+use std::io::Write as _;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use cli::{Config, Op, Parsed};
+use mem::{pwrite_full, AlignedBuf, SplitMix64};
+
+/// Temp file to remove at exit, also from the SIGINT/SIGTERM handler.
+static TEMP_PATH: OnceLock<CString> = OnceLock::new();
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    if let Some(p) = TEMP_PATH.get() {
+        // SAFETY: unlink and _exit are async-signal-safe; p is a valid C string.
+        unsafe { libc::unlink(p.as_ptr()) };
+    }
+    // SAFETY: async-signal-safe.
+    unsafe { libc::_exit(128 + sig) };
+}
+
+struct FileSetup {
+    path: PathBuf,
+    temp: bool,
+    fd: i32,
+    verify_fd: i32,
+}
+
+impl Drop for FileSetup {
+    fn drop(&mut self) {
+        // SAFETY: closing our own fds once.
+        unsafe {
+            libc::close(self.fd);
+            libc::close(self.verify_fd);
+        }
+        if self.temp {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn open_fd(path: &Path, flags: i32) -> Result<i32, String> {
+    let c = CString::new(path.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: valid C string.
+    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC, 0o644) };
+    if fd < 0 {
+        return Err(format!("open {}: {}", path.display(), std::io::Error::last_os_error()));
+    }
+    Ok(fd)
+}
+
+fn setup_file(cfg: &Config, total: u64) -> Result<FileSetup, String> {
+    let (path, temp) = match &cfg.filepath {
+        Some(p) if !Path::new(p).is_dir() => (PathBuf::from(p), false),
+        other => {
+            let dir = other.clone().unwrap_or_else(|| "/tmp".into());
+            (Path::new(&dir).join(format!("iud-bench-{}.dat", std::process::id())), true)
+        }
+    };
+    if temp {
+        let _ = TEMP_PATH.set(CString::new(path.as_os_str().as_bytes()).unwrap());
+        // SAFETY: installing an async-signal-safe handler.
+        unsafe {
+            libc::signal(libc::SIGINT, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
+            libc::signal(libc::SIGTERM, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
+        }
+    }
+    // nixlbench: O_RDWR|O_CREAT|O_LARGEFILE (+O_DIRECT).
+    let verify_fd = open_fd(&path, libc::O_RDWR | libc::O_CREAT | libc::O_LARGEFILE)?;
+    let direct = if cfg.storage_enable_direct { libc::O_DIRECT } else { 0 };
+    let fd = match open_fd(&path, libc::O_RDWR | libc::O_LARGEFILE | direct) {
+        Ok(fd) => fd,
+        Err(e) => {
+            // SAFETY: closing our fd.
+            unsafe { libc::close(verify_fd) };
+            if temp {
+                let _ = std::fs::remove_file(&path);
+            }
+            return Err(format!("{e}{}", if direct != 0 { " (does this filesystem support O_DIRECT?)" } else { "" }));
+        }
+    };
+    let fs = FileSetup { path, temp, fd, verify_fd };
+    let len = std::fs::metadata(&fs.path).map(|m| m.len()).unwrap_or(0);
+    if len < total {
+        // Like nixlbench: fill the region when the file is too short. A pattern different from
+        // the DRAM buffer's, so that a transfer that did nothing cannot pass a consistency check.
+        let t = Instant::now();
+        let chunk = 16usize << 20;
+        let mut buf = vec![0u8; chunk];
+        let mut rng = SplitMix64::new(cfg.seed ^ 0xF11E_F11E_F11E_F11E);
+        let mut off = 0u64;
+        while off < total {
+            let n = chunk.min((total - off) as usize);
+            rng.fill(&mut buf[..n]);
+            pwrite_full(fs.verify_fd, &buf[..n], off).map_err(|e| format!("prefill write at {off}: {e}"))?;
+            off += n as u64;
+        }
+        // SAFETY: plain syscall.
+        unsafe { libc::fdatasync(fs.verify_fd) };
+        println!(
+            "setup: wrote {} bytes of random data into the file (+fdatasync) in {:.2} s",
+            total,
+            t.elapsed().as_secs_f64()
+        );
+    } else {
+        println!("setup: file already holds {len} bytes >= {total}; content kept");
+    }
+    Ok(fs)
+}
+
+fn print_config(cfg: &Config) {
+    let b: Vec<String> = cfg.backends.iter().map(|b| b.label()).collect();
+    let rows: Vec<(&str, String)> = vec![
+        ("backend", b.join(",")),
+        ("posix_api_type", cfg.posix_api_type.clone().unwrap_or_else(|| "(spec params)".into())),
+        ("filepath", cfg.filepath.clone().unwrap_or_else(|| "(temp file in /tmp)".into())),
+        ("op_type", cfg.ops.iter().map(|o| o.to_string()).collect::<Vec<_>>().join(",")),
+        ("total_buffer_size", cfg.total_buffer_size.to_string()),
+        ("start_block_size", cfg.start_block_size.to_string()),
+        ("max_block_size", cfg.max_block_size.to_string()),
+        ("batch sizes", cfg.batches().iter().map(|b| b.to_string()).collect::<Vec<_>>().join(",")),
+        (
+            "num_iter",
+            if cfg.num_iter == 0 {
+                format!("0 (time-based: {} ms per point, >= 3 iterations)", cfg.duration_ms)
+            } else {
+                cfg.num_iter.to_string()
+            },
+        ),
+        ("warmup_iter", cfg.warmup_iter.to_string()),
+        ("large_blk_iter_ftr", cfg.large_blk_iter_ftr.to_string()),
+        ("num_threads", cfg.num_threads.to_string()),
+        ("storage_enable_direct", cfg.storage_enable_direct.to_string()),
+        ("check_consistency", cfg.check_consistency.to_string()),
+        ("recreate_xfer", cfg.recreate_xfer.to_string()),
+        ("prepared_xfer", cfg.prepared_xfer.to_string()),
+        ("enable_pt", cfg.enable_pt.to_string()),
+        ("seed", cfg.seed.to_string()),
+    ];
+    for (k, v) in rows {
+        println!("  {k:<24}: {v}");
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cfg = match cli::parse(&args) {
+        Ok(Parsed::Run(c)) => c,
+        Ok(Parsed::Help) => {
+            print!("{}", cli::USAGE);
+            return;
+        }
+        Err(e) => {
+            eprintln!("iud-bench: {e}\n(run with --help for the flags)");
+            std::process::exit(2);
+        }
+    };
+    std::process::exit(run(&cfg));
+}
+
+fn run(cfg: &Config) -> i32 {
+    println!("# iud-bench (nixlbench-style storage benchmark over NIXL via nixl-sys 1.5.2)");
+    println!("date:     {}", sysinfo::utc_now());
+    println!("command:  {}", sysinfo::command_line());
+    let (listed, usable) = sysinfo::cpu_count();
+    println!("cpu:      {} ({listed} logical CPUs, {usable} usable by this process)", sysinfo::cpu_model());
+    println!("memory:   {}", sysinfo::mem_total());
+    println!("kernel:   {}", sysinfo::kernel());
+    let capi = match sysinfo::locate_capi() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("iud-bench: {e}");
+            return 1;
+        }
+    };
+    println!("nixl:     {capi}");
+    match std::env::var("NIXL_PLUGIN_DIR") {
+        Ok(d) => {
+            println!("NIXL_PLUGIN_DIR: {d}");
+            let mut seen: Vec<&str> = Vec::new();
+            for b in &cfg.backends {
+                if !seen.contains(&b.name.as_str()) {
+                    seen.push(&b.name);
+                    let p = Path::new(&d).join(format!("libplugin_{}.so", b.name));
+                    println!("  plugin {}: {}", b.name, sysinfo::file_desc(&p));
+                }
+            }
+        }
+        Err(_) => println!("NIXL_PLUGIN_DIR: (unset: NIXL's default plugin dir)"),
+    }
+    println!("config:");
+    print_config(cfg);
+
+    let total = cfg.region_per_thread() * cfg.num_threads as u64;
+    let files = match setup_file(cfg, total) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("iud-bench: {e}");
+            return 1;
+        }
+    };
+    println!(
+        "file:     {}{} (fd {}{})",
+        files.path.display(),
+        if files.temp { " (temporary, removed at exit)" } else { "" },
+        files.fd,
+        if cfg.storage_enable_direct { ", O_DIRECT" } else { ", buffered" }
+    );
+    println!("filesystem: {}", sysinfo::filesystem_of(&files.path));
+
+    let t = Instant::now();
+    let dram = match AlignedBuf::new(total as usize, 4096) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("iud-bench: {e}");
+            return 1;
+        }
+    };
+    // SAFETY: nothing else uses the buffer yet.
+    SplitMix64::new(cfg.seed).fill(unsafe { dram.slice_mut(0, dram.len()) });
+    println!(
+        "setup: DRAM buffer {} bytes (posix_memalign 4096) filled with random data in {:.2} s",
+        dram.len(),
+        t.elapsed().as_secs_f64()
+    );
+
+    let direct = cfg.storage_enable_direct;
+    let verify_fd = files.verify_fd;
+    let note = move |op: Op| -> Option<String> {
+        Some(match (op, direct) {
+            (Op::Read, false) => {
+                let res = sysinfo::page_cache_residency(verify_fd, total as usize)
+                    .map(|f| format!("{:.1}%", f * 100.0))
+                    .unwrap_or_else(|| "unknown".into());
+                format!(
+                    "note: buffered READ: the file was written in setup, so reads are served from the \
+                     page cache ({res} of the file region resident now), not from the disk"
+                )
+            }
+            (Op::Read, true) => {
+                "note: O_DIRECT READ: reads bypass the page cache and come from the device".into()
+            }
+            (Op::Write, false) => "note: buffered WRITE: data lands in the page cache (dirty pages); \
+                                   fdatasync after each point, not timed"
+                .into(),
+            (Op::Write, true) => "note: O_DIRECT WRITE: data goes to the device (no fsync)".into(),
+        })
+    };
+    let ctx = runner::Ctx { cfg, dram: &dram, fd: files.fd, verify_fd: files.verify_fd, page_cache_note: &note };
+
+    let mut labels = Vec::new();
+    let mut all = Vec::new();
+    let mut failed = Vec::new();
+    let mut consistency_failures = 0;
+    for (i, spec) in cfg.backends.iter().enumerate() {
+        println!();
+        println!("########## backend {}/{}: {} ##########", i + 1, cfg.backends.len(), spec.label());
+        let _ = std::io::stdout().flush();
+        let o = runner::run_spec(i, spec, &ctx);
+        if let Some(e) = &o.error {
+            println!("ERROR: {e}");
+            eprintln!("iud-bench: backend {}: {e}", spec.label());
+            failed.push(spec.label());
+        }
+        consistency_failures += o.consistency_failures;
+        labels.push(spec.label());
+        all.push(o.results);
+    }
+
+    println!();
+    println!("########## summary ##########");
+    print!("{}", report::summary(&labels, &all, &cfg.ops));
+    let mut rc = 0;
+    if !failed.is_empty() {
+        println!("FAILED backends: {}", failed.join(", "));
+        rc = 1;
+    }
+    if cfg.check_consistency {
+        println!("consistency: {consistency_failures} point(s) failed in total");
+        if consistency_failures > 0 {
+            rc = 1;
+        }
+    }
+    drop(ctx);
+    drop(files);
+    rc
+}

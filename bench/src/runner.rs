@@ -1,0 +1,531 @@
+//! One backend spec = one agent: create the backend, register DRAM + FILE, run every
+//! (op, block size, batch size) point.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use nixl_sys::{
+    Agent, AgentConfig, Backend, MemType, NixlError, OptArgs, Params, ThreadSync, XferDescList,
+    XferDlistHandle, XferOp, XferRequest, XferStatus,
+};
+
+use crate::cli::{BackendSpec, Config, Op};
+use crate::mem::{pread_full, AlignedBuf, Region, SplitMix64};
+use crate::report::{table_header, table_row, PointResult};
+
+/// A transfer that has not completed after this long is reported as hung.
+const STALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// In time-based mode every point runs at least this many timed iterations.
+const MIN_TIMED_ITERS: u64 = 3;
+
+/// What the points of one run share: the buffer, the file, the configuration.
+pub struct Ctx<'a> {
+    pub cfg: &'a Config,
+    pub dram: &'a AlignedBuf,
+    /// The fd registered with NIXL (O_DIRECT with --storage_enable_direct).
+    pub fd: i32,
+    /// A buffered fd of the same file, for setup and verification.
+    pub verify_fd: i32,
+    pub page_cache_note: &'a (dyn Fn(Op) -> Option<String> + Sync),
+}
+
+pub struct SpecOutcome {
+    pub results: Vec<PointResult>,
+    pub error: Option<String>,
+    pub consistency_failures: usize,
+}
+
+fn nerr(what: &str, e: NixlError) -> String {
+    format!("{what}: {e} ({e:?})")
+}
+
+/// Effective backend params: the plugin's advertised defaults, then nixlbench's POSIX flags,
+/// then the spec's own key=value pairs.
+fn build_params(
+    spec: &BackendSpec,
+    cfg: &Config,
+    defaults: &Params,
+) -> Result<(Params, BTreeMap<String, String>, Vec<String>), String> {
+    let mut map: BTreeMap<String, String> = BTreeMap::new();
+    let default_keys: Vec<String> = defaults.into_iter().map(|(k, _)| k.to_string()).collect();
+    for (k, v) in defaults {
+        map.insert(k.to_string(), v.to_string());
+    }
+    if spec.name == "POSIX" {
+        let explicit_api = spec
+            .params
+            .iter()
+            .any(|(k, _)| k == "use_aio" || k == "use_uring" || k == "use_posix_aio");
+        if let (Some(api), false) = (&cfg.posix_api_type, explicit_api) {
+            let (a, u, p) = match api.as_str() {
+                "AIO" => ("true", "false", "false"),
+                "URING" => ("false", "true", "false"),
+                _ => ("false", "false", "true"),
+            };
+            map.insert("use_aio".into(), a.into());
+            map.insert("use_uring".into(), u.into());
+            map.insert("use_posix_aio".into(), p.into());
+        }
+        if let Some(n) = cfg.posix_ios_pool_size {
+            map.insert("ios_pool_size".into(), n.to_string());
+        }
+        if let Some(n) = cfg.posix_kernel_queue_size {
+            map.insert("kernel_queue_size".into(), n.to_string());
+        }
+    }
+    let mut unknown = Vec::new();
+    for (k, v) in &spec.params {
+        if !default_keys.contains(k) {
+            unknown.push(k.clone());
+        }
+        map.insert(k.clone(), v.clone());
+    }
+    let params = Params::from(map.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .map_err(|e| nerr("building backend params", e))?;
+    Ok((params, map, unknown))
+}
+
+fn fmt_map<'a>(it: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let v: Vec<String> = it.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+    if v.is_empty() {
+        "(none)".into()
+    } else {
+        v.join(" ")
+    }
+}
+
+fn mems_str(m: &nixl_sys::MemList) -> String {
+    m.iter()
+        .map(|t| t.map(|t| format!("{t:?}")).unwrap_or_else(|_| "?".into()))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+pub fn run_spec(idx: usize, spec: &BackendSpec, ctx: &Ctx) -> SpecOutcome {
+    let mut outcome = SpecOutcome { results: Vec::new(), error: None, consistency_failures: 0 };
+    if let Err(e) = run_spec_inner(idx, spec, ctx, &mut outcome) {
+        outcome.error = Some(e);
+    }
+    outcome
+}
+
+fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutcome) -> Result<(), String> {
+    let cfg = ctx.cfg;
+    let agent_name = format!("iud-bench-{idx}");
+    let acfg = AgentConfig {
+        enable_prog_thread: cfg.enable_pt,
+        thread_sync: if cfg.num_threads > 1 { ThreadSync::Rw } else { ThreadSync::Default },
+        ..AgentConfig::default()
+    };
+    let agent = Agent::new_configured(&agent_name, &acfg).map_err(|e| nerr("creating agent", e))?;
+    let (plugin_mems, defaults) = agent.get_plugin_params(&spec.name).map_err(|e| {
+        nerr(
+            &format!(
+                "get_plugin_params({}) — is libplugin_{}.so in NIXL_PLUGIN_DIR?",
+                spec.name, spec.name
+            ),
+            e,
+        )
+    })?;
+    println!("plugin {}: mems [{}], defaults: {}", spec.name, mems_str(&plugin_mems), fmt_map(&defaults));
+    let (params, effective, unknown) = build_params(spec, cfg, &defaults)?;
+    if !unknown.is_empty() {
+        println!("warning: {} does not advertise param(s) {} (passed anyway)", spec.name, unknown.join(","));
+    }
+    println!(
+        "create_backend({}) with: {}",
+        spec.name,
+        fmt_map(effective.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+    );
+    let backend = agent
+        .create_backend(&spec.name, &params)
+        .map_err(|e| nerr(&format!("create_backend({})", spec.name), e))?;
+    match agent.get_backend_params(&backend) {
+        Ok((m, p)) => println!("backend params after init: mems [{}], {}", mems_str(&m), fmt_map(&p)),
+        Err(e) => println!("get_backend_params failed: {e}"),
+    }
+
+    let mut reg_args = OptArgs::new().map_err(|e| nerr("OptArgs", e))?;
+    reg_args.add_backend(&backend).map_err(|e| nerr("OptArgs::add_backend", e))?;
+    let total = cfg.region_per_thread() as usize * cfg.num_threads;
+    let dram = Region { addr: ctx.dram.addr(), len: total, dev_id: 0, kind: MemType::Dram };
+    let file = Region { addr: 0, len: total, dev_id: ctx.fd as u64, kind: MemType::File };
+    let t = Instant::now();
+    let _dram_reg = agent
+        .register_memory(&dram, Some(&reg_args))
+        .map_err(|e| nerr("register_memory(DRAM)", e))?;
+    let _file_reg = agent
+        .register_memory(&file, Some(&reg_args))
+        .map_err(|e| nerr("register_memory(FILE, fd mode)", e))?;
+    println!(
+        "registered DRAM (0x{:x}, {total}, 0) and FILE (0, {total}, fd {}) in {:.1} ms",
+        dram.addr,
+        ctx.fd,
+        t.elapsed().as_secs_f64() * 1e3
+    );
+
+    for &op in &cfg.ops {
+        println!();
+        println!("=== {} | {} | {} | threads {} ===", spec.label(), op, if cfg.storage_enable_direct { "O_DIRECT" } else { "buffered" }, cfg.num_threads);
+        if let Some(n) = (ctx.page_cache_note)(op) {
+            println!("{n}");
+        }
+        println!("{}", table_header());
+        for block in cfg.block_sizes() {
+            for batch in cfg.batches() {
+                if block * batch > cfg.region_per_thread() {
+                    println!(
+                        "{block:<20}{batch:<15}skipped: block x batch = {} > per-thread region {}",
+                        block * batch,
+                        cfg.region_per_thread()
+                    );
+                    continue;
+                }
+                let r = run_point(&agent, &agent_name, &backend, ctx, op, block, batch)
+                    .map_err(|e| format!("{} {} block {block} batch {batch}: {e}", spec.label(), op))?;
+                println!("{}", table_row(&r));
+                if let Some(Err(e)) = &r.consistency {
+                    println!("  CONSISTENCY FAILED: {e}");
+                    out.consistency_failures += 1;
+                }
+                out.results.push(r);
+                if op == Op::Write {
+                    // Not timed: keep dirty pages of one point from being written back during the next.
+                    // SAFETY: plain syscall on our fd.
+                    unsafe { libc::fdatasync(ctx.verify_fd) };
+                }
+            }
+        }
+        if cfg.check_consistency {
+            let mine = out.results.iter().filter(|r| r.op == op);
+            let failed = mine.clone().filter(|r| matches!(r.consistency, Some(Err(_)))).count();
+            println!("consistency: {} point(s) verified, {failed} failed", mine.count());
+        }
+    }
+    Ok(())
+}
+
+struct ThreadStats {
+    iters: u64,
+    start: Instant,
+    end: Instant,
+    prep: Vec<f64>,
+    post: Vec<f64>,
+    tx: Vec<f64>,
+}
+
+/// Iteration plan of one point, per thread.
+struct Plan {
+    iters: Option<u64>,
+    warmup: u64,
+    duration: Option<Duration>,
+}
+
+fn plan(cfg: &Config, block: u64) -> Plan {
+    let threads = cfg.num_threads as u64;
+    if cfg.num_iter > 0 {
+        let (mut n, mut w) = (cfg.num_iter, cfg.warmup_iter);
+        if block > 1 << 20 {
+            n /= cfg.large_blk_iter_ftr;
+            w /= cfg.large_blk_iter_ftr;
+        }
+        Plan { iters: Some(n.div_ceil(threads).max(1)), warmup: w.div_ceil(threads), duration: None }
+    } else {
+        Plan { iters: None, warmup: cfg.warmup_iter, duration: Some(Duration::from_millis(cfg.duration_ms)) }
+    }
+}
+
+/// Offsets (relative to the thread's region) of the descriptors of one request.
+fn desc_offsets(block: u64, batch: u64) -> impl Iterator<Item = u64> {
+    (0..batch).map(move |j| j * block)
+}
+
+fn run_point(
+    agent: &Agent,
+    agent_name: &str,
+    backend: &Backend,
+    ctx: &Ctx,
+    op: Op,
+    block: u64,
+    batch: u64,
+) -> Result<PointResult, String> {
+    let cfg = ctx.cfg;
+    let region = cfg.region_per_thread();
+    if cfg.check_consistency {
+        // WRITE: fresh random source data, so the file cannot already hold it.
+        // READ: zero the destinations, so stale data cannot pass.
+        let mut rng = SplitMix64::new(cfg.seed ^ block.rotate_left(17) ^ batch.rotate_left(41) ^ 0xA5A5);
+        for t in 0..cfg.num_threads as u64 {
+            for off in desc_offsets(block, batch) {
+                // SAFETY: no transfer is in flight between points.
+                let s = unsafe { ctx.dram.slice_mut((t * region + off) as usize, block as usize) };
+                match op {
+                    Op::Write => rng.fill(s),
+                    Op::Read => s.fill(0),
+                }
+            }
+        }
+    }
+    let p = plan(cfg, block);
+    let barrier = Barrier::new(cfg.num_threads);
+    let abort = AtomicBool::new(false);
+    let results: Vec<Result<ThreadStats, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..cfg.num_threads)
+            .map(|t| {
+                let (barrier, abort, p) = (&barrier, &abort, &p);
+                s.spawn(move || {
+                    let r = thread_run(agent, agent_name, backend, ctx, op, block, batch, t, barrier, abort, p);
+                    if r.is_err() {
+                        abort.store(true, Ordering::Relaxed);
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("benchmark thread panicked".into())))
+            .collect()
+    });
+    let (mut stats, mut errs) = (Vec::new(), Vec::new());
+    for r in results {
+        match r {
+            Ok(s) => stats.push(s),
+            Err(e) => errs.push(e),
+        }
+    }
+    if !errs.is_empty() {
+        // Report the thread that failed, not the ones it stopped.
+        return Err(errs.iter().find(|e| *e != ABORTED).unwrap_or(&errs[0]).clone());
+    }
+    let start = stats.iter().map(|s| s.start).min().unwrap();
+    let end = stats.iter().map(|s| s.end).max().unwrap();
+    let mut r = PointResult {
+        op,
+        block,
+        batch,
+        iters: stats.iter().map(|s| s.iters).sum(),
+        threads: cfg.num_threads,
+        elapsed_s: (end - start).as_secs_f64().max(1e-9),
+        prep_us: stats.iter().flat_map(|s| s.prep.iter().copied()).collect(),
+        post_us: stats.iter().flat_map(|s| s.post.iter().copied()).collect(),
+        tx_us: stats.iter().flat_map(|s| s.tx.iter().copied()).collect(),
+        consistency: None,
+    };
+    if cfg.check_consistency {
+        r.consistency = Some(verify(ctx, block, batch));
+    }
+    Ok(r)
+}
+
+/// Compares every descriptor's DRAM range with the file range (read through the buffered fd).
+fn verify(ctx: &Ctx, block: u64, batch: u64) -> Result<(), String> {
+    let region = ctx.cfg.region_per_thread();
+    let mut tmp = vec![0u8; block as usize];
+    for t in 0..ctx.cfg.num_threads as u64 {
+        for off in desc_offsets(block, batch) {
+            let pos = t * region + off;
+            pread_full(ctx.verify_fd, &mut tmp, pos).map_err(|e| format!("pread at {pos}: {e}"))?;
+            // SAFETY: no transfer is in flight after the point.
+            let d = unsafe { ctx.dram.slice(pos as usize, block as usize) };
+            if d != tmp.as_slice() {
+                let i = d.iter().zip(&tmp).position(|(a, b)| a != b).unwrap();
+                return Err(format!(
+                    "thread {t} descriptor at offset {pos} (len {block}): first difference at byte {i}: \
+                     DRAM 0x{:02x} file 0x{:02x}",
+                    d[i], tmp[i]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The descriptor lists, opt args and (with --prepared_xfer) prepped dlist handles of one thread.
+struct ThreadXfer<'a> {
+    xop: XferOp,
+    local: XferDescList<'a>,
+    remote: XferDescList<'a>,
+    opt: OptArgs,
+    idx: Vec<i32>,
+    prepped: Option<(XferDlistHandle, XferDlistHandle)>,
+}
+
+impl ThreadXfer<'_> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        agent: &Agent,
+        agent_name: &str,
+        backend: &Backend,
+        ctx: &Ctx,
+        op: Op,
+        block: u64,
+        batch: u64,
+        t: usize,
+    ) -> Result<Self, String> {
+        let region = ctx.cfg.region_per_thread();
+        let base = t as u64 * region;
+        let mut local = XferDescList::new(MemType::Dram).map_err(|e| nerr("XferDescList(DRAM)", e))?;
+        let mut remote = XferDescList::new(MemType::File).map_err(|e| nerr("XferDescList(FILE)", e))?;
+        for off in desc_offsets(block, batch) {
+            local.add_desc(ctx.dram.addr() + (base + off) as usize, block as usize, 0);
+            remote.add_desc((base + off) as usize, block as usize, ctx.fd as u64);
+        }
+        let mut opt = OptArgs::new().map_err(|e| nerr("OptArgs", e))?;
+        opt.add_backend(backend).map_err(|e| nerr("OptArgs::add_backend", e))?;
+        let prepped = if ctx.cfg.prepared_xfer {
+            // NIXL_INIT_AGENT ("") for the local side, our own name for the loopback FILE side.
+            let lh = agent
+                .prepare_xfer_dlist("", &local, Some(&opt))
+                .map_err(|e| nerr("prep_xfer_dlist(DRAM)", e))?;
+            let rh = agent
+                .prepare_xfer_dlist(agent_name, &remote, Some(&opt))
+                .map_err(|e| nerr("prep_xfer_dlist(FILE)", e))?;
+            Some((lh, rh))
+        } else {
+            None
+        };
+        let xop = match op {
+            Op::Read => XferOp::Read,
+            Op::Write => XferOp::Write,
+        };
+        Ok(Self { xop, local, remote, opt, idx: (0..batch as i32).collect(), prepped })
+    }
+
+    /// createXferReq (or makeXferReq from the prepped lists); the time goes to `prep` if given.
+    fn create(&self, agent: &Agent, agent_name: &str, prep: Option<&mut Vec<f64>>) -> Result<XferRequest, String> {
+        let t0 = Instant::now();
+        let r = match &self.prepped {
+            Some((lh, rh)) => agent
+                .make_xfer_req(self.xop, lh, &self.idx, rh, &self.idx, Some(&self.opt))
+                .map_err(|e| nerr("make_xfer_req", e)),
+            None => agent
+                .create_xfer_req(self.xop, &self.local, &self.remote, agent_name, Some(&self.opt))
+                .map_err(|e| nerr("create_xfer_req", e)),
+        }?;
+        if let Some(p) = prep {
+            p.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        Ok(r)
+    }
+}
+
+const ABORTED: &str = "aborted because another thread failed";
+
+#[allow(clippy::too_many_arguments)]
+fn thread_run(
+    agent: &Agent,
+    agent_name: &str,
+    backend: &Backend,
+    ctx: &Ctx,
+    op: Op,
+    block: u64,
+    batch: u64,
+    t: usize,
+    barrier: &Barrier,
+    abort: &AtomicBool,
+    p: &Plan,
+) -> Result<ThreadStats, String> {
+    let recreate = ctx.cfg.recreate_xfer;
+    let mut st = ThreadStats::new();
+    // Setup + first request + warmup.
+    let ready = (|| -> Result<(ThreadXfer, XferRequest), String> {
+        let x = ThreadXfer::new(agent, agent_name, backend, ctx, op, block, batch, t)?;
+        let mut req = x.create(agent, agent_name, Some(&mut st.prep))?;
+        let wstart = Instant::now();
+        for i in 0..p.warmup {
+            if abort.load(Ordering::Relaxed) {
+                break;
+            }
+            if recreate && i > 0 {
+                drop(req);
+                req = x.create(agent, agent_name, None)?;
+            }
+            post_and_wait(agent, &req).map_err(|e| format!("warmup: {e}"))?;
+            // Time-based mode: warmup takes at most a fifth of the point's duration.
+            if p.duration.is_some_and(|d| wstart.elapsed() >= d / 5) {
+                break;
+            }
+        }
+        Ok((x, req))
+    })();
+    if ready.is_err() {
+        abort.store(true, Ordering::Relaxed);
+    }
+    // Every thread passes this barrier exactly once, whatever happened before it.
+    barrier.wait();
+    let (x, mut req) = ready?;
+    if abort.load(Ordering::Relaxed) {
+        return Err(ABORTED.into());
+    }
+
+    st.start = Instant::now();
+    let mut n = 0u64;
+    let result = loop {
+        let done = match (p.iters, p.duration) {
+            (Some(max), _) => n >= max,
+            (None, Some(d)) => n >= MIN_TIMED_ITERS && st.start.elapsed() >= d,
+            (None, None) => true,
+        };
+        if done {
+            break Ok(());
+        }
+        if abort.load(Ordering::Relaxed) {
+            break Err(ABORTED.to_string());
+        }
+        if recreate && n > 0 {
+            drop(req);
+            req = x.create(agent, agent_name, Some(&mut st.prep)).map_err(|e| format!("iteration {n}: {e}"))?;
+        }
+        match post_and_wait(agent, &req) {
+            Ok((post, tx)) => {
+                st.post.push(post);
+                st.tx.push(tx);
+                n += 1;
+            }
+            Err(e) => break Err(format!("iteration {n}: {e}")),
+        }
+    };
+    st.end = Instant::now();
+    st.iters = n;
+    drop(req);
+    drop(x);
+    result.map(|_| st)
+}
+
+impl ThreadStats {
+    fn new() -> Self {
+        let now = Instant::now();
+        Self { iters: 0, start: now, end: now, prep: Vec::new(), post: Vec::new(), tx: Vec::new() }
+    }
+}
+
+/// Posts and spins on get_xfer_status until done (as nixlbench does). Returns (post µs, tx µs).
+fn post_and_wait(agent: &Agent, req: &XferRequest) -> Result<(f64, f64), String> {
+    let t0 = Instant::now();
+    let in_prog = agent.post_xfer_req(req, None).map_err(|e| nerr("post_xfer_req", e))?;
+    let t1 = Instant::now();
+    if in_prog {
+        let mut polls = 0u64;
+        loop {
+            match agent.get_xfer_status(req) {
+                Ok(XferStatus::Success) => break,
+                Ok(XferStatus::InProgress) => {
+                    polls += 1;
+                    if polls % 4096 == 0 && t1.elapsed() > STALL_TIMEOUT {
+                        return Err(format!(
+                            "transfer still in progress after {} s ({polls} polls)",
+                            STALL_TIMEOUT.as_secs()
+                        ));
+                    }
+                    std::hint::spin_loop();
+                }
+                Err(e) => return Err(nerr("get_xfer_status", e)),
+            }
+        }
+    }
+    let t2 = Instant::now();
+    Ok(((t1 - t0).as_secs_f64() * 1e6, (t2 - t1).as_secs_f64() * 1e6))
+}

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The project's main benchmark job: IO_URING_DMABUF against NIXL's own POSIX backend (io_uring and
+# libaio queues), DRAM <-> FILE, READ and WRITE, 4 KiB .. 16 MiB blocks, 1 and 64 descriptors per
+# request, buffered, on a temporary 1 GiB file in /tmp, every point verified (--check_consistency,
+# outside the timed loop). Runs setup and the plugin build first, then the bench crate
+# (bench/, binary iud-bench) over the real NIXL runtime of the wheel.
+#
+# Extra arguments go to iud-bench and override the defaults (later flags win), e.g.
+#   bash ci/bench.sh --storage_enable_direct --filepath /var/tmp
+#   bash ci/bench.sh --backend IO_URING_DMABUF,POSIX:use_uring=true --op_type READ --max_block_size 64K
+# See `target/release/iud-bench --help`. Takes a few minutes on the 2-core machine.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$IUD_ROOT"
+
+bash ci/setup.sh
+bash ci/build.sh
+cargo build --release -p iud-bench
+
+IUD_PLUGIN_DIR="$(iud_plugin_dir)"
+libs="$(iud_nixl_libs)"
+rev="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+git diff --quiet HEAD -- 2>/dev/null || rev="$rev+uncommitted changes"
+echo "# ci/bench.sh at git $rev"
+
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NIXL_PLUGIN_DIR="$IUD_PLUGIN_DIR"
+exec "$IUD_TARGET/release/iud-bench" \
+    --backend 'IO_URING_DMABUF,POSIX:use_uring=true,POSIX:use_aio=true' \
+    --op_type BOTH \
+    --total_buffer_size 1G \
+    --start_block_size 4096 --max_block_size 16M \
+    --batch_sizes 1,64 \
+    --num_iter 0 --duration_ms 500 --warmup_iter 10 \
+    --check_consistency \
+    "$@"
