@@ -1,0 +1,392 @@
+//! Engine-level tests: the Rust engine driven directly (no NIXL), on real files with real
+//! io_uring. The NIXL-level proofs live in tests/python and tests/nixl_sys_roundtrip.rs; these
+//! pin down the engine's own rules with exact messages.
+
+use std::ffi::c_void;
+use std::fs::{File, OpenOptions};
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::Arc;
+
+use io_uring_dmabuf::bridge::iud_desc;
+use io_uring_dmabuf::engine::Engine;
+use io_uring_dmabuf::error::ErrorKind;
+use io_uring_dmabuf::uring::Progress;
+
+const DRAM: i32 = 0;
+const FILE: i32 = 4;
+const READ: i32 = 0;
+const WRITE: i32 = 1;
+const AGENT: &str = "agent";
+
+/// Page-aligned host buffer filled with a pattern unique to `seed` (never zeros).
+struct Buf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Buf {
+    fn new(len: usize, seed: u64) -> Buf {
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: posix_memalign writes an aligned allocation into ptr.
+        assert_eq!(unsafe { libc::posix_memalign(&mut ptr, 4096, len) }, 0);
+        let b = Buf { ptr: ptr.cast(), len };
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        for byte in b.bytes_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *byte = (x >> 24) as u8;
+        }
+        b
+    }
+    fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: ptr/len describe our allocation.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn bytes_mut(&self) -> &mut [u8] {
+        // SAFETY: ptr/len describe our allocation; tests do not alias mutable views.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by posix_memalign.
+        unsafe { libc::free(self.ptr.cast()) }
+    }
+}
+
+// SAFETY: the buffer is plain memory; tests coordinate access.
+unsafe impl Send for Buf {}
+// SAFETY: as above.
+unsafe impl Sync for Buf {}
+
+fn engine(params: &[(&str, &str)]) -> Engine {
+    Engine::new(AGENT, params.iter().copied()).expect("engine")
+}
+
+fn temp_file(direct: bool) -> (tempdir::Dir, File) {
+    let dir = tempdir::Dir::new();
+    let mut opts = OpenOptions::new();
+    opts.read(true).write(true).create(true);
+    if direct {
+        opts.custom_flags(libc::O_DIRECT);
+    }
+    let f = opts.open(dir.path.join("data")).expect("open temp file");
+    (dir, f)
+}
+
+mod tempdir {
+    use std::path::PathBuf;
+    /// A directory under /var/tmp (a real disk file system: O_DIRECT works there, unlike tmpfs).
+    pub struct Dir {
+        pub path: PathBuf,
+    }
+    impl Dir {
+        pub fn new() -> Dir {
+            use std::sync::atomic::{AtomicU64, Ordering};
+            static N: AtomicU64 = AtomicU64::new(0);
+            let path = PathBuf::from(format!("/var/tmp/iud-engine-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+            std::fs::create_dir_all(&path).unwrap();
+            Dir { path }
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
+    iud_desc { addr, len, dev_id, md }
+}
+
+/// Runs a transfer to completion (polling like NIXL's clients) and returns its result.
+fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), io_uring_dmabuf::error::Error> {
+    // SAFETY: every md in the lists is a live registration of `e`.
+    let req = unsafe { e.prep(op, DRAM, local, FILE, remote, AGENT) }?;
+    let mut res = e.post(&req, op, local.len(), remote.len());
+    while let Ok(Progress::InFlight) = res {
+        res = e.check(&req);
+    }
+    e.release(req).map_err(|(_, err)| err).expect("release");
+    res.map(|_| ())
+}
+
+/// Splits `total` bytes into blocks of mixed sizes (multiples of `unit`).
+fn mixed_blocks(total: u64, unit: u64, seed: u64) -> Vec<(u64, u64)> {
+    let sizes = [1, 2, 8, 3, 64, 1, 16, 5, 256, 1];
+    let mut out = Vec::new();
+    let (mut off, mut i) = (0, seed as usize);
+    while off < total {
+        let len = (sizes[i % sizes.len()] * unit).min(total - off);
+        out.push((off, len));
+        off += len;
+        i += 1;
+    }
+    out
+}
+
+fn roundtrip(params: &[(&str, &str)], direct: bool, unit: u64) {
+    let e = engine(params);
+    let total = 8 << 20;
+    let src = Buf::new(total, 1);
+    let dst = Buf::new(total, 2);
+    let (_d, f) = temp_file(direct);
+    let fd = f.as_raw_fd() as u64;
+    let m_src = e.register(DRAM, src.addr(), total as u64, 0, "").unwrap();
+    let m_dst = e.register(DRAM, dst.addr(), total as u64, 0, "").unwrap();
+    let m_file = e.register(FILE, 0, total as u64, fd, "").unwrap();
+    // Memory order differs from file order so that nothing lines up by accident.
+    let blocks = mixed_blocks(total as u64, unit, 3);
+    let n = blocks.len() as u64;
+    let mem_of = |i: u64, (_, len): (u64, u64)| blocks.iter().rev().take((n - i) as usize).map(|b| b.1).sum::<u64>() - len;
+    let l_w: Vec<_> = blocks.iter().enumerate().map(|(i, &b)| desc(src.addr() + mem_of(i as u64, b), b.1, 0, m_src)).collect();
+    let l_r: Vec<_> = blocks.iter().enumerate().map(|(i, &b)| desc(dst.addr() + mem_of(i as u64, b), b.1, 0, m_dst)).collect();
+    let r: Vec<_> = blocks.iter().map(|&(off, len)| desc(off, len, fd, m_file)).collect();
+    run(&e, WRITE, &l_w, &r).unwrap();
+    run(&e, READ, &l_r, &r).unwrap();
+    assert!(src.bytes() == dst.bytes(), "data read back differs from data written");
+    let mut on_disk = Vec::new();
+    File::open(format!("/proc/self/fd/{fd}")).unwrap().read_to_end(&mut on_disk).unwrap();
+    for (i, &(off, len)) in blocks.iter().enumerate() {
+        let m = mem_of(i as u64, (off, len)) as usize;
+        assert!(on_disk[off as usize..(off + len) as usize] == src.bytes()[m..m + len as usize], "file block {i} differs");
+    }
+    // SAFETY: the MDs came from register() and are deregistered once.
+    unsafe {
+        e.deregister(m_src).unwrap();
+        e.deregister(m_dst).unwrap();
+        e.deregister(m_file).unwrap();
+    }
+}
+
+#[test]
+fn buffered_round_trip_with_fixed_buffers_and_files() {
+    roundtrip(&[], false, 512);
+}
+
+#[test]
+fn buffered_round_trip_with_plain_buffers_and_fds() {
+    roundtrip(&[("fixed_buffers", "off"), ("fixed_files", "false")], false, 512);
+}
+
+#[test]
+fn direct_round_trip_with_small_split_size() {
+    roundtrip(&[("max_io_size", "8192")], true, 4096);
+}
+
+#[test]
+fn read_past_end_of_file_names_fd_offset_and_length() {
+    let e = engine(&[]);
+    let buf = Buf::new(1 << 20, 4);
+    let (_d, f) = temp_file(false);
+    f.set_len(6000).unwrap();
+    let fd = f.as_raw_fd() as u64;
+    let m = e.register(DRAM, buf.addr(), 1 << 20, 0, "").unwrap();
+    let mf = e.register(FILE, 0, 1 << 20, fd, "").unwrap();
+    // Starts inside the file and runs past its end: a short read, then a resubmitted remainder
+    // that hits EOF.
+    let err = run(&e, READ, &[desc(buf.addr(), 8192, 0, m)], &[desc(4096, 8192, fd, mf)]).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Backend);
+    assert!(err.message.contains("read past end of file"), "{}", err.message);
+    assert!(err.message.contains(&format!("fd {fd} offset 6000 length 6288")), "{}", err.message);
+    // The engine keeps working.
+    run(&e, READ, &[desc(buf.addr(), 4096, 0, m)], &[desc(0, 4096, fd, mf)]).unwrap();
+}
+
+#[test]
+fn closed_fd_is_refused_at_post() {
+    let e = engine(&[]);
+    let buf = Buf::new(1 << 16, 5);
+    let (_d, f) = temp_file(false);
+    let fd = f.as_raw_fd() as u64;
+    let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
+    let mf = e.register(FILE, 0, 1 << 16, fd, "").unwrap();
+    drop(f);
+    let err = run(&e, WRITE, &[desc(buf.addr(), 4096, 0, m)], &[desc(0, 4096, fd, mf)]).unwrap_err();
+    assert!(err.message.contains("no longer open"), "{}", err.message);
+}
+
+#[test]
+fn direct_misalignment_is_refused_at_prep() {
+    let e = engine(&[]);
+    let buf = Buf::new(1 << 16, 6);
+    let (_d, f) = temp_file(true);
+    let fd = f.as_raw_fd() as u64;
+    let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
+    let mf = e.register(FILE, 0, 1 << 16, fd, "").unwrap();
+    for (mem_off, file_off, len) in [(0, 100, 4096), (0, 0, 1000), (1, 0, 4096)] {
+        let l = [desc(buf.addr() + mem_off, len, 0, m)];
+        let r = [desc(file_off, len, fd, mf)];
+        // SAFETY: live registrations.
+        let err = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidParam);
+        assert!(err.message.contains("O_DIRECT"), "{}", err.message);
+    }
+    run(&e, WRITE, &[desc(buf.addr(), 4096, 0, m)], &[desc(4096, 4096, fd, mf)]).unwrap();
+}
+
+#[test]
+fn prep_rejects_wrong_kinds_counts_lengths_ranges_and_agents() {
+    let e = engine(&[]);
+    let buf = Buf::new(1 << 16, 7);
+    let (_d, f) = temp_file(false);
+    let fd = f.as_raw_fd() as u64;
+    let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
+    let mf = e.register(FILE, 0, 4096, fd, "").unwrap();
+    let l = [desc(buf.addr(), 4096, 0, m)];
+    let r = [desc(0, 4096, fd, mf)];
+    // SAFETY (all prep calls): live registrations.
+    unsafe {
+        assert_eq!(e.prep(WRITE, DRAM, &l, DRAM, &l, AGENT).unwrap_err().kind, ErrorKind::InvalidParam);
+        assert_eq!(e.prep(WRITE, FILE, &r, DRAM, &l, AGENT).unwrap_err().kind, ErrorKind::InvalidParam);
+        assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &[], AGENT).unwrap_err().kind, ErrorKind::Mismatch);
+        assert_eq!(e.prep(WRITE, DRAM, &[desc(buf.addr(), 512, 0, m)], FILE, &r, AGENT).unwrap_err().kind, ErrorKind::Mismatch);
+        assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &[desc(2048, 4096, fd, mf)], AGENT).unwrap_err().kind, ErrorKind::NotFound);
+        assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &[desc(0, 4096, fd, std::ptr::null())], AGENT).unwrap_err().kind, ErrorKind::NotFound);
+        assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &r, "someone-else").unwrap_err().kind, ErrorKind::InvalidParam);
+        assert_eq!(e.prep(7, DRAM, &l, FILE, &r, AGENT).unwrap_err().kind, ErrorKind::InvalidParam);
+    }
+    run(&e, WRITE, &l, &r).unwrap();
+}
+
+#[test]
+fn path_mode_opens_the_file_and_rejects_a_reused_dev_id() {
+    let e = engine(&[]);
+    let dir = tempdir::Dir::new();
+    let path = dir.path.join("kv.bin");
+    let meta = format!("rw,create:{}", path.display());
+    let buf = Buf::new(1 << 16, 8);
+    let back = Buf::new(1 << 16, 9);
+    let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
+    let mb = e.register(DRAM, back.addr(), 1 << 16, 0, "").unwrap();
+    let mf = e.register(FILE, 0, 1 << 16, 1234, &meta).unwrap();
+    let err = e.register(FILE, 0, 1 << 16, 1234, &format!("rw,create:{}.other", path.display())).unwrap_err();
+    assert!(err.message.contains("devId 1234 is already registered"), "{}", err.message);
+    run(&e, WRITE, &[desc(buf.addr(), 1 << 16, 0, m)], &[desc(0, 1 << 16, 1234, mf)]).unwrap();
+    run(&e, READ, &[desc(back.addr(), 1 << 16, 0, mb)], &[desc(0, 1 << 16, 1234, mf)]).unwrap();
+    assert!(buf.bytes() == back.bytes());
+    assert!(std::fs::read(&path).unwrap() == buf.bytes());
+    // After deregistration the devId may be used again.
+    // SAFETY: registered above, deregistered once.
+    unsafe { e.deregister(mf).unwrap() };
+    let again = e.register(FILE, 0, 1 << 16, 1234, &meta).unwrap();
+    // SAFETY: as above.
+    unsafe { e.deregister(again).unwrap() };
+    let missing = e.register(FILE, 0, 4096, 99, &format!("ro:{}/missing", dir.path.display())).unwrap_err();
+    assert!(missing.message.contains("ENOENT"), "{}", missing.message);
+}
+
+#[test]
+fn repost_after_completion_moves_new_data() {
+    let e = engine(&[]);
+    let buf = Buf::new(1 << 16, 10);
+    let (_d, f) = temp_file(false);
+    let fd = f.as_raw_fd() as u64;
+    let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
+    let mf = e.register(FILE, 0, 1 << 16, fd, "").unwrap();
+    let l = [desc(buf.addr(), 1 << 16, 0, m)];
+    let r = [desc(0, 1 << 16, fd, mf)];
+    // SAFETY: live registrations.
+    let req = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap();
+    for round in 0..3u8 {
+        buf.bytes_mut().iter_mut().enumerate().for_each(|(i, b)| *b = (i as u8).wrapping_mul(31).wrapping_add(round + 1));
+        let mut p = e.post(&req, WRITE, 1, 1).unwrap();
+        while p == Progress::InFlight {
+            p = e.check(&req).unwrap();
+        }
+        assert!(std::fs::read(format!("/proc/self/fd/{fd}")).unwrap() == buf.bytes(), "round {round}");
+    }
+    e.release(req).unwrap();
+}
+
+#[test]
+fn release_of_an_in_flight_request_cancels_and_drains() {
+    let e = engine(&[("max_io_size", "65536")]);
+    let total = 64 << 20;
+    let buf = Buf::new(total, 11);
+    let (_d, f) = temp_file(true);
+    let fd = f.as_raw_fd() as u64;
+    let m = e.register(DRAM, buf.addr(), total as u64, 0, "").unwrap();
+    let mf = e.register(FILE, 0, total as u64, fd, "").unwrap();
+    let l = [desc(buf.addr(), total as u64, 0, m)];
+    let r = [desc(0, total as u64, fd, mf)];
+    for _ in 0..3 {
+        // SAFETY: live registrations.
+        let req = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap();
+        let _ = e.post(&req, WRITE, 1, 1).unwrap();
+        e.release(req).map_err(|(_, err)| err).unwrap();
+    }
+    run(&e, WRITE, &l, &r).unwrap();
+    assert!(std::fs::read(format!("/proc/self/fd/{fd}")).unwrap() == buf.bytes());
+}
+
+#[test]
+fn deregistering_memory_in_use_keeps_it_registered_until_release() {
+    let e = engine(&[]);
+    let buf = Buf::new(1 << 20, 12);
+    let (_d, f) = temp_file(false);
+    let fd = f.as_raw_fd() as u64;
+    let m = e.register(DRAM, buf.addr(), 1 << 20, 0, "").unwrap();
+    let mf = e.register(FILE, 0, 1 << 20, fd, "").unwrap();
+    let l = [desc(buf.addr(), 1 << 20, 0, m)];
+    let r = [desc(0, 1 << 20, fd, mf)];
+    // SAFETY: live registrations.
+    let req = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap();
+    // SAFETY: deregistered once; the request holds its own reference.
+    unsafe {
+        e.deregister(m).unwrap();
+        e.deregister(mf).unwrap();
+    }
+    let mut p = e.post(&req, WRITE, 1, 1).unwrap();
+    while p == Progress::InFlight {
+        p = e.check(&req).unwrap();
+    }
+    e.release(req).unwrap();
+    assert!(std::fs::read(format!("/proc/self/fd/{fd}")).unwrap() == buf.bytes());
+}
+
+#[test]
+fn eight_threads_post_on_one_engine() {
+    let e = Arc::new(engine(&[("ring_entries", "64")]));
+    let (_d, f) = temp_file(false);
+    let fd = f.as_raw_fd() as u64;
+    let per = 2 << 20;
+    let mf = e.register(FILE, 0, 8 * per as u64, fd, "").unwrap() as usize;
+    let handles: Vec<_> = (0..8u64)
+        .map(|t| {
+            let e = Arc::clone(&e);
+            std::thread::spawn(move || {
+                let src = Buf::new(per, 100 + t);
+                let dst = Buf::new(per, 200 + t);
+                let ms = e.register(DRAM, src.addr(), per as u64, 0, "").unwrap();
+                let md = e.register(DRAM, dst.addr(), per as u64, 0, "").unwrap();
+                let base = t * per as u64;
+                for _ in 0..5 {
+                    let blocks = mixed_blocks(per as u64, 512, t);
+                    let lw: Vec<_> = blocks.iter().map(|&(o, n)| desc(src.addr() + o, n, 0, ms)).collect();
+                    let lr: Vec<_> = blocks.iter().map(|&(o, n)| desc(dst.addr() + o, n, 0, md)).collect();
+                    let r: Vec<_> = blocks.iter().map(|&(o, n)| desc(base + o, n, fd, mf as *const c_void)).collect();
+                    run(&e, WRITE, &lw, &r).unwrap();
+                    run(&e, READ, &lr, &r).unwrap();
+                    assert!(src.bytes() == dst.bytes(), "thread {t}");
+                }
+                // SAFETY: registered above, deregistered once.
+                unsafe {
+                    e.deregister(ms).unwrap();
+                    e.deregister(md).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
