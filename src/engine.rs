@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration};
 use crate::params::{EngineParams, FixedBuffers};
-use crate::uring::{Progress, RequestKey, Ring};
+use crate::uring::{inline, Progress, RequestKey, Ring};
 use crate::xfer::{plan, Plan, XferOp};
 use crate::bridge::iud_desc;
 
@@ -167,6 +167,11 @@ impl Engine {
             if let Registration::File(f) = &**reg {
                 f.check_still_open()?;
             }
+        }
+        let inline_max = self.params.inline_write_max;
+        if op == XferOp::Write && req.plan.all_buffered && inline_max > 0 && req.plan.total_bytes <= inline_max {
+            inline::write_all(&req.plan.ops.ops)?;
+            return Ok(Progress::Done);
         }
         self.ring.post(req.key)
     }

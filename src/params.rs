@@ -21,6 +21,7 @@ pub struct EngineParams {
     pub fixed_buffers: FixedBuffers,
     pub fixed_files: bool,
     pub max_io_size: u64,
+    pub inline_write_max: u64,
 }
 
 const RING_ENTRIES_RANGE: (u32, u32) = (16, 32768);
@@ -63,7 +64,8 @@ impl EngineParams {
                 "backend parameter max_io_size={max_io_size} must be 0 (no split) or at least 4096"
             )));
         }
-        let params = EngineParams { ring_entries: ring_entries as u32, fixed_buffers, fixed_files, max_io_size };
+        let inline_write_max = parse_u64("inline_write_max", get("inline_write_max"))?;
+        let params = EngineParams { ring_entries: ring_entries as u32, fixed_buffers, fixed_files, max_io_size, inline_write_max };
         Ok((params, ignored))
     }
 }

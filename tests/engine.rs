@@ -173,8 +173,13 @@ fn buffered_round_trip_with_fixed_buffers_and_files() {
 }
 
 #[test]
+fn buffered_round_trip_written_inline_by_the_posting_thread() {
+    roundtrip(&[("inline_write_max", "16777216")], false, 512);
+}
+
+#[test]
 fn buffered_round_trip_with_plain_buffers_and_fds() {
-    roundtrip(&[("fixed_buffers", "off"), ("fixed_files", "false")], false, 512);
+    roundtrip(&[("fixed_buffers", "off"), ("fixed_files", "false"), ("inline_write_max", "0")], false, 512);
 }
 
 #[test]

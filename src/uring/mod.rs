@@ -11,6 +11,7 @@
 //!   a leaf lock and unregistered the next time the core lock is taken, so a registration may be
 //!   dropped anywhere, including while the core lock is held.
 
+pub mod inline;
 mod op;
 mod slots;
 
@@ -426,17 +427,7 @@ impl Core {
                 retry.push_back(InFlight { req: entry.req, op: op.remainder(res as u32) });
             } else if res == 0 {
                 if error.is_none() {
-                    *error = Some(if write {
-                        Error::backend(format!(
-                            "write to fd {} at offset {} ({} bytes left, descriptor {}) made no progress (0 bytes written)",
-                            op.fd, op.file_offset, op.len, op.desc_index
-                        ))
-                    } else {
-                        Error::backend(format!(
-                            "read past end of file: fd {} offset {} length {} (descriptor {}) — the file is shorter than the descriptor",
-                            op.fd, op.file_offset, op.len, op.desc_index
-                        ))
-                    });
+                    *error = Some(op.made_no_progress(write));
                 }
                 *outstanding -= 1;
             } else {
@@ -446,18 +437,7 @@ impl Core {
                     retry.push_back(InFlight { req: entry.req, op });
                 } else {
                     if error.is_none() && !*abort {
-                        *error = Some(Error::os(
-                            format!(
-                                "{} fd {} offset {} length {} (descriptor {}, memory 0x{:x})",
-                                if write { "write to" } else { "read from" },
-                                op.fd,
-                                op.file_offset,
-                                op.len,
-                                op.desc_index,
-                                op.addr
-                            ),
-                            &io::Error::from_raw_os_error(errno),
-                        ));
+                        *error = Some(op.failed(write, errno));
                     }
                     *outstanding -= 1;
                 }

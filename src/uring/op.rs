@@ -3,7 +3,11 @@
 //! Ops are described once (at prepXfer) and turned into SQEs only when the ring has room
 //! ("describe, then fill"), so a request of any size never needs more SQ entries than exist.
 
+use std::io;
+
 use io_uring::{opcode, squeue, types};
+
+use crate::error::Error;
 
 /// How the target file is named in the SQE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +42,37 @@ impl IoOp {
             addr: self.addr + done as u64,
             len: self.len - done,
             ..*self
+        }
+    }
+
+    /// The error for an I/O that failed with `errno`.
+    pub fn failed(&self, write: bool, errno: i32) -> Error {
+        Error::os(
+            format!(
+                "{} fd {} offset {} length {} (descriptor {}, memory 0x{:x})",
+                if write { "write to" } else { "read from" },
+                self.fd,
+                self.file_offset,
+                self.len,
+                self.desc_index,
+                self.addr
+            ),
+            &io::Error::from_raw_os_error(errno),
+        )
+    }
+
+    /// The error for an I/O that transferred 0 bytes: end of file for reads.
+    pub fn made_no_progress(&self, write: bool) -> Error {
+        if write {
+            Error::backend(format!(
+                "write to fd {} at offset {} ({} bytes left, descriptor {}) made no progress (0 bytes written)",
+                self.fd, self.file_offset, self.len, self.desc_index
+            ))
+        } else {
+            Error::backend(format!(
+                "read past end of file: fd {} offset {} length {} (descriptor {}) — the file is shorter than the descriptor",
+                self.fd, self.file_offset, self.len, self.desc_index
+            ))
         }
     }
 

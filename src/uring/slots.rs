@@ -19,10 +19,6 @@ impl SlotPool {
         debug_assert!(!self.free.contains(&slot), "slot {slot} released twice");
         self.free.push(slot);
     }
-
-    pub fn available(&self) -> usize {
-        self.free.len()
-    }
 }
 
 #[cfg(test)]
@@ -36,7 +32,7 @@ mod tests {
         assert_eq!(p.take(), Some(1));
         assert_eq!(p.take(), None);
         p.put(0);
-        assert_eq!(p.available(), 1);
         assert_eq!(p.take(), Some(0));
+        assert_eq!(p.take(), None);
     }
 }

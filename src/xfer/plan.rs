@@ -42,6 +42,10 @@ pub struct Plan {
     pub registrations: Vec<Arc<Registration>>,
     pub local_count: usize,
     pub remote_count: usize,
+    /// Bytes moved by the request.
+    pub total_bytes: u64,
+    /// No file of the request is open with O_DIRECT.
+    pub all_buffered: bool,
 }
 
 /// Turns an MD pointer from NIXL back into a shared registration, without taking over NIXL's
@@ -117,6 +121,7 @@ pub unsafe fn plan(
     let max_piece = if max_io_size == 0 { MAX_FIXED_BUFFER } else { max_io_size.min(MAX_FIXED_BUFFER) };
     let mut regs = RegistrationSet::default();
     let mut ops = Vec::with_capacity(local.len());
+    let (mut total_bytes, mut all_buffered) = (0u64, true);
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
         if l.len != r.len {
             return Err(Error::new(
@@ -154,6 +159,8 @@ pub unsafe fn plan(
             }
             _ => {}
         }
+        total_bytes += l.len;
+        all_buffered &= file.direct.is_none();
         if let Some(a) = file.direct {
             if r.addr % a.offset != 0 || r.len % a.offset != 0 || l.addr % a.mem != 0 {
                 return Err(Error::invalid(format!(
@@ -196,6 +203,8 @@ pub unsafe fn plan(
         registrations: regs.list,
         local_count: local.len(),
         remote_count: remote.len(),
+        total_bytes,
+        all_buffered,
     })
 }
 

@@ -1,0 +1,43 @@
+//! Small buffered writes done in the posting thread.
+//!
+//! Page-cache writes are memory copies. io_uring runs them inline only on file systems that
+//! support non-blocking buffered writes; elsewhere (ext4 among them) every write is punted to an
+//! io-wq worker, and writes to one file are serialized there, so a small request pays a thread
+//! hand-off per I/O. libaio, by contrast, copies in the caller. For requests up to
+//! `inline_write_max` bytes the engine therefore writes with pwrite(2) in the posting thread and
+//! completes the request before postXfer returns; larger requests keep postXfer non-blocking
+//! and go through the ring.
+
+use std::io;
+
+use crate::error::Result;
+use crate::uring::IoOp;
+
+/// Writes every op completely, resuming short writes; stops at the first error.
+pub fn write_all(ops: &[IoOp]) -> Result<()> {
+    for op in ops {
+        let mut op = *op;
+        loop {
+            // SAFETY: op.addr..op.addr+op.len lies inside registered memory that NIXL's
+            // contract keeps mapped while the request exists; pwrite only reads it.
+            let n = unsafe { libc::pwrite(op.fd, op.addr as *const libc::c_void, op.len as usize, op.file_offset as libc::off_t) };
+            if n < 0 {
+                let err = io::Error::last_os_error();
+                match err.raw_os_error() {
+                    Some(libc::EINTR) | Some(libc::EAGAIN) => continue,
+                    Some(errno) => return Err(op.failed(true, errno)),
+                    None => return Err(op.failed(true, libc::EIO)),
+                }
+            }
+            let n = n as u32;
+            if n == op.len {
+                break;
+            }
+            if n == 0 {
+                return Err(op.made_no_progress(true));
+            }
+            op = op.remainder(n);
+        }
+    }
+    Ok(())
+}
