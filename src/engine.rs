@@ -63,11 +63,11 @@ impl Engine {
         }
         let reg = match kind {
             MemKind::Dram => Registration::Dram(self.register_dram(addr, len, dev_id)?),
-            MemKind::File => Registration::File(self.register_file(addr, len, dev_id, meta_info)?),
+            MemKind::File | MemKind::Blk => Registration::Storage(self.register_storage(kind, addr, len, dev_id, meta_info)?),
             other => {
                 return Err(Error::new(
                     ErrorKind::NotSupported,
-                    format!("registerMem: {} is not supported by IO_URING_DMABUF (supported: DRAM_SEG, FILE_SEG)", other.name()),
+                    format!("registerMem: {} is not supported by IO_URING_DMABUF (supported: DRAM_SEG, FILE_SEG, BLK_SEG)", other.name()),
                 ))
             }
         };
@@ -93,8 +93,8 @@ impl Engine {
         Ok(region)
     }
 
-    fn register_file(&self, offset: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<FileRegion> {
-        let region = FileRegion::register(Arc::clone(&self.ring), offset, len, dev_id, meta_info, self.params.fixed_files)?;
+    fn register_storage(&self, kind: MemKind, offset: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<FileRegion> {
+        let region = FileRegion::register(Arc::clone(&self.ring), kind, offset, len, dev_id, meta_info, self.params.fixed_files)?;
         if region.owned_path.is_some() {
             let mut ids = self.path_dev_ids.lock().unwrap_or_else(|p| p.into_inner());
             if !ids.insert(dev_id) {
@@ -118,7 +118,7 @@ impl Engine {
         // SAFETY: per the contract, md came from Arc::into_raw in register() and NIXL's
         // reference is still counted.
         let reg = unsafe { Arc::from_raw(md.cast::<Registration>()) };
-        if let Registration::File(f) = &*reg {
+        if let Registration::Storage(f) = &*reg {
             if f.owned_path.is_some() {
                 self.path_dev_ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&f.dev_id);
             }
@@ -164,7 +164,7 @@ impl Engine {
             ));
         }
         for reg in &req.plan.registrations {
-            if let Registration::File(f) = &**reg {
+            if let Registration::Storage(f) = &**reg {
                 f.check_still_open()?;
             }
         }

@@ -1,5 +1,8 @@
-//! FILE registrations: a byte range of a file, named by an fd the application opened (fd mode,
-//! devId = fd) or by a path the plugin opens and closes itself (path mode, see `path_meta`).
+//! FILE_SEG and BLK_SEG registrations: a byte range of a file or raw block device, named by an fd
+//! the application opened (fd mode, devId = fd) or by a path the plugin opens and closes itself
+//! (path mode, see `path_meta`). BLK_SEG requires a block device opened with O_DIRECT; the
+//! registration must lie within the device's capacity (BLKGETSIZE64), and descriptors must follow
+//! its logical block size (BLKSSZGET).
 //!
 //! The registration remembers the file's identity (st_dev, st_ino) so that a fd closed or reused
 //! after registration is refused at post time instead of silently reaching another file, and
@@ -11,8 +14,9 @@ use std::fmt;
 use std::io;
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::mem::path_meta::PathMeta;
+use crate::mem::MemKind;
 use crate::uring::{FileKey, FileRef, Ring};
 
 /// O_DIRECT alignment of a file: memory address and file offset/length granularity.
@@ -22,8 +26,10 @@ pub struct DirectAlign {
     pub offset: u64,
 }
 
-/// A registered file range.
+/// A registered file or block-device range.
 pub struct FileRegion {
+    /// FILE_SEG or BLK_SEG.
+    pub kind: MemKind,
     pub fd: i32,
     pub dev_id: u64,
     pub offset: u64,
@@ -46,15 +52,28 @@ impl fmt::Debug for FileRegion {
 }
 
 impl FileRegion {
-    /// Registers `[offset, offset+len)` of the file named by `dev_id`/`meta_info`.
-    pub fn register(ring: Arc<Ring>, offset: u64, len: u64, dev_id: u64, meta_info: &str, fixed_files: bool) -> Result<FileRegion> {
-        let path_meta = PathMeta::parse(meta_info).map_err(|e| Error::invalid(format!("FILE registration devId {dev_id}: {e}")))?;
+    /// Registers `[offset, offset+len)` of the file (kind FILE_SEG) or block device (BLK_SEG)
+    /// named by `dev_id`/`meta_info`.
+    pub fn register(
+        ring: Arc<Ring>,
+        kind: MemKind,
+        offset: u64,
+        len: u64,
+        dev_id: u64,
+        meta_info: &str,
+        fixed_files: bool,
+    ) -> Result<FileRegion> {
+        let what = match kind {
+            MemKind::Blk => "BLK_SEG",
+            _ => "FILE",
+        };
+        let path_meta = PathMeta::parse(meta_info).map_err(|e| Error::invalid(format!("{what} registration devId {dev_id}: {e}")))?;
         let (fd, owned_path) = match &path_meta {
             Some(m) => (open_path(m, dev_id)?, Some(m.path.clone())),
             None => {
                 let fd = i32::try_from(dev_id).map_err(|_| {
                     Error::invalid(format!(
-                        "FILE registration: devId {dev_id} is not a file descriptor; pass an open fd, or metaInfo \"rw:/path\" for path mode"
+                        "{what} registration: devId {dev_id} is not a file descriptor; pass an open fd, or metaInfo \"rw:/path\" for path mode"
                     ))
                 })?;
                 (fd, None)
@@ -63,25 +82,46 @@ impl FileRegion {
         let guard = ClosesOnError { fd, owned: owned_path.is_some() };
         let st = fstat(fd).map_err(|e| {
             Error::os(
-                format!("FILE registration: fstat(fd {fd}) failed; devId must be an fd open in this process, or use path-mode metaInfo"),
+                format!("{what} registration: fstat(fd {fd}) failed; devId must be an fd open in this process, or use path-mode metaInfo"),
                 &e,
             )
         })?;
         let fmt = st.st_mode & libc::S_IFMT;
-        if fmt != libc::S_IFREG && fmt != libc::S_IFBLK {
-            return Err(Error::invalid(format!("FILE registration: fd {fd} is neither a regular file nor a block device")));
+        let is_block = fmt == libc::S_IFBLK;
+        match kind {
+            MemKind::Blk if !is_block => {
+                return Err(Error::invalid(format!("BLK_SEG registration: fd {fd} is not a block device; register files as FILE")))
+            }
+            _ if fmt != libc::S_IFREG && !is_block => {
+                return Err(Error::invalid(format!("FILE registration: fd {fd} is neither a regular file nor a block device")))
+            }
+            _ => {}
         }
         // SAFETY: F_GETFL on an fd we just fstat'ed; no memory is involved.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
         if flags < 0 {
-            return Err(Error::os(format!("FILE registration: fcntl(fd {fd}, F_GETFL)"), &io::Error::last_os_error()));
+            return Err(Error::os(format!("{what} registration: fcntl(fd {fd}, F_GETFL)"), &io::Error::last_os_error()));
         }
         let access = flags & libc::O_ACCMODE;
-        let direct = if flags & libc::O_DIRECT != 0 { Some(direct_align(fd, fmt == libc::S_IFBLK)) } else { None };
+        let direct = if flags & libc::O_DIRECT != 0 { Some(direct_align(fd, is_block)) } else { None };
+        if kind == MemKind::Blk {
+            if direct.is_none() {
+                return Err(Error::invalid(format!(
+                    "BLK_SEG registration: fd {fd} is not open with O_DIRECT; open the device with O_DIRECT (path mode: \"rw,direct:/dev/...\")"
+                )));
+            }
+            let capacity = block_capacity(fd)?;
+            if offset.checked_add(len).is_none_or(|end| end > capacity) {
+                return Err(Error::invalid(format!(
+                    "BLK_SEG registration: range [{offset}, +{len}) runs past the end of the device on fd {fd} ({capacity} bytes)"
+                )));
+            }
+        }
         let key = FileKey { fd, dev: st.st_dev, ino: st.st_ino };
         let fixed_slot = if fixed_files { ring.acquire_file(key) } else { None };
         std::mem::forget(guard);
         Ok(FileRegion {
+            kind,
             fd,
             dev_id,
             offset,
@@ -113,7 +153,7 @@ impl FileRegion {
         match fstat(self.fd) {
             Ok(st) if st.st_dev == self.key.dev && st.st_ino == self.key.ino => Ok(()),
             Ok(_) => Err(Error::new(
-                crate::error::ErrorKind::NotAllowed,
+                ErrorKind::NotAllowed,
                 format!("fd {} now refers to a different file than when it was registered; deregister and register the new file", self.fd),
             )),
             Err(e) => Err(Error::os(
@@ -161,6 +201,19 @@ fn open_path(m: &PathMeta, dev_id: u64) -> Result<i32> {
         return Err(Error::os(format!("FILE registration devId {dev_id}: open({:?})", m.path), &io::Error::last_os_error()));
     }
     Ok(fd)
+}
+
+/// `_IOR(0x12, 114, size_t)` from linux/fs.h; the libc crate does not export it.
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+
+/// Size of a block device in bytes.
+fn block_capacity(fd: i32) -> Result<u64> {
+    let mut bytes: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64.
+    if unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut bytes) } != 0 {
+        return Err(Error::os(format!("BLK_SEG registration: ioctl(fd {fd}, BLKGETSIZE64)"), &io::Error::last_os_error()));
+    }
+    Ok(bytes)
 }
 
 fn fstat(fd: i32) -> io::Result<libc::stat> {

@@ -49,14 +49,15 @@ impl MemKind {
 #[derive(Debug)]
 pub enum Registration {
     Dram(DramRegion),
-    File(FileRegion),
+    /// FILE_SEG or BLK_SEG (the region knows which).
+    Storage(FileRegion),
 }
 
 impl Registration {
     pub fn kind(&self) -> MemKind {
         match self {
             Registration::Dram(_) => MemKind::Dram,
-            Registration::File(_) => MemKind::File,
+            Registration::Storage(f) => f.kind,
         }
     }
 
@@ -64,14 +65,14 @@ impl Registration {
     pub fn range(&self) -> (u64, u64) {
         match self {
             Registration::Dram(d) => (d.addr, d.addr + d.len),
-            Registration::File(f) => (f.offset, f.offset.saturating_add(f.len)),
+            Registration::Storage(f) => (f.offset, f.offset.saturating_add(f.len)),
         }
     }
 
     pub fn dev_id(&self) -> u64 {
         match self {
             Registration::Dram(d) => d.dev_id,
-            Registration::File(f) => f.dev_id,
+            Registration::Storage(f) => f.dev_id,
         }
     }
 }

@@ -105,9 +105,9 @@ pub unsafe fn plan(
 ) -> Result<Plan> {
     let lk = MemKind::from_nixl(local_kind);
     let rk = MemKind::from_nixl(remote_kind);
-    if lk != Some(MemKind::Dram) || rk != Some(MemKind::File) {
+    if lk != Some(MemKind::Dram) || !matches!(rk, Some(MemKind::File) | Some(MemKind::Blk)) {
         return Err(Error::invalid(format!(
-            "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG (local) <-> FILE_SEG (remote)",
+            "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG (local) <-> FILE_SEG or BLK_SEG (remote)",
             lk.map_or("unknown", |k| k.name()),
             rk.map_or("unknown", |k| k.name())
         )));
@@ -145,9 +145,16 @@ pub unsafe fn plan(
         let Registration::Dram(dram) = &*mem else {
             return Err(Error::invalid(format!("descriptor {i}: local descriptor's registration is {}, not DRAM_SEG", mem.kind().name())));
         };
-        let Registration::File(file) = &*file_reg else {
-            return Err(Error::invalid(format!("descriptor {i}: remote descriptor's registration is {}, not FILE_SEG", file_reg.kind().name())));
+        let Registration::Storage(file) = &*file_reg else {
+            return Err(Error::invalid(format!("descriptor {i}: remote descriptor's registration is {}, not storage", file_reg.kind().name())));
         };
+        if Some(file.kind) != rk {
+            return Err(Error::invalid(format!(
+                "descriptor {i}: remote list is {} but the descriptor's registration is {}",
+                rk.map_or("unknown", |k| k.name()),
+                file.kind.name()
+            )));
+        }
         check_covered(i, "local memory", l, &mem)?;
         check_covered(i, "file range", r, &file_reg)?;
         match op {
@@ -164,7 +171,7 @@ pub unsafe fn plan(
         if let Some(a) = file.direct {
             if r.addr % a.offset != 0 || r.len % a.offset != 0 || l.addr % a.mem != 0 {
                 return Err(Error::invalid(format!(
-                    "descriptor {i}: O_DIRECT on fd {} needs file offset and length multiples of {} and memory aligned to {}; got offset {}, length {}, memory 0x{:x}",
+                    "descriptor {i}: O_DIRECT on fd {} needs offset and length multiples of {} and memory aligned to {}; got offset {}, length {}, memory 0x{:x}",
                     file.fd, a.offset, a.mem, r.addr, r.len, l.addr
                 )));
             }

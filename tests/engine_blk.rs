@@ -1,0 +1,227 @@
+//! BLK_SEG through the engine on loop devices (losetup --direct-io=on, 512 B and 4 KiB logical
+//! blocks): round trips in path and fd mode, the capacity edge, and every alignment and bounds
+//! refusal. Needs root and loop devices; without them each test prints one SKIP line and returns.
+
+use std::ffi::c_void;
+use std::fs::OpenOptions;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::process::Command;
+
+use io_uring_dmabuf::bridge::iud_desc;
+use io_uring_dmabuf::engine::Engine;
+use io_uring_dmabuf::error::{Error, ErrorKind};
+use io_uring_dmabuf::uring::Progress;
+
+const DRAM: i32 = 0;
+const BLK: i32 = 2;
+const FILE: i32 = 4;
+const READ: i32 = 0;
+const WRITE: i32 = 1;
+const AGENT: &str = "agent";
+const DEVICE_BYTES: u64 = 64 << 20;
+
+/// A loop device over a sparse image in /var/tmp, detached and removed on drop.
+struct Loop {
+    dev: String,
+    image: String,
+}
+
+impl Loop {
+    fn new(sector: u32) -> Result<Loop, String> {
+        let image = format!("/var/tmp/iud-blk-test-{}-{sector}-{}.img", std::process::id(), rand_u64());
+        let f = std::fs::File::create(&image).map_err(|e| format!("create {image}: {e}"))?;
+        f.set_len(DEVICE_BYTES).map_err(|e| e.to_string())?;
+        let out = Command::new("losetup")
+            .args(["-f", "--show", "--direct-io=on", "-b", &sector.to_string(), &image])
+            .output()
+            .map_err(|e| format!("losetup: {e}"))?;
+        if !out.status.success() {
+            let _ = std::fs::remove_file(&image);
+            return Err(format!("losetup failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        Ok(Loop { dev: String::from_utf8_lossy(&out.stdout).trim().to_owned(), image })
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").args(["-d", &self.dev]).status();
+        let _ = std::fs::remove_file(&self.image);
+    }
+}
+
+fn rand_u64() -> u64 {
+    let mut x = 0u64;
+    // SAFETY: getrandom writes up to 8 bytes into x.
+    unsafe { libc::getrandom((&mut x as *mut u64).cast(), 8, 0) };
+    x
+}
+
+/// A loop device, or None after printing why the test is skipped.
+fn loop_device(test: &str, sector: u32) -> Option<Loop> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIP {test}: needs root for losetup");
+        return None;
+    }
+    match Loop::new(sector) {
+        Ok(l) => Some(l),
+        Err(e) => {
+            println!("SKIP {test}: no loop device ({e})");
+            None
+        }
+    }
+}
+
+struct Buf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Buf {
+    fn random(len: usize) -> Buf {
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: posix_memalign writes an aligned allocation into ptr.
+        assert_eq!(unsafe { libc::posix_memalign(&mut ptr, 4096, len) }, 0);
+        let b = Buf { ptr: ptr.cast(), len };
+        let mut filled = 0;
+        while filled < len {
+            // SAFETY: writes into our allocation.
+            let n = unsafe { libc::getrandom(b.ptr.add(filled).cast(), len - filled, 0) };
+            assert!(n > 0);
+            filled += n as usize;
+        }
+        b
+    }
+    fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: our allocation.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by posix_memalign.
+        unsafe { libc::free(self.ptr.cast()) }
+    }
+}
+
+fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
+    iud_desc { addr, len, dev_id, md }
+}
+
+fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), Error> {
+    // SAFETY: the lists' MDs are live registrations of `e`.
+    let req = unsafe { e.prep(op, DRAM, local, BLK, remote, AGENT) }?;
+    let mut res = e.post(&req, op, local.len(), remote.len());
+    while let Ok(Progress::InFlight) = res {
+        res = e.check(&req);
+    }
+    e.release(req).map_err(|(_, err)| err).expect("release");
+    res.map(|_| ())
+}
+
+fn prep_err(e: &Engine, local: &[iud_desc], remote: &[iud_desc]) -> Error {
+    // SAFETY: the lists' MDs are live registrations of `e`.
+    unsafe { e.prep(WRITE, DRAM, local, BLK, remote, AGENT) }.expect_err("prep must refuse")
+}
+
+/// WRITE then READ of mixed-size blocks over the whole device, verified against the device.
+fn round_trip(sector: u32, path_mode: bool) {
+    let name = format!("blk_round_trip_{sector}_{}", if path_mode { "path" } else { "fd" });
+    let Some(lo) = loop_device(&name, sector) else { return };
+    let e = Engine::new(AGENT, [("max_io_size", "262144")]).unwrap();
+    let src = Buf::random(DEVICE_BYTES as usize);
+    let dst = Buf::random(DEVICE_BYTES as usize);
+    let _keep_open;
+    let (dev_id, meta) = if path_mode {
+        (77u64, format!("rw,direct:{}", lo.dev))
+    } else {
+        let f = OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&lo.dev).unwrap();
+        let fd = f.as_raw_fd() as u64;
+        _keep_open = f;
+        (fd, String::new())
+    };
+    let ms = e.register(DRAM, src.addr(), DEVICE_BYTES, 0, "").unwrap();
+    let md = e.register(DRAM, dst.addr(), DEVICE_BYTES, 0, "").unwrap();
+    let mb = e.register(BLK, 0, DEVICE_BYTES, dev_id, &meta).unwrap();
+    let unit = sector as u64;
+    let mut blocks = Vec::new();
+    let mut off = 0;
+    for i in 0.. {
+        if off >= DEVICE_BYTES {
+            break;
+        }
+        let len = ([1, 8, 3, 256, 1, 2048, 7][i % 7] * unit).min(DEVICE_BYTES - off);
+        blocks.push((off, len));
+        off += len;
+    }
+    let lw: Vec<_> = blocks.iter().map(|&(o, n)| desc(src.addr() + o, n, 0, ms)).collect();
+    let lr: Vec<_> = blocks.iter().map(|&(o, n)| desc(dst.addr() + o, n, 0, md)).collect();
+    let r: Vec<_> = blocks.iter().map(|&(o, n)| desc(o, n, dev_id, mb)).collect();
+    run(&e, WRITE, &lw, &r).unwrap();
+    run(&e, READ, &lr, &r).unwrap();
+    assert!(src.bytes() == dst.bytes(), "{name}: data read back differs");
+    let image = std::fs::read(&lo.image).unwrap();
+    assert!(image == src.bytes(), "{name}: backing image differs from what was written");
+    // SAFETY: each MD deregistered once.
+    unsafe {
+        for m in [ms, md, mb] {
+            e.deregister(m).unwrap();
+        }
+    }
+}
+
+#[test]
+fn blk_round_trip_512_path_mode() {
+    round_trip(512, true);
+}
+
+#[test]
+fn blk_round_trip_4096_fd_mode() {
+    round_trip(4096, false);
+}
+
+#[test]
+fn blk_refuses_misalignment_and_ranges_past_the_end() {
+    let Some(lo) = loop_device("blk_refusals", 4096) else { return };
+    let e = Engine::new(AGENT, std::iter::empty()).unwrap();
+    let buf = Buf::random(1 << 20);
+    let m = e.register(DRAM, buf.addr(), 1 << 20, 0, "").unwrap();
+    let meta = format!("rw,direct:{}", lo.dev);
+
+    // Registration rules.
+    let past = e.register(BLK, DEVICE_BYTES - 4096, 8192, 5, &meta).unwrap_err();
+    assert!(past.message.contains("runs past the end of the device"), "{}", past.message);
+    let buffered = e.register(BLK, 0, 4096, 5, &format!("rw:{}", lo.dev)).unwrap_err();
+    assert!(buffered.message.contains("O_DIRECT"), "{}", buffered.message);
+    let not_block = e.register(BLK, 0, 4096, 5, &format!("rw,direct:{}", lo.image)).unwrap_err();
+    assert!(not_block.message.contains("not a block device"), "{}", not_block.message);
+
+    let mb = e.register(BLK, 0, DEVICE_BYTES, 5, &meta).unwrap();
+    // Alignment to the 4 KiB logical block: offset, length, memory address.
+    for (mem_off, dev_off, len) in [(0u64, 512u64, 4096u64), (0, 0, 512), (512, 0, 4096)] {
+        let err = prep_err(&e, &[desc(buf.addr() + mem_off, len, 0, m)], &[desc(dev_off, len, 5, mb)]);
+        assert_eq!(err.kind, ErrorKind::InvalidParam);
+        assert!(err.message.contains("multiples of 4096"), "{}", err.message);
+    }
+    // Past the registration (= the device end).
+    let err = prep_err(&e, &[desc(buf.addr(), 8192, 0, m)], &[desc(DEVICE_BYTES - 4096, 8192, 5, mb)]);
+    assert_eq!(err.kind, ErrorKind::NotFound);
+    // A FILE list naming a BLK registration.
+    // SAFETY: live registrations.
+    let kinds = unsafe { e.prep(WRITE, DRAM, &[desc(buf.addr(), 4096, 0, m)], FILE, &[desc(0, 4096, 5, mb)], AGENT) }.unwrap_err();
+    assert!(kinds.message.contains("remote list is FILE_SEG but the descriptor's registration is BLK_SEG"), "{}", kinds.message);
+
+    // The capacity edge: the last block moves, and the engine still works after every refusal.
+    let tail = [desc(DEVICE_BYTES - 4096, 4096, 5, mb)];
+    run(&e, WRITE, &[desc(buf.addr(), 4096, 0, m)], &tail).unwrap();
+    run(&e, READ, &[desc(buf.addr() + 4096, 4096, 0, m)], &tail).unwrap();
+    assert!(buf.bytes()[..4096] == buf.bytes()[4096..8192]);
+    let image = std::fs::read(&lo.image).unwrap();
+    assert!(image[(DEVICE_BYTES - 4096) as usize..] == buf.bytes()[..4096]);
+}
