@@ -2,7 +2,10 @@
 # The project's main benchmark job: IO_URING_DMABUF against NIXL's own POSIX backend (io_uring and
 # libaio queues), DRAM <-> FILE, READ and WRITE, 4 KiB .. 16 MiB blocks, 1 and 64 descriptors per
 # request, buffered, on a temporary 1 GiB file in /tmp, every point verified (--check_consistency,
-# outside the timed loop). Runs setup and the plugin build first, then the bench crate
+# outside the timed loop). The file blocks of a request are shuffled
+# (--randomize_location_mode blockaligned), so ops/s counts real I/Os and no backend gains from
+# merging neighbouring descriptors; pass --randomize_location_mode none for nixlbench's contiguous
+# layout. Runs setup and the plugin build first, then the bench crate
 # (bench/, binary iud-bench) over the real NIXL runtime of the wheel.
 #
 # Extra arguments go to iud-bench and override the defaults (later flags win), e.g.
@@ -30,7 +33,7 @@ exec "$IUD_TARGET/release/iud-bench" \
     --op_type BOTH \
     --total_buffer_size 1G \
     --start_block_size 4096 --max_block_size 16M \
-    --batch_sizes 1,64 \
+    --batch_sizes 1,64 --randomize_location_mode blockaligned \
     --num_iter 0 --duration_ms 500 --warmup_iter 10 \
     --check_consistency \
     "$@"

@@ -41,7 +41,11 @@ Run with LD_LIBRARY_PATH=<wheel>/.nixl_cu12.mesonpy.libs and NIXL_PLUGIN_DIR=<pl
   --prepared_xfer           prepXferDlist once per point + makeXferReq (else createXferReq)
   --enable_pt               agent progress thread on (default off, like nixlbench)
   --initiator_seg_type T    DRAM only
-  --seed N                  random pattern seed (default 1)
+  --randomize_location_mode M  none (default): descriptor j of a request is block j of the
+                            thread's region in DRAM and in the file, so a request is one contiguous
+                            range that a backend may merge into few large I/Os; blockaligned: the
+                            file blocks are shuffled, so every descriptor stays a separate I/O
+  --seed N                  random pattern/shuffle seed (default 1)
   --help
 
 Columns: B/W = bytes / wall time of the timed loop / 1e9; Avg Lat = wall time / iterations per
@@ -106,6 +110,8 @@ pub struct Config {
     pub prepared_xfer: bool,
     pub enable_pt: bool,
     pub seed: u64,
+    /// nixlbench --randomize_location_mode blockaligned: shuffle the file blocks of a request.
+    pub randomize_blockaligned: bool,
 }
 
 impl Default for Config {
@@ -134,6 +140,7 @@ impl Default for Config {
             prepared_xfer: false,
             enable_pt: false,
             seed: 1,
+            randomize_blockaligned: false,
         }
     }
 }
@@ -335,6 +342,13 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "large_blk_iter_ftr" => c.large_blk_iter_ftr = num(&val)?,
             "num_threads" => c.num_threads = num(&val)? as usize,
             "seed" => c.seed = num(&val)?,
+            "randomize_location_mode" => {
+                c.randomize_blockaligned = match val.to_ascii_lowercase().as_str() {
+                    "none" => false,
+                    "blockaligned" => true,
+                    _ => return Err(format!("--randomize_location_mode: none|blockaligned, got '{val}'")),
+                }
+            }
             "initiator_seg_type" => {
                 if !val.eq_ignore_ascii_case("DRAM") {
                     return Err(format!("--initiator_seg_type {val}: only DRAM is supported"));

@@ -146,6 +146,7 @@ fn print_config(cfg: &Config) {
         ("recreate_xfer", cfg.recreate_xfer.to_string()),
         ("prepared_xfer", cfg.prepared_xfer.to_string()),
         ("enable_pt", cfg.enable_pt.to_string()),
+        ("randomize_location_mode", if cfg.randomize_blockaligned { "blockaligned (file blocks of a request shuffled)".into() } else { "none (a request = one contiguous range in DRAM and file)".into() }),
         ("seed", cfg.seed.to_string()),
     ];
     for (k, v) in rows {
@@ -281,6 +282,15 @@ fn run(cfg: &Config) -> i32 {
     println!();
     println!("########## summary ##########");
     print!("{}", report::summary(&labels, &all, &cfg.ops));
+    println!(
+        "descriptor layout: {}; {}",
+        if cfg.randomize_blockaligned {
+            "blockaligned (file blocks of a request shuffled: every descriptor is its own I/O)"
+        } else {
+            "none (a request is one contiguous range in DRAM and file: backends may merge descriptors)"
+        },
+        if cfg.storage_enable_direct { "O_DIRECT" } else { "buffered (page cache)" }
+    );
     let mut rc = 0;
     if !failed.is_empty() {
         println!("FAILED backends: {}", failed.join(", "));

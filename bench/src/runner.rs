@@ -237,9 +237,22 @@ fn plan(cfg: &Config, block: u64) -> Plan {
     }
 }
 
-/// Offsets (relative to the thread's region) of the descriptors of one request.
-fn desc_offsets(block: u64, batch: u64) -> impl Iterator<Item = u64> {
-    (0..batch).map(move |j| j * block)
+/// (DRAM offset, file offset) of every descriptor of thread `t`'s request, both absolute within
+/// the buffer / file. Descriptor j uses block j of the thread's region on both sides (nixlbench's
+/// layout: a request covers one contiguous range, which a backend may merge); with
+/// `--randomize_location_mode blockaligned` the file blocks are shuffled (seeded), so neighbouring
+/// descriptors are (almost never) contiguous in the file.
+fn desc_pairs(cfg: &Config, block: u64, batch: u64, t: usize) -> Vec<(u64, u64)> {
+    let base = t as u64 * cfg.region_per_thread();
+    let mut file: Vec<u64> = (0..batch).map(|j| base + j * block).collect();
+    if cfg.randomize_blockaligned {
+        let mut rng = SplitMix64::new(cfg.seed ^ 0x5EED ^ (t as u64) << 32 ^ block ^ batch.rotate_left(20));
+        for i in (1..file.len()).rev() {
+            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+            file.swap(i, j);
+        }
+    }
+    (0..batch).map(|j| base + j * block).zip(file).collect()
 }
 
 fn run_point(
@@ -252,15 +265,14 @@ fn run_point(
     batch: u64,
 ) -> Result<PointResult, String> {
     let cfg = ctx.cfg;
-    let region = cfg.region_per_thread();
     if cfg.check_consistency {
         // WRITE: fresh random source data, so the file cannot already hold it.
         // READ: zero the destinations, so stale data cannot pass.
         let mut rng = SplitMix64::new(cfg.seed ^ block.rotate_left(17) ^ batch.rotate_left(41) ^ 0xA5A5);
-        for t in 0..cfg.num_threads as u64 {
-            for off in desc_offsets(block, batch) {
+        for t in 0..cfg.num_threads {
+            for (mem, _) in desc_pairs(cfg, block, batch, t) {
                 // SAFETY: no transfer is in flight between points.
-                let s = unsafe { ctx.dram.slice_mut((t * region + off) as usize, block as usize) };
+                let s = unsafe { ctx.dram.slice_mut(mem as usize, block as usize) };
                 match op {
                     Op::Write => rng.fill(s),
                     Op::Read => s.fill(0),
@@ -322,19 +334,17 @@ fn run_point(
 
 /// Compares every descriptor's DRAM range with the file range (read through the buffered fd).
 fn verify(ctx: &Ctx, block: u64, batch: u64) -> Result<(), String> {
-    let region = ctx.cfg.region_per_thread();
     let mut tmp = vec![0u8; block as usize];
-    for t in 0..ctx.cfg.num_threads as u64 {
-        for off in desc_offsets(block, batch) {
-            let pos = t * region + off;
-            pread_full(ctx.verify_fd, &mut tmp, pos).map_err(|e| format!("pread at {pos}: {e}"))?;
+    for t in 0..ctx.cfg.num_threads {
+        for (j, (mem, file)) in desc_pairs(ctx.cfg, block, batch, t).into_iter().enumerate() {
+            pread_full(ctx.verify_fd, &mut tmp, file).map_err(|e| format!("pread at {file}: {e}"))?;
             // SAFETY: no transfer is in flight after the point.
-            let d = unsafe { ctx.dram.slice(pos as usize, block as usize) };
+            let d = unsafe { ctx.dram.slice(mem as usize, block as usize) };
             if d != tmp.as_slice() {
                 let i = d.iter().zip(&tmp).position(|(a, b)| a != b).unwrap();
                 return Err(format!(
-                    "thread {t} descriptor at offset {pos} (len {block}): first difference at byte {i}: \
-                     DRAM 0x{:02x} file 0x{:02x}",
+                    "thread {t} descriptor {j} (DRAM offset {mem}, file offset {file}, len {block}): \
+                     first difference at byte {i}: DRAM 0x{:02x} file 0x{:02x}",
                     d[i], tmp[i]
                 ));
             }
@@ -365,13 +375,11 @@ impl ThreadXfer<'_> {
         batch: u64,
         t: usize,
     ) -> Result<Self, String> {
-        let region = ctx.cfg.region_per_thread();
-        let base = t as u64 * region;
         let mut local = XferDescList::new(MemType::Dram).map_err(|e| nerr("XferDescList(DRAM)", e))?;
         let mut remote = XferDescList::new(MemType::File).map_err(|e| nerr("XferDescList(FILE)", e))?;
-        for off in desc_offsets(block, batch) {
-            local.add_desc(ctx.dram.addr() + (base + off) as usize, block as usize, 0);
-            remote.add_desc((base + off) as usize, block as usize, ctx.fd as u64);
+        for (mem, file) in desc_pairs(ctx.cfg, block, batch, t) {
+            local.add_desc(ctx.dram.addr() + mem as usize, block as usize, 0);
+            remote.add_desc(file as usize, block as usize, ctx.fd as u64);
         }
         let mut opt = OptArgs::new().map_err(|e| nerr("OptArgs", e))?;
         opt.add_backend(backend).map_err(|e| nerr("OptArgs::add_backend", e))?;
