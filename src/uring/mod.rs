@@ -11,6 +11,7 @@
 //!   a leaf lock and unregistered the next time the core lock is taken, so a registration may be
 //!   dropped anywhere, including while the core lock is held.
 
+pub mod dmabuf_uapi;
 pub mod inline;
 mod op;
 mod slots;
