@@ -9,12 +9,18 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::error::{Error, ErrorKind, Result};
-use crate::mem::{DramRegion, FileRegion, MemKind, Registration};
-use crate::params::{EngineParams, FixedBuffers};
-use crate::uring::{inline, Progress, RequestKey, Ring};
-use crate::xfer::{plan, Plan, XferOp};
+use once_cell::sync::OnceCell;
+
 use crate::bridge::iud_desc;
+use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::{self, GpuProvider};
+use crate::mem::vram::VramRoute;
+use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
+use crate::params::{EngineParams, FixedBuffers, VramPath};
+use crate::uring::dmabuf_uapi::{self, DmabufSupport};
+use crate::uring::{inline, Progress, RequestKey, Ring};
+use crate::xfer::plan::PlanContext;
+use crate::xfer::{plan, Plan, XferOp};
 
 /// One backend instance.
 pub struct Engine {
@@ -24,6 +30,14 @@ pub struct Engine {
     /// devIds of live path-mode FILE registrations (they must be unique per file).
     path_dev_ids: Mutex<HashSet<u64>>,
     fixed_buffer_fallback_logged: AtomicBool,
+    /// The GPU provider, loaded on the first VRAM registration.
+    gpu: OnceCell<std::result::Result<Arc<dyn GpuProvider>, Error>>,
+}
+
+/// The kernel's io_uring DMA-BUF capability, probed once per process.
+pub fn dmabuf_support() -> &'static DmabufSupport {
+    static SUPPORT: OnceCell<DmabufSupport> = OnceCell::new();
+    SUPPORT.get_or_init(dmabuf_uapi::probe)
 }
 
 /// A prepared transfer: NIXL holds it between prepXfer and releaseReqH.
@@ -47,6 +61,7 @@ impl Engine {
             ring,
             path_dev_ids: Mutex::new(HashSet::new()),
             fixed_buffer_fallback_logged: AtomicBool::new(false),
+            gpu: OnceCell::new(),
         })
     }
 
@@ -63,11 +78,12 @@ impl Engine {
         }
         let reg = match kind {
             MemKind::Dram => Registration::Dram(self.register_dram(addr, len, dev_id)?),
+            MemKind::Vram => Registration::Vram(self.register_vram(addr, len, dev_id)?),
             MemKind::File | MemKind::Blk => Registration::Storage(self.register_storage(kind, addr, len, dev_id, meta_info)?),
             other => {
                 return Err(Error::new(
                     ErrorKind::NotSupported,
-                    format!("registerMem: {} is not supported by IO_URING_DMABUF (supported: DRAM_SEG, FILE_SEG, BLK_SEG)", other.name()),
+                    format!("registerMem: {} is not supported by IO_URING_DMABUF (supported: DRAM_SEG, VRAM_SEG, FILE_SEG, BLK_SEG)", other.name()),
                 ))
             }
         };
@@ -91,6 +107,118 @@ impl Engine {
             }
         }
         Ok(region)
+    }
+
+    fn gpu(&self) -> Result<Arc<dyn GpuProvider>> {
+        self.gpu
+            .get_or_init(|| {
+                let p = gpu::load(self.params.gpu_provider)?;
+                tracing::info!("GPU provider {}: {}", p.name(), p.describe());
+                Ok(p)
+            })
+            .clone()
+    }
+
+    fn register_vram(&self, addr: u64, len: u64, dev_id: u64) -> Result<VramRegion> {
+        let device = i32::try_from(dev_id).map_err(|_| Error::invalid(format!("registerMem: VRAM devId {dev_id} is not a GPU ordinal")))?;
+        let provider = self.gpu()?;
+        let (export, required) = match self.params.vram_path {
+            VramPath::Dmabuf => {
+                if let DmabufSupport::Absent(why) = dmabuf_support() {
+                    return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: vram_path=dmabuf cannot work here: {why}")));
+                }
+                (true, true)
+            }
+            VramPath::Cufile => {
+                return Err(Error::new(
+                    ErrorKind::NotSupported,
+                    "registerMem: vram_path=cufile is not available in this build (the cuFile sub-path is not implemented yet); use auto or staging",
+                ))
+            }
+            VramPath::Auto => (dmabuf_support().is_available(), false),
+            VramPath::Staging => (false, false),
+        };
+        VramRegion::register(provider, addr, len, device, export, required)
+    }
+
+    /// How `vram` reaches `file`: decided on first use of the pair, cached, logged once.
+    fn route(&self, vram: &VramRegion, file: &FileRegion) -> Result<VramRoute> {
+        let key = file.key();
+        if let Some(r) = vram.routes.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(r.clone());
+        }
+        let (route, reason) = self.choose_route(vram, file)?;
+        if route == VramRoute::Staging {
+            self.ring.enable_staging(Arc::clone(&vram.provider), self.params.staging_buffer_size, self.params.staging_buffers)?;
+        }
+        tracing::info!(
+            "VRAM 0x{:x}+{} (GPU {}) <-> fd {}: {} ({reason})",
+            vram.addr,
+            vram.len,
+            vram.device,
+            file.fd,
+            match route {
+                VramRoute::Dmabuf { .. } => "io_uring DMA-BUF",
+                VramRoute::Staging => "pinned host staging",
+            }
+        );
+        vram.routes.lock().unwrap_or_else(|p| p.into_inner()).insert(key, route.clone());
+        Ok(route)
+    }
+
+    fn choose_route(&self, vram: &VramRegion, file: &FileRegion) -> Result<(VramRoute, String)> {
+        match self.params.vram_path {
+            VramPath::Staging => Ok((VramRoute::Staging, "vram_path=staging".into())),
+            VramPath::Dmabuf => self.bind_dmabuf(vram, file).map(|r| (r, "vram_path=dmabuf".into())).map_err(|why| {
+                Error::new(ErrorKind::NotSupported, format!("vram_path=dmabuf cannot reach fd {}: {why}", file.fd))
+            }),
+            VramPath::Auto => match self.bind_dmabuf(vram, file) {
+                Ok(r) => Ok((r, "auto: DMA-BUF registration and self-test passed".into())),
+                Err(why) => Ok((
+                    VramRoute::Staging,
+                    format!("auto: dmabuf unavailable ({why}); cufile not built in; staging"),
+                )),
+            },
+            VramPath::Cufile => Err(Error::new(ErrorKind::NotSupported, "vram_path=cufile is not available in this build")),
+        }
+    }
+
+    /// Binds every slab of `vram` to `file` as io_uring DMA-BUF buffers, or says why not.
+    fn bind_dmabuf(&self, vram: &VramRegion, file: &FileRegion) -> std::result::Result<VramRoute, String> {
+        if let DmabufSupport::Absent(why) = dmabuf_support() {
+            return Err(why.clone());
+        }
+        if file.kind != MemKind::Blk || file.direct.is_none() {
+            return Err("the target is not a raw block device opened with O_DIRECT (the kernel supports DMA-BUF I/O only there)".into());
+        }
+        if let Some(note) = &vram.export_note {
+            return Err(note.clone());
+        }
+        let mut slots = Vec::with_capacity(vram.slabs.len());
+        for slab in &vram.slabs {
+            use std::os::fd::AsRawFd;
+            let fd = slab.dmabuf.as_ref().map(|f| f.as_raw_fd()).ok_or("slab has no DMA-BUF")?;
+            match self.ring.register_dmabuf(fd, file.fd) {
+                Ok(slot) => slots.push(slot),
+                Err(e) => {
+                    for s in slots {
+                        self.ring.release_buffer(s);
+                    }
+                    return Err(format!("io_uring refused the DMA-BUF for fd {}: {}", file.fd, crate::error::describe_os_error(&e)));
+                }
+            }
+        }
+        let ring = Arc::clone(&self.ring);
+        let owned = slots.clone();
+        vram.on_drop.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(move || {
+            for s in owned {
+                ring.release_buffer(s);
+            }
+        }));
+        if self.params.verify_dma {
+            crate::verify_dma::dmabuf_read(&self.ring, vram, file, slots[0])?;
+        }
+        Ok(VramRoute::Dmabuf { slots })
     }
 
     fn register_storage(&self, kind: MemKind, offset: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<FileRegion> {
@@ -148,8 +276,13 @@ impl Engine {
                 self.local_agent
             )));
         }
+        let ctx = PlanContext {
+            max_io_size: self.params.max_io_size,
+            staging_buffer_size: self.params.staging_buffer_size,
+            route: &|vram, file| self.route(vram, file),
+        };
         // SAFETY: forwarded from the caller.
-        let plan = unsafe { plan(op, local_kind, local, remote_kind, remote, self.params.max_io_size) }?;
+        let plan = unsafe { plan(op, local_kind, local, remote_kind, remote, &ctx) }?;
         let key = self.ring.add_request(Arc::clone(&plan.ops));
         Ok(Box::new(Request { key, plan }))
     }
@@ -169,7 +302,7 @@ impl Engine {
             }
         }
         let inline_max = self.params.inline_write_max;
-        if op == XferOp::Write && req.plan.all_buffered && inline_max > 0 && req.plan.total_bytes <= inline_max {
+        if op == XferOp::Write && req.plan.all_buffered && req.plan.all_host && inline_max > 0 && req.plan.total_bytes <= inline_max {
             inline::write_all(&req.plan.ops.ops)?;
             return Ok(Progress::Done);
         }

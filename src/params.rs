@@ -5,13 +5,24 @@
 //! parameter with a malformed value fails engine creation with a message naming it.
 
 use crate::error::{Error, Result};
+use crate::gpu::ProviderChoice;
 use crate::manifest;
+use crate::uring::MAX_FIXED_BUFFER;
 
 /// Whether DRAM registrations become io_uring fixed buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FixedBuffers {
     Auto,
     Off,
+}
+
+/// How VRAM is moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VramPath {
+    Auto,
+    Dmabuf,
+    Cufile,
+    Staging,
 }
 
 /// Parsed backend parameters.
@@ -22,6 +33,11 @@ pub struct EngineParams {
     pub fixed_files: bool,
     pub max_io_size: u64,
     pub inline_write_max: u64,
+    pub vram_path: VramPath,
+    pub gpu_provider: ProviderChoice,
+    pub verify_dma: bool,
+    pub staging_buffer_size: u64,
+    pub staging_buffers: u32,
 }
 
 const RING_ENTRIES_RANGE: (u32, u32) = (16, 32768);
@@ -65,7 +81,43 @@ impl EngineParams {
             )));
         }
         let inline_write_max = parse_u64("inline_write_max", get("inline_write_max"))?;
-        let params = EngineParams { ring_entries: ring_entries as u32, fixed_buffers, fixed_files, max_io_size, inline_write_max };
+        let vram_path = match get("vram_path").to_ascii_lowercase().as_str() {
+            "auto" => VramPath::Auto,
+            "dmabuf" => VramPath::Dmabuf,
+            "cufile" => VramPath::Cufile,
+            "staging" => VramPath::Staging,
+            other => {
+                return Err(Error::invalid(format!(
+                    "backend parameter vram_path={other:?} must be auto, dmabuf, cufile or staging"
+                )))
+            }
+        };
+        let gpu_provider = ProviderChoice::parse(get("gpu_provider")).ok_or_else(|| {
+            Error::invalid(format!("backend parameter gpu_provider={:?} must be cuda, rocm, vulkan or auto", get("gpu_provider")))
+        })?;
+        let verify_dma = parse_bool("verify_dma", get("verify_dma"))?;
+        let staging_buffer_size = parse_u64("staging_buffer_size", get("staging_buffer_size"))?;
+        if staging_buffer_size < 65536 || staging_buffer_size % 4096 != 0 || staging_buffer_size > MAX_FIXED_BUFFER {
+            return Err(Error::invalid(format!(
+                "backend parameter staging_buffer_size={staging_buffer_size} must be a multiple of 4096 between 65536 and 1 GiB"
+            )));
+        }
+        let staging_buffers = parse_u64("staging_buffers", get("staging_buffers"))?;
+        if !(2..=256).contains(&staging_buffers) {
+            return Err(Error::invalid(format!("backend parameter staging_buffers={staging_buffers} must be within 2..256")));
+        }
+        let params = EngineParams {
+            ring_entries: ring_entries as u32,
+            fixed_buffers,
+            fixed_files,
+            max_io_size,
+            inline_write_max,
+            vram_path,
+            gpu_provider,
+            verify_dma,
+            staging_buffer_size,
+            staging_buffers: staging_buffers as u32,
+        };
         Ok((params, ignored))
     }
 }
@@ -112,7 +164,18 @@ mod tests {
 
     #[test]
     fn malformed_values_name_the_parameter() {
-        for (k, v) in [("ring_entries", "lots"), ("ring_entries", "8"), ("fixed_buffers", "maybe"), ("fixed_files", "2"), ("max_io_size", "100")] {
+        for (k, v) in [
+            ("ring_entries", "lots"),
+            ("ring_entries", "8"),
+            ("fixed_buffers", "maybe"),
+            ("fixed_files", "2"),
+            ("max_io_size", "100"),
+            ("vram_path", "gds"),
+            ("gpu_provider", "metal"),
+            ("verify_dma", "perhaps"),
+            ("staging_buffer_size", "1000"),
+            ("staging_buffers", "1"),
+        ] {
             let e = EngineParams::parse([(k, v)]).unwrap_err();
             assert_eq!(e.kind, ErrorKind::InvalidParam);
             assert!(e.message.contains(k), "{}", e.message);

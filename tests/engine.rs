@@ -395,3 +395,18 @@ fn eight_threads_post_on_one_engine() {
         h.join().unwrap();
     }
 }
+
+#[test]
+fn vram_without_a_gpu_driver_is_refused_with_the_reason() {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        println!("SKIP vram_without_a_gpu_driver: this machine has an NVIDIA driver (the GPU tests cover VRAM)");
+        return;
+    }
+    let e = engine(&[]);
+    let err = e.register(1, 0x7000_0000, 1 << 20, 0, "").unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotSupported);
+    assert!(err.message.contains("libcuda"), "{}", err.message);
+    let forced = engine(&[("vram_path", "cufile")]);
+    let err = forced.register(1, 0x7000_0000, 1 << 20, 0, "").unwrap_err();
+    assert!(err.message.contains("libcuda") || err.message.contains("cufile"), "{}", err.message);
+}

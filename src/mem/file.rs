@@ -136,6 +136,11 @@ impl FileRegion {
         })
     }
 
+    /// The file's identity (fd, device, inode).
+    pub fn key(&self) -> FileKey {
+        self.key
+    }
+
     /// How SQEs name this file.
     pub fn file_ref(&self) -> FileRef {
         match self.fixed_slot {

@@ -8,9 +8,11 @@
 pub mod dram;
 pub mod file;
 pub mod path_meta;
+pub mod vram;
 
 pub use dram::DramRegion;
 pub use file::FileRegion;
+pub use vram::VramRegion;
 
 /// NIXL memory kinds (`nixl_mem_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +51,7 @@ impl MemKind {
 #[derive(Debug)]
 pub enum Registration {
     Dram(DramRegion),
+    Vram(VramRegion),
     /// FILE_SEG or BLK_SEG (the region knows which).
     Storage(FileRegion),
 }
@@ -57,6 +60,7 @@ impl Registration {
     pub fn kind(&self) -> MemKind {
         match self {
             Registration::Dram(_) => MemKind::Dram,
+            Registration::Vram(_) => MemKind::Vram,
             Registration::Storage(f) => f.kind,
         }
     }
@@ -65,6 +69,7 @@ impl Registration {
     pub fn range(&self) -> (u64, u64) {
         match self {
             Registration::Dram(d) => (d.addr, d.addr + d.len),
+            Registration::Vram(v) => (v.addr, v.addr + v.len),
             Registration::Storage(f) => (f.offset, f.offset.saturating_add(f.len)),
         }
     }
@@ -72,6 +77,7 @@ impl Registration {
     pub fn dev_id(&self) -> u64 {
         match self {
             Registration::Dram(d) => d.dev_id,
+            Registration::Vram(v) => v.device as u64,
             Registration::Storage(f) => f.dev_id,
         }
     }

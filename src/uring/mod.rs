@@ -10,11 +10,15 @@
 //! - Resources released by registrations (fixed-buffer and fixed-file slots) are retired through
 //!   a leaf lock and unregistered the next time the core lock is taken, so a registration may be
 //!   dropped anywhere, including while the core lock is held.
+//! - Ops on GPU memory (`IoOp::device`) move through the staging pool: each takes a pinned
+//!   buffer for its whole life (copy, storage I/O, and the copy back), so the pool size bounds
+//!   the VRAM bytes in flight; device copies are polled, never waited for, on the data path.
 
 pub mod dmabuf_uapi;
 pub mod inline;
 mod op;
 mod slots;
+pub mod staging;
 
 pub use op::{FileRef, IoOp};
 
@@ -27,7 +31,9 @@ use io_uring::{opcode, types, IoUring};
 use slab::Slab;
 
 use crate::error::{describe_os_error, Error, ErrorKind, Result};
+use crate::gpu::{CopyTicket, GpuProvider};
 use slots::SlotPool;
+use staging::StagingPool;
 
 /// user_data of SQEs whose completions carry no information (cancellations).
 const IGNORED_CQE: u64 = u64::MAX;
@@ -95,9 +101,29 @@ struct RequestProgress {
     state: State,
 }
 
+/// A storage I/O the engine owns until its CQE (or a retry of one).
 struct InFlight {
     req: usize,
+    /// The storage I/O as submitted (on a staging buffer when `stage` is set).
     op: IoOp,
+    stage: Option<Stage>,
+}
+
+/// The staging side of an op on GPU memory.
+#[derive(Clone, Copy)]
+struct Stage {
+    buf: usize,
+    /// The op as planned, on device memory.
+    device_op: IoOp,
+}
+
+/// An asynchronous device copy of a staged op.
+struct PendingCopy {
+    req: usize,
+    stage: Stage,
+    ticket: Box<dyn CopyTicket>,
+    /// Device -> host copy of a WRITE: the storage write follows.
+    then_write: bool,
 }
 
 struct Core {
@@ -112,6 +138,8 @@ struct Core {
     buffer_slots: Option<SlotPool>,
     file_slots: Option<SlotPool>,
     files: HashMap<FileKey, FileSlot>,
+    staging: Option<StagingPool>,
+    copies: Vec<PendingCopy>,
 }
 
 impl Ring {
@@ -163,6 +191,8 @@ impl Ring {
                 buffer_slots,
                 file_slots,
                 files: HashMap::new(),
+                staging: None,
+                copies: Vec::new(),
             }),
             retired: Mutex::new(Vec::new()),
             sq_entries: sq,
@@ -239,6 +269,49 @@ impl Ring {
         self.retire(Retired::File(key));
     }
 
+    /// Creates the staging pool on first use (later calls do nothing).
+    pub fn enable_staging(&self, provider: Arc<dyn GpuProvider>, buffer_size: u64, count: u32) -> Result<()> {
+        let mut core = self.lock();
+        if core.staging.is_some() {
+            return Ok(());
+        }
+        let core = &mut *core;
+        let (uring, buffer_slots) = (&core.uring, &mut core.buffer_slots);
+        let pool = StagingPool::new(provider, buffer_size, count, |addr, len| {
+            let pool = buffer_slots.as_mut()?;
+            let slot = pool.take()?;
+            let iov = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize };
+            // SAFETY: the staging mapping lives as long as the pool, which the core drops only
+            // after every op using it has completed.
+            match unsafe { uring.submitter().register_buffers_update(slot, &[iov], None) } {
+                Ok(()) => Some(slot as u16),
+                Err(e) => {
+                    pool.put(slot);
+                    tracing::info!("staging buffer not registered as a fixed buffer ({}); using plain I/O", describe_os_error(&e));
+                    None
+                }
+            }
+        })?;
+        core.staging = Some(pool);
+        Ok(())
+    }
+
+    /// Registers a DMA-BUF in a free fixed-buffer slot, bound to `target_fd`.
+    pub fn register_dmabuf(&self, dmabuf_fd: i32, target_fd: i32) -> io::Result<u16> {
+        use std::os::fd::AsRawFd;
+        let mut core = self.lock();
+        let core = &mut *core;
+        let pool = core.buffer_slots.as_mut().ok_or_else(|| io::Error::from_raw_os_error(libc::ENXIO))?;
+        let slot = pool.take().ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
+        match dmabuf_uapi::register_dmabuf(core.uring.as_raw_fd(), slot, dmabuf_fd, target_fd) {
+            Ok(()) => Ok(slot as u16),
+            Err(e) => {
+                pool.put(slot);
+                Err(e)
+            }
+        }
+    }
+
     /// Adds a prepared request; it starts idle.
     pub fn add_request(&self, ops: Arc<RequestOps>) -> RequestKey {
         let mut core = self.lock();
@@ -296,86 +369,138 @@ impl Ring {
 }
 
 impl Core {
-    /// Fills the SQ from the retry queue and the request queue, submits, reaps; repeats while
-    /// completions free room for more work.
+    /// Polls device copies, fills the SQ, submits, reaps; repeats while that made progress.
     fn progress(&mut self) -> Result<()> {
         loop {
+            let copied = self.poll_copies();
             self.fill();
             self.submit()?;
-            if self.reap() == 0 || (self.retry.is_empty() && self.queue.is_empty()) {
+            let reaped = self.reap();
+            if reaped == 0 && copied == 0 {
                 return Ok(());
             }
         }
     }
 
-    /// Moves as many waiting ops into the SQ as the SQ and the in-flight bound allow.
+    /// Moves waiting ops into the SQ (or, for staged WRITEs, onto a device stream) as far as
+    /// the SQ, the in-flight bound and the staging pool allow.
     fn fill(&mut self) {
-        let Core { uring, max_inflight, inflight, requests, queue, retry, .. } = self;
+        let Core { uring, max_inflight, inflight, requests, queue, retry, staging, copies, .. } = self;
         let (submitter, mut sq, _) = uring.split();
         loop {
             if inflight.len() >= *max_inflight {
                 break;
             }
-            let next = if let Some(op) = retry.pop_front() {
-                let Some(req) = requests.get_mut(op.req) else { continue };
-                match &mut req.state {
-                    State::Running { error: None, abort: false, .. } => Some((op, req.ops.write)),
-                    State::Running { outstanding, .. } => {
-                        // The request is failing or aborted: drop the retry.
-                        *outstanding -= 1;
-                        finish_if_drained(req);
-                        continue;
-                    }
-                    _ => continue,
+            // Retries first: remainders of short I/O, EAGAIN, and staged writes whose copy ended.
+            if let Some(entry) = retry.pop_front() {
+                let Some(req) = requests.get_mut(entry.req) else { continue };
+                let write = req.ops.write;
+                if !is_healthy(req) {
+                    drop_op(req, entry.stage, staging);
+                    continue;
                 }
-            } else if let Some(&key) = queue.front() {
-                let req = match requests.get_mut(key) {
-                    Some(r) => r,
-                    None => {
-                        queue.pop_front();
-                        continue;
-                    }
-                };
-                match &mut req.state {
-                    State::Running { next, error: None, abort: false, .. } if *next < req.ops.ops.len() => {
-                        let op = req.ops.ops[*next];
-                        *next += 1;
-                        if *next == req.ops.ops.len() {
-                            queue.pop_front();
-                        }
-                        Some((InFlight { req: key, op }, req.ops.write))
-                    }
-                    _ => {
-                        queue.pop_front();
-                        continue;
-                    }
+                if !push_sqe(&submitter, &mut sq, inflight, entry, write, retry) {
+                    break;
                 }
-            } else {
-                None
+                continue;
+            }
+            let Some(&key) = queue.front() else { break };
+            let Some(req) = requests.get_mut(key) else {
+                queue.pop_front();
+                continue;
             };
-            let Some((entry, write)) = next else { break };
-            if sq.is_full() {
-                sq.sync();
-                if submitter.submit().is_err() {
-                    // Put it back; a later call retries.
-                    retry.push_front(entry);
-                    break;
+            let total = req.ops.ops.len();
+            let State::Running { next, error: None, abort: false, .. } = &mut req.state else {
+                queue.pop_front();
+                continue;
+            };
+            if *next >= total {
+                queue.pop_front();
+                continue;
+            }
+            let op = req.ops.ops[*next];
+            let write = req.ops.write;
+            let stage = match op.device {
+                None => None,
+                Some(_) => {
+                    let Some(pool) = staging.as_mut() else {
+                        fail(req, Error::backend("internal error: a VRAM op reached the ring before its staging pool existed"));
+                        continue;
+                    };
+                    // All buffers busy: wait for completions to free one.
+                    let Some(buf) = pool.take() else { break };
+                    Some(Stage { buf, device_op: op })
                 }
-                sq.sync();
-                if sq.is_full() {
-                    retry.push_front(entry);
-                    break;
+            };
+            *next += 1;
+            if *next == total {
+                queue.pop_front();
+            }
+            match stage {
+                None => {
+                    if !push_sqe(&submitter, &mut sq, inflight, InFlight { req: key, op, stage: None }, write, retry) {
+                        break;
+                    }
+                }
+                Some(stage) => {
+                    let pool = staging.as_mut().expect("checked above");
+                    let host = &pool.bufs[stage.buf];
+                    let host_op = op.on_host(host.addr, host.buf_index);
+                    if write {
+                        // GPU -> staging buffer first; the storage write follows in poll_copies.
+                        // SAFETY: the staging buffer is ours until released; the device range is
+                        // registered VRAM kept alive by the request's plan.
+                        let started = unsafe { pool.provider.copy_to_host(op.device.unwrap_or(0), host.addr, op.addr, op.len as u64) };
+                        match started {
+                            Ok(ticket) => copies.push(PendingCopy { req: key, stage, ticket, then_write: true }),
+                            Err(e) => {
+                                fail(req, e);
+                                drop_op(req, Some(stage), staging);
+                            }
+                        }
+                    } else if !push_sqe(&submitter, &mut sq, inflight, InFlight { req: key, op: host_op, stage: Some(stage) }, write, retry) {
+                        break;
+                    }
                 }
             }
-            let user_data = inflight.vacant_key() as u64;
-            let sqe = entry.op.to_sqe(write, user_data);
-            inflight.insert(entry);
-            // SAFETY: the SQE names memory of a registration that the request keeps alive (its
-            // plan holds the registration Arcs) and user memory that NIXL's contract keeps valid
-            // until the request is released; release waits for every in-flight op.
-            unsafe { sq.push(&sqe) }.expect("SQ has room: checked above");
         }
         sq.sync();
+    }
+
+    /// Finishes device copies that completed; returns how many did.
+    fn poll_copies(&mut self) -> usize {
+        if self.copies.is_empty() {
+            return 0;
+        }
+        let mut done = 0;
+        let mut i = 0;
+        while i < self.copies.len() {
+            let finished = self.copies[i].ticket.is_done();
+            if let Ok(false) = finished {
+                i += 1;
+                continue;
+            }
+            let copy = self.copies.swap_remove(i);
+            done += 1;
+            let Some(req) = self.requests.get_mut(copy.req) else { continue };
+            match finished {
+                Err(e) => {
+                    fail(req, e);
+                    drop_op(req, Some(copy.stage), &mut self.staging);
+                }
+                Ok(_) if copy.then_write && is_healthy(req) => {
+                    let pool = self.staging.as_ref().expect("staged op without pool");
+                    let host = &pool.bufs[copy.stage.buf];
+                    let op = copy.stage.device_op.on_host(host.addr, host.buf_index);
+                    self.retry.push_back(InFlight { req: copy.req, op, stage: Some(copy.stage) });
+                }
+                Ok(_) => {
+                    // The H2D copy of a READ ended (or the request is failing): the op is done.
+                    drop_op(req, Some(copy.stage), &mut self.staging);
+                }
+            }
+        }
+        done
     }
 
     /// Hands queued SQEs to the kernel (and flushes overflowed CQEs when the kernel says so).
@@ -401,7 +526,7 @@ impl Core {
 
     /// Processes every available CQE; returns how many there were.
     fn reap(&mut self) -> usize {
-        let Core { uring, inflight, requests, retry, .. } = self;
+        let Core { uring, inflight, requests, retry, staging, copies, .. } = self;
         let mut n = 0;
         for cqe in uring.completion() {
             n += 1;
@@ -415,32 +540,49 @@ impl Core {
             };
             let req = &mut requests[entry.req];
             let write = req.ops.write;
-            let State::Running { outstanding, error, abort, .. } = &mut req.state else {
+            let State::Running { error, abort, .. } = &mut req.state else {
                 tracing::error!("io_uring completion for a request that is not running; ignored");
                 continue;
             };
             let op = entry.op;
             let res = cqe.result();
             if res >= 0 && res as u32 == op.len {
-                *outstanding -= 1;
+                match entry.stage {
+                    // A staged READ landed in its buffer: copy it up to the GPU.
+                    Some(stage) if !write && error.is_none() && !*abort => {
+                        let pool = staging.as_ref().expect("staged op without pool");
+                        let host = pool.bufs[stage.buf].addr;
+                        let d = stage.device_op;
+                        // SAFETY: the buffer stays ours until the copy completes; the device range
+                        // is registered VRAM kept alive by the plan.
+                        match unsafe { pool.provider.copy_to_device(d.device.unwrap_or(0), d.addr, host, d.len as u64) } {
+                            Ok(ticket) => copies.push(PendingCopy { req: entry.req, stage, ticket, then_write: false }),
+                            Err(e) => {
+                                fail(req, e);
+                                drop_op(req, Some(stage), staging);
+                            }
+                        }
+                    }
+                    stage => drop_op(req, stage, staging),
+                }
             } else if res > 0 {
                 // Short transfer: finish the remainder (NIXL's POSIX fails the request here).
-                retry.push_back(InFlight { req: entry.req, op: op.remainder(res as u32) });
+                retry.push_back(InFlight { req: entry.req, op: op.remainder(res as u32), stage: entry.stage });
             } else if res == 0 {
                 if error.is_none() {
                     *error = Some(op.made_no_progress(write));
                 }
-                *outstanding -= 1;
+                drop_op(req, entry.stage, staging);
             } else {
                 let errno = -res;
                 let retryable = errno == libc::EAGAIN || errno == libc::EINTR || (errno == libc::ECANCELED && !*abort);
                 if retryable && error.is_none() && !*abort {
-                    retry.push_back(InFlight { req: entry.req, op });
+                    retry.push_back(InFlight { req: entry.req, op, stage: entry.stage });
                 } else {
                     if error.is_none() && !*abort {
                         *error = Some(op.failed(write, errno));
                     }
-                    *outstanding -= 1;
+                    drop_op(req, entry.stage, staging);
                 }
             }
             stop_if_failing(req);
@@ -485,18 +627,25 @@ impl Core {
         let _ = self.submit();
     }
 
-    /// Waits (bounded) for at least one completion and processes what arrived.
+    /// Waits (bounded) for at least one completion, storage or device copy, and processes what
+    /// arrived.
     fn wait_one(&mut self, timeout: Duration) -> Result<()> {
-        let ts = types::Timespec::new().sec(timeout.as_secs()).nsec(timeout.subsec_nanos());
-        let args = types::SubmitArgs::new().timespec(&ts);
-        match self.uring.submitter().submit_with_args(1, &args) {
-            Ok(_) => {}
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => {}
-            Err(e) => return Err(Error::os("io_uring_enter (wait)", &e)),
+        if self.inflight.is_empty() && !self.copies.is_empty() {
+            // Only device copies are pending: block on the oldest.
+            if let Err(e) = self.copies[0].ticket.wait() {
+                tracing::error!("waiting for a device copy: {e}");
+            }
+        } else {
+            let timeout = if self.copies.is_empty() { timeout } else { Duration::from_millis(1) };
+            let ts = types::Timespec::new().sec(timeout.as_secs()).nsec(timeout.subsec_nanos());
+            let args = types::SubmitArgs::new().timespec(&ts);
+            match self.uring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => {}
+                Err(e) => return Err(Error::os("io_uring_enter (wait)", &e)),
+            }
         }
-        self.reap();
-        self.fill();
-        self.submit()
+        self.progress()
     }
 
     fn unregister(&mut self, r: Retired) {
@@ -539,7 +688,7 @@ impl Drop for Core {
     /// Never free the ring while the kernel may still write into user memory: cancel and wait
     /// (bounded) for every in-flight op first.
     fn drop(&mut self) {
-        if self.inflight.is_empty() {
+        if self.inflight.is_empty() && self.copies.is_empty() {
             return;
         }
         let keys: Vec<usize> = self.requests.iter().map(|(k, _)| k).collect();
@@ -547,7 +696,7 @@ impl Drop for Core {
             self.abort(k);
         }
         let deadline = Instant::now() + TEARDOWN_WAIT;
-        while !self.inflight.is_empty() && Instant::now() < deadline {
+        while !(self.inflight.is_empty() && self.copies.is_empty()) && Instant::now() < deadline {
             if self.wait_one(Duration::from_millis(100)).is_err() {
                 break;
             }
@@ -567,6 +716,65 @@ fn stop_if_failing(req: &mut RequestProgress) {
             *next = total;
         }
     }
+}
+
+/// Whether a request's ops should still go ahead.
+fn is_healthy(req: &RequestProgress) -> bool {
+    matches!(req.state, State::Running { error: None, abort: false, .. })
+}
+
+/// Records the first error of a running request and stops its unsubmitted ops.
+fn fail(req: &mut RequestProgress, e: Error) {
+    if let State::Running { error, .. } = &mut req.state {
+        if error.is_none() {
+            *error = Some(e);
+        }
+    }
+    stop_if_failing(req);
+}
+
+/// One op of the request is over (done, failed or dropped): release its staging buffer and
+/// count it.
+fn drop_op(req: &mut RequestProgress, stage: Option<Stage>, staging: &mut Option<StagingPool>) {
+    if let (Some(stage), Some(pool)) = (stage, staging.as_mut()) {
+        pool.put(stage.buf);
+    }
+    if let State::Running { outstanding, .. } = &mut req.state {
+        *outstanding -= 1;
+    }
+    finish_if_drained(req);
+}
+
+/// Pushes one SQE, submitting first if the SQ is full. Returns false (and keeps the entry for a
+/// retry) when there is still no room.
+fn push_sqe(
+    submitter: &io_uring::Submitter<'_>,
+    sq: &mut io_uring::SubmissionQueue<'_>,
+    inflight: &mut Slab<InFlight>,
+    entry: InFlight,
+    write: bool,
+    retry: &mut VecDeque<InFlight>,
+) -> bool {
+    if sq.is_full() {
+        sq.sync();
+        if submitter.submit().is_err() {
+            retry.push_front(entry);
+            return false;
+        }
+        sq.sync();
+        if sq.is_full() {
+            retry.push_front(entry);
+            return false;
+        }
+    }
+    let user_data = inflight.vacant_key() as u64;
+    let sqe = entry.op.to_sqe(write, user_data);
+    inflight.insert(entry);
+    // SAFETY: the SQE names memory of a registration that the request keeps alive (its plan
+    // holds the registration Arcs), a staging buffer owned by the entry, or user memory that
+    // NIXL's contract keeps valid until the request is released; release waits for every op.
+    unsafe { sq.push(&sqe) }.expect("SQ has room: checked above");
+    true
 }
 
 fn finish_if_drained(req: &mut RequestProgress) {

@@ -27,8 +27,11 @@ pub struct IoOp {
     pub file_offset: u64,
     pub addr: u64,
     pub len: u32,
-    /// Fixed-buffer slot that covers `addr..addr+len`, if the memory is registered.
+    /// Fixed-buffer slot that covers `addr..addr+len`, if the memory is registered (for a
+    /// DMA-BUF slot, `addr` is the byte offset into the DMA-BUF).
     pub buf_index: Option<u16>,
+    /// Set when `addr` is GPU memory of this device that moves through the staging pool.
+    pub device: Option<i32>,
     /// Index of the transfer descriptor this op belongs to, for error messages.
     pub desc_index: u32,
 }
@@ -76,6 +79,12 @@ impl IoOp {
         }
     }
 
+    /// The same storage I/O aimed at host memory `addr` in fixed-buffer slot `buf_index`
+    /// (a staging buffer) instead of this op's device memory.
+    pub fn on_host(&self, addr: u64, buf_index: Option<u16>) -> IoOp {
+        IoOp { addr, buf_index, device: None, ..*self }
+    }
+
     /// Builds the SQE. Building is safe; pushing it is where the kernel starts using `addr`.
     pub fn to_sqe(&self, write: bool, user_data: u64) -> squeue::Entry {
         macro_rules! build {
@@ -110,7 +119,7 @@ mod tests {
 
     #[test]
     fn remainder_continues_where_the_short_io_stopped() {
-        let op = IoOp { file: FileRef::Raw(3), fd: 3, file_offset: 4096, addr: 0x1000, len: 8192, buf_index: Some(2), desc_index: 5 };
+        let op = IoOp { file: FileRef::Raw(3), fd: 3, file_offset: 4096, addr: 0x1000, len: 8192, buf_index: Some(2), device: None, desc_index: 5 };
         let rest = op.remainder(1000);
         assert_eq!((rest.file_offset, rest.addr, rest.len), (5096, 0x1000 + 1000, 7192));
         assert_eq!((rest.buf_index, rest.desc_index, rest.fd), (Some(2), 5, 3));

@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::{MemKind, Registration};
+use crate::mem::vram::VramRoute;
+use crate::mem::{FileRegion, MemKind, Registration, VramRegion};
 use crate::uring::{IoOp, RequestOps, MAX_FIXED_BUFFER};
 
 /// NIXL's transfer direction: READ = storage -> memory, WRITE = memory -> storage.
@@ -46,6 +47,8 @@ pub struct Plan {
     pub total_bytes: u64,
     /// No file of the request is open with O_DIRECT.
     pub all_buffered: bool,
+    /// Every memory side is host memory (no VRAM).
+    pub all_host: bool,
 }
 
 /// Turns an MD pointer from NIXL back into a shared registration, without taking over NIXL's
@@ -91,6 +94,15 @@ impl RegistrationSet {
     }
 }
 
+/// Limits and decisions the planner needs from the engine.
+pub struct PlanContext<'a> {
+    pub max_io_size: u64,
+    /// Piece size of the staging path.
+    pub staging_buffer_size: u64,
+    /// Chooses (once per pair, cached by the engine) how a VRAM registration reaches a target.
+    pub route: &'a dyn Fn(&VramRegion, &FileRegion) -> Result<VramRoute>,
+}
+
 /// Validates the lists and builds the request's ops.
 ///
 /// # Safety
@@ -101,13 +113,13 @@ pub unsafe fn plan(
     local: &[iud_desc],
     remote_kind: i32,
     remote: &[iud_desc],
-    max_io_size: u64,
+    ctx: &PlanContext<'_>,
 ) -> Result<Plan> {
     let lk = MemKind::from_nixl(local_kind);
     let rk = MemKind::from_nixl(remote_kind);
-    if lk != Some(MemKind::Dram) || !matches!(rk, Some(MemKind::File) | Some(MemKind::Blk)) {
+    if !matches!(lk, Some(MemKind::Dram) | Some(MemKind::Vram)) || !matches!(rk, Some(MemKind::File) | Some(MemKind::Blk)) {
         return Err(Error::invalid(format!(
-            "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG (local) <-> FILE_SEG or BLK_SEG (remote)",
+            "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG or VRAM_SEG (local) <-> FILE_SEG or BLK_SEG (remote)",
             lk.map_or("unknown", |k| k.name()),
             rk.map_or("unknown", |k| k.name())
         )));
@@ -118,10 +130,10 @@ pub unsafe fn plan(
             format!("local list has {} descriptors but remote list has {}", local.len(), remote.len()),
         ));
     }
-    let max_piece = if max_io_size == 0 { MAX_FIXED_BUFFER } else { max_io_size.min(MAX_FIXED_BUFFER) };
+    let max_piece = if ctx.max_io_size == 0 { MAX_FIXED_BUFFER } else { ctx.max_io_size.min(MAX_FIXED_BUFFER) };
     let mut regs = RegistrationSet::default();
     let mut ops = Vec::with_capacity(local.len());
-    let (mut total_bytes, mut all_buffered) = (0u64, true);
+    let (mut total_bytes, mut all_buffered, mut all_host) = (0u64, true, true);
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
         if l.len != r.len {
             return Err(Error::new(
@@ -142,9 +154,13 @@ pub unsafe fn plan(
             Some(reg) => reg,
             None => return Err(Error::not_found(format!("descriptor {i}: file range devId {} offset {}+{} is not registered with this backend", r.dev_id, r.addr, r.len))),
         };
-        let Registration::Dram(dram) = &*mem else {
-            return Err(Error::invalid(format!("descriptor {i}: local descriptor's registration is {}, not DRAM_SEG", mem.kind().name())));
-        };
+        if Some(mem.kind()) != lk {
+            return Err(Error::invalid(format!(
+                "descriptor {i}: local list is {} but the descriptor's registration is {}",
+                lk.map_or("unknown", |k| k.name()),
+                mem.kind().name()
+            )));
+        }
         let Registration::Storage(file) = &*file_reg else {
             return Err(Error::invalid(format!("descriptor {i}: remote descriptor's registration is {}, not storage", file_reg.kind().name())));
         };
@@ -166,43 +182,75 @@ pub unsafe fn plan(
             }
             _ => {}
         }
-        total_bytes += l.len;
-        all_buffered &= file.direct.is_none();
+        // Where the memory side of each piece lives, and where pieces must be cut.
+        let route = match &*mem {
+            Registration::Vram(vram) => Some((vram, (ctx.route)(vram, file)?)),
+            _ => None,
+        };
         if let Some(a) = file.direct {
-            if r.addr % a.offset != 0 || r.len % a.offset != 0 || l.addr % a.mem != 0 {
+            // Staged VRAM goes through page-aligned staging buffers: only the memory side of
+            // host and DMA-BUF addressing is checked.
+            let mem_addr = match &route {
+                Some((vram, VramRoute::Dmabuf { .. })) => vram.slab_at(l.addr).map_or(l.addr, |(s, _)| l.addr - vram.slabs[s].start),
+                Some((_, VramRoute::Staging)) => 0,
+                None => l.addr,
+            };
+            if r.addr % a.offset != 0 || r.len % a.offset != 0 || mem_addr % a.mem != 0 {
                 return Err(Error::invalid(format!(
                     "descriptor {i}: O_DIRECT on fd {} needs offset and length multiples of {} and memory aligned to {}; got offset {}, length {}, memory 0x{:x}",
                     file.fd, a.offset, a.mem, r.addr, r.len, l.addr
                 )));
             }
         }
-        // Split into pieces that fit max_io_size and never straddle a fixed-buffer slot.
+        // Cut into pieces that fit max_io_size (and the staging buffers) and never straddle a
+        // fixed-buffer slot or a VRAM slab; merge pieces that continue each other.
         let mut done = 0u64;
         while done < l.len {
             let addr = l.addr + done;
             let mut piece = (l.len - done).min(max_piece);
-            let buf_index = match dram.fixed_slot(addr) {
-                Some((slot, slot_end)) => {
-                    piece = piece.min(slot_end - addr);
-                    Some(slot)
+            let (mem_addr, buf_index, device) = match (&*mem, &route) {
+                (Registration::Dram(dram), _) => match dram.fixed_slot(addr) {
+                    Some((slot, slot_end)) => {
+                        piece = piece.min(slot_end - addr);
+                        (addr, Some(slot), None)
+                    }
+                    None => (addr, None, None),
+                },
+                (_, Some((vram, route))) => {
+                    let (slab, slab_end) = vram.slab_at(addr).ok_or_else(|| {
+                        Error::not_found(format!("descriptor {i}: VRAM address 0x{addr:x} is outside the registration's slabs"))
+                    })?;
+                    piece = piece.min(slab_end - addr);
+                    match route {
+                        VramRoute::Staging => {
+                            piece = piece.min(ctx.staging_buffer_size);
+                            (addr, None, Some(vram.device))
+                        }
+                        VramRoute::Dmabuf { slots } => (addr - vram.slabs[slab].start, Some(slots[slab]), None),
+                    }
                 }
-                None => None,
+                _ => unreachable!("local registrations are DRAM or VRAM"),
             };
+            let limit = if device.is_some() { max_piece.min(ctx.staging_buffer_size) } else { max_piece };
+            total_bytes += piece;
             push_coalesced(
                 &mut ops,
                 IoOp {
                     file: file.file_ref(),
                     fd: file.fd,
                     file_offset: r.addr + done,
-                    addr,
+                    addr: mem_addr,
                     len: piece as u32,
                     buf_index,
+                    device,
                     desc_index: i as u32,
                 },
-                max_piece,
+                limit,
             );
             done += piece;
         }
+        all_buffered &= file.direct.is_none();
+        all_host &= route.is_none();
     }
     Ok(Plan {
         op,
@@ -212,6 +260,7 @@ pub unsafe fn plan(
         remote_count: remote.len(),
         total_bytes,
         all_buffered,
+        all_host,
     })
 }
 
@@ -223,6 +272,7 @@ fn push_coalesced(ops: &mut Vec<IoOp>, op: IoOp, max_piece: u64) {
     if let Some(last) = ops.last_mut() {
         let continues = last.file == op.file
             && last.buf_index == op.buf_index
+            && last.device == op.device
             && last.file_offset + last.len as u64 == op.file_offset
             && last.addr + last.len as u64 == op.addr
             && last.len as u64 + op.len as u64 <= max_piece;
@@ -252,7 +302,7 @@ mod tests {
     use crate::uring::FileRef;
 
     fn op(file_offset: u64, addr: u64, len: u32, buf_index: Option<u16>) -> IoOp {
-        IoOp { file: FileRef::Fixed(0), fd: 5, file_offset, addr, len, buf_index, desc_index: 0 }
+        IoOp { file: FileRef::Fixed(0), fd: 5, file_offset, addr, len, buf_index, device: None, desc_index: 0 }
     }
 
     #[test]

@@ -1,0 +1,317 @@
+//! The CUDA provider, through cudarc's driver API bindings in dynamic-loading mode.
+//!
+//! cudarc's loader panics when libcuda or a symbol is missing, so `Cuda::load` first checks that
+//! the library can be opened (`is_culib_present`) and every call runs inside `guard`, which turns
+//! a panic into an error. Nothing here links against CUDA.
+//!
+//! Contexts: the primary context of each device is retained once and made current on the calling
+//! thread before each call that needs it (NIXL calls the data path from arbitrary threads).
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+use once_cell::sync::OnceCell;
+
+use super::{CopyTicket, DeviceRange, GpuProvider};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Runs a driver call, turning a loader panic (missing symbol) into an error.
+fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Error::backend(format!("CUDA {what}: the driver library lacks this entry point ({msg})"))
+    })
+}
+
+/// The CUDA error name (e.g. CUDA_ERROR_INVALID_VALUE) of a result code.
+fn error_name(code: sys::CUresult) -> String {
+    let mut ptr: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string or leaves it null.
+    let ok = guard("cuGetErrorName", || unsafe { sys::cuGetErrorName(code, &mut ptr) });
+    if matches!(ok, Ok(sys::CUresult::CUDA_SUCCESS)) && !ptr.is_null() {
+        // SAFETY: the driver returns a NUL-terminated static string.
+        unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned()
+    } else {
+        format!("CUresult {}", code as i32)
+    }
+}
+
+/// Calls a driver function and maps a failure to an error naming the call and the CUDA error.
+fn check(what: &str, f: impl FnOnce() -> sys::CUresult) -> Result<()> {
+    match guard(what, f)? {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        code => Err(Error::backend(format!("{what} failed: {}", error_name(code)))),
+    }
+}
+
+struct Device {
+    ctx: sys::CUcontext,
+    to_host: sys::CUstream,
+    to_device: sys::CUstream,
+}
+
+/// The loaded CUDA driver.
+pub struct Cuda {
+    devices: Mutex<HashMap<i32, Arc<Device>>>,
+    count: i32,
+    driver_version: i32,
+}
+
+// SAFETY: CUDA contexts and streams are usable from any thread once made current; the map is
+// behind a Mutex.
+unsafe impl Send for Cuda {}
+// SAFETY: as above.
+unsafe impl Sync for Cuda {}
+// SAFETY: contexts and streams are process-wide driver handles.
+unsafe impl Send for Device {}
+// SAFETY: as above.
+unsafe impl Sync for Device {}
+
+static CUDA: OnceCell<std::result::Result<Arc<Cuda>, Error>> = OnceCell::new();
+
+impl Cuda {
+    /// Loads libcuda and initializes the driver, once per process.
+    pub fn load() -> Result<Arc<Cuda>> {
+        CUDA.get_or_init(|| {
+            // SAFETY: is_culib_present only tries to dlopen candidate names.
+            let present = guard("load", || unsafe { sys::is_culib_present() }).unwrap_or(false);
+            if !present {
+                return Err(Error::new(ErrorKind::NotSupported, "libcuda.so.1 could not be loaded (no NVIDIA driver on this machine?)"));
+            }
+            // SAFETY: plain driver calls writing into locals.
+            check("cuInit", || unsafe { sys::cuInit(0) })?;
+            let mut count = 0;
+            // SAFETY: as above.
+            check("cuDeviceGetCount", || unsafe { sys::cuDeviceGetCount(&mut count) })?;
+            let mut driver_version = 0;
+            // SAFETY: as above.
+            check("cuDriverGetVersion", || unsafe { sys::cuDriverGetVersion(&mut driver_version) })?;
+            Ok(Arc::new(Cuda { devices: Mutex::new(HashMap::new()), count, driver_version }))
+        })
+        .clone()
+    }
+
+    /// The device's primary context and streams, created on first use and made current.
+    fn device(&self, ordinal: i32) -> Result<Arc<Device>> {
+        if ordinal < 0 || ordinal >= self.count {
+            return Err(Error::invalid(format!("CUDA device {ordinal} does not exist ({} devices visible)", self.count)));
+        }
+        let mut devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = devices.get(&ordinal) {
+            let d = Arc::clone(d);
+            drop(devices);
+            // SAFETY: ctx is a retained primary context.
+            check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(d.ctx) })?;
+            return Ok(d);
+        }
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: writes into dev.
+        check("cuDeviceGet", || unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes into ctx; the primary context is retained for the process lifetime.
+        check("cuDevicePrimaryCtxRetain", || unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+        // SAFETY: ctx was just retained.
+        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(ctx) })?;
+        let mut to_host: sys::CUstream = std::ptr::null_mut();
+        let mut to_device: sys::CUstream = std::ptr::null_mut();
+        // Non-blocking streams: never serialize with the application's legacy default stream.
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: write into the stream handles, with the context current.
+        check("cuStreamCreate", || unsafe { sys::cuStreamCreate(&mut to_host, flags) })?;
+        // SAFETY: as above.
+        check("cuStreamCreate", || unsafe { sys::cuStreamCreate(&mut to_device, flags) })?;
+        let d = Arc::new(Device { ctx, to_host, to_device });
+        devices.insert(ordinal, Arc::clone(&d));
+        Ok(d)
+    }
+
+    fn attribute(&self, ordinal: i32, attr: sys::CUdevice_attribute) -> Result<i32> {
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: writes into dev.
+        check("cuDeviceGet", || unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        let mut v = 0;
+        // SAFETY: writes into v.
+        check("cuDeviceGetAttribute", || unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) })?;
+        Ok(v)
+    }
+
+    /// Whether the device can export DMA-BUFs (open kernel module, CUDA 11.7+).
+    pub fn dmabuf_supported(&self, ordinal: i32) -> Result<bool> {
+        Ok(self.attribute(ordinal, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)? != 0)
+    }
+
+    pub fn device_name(&self, ordinal: i32) -> Result<String> {
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: writes into dev.
+        check("cuDeviceGet", || unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        let mut buf = [0 as std::ffi::c_char; 128];
+        // SAFETY: writes at most 128 bytes including the NUL.
+        check("cuDeviceGetName", || unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), 128, dev) })?;
+        // SAFETY: NUL-terminated by the driver.
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+    }
+
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+}
+
+struct EventTicket {
+    event: sys::CUevent,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a CUDA event may be queried from any thread with its context current.
+unsafe impl Send for EventTicket {}
+
+impl CopyTicket for EventTicket {
+    fn is_done(&self) -> Result<bool> {
+        // SAFETY: ctx is a retained primary context; event is alive until drop.
+        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+        // SAFETY: as above.
+        match guard("cuEventQuery", || unsafe { sys::cuEventQuery(self.event) })? {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            code => Err(Error::backend(format!("asynchronous device copy failed: {}", error_name(code)))),
+        }
+    }
+
+    fn wait(&self) -> Result<()> {
+        // SAFETY: as in is_done.
+        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+        // SAFETY: as above.
+        check("cuEventSynchronize", || unsafe { sys::cuEventSynchronize(self.event) })
+    }
+}
+
+impl Drop for EventTicket {
+    fn drop(&mut self) {
+        // SAFETY: the event was created by us and is destroyed once; a pending event may be
+        // destroyed (the driver releases it when it completes).
+        let _ = guard("cuEventDestroy", || unsafe {
+            sys::cuCtxSetCurrent(self.ctx);
+            sys::cuEventDestroy_v2(self.event)
+        });
+    }
+}
+
+impl Cuda {
+    fn record(&self, d: &Device, stream: sys::CUstream) -> Result<Box<dyn CopyTicket>> {
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: writes into event with the device's context current.
+        check("cuEventCreate", || unsafe { sys::cuEventCreate(&mut event, flags) })?;
+        let ticket = EventTicket { event, ctx: d.ctx };
+        // SAFETY: event and stream belong to the current context.
+        check("cuEventRecord", || unsafe { sys::cuEventRecord(event, stream) })?;
+        Ok(Box::new(ticket))
+    }
+}
+
+impl GpuProvider for Cuda {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> i32 {
+        self.count
+    }
+
+    fn check_device_range(&self, device: i32, addr: u64, len: u64) -> Result<DeviceRange> {
+        self.device(device)?;
+        let mut ordinal: i32 = -1;
+        // SAFETY: writes one int; addr is only inspected, not dereferenced.
+        check("cuPointerGetAttribute(DEVICE_ORDINAL)", || unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast::<c_void>(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        })
+        .map_err(|e| Error::invalid(format!("VRAM registration 0x{addr:x}+{len}: not CUDA device memory ({e})")))?;
+        if ordinal != device {
+            return Err(Error::invalid(format!(
+                "VRAM registration 0x{addr:x}+{len}: the memory is on CUDA device {ordinal}, but devId says {device}"
+            )));
+        }
+        let mut base: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: writes into base/size.
+        check("cuMemGetAddressRange", || unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) })?;
+        let end = base + size as u64;
+        if addr + len > end {
+            return Err(Error::invalid(format!(
+                "VRAM registration 0x{addr:x}+{len} runs past the end of its CUDA allocation [0x{base:x}, 0x{end:x})"
+            )));
+        }
+        Ok(DeviceRange { alloc_start: base, alloc_end: end })
+    }
+
+    fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<OwnedFd> {
+        self.device(device)?;
+        let mut fd: i32 = -1;
+        // SAFETY: writes one int (the fd); the range is only described, not accessed.
+        check(&format!("cuMemGetHandleForAddressRange(0x{addr:x}+{len}, DMA_BUF_FD)"), || unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut i32).cast::<c_void>(),
+                addr,
+                len as usize,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })?;
+        // SAFETY: the driver returned a new fd that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    unsafe fn pin_host(&self, addr: u64, len: u64) -> Result<()> {
+        if self.count == 0 {
+            return Err(Error::new(ErrorKind::NotSupported, "no CUDA device to pin host memory for"));
+        }
+        self.device(0)?;
+        // SAFETY: the caller keeps the memory mapped until unpin_host.
+        check("cuMemHostRegister", || unsafe {
+            sys::cuMemHostRegister_v2(addr as *mut c_void, len as usize, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        })
+    }
+
+    fn unpin_host(&self, addr: u64) {
+        if self.device(0).is_ok() {
+            // SAFETY: addr was registered by pin_host.
+            let _ = check("cuMemHostUnregister", || unsafe { sys::cuMemHostUnregister(addr as *mut c_void) });
+        }
+    }
+
+    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+        let d = self.device(device)?;
+        // SAFETY: the caller keeps both ranges valid until the ticket completes.
+        check("cuMemcpyDtoHAsync", || unsafe { sys::cuMemcpyDtoHAsync_v2(host as *mut c_void, dev, len as usize, d.to_host) })?;
+        self.record(&d, d.to_host)
+    }
+
+    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+        let d = self.device(device)?;
+        // SAFETY: the caller keeps both ranges valid until the ticket completes.
+        check("cuMemcpyHtoDAsync", || unsafe { sys::cuMemcpyHtoDAsync_v2(dev, host as *const c_void, len as usize, d.to_device) })?;
+        self.record(&d, d.to_device)
+    }
+
+    fn describe(&self) -> String {
+        let names: Vec<String> = (0..self.count).map(|i| self.device_name(i).unwrap_or_else(|e| e.message)).collect();
+        format!(
+            "CUDA driver {}.{}, {} device(s): {}",
+            self.driver_version / 1000,
+            (self.driver_version % 1000) / 10,
+            self.count,
+            names.join(", ")
+        )
+    }
+}

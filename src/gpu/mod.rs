@@ -1,0 +1,97 @@
+//! GPU memory providers: the seam between the engine and a vendor's driver API.
+//!
+//! A provider validates VRAM registrations, exports device memory as DMA-BUF, pins the staging
+//! buffers and runs the asynchronous host<->device copies of the staging path. `gpu_provider =
+//! cuda|rocm|vulkan|auto` picks one; vendor libraries are loaded at run time, so a missing one is
+//! an absent capability with a message, never a crash or a link dependency.
+
+pub mod cuda;
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Which provider the parameter asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProviderChoice {
+    Auto,
+    Cuda,
+    Rocm,
+    Vulkan,
+}
+
+impl ProviderChoice {
+    pub fn parse(value: &str) -> Option<ProviderChoice> {
+        Some(match value.to_ascii_lowercase().as_str() {
+            "auto" => ProviderChoice::Auto,
+            "cuda" => ProviderChoice::Cuda,
+            "rocm" => ProviderChoice::Rocm,
+            "vulkan" => ProviderChoice::Vulkan,
+            _ => return None,
+        })
+    }
+}
+
+/// A copy in flight on a device stream.
+pub trait CopyTicket: Send {
+    /// Non-blocking: has the copy finished? An error names the vendor's error.
+    fn is_done(&self) -> Result<bool>;
+    /// Blocks until the copy finished.
+    fn wait(&self) -> Result<()>;
+}
+
+/// The device memory of one allocation, as the provider sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRange {
+    /// Start and end of the allocation that contains the registration.
+    pub alloc_start: u64,
+    pub alloc_end: u64,
+}
+
+pub trait GpuProvider: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Number of devices the provider sees.
+    fn device_count(&self) -> i32;
+    /// Fails unless `[addr, addr+len)` is device memory of `device`.
+    fn check_device_range(&self, device: i32, addr: u64, len: u64) -> Result<DeviceRange>;
+    /// Exports `[addr, addr+len)` (host-page aligned) as a DMA-BUF.
+    fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<OwnedFd>;
+    /// Page-locks host memory for fast asynchronous copies.
+    ///
+    /// # Safety
+    /// The memory must stay mapped until `unpin_host`.
+    unsafe fn pin_host(&self, addr: u64, len: u64) -> Result<()>;
+    fn unpin_host(&self, addr: u64);
+    /// Starts a device -> host copy.
+    ///
+    /// # Safety
+    /// Both ranges must stay valid until the ticket reports completion.
+    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>>;
+    /// Starts a host -> device copy.
+    ///
+    /// # Safety
+    /// Both ranges must stay valid until the ticket reports completion.
+    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>>;
+    /// One line about the provider (driver version, devices) for logs and the doctor.
+    fn describe(&self) -> String;
+}
+
+/// Loads the chosen provider.
+pub fn load(choice: ProviderChoice) -> Result<Arc<dyn GpuProvider>> {
+    match choice {
+        ProviderChoice::Cuda | ProviderChoice::Auto => {
+            cuda::Cuda::load().map(|c| c as Arc<dyn GpuProvider>).map_err(|e| {
+                if choice == ProviderChoice::Auto {
+                    Error::new(e.kind, format!("no GPU provider available: {}", e.message))
+                } else {
+                    e
+                }
+            })
+        }
+        ProviderChoice::Rocm | ProviderChoice::Vulkan => Err(Error::new(
+            ErrorKind::NotSupported,
+            format!("gpu_provider={choice:?} is not available in this build yet; use cuda or auto"),
+        )),
+    }
+}
