@@ -1,0 +1,169 @@
+//! The io_uring DMA-BUF registered-buffer uAPI (merged for Linux 7.4), by raw syscall: the
+//! io-uring crate cannot set the EXTENDED flag of a buffer update.
+//!
+//! There is no new register opcode: `IORING_REGISTER_BUFFERS_UPDATE` (16) takes a
+//! `struct io_uring_rsrc_update2` whose former `resv` field carries `IORING_RSRC_UPDATE_EXTENDED`,
+//! and `data` then points at an array of 80-byte `struct io_uring_regbuf_desc`. Kernels before
+//! the feature reject a non-zero `resv` with -EINVAL, so an EXTENDED update carrying one EMPTY
+//! descriptor is a harmless probe: 1 (one slot updated) where supported, -EINVAL where not.
+//!
+//! All constants live here, in one place, so that they can be checked against
+//! `include/uapi/linux/io_uring.h` of v7.4 (see kernel-gpu-interfaces.md §1.2) and moved into
+//! the engine unchanged.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use io_uring::IoUring;
+
+/// `IORING_REGISTER_BUFFERS_UPDATE`: update slots of the registered-buffer table.
+pub const IORING_REGISTER_BUFFERS_UPDATE: libc::c_uint = 16;
+/// `io_uring_rsrc_update2.flags`: `data` points at `io_uring_regbuf_desc`s, not iovecs.
+pub const IORING_RSRC_UPDATE_EXTENDED: u32 = 1 << 1;
+
+/// `enum io_uring_regbuf_type`.
+pub const IO_REGBUF_TYPE_EMPTY: u32 = 0;
+#[allow(dead_code)] // ordinary user memory through the extended update; unused by the lab
+pub const IO_REGBUF_TYPE_UADDR: u32 = 1;
+pub const IO_REGBUF_TYPE_DMABUF: u32 = 2;
+
+/// `struct io_uring_rsrc_update2` (32 bytes).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RsrcUpdate2 {
+    pub offset: u32,
+    /// `resv` before Linux 7.4: must be 0 there.
+    pub flags: u32,
+    pub data: u64,
+    pub tags: u64,
+    pub nr: u32,
+    pub resv2: u32,
+}
+
+/// `struct io_uring_regbuf_desc` (80 bytes).
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RegbufDesc {
+    pub kind: u32,
+    pub flags: u32,
+    /// UADDR: length; DMABUF: 0.
+    pub size: u64,
+    /// UADDR: address; DMABUF: 0.
+    pub uaddr: u64,
+    /// DMABUF: the dma-buf fd; 0 otherwise.
+    pub dmabuf_fd: i32,
+    /// DMABUF: the O_DIRECT block-device fd the I/O on this slot will use; 0 otherwise.
+    pub target_fd: i32,
+    pub resv: [u64; 6],
+}
+
+const _: () = assert!(std::mem::size_of::<RsrcUpdate2>() == 32);
+const _: () = assert!(std::mem::size_of::<RegbufDesc>() == 80);
+const _: () = assert!(std::mem::offset_of!(RegbufDesc, dmabuf_fd) == 24);
+const _: () = assert!(std::mem::offset_of!(RsrcUpdate2, nr) == 24);
+
+impl RegbufDesc {
+    pub fn empty() -> RegbufDesc {
+        RegbufDesc { kind: IO_REGBUF_TYPE_EMPTY, ..Default::default() }
+    }
+    pub fn dmabuf(dmabuf_fd: RawFd, target_fd: RawFd) -> RegbufDesc {
+        RegbufDesc { kind: IO_REGBUF_TYPE_DMABUF, dmabuf_fd, target_fd, ..Default::default() }
+    }
+}
+
+/// `io_uring_register(ring_fd, IORING_REGISTER_BUFFERS_UPDATE, up, 32)`: the raw return value
+/// (number of slots updated, or -errno).
+pub fn buffers_update_raw(ring_fd: RawFd, up: &RsrcUpdate2) -> i64 {
+    // SAFETY: `up` is a valid 32-byte io_uring_rsrc_update2 for the duration of the call; its
+    // `data` (and `tags`, if non-zero) point at arrays of `nr` entries that the caller keeps
+    // alive across the call. The kernel only reads them.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            ring_fd,
+            IORING_REGISTER_BUFFERS_UPDATE,
+            up as *const RsrcUpdate2,
+            std::mem::size_of::<RsrcUpdate2>() as libc::c_uint,
+        )
+    };
+    if r < 0 {
+        -(io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) as i64)
+    } else {
+        r
+    }
+}
+
+/// EXTENDED update of `descs.len()` slots starting at `slot`: raw return (count or -errno).
+pub fn update_extended(ring_fd: RawFd, slot: u32, descs: &[RegbufDesc]) -> i64 {
+    let up = RsrcUpdate2 {
+        offset: slot,
+        flags: IORING_RSRC_UPDATE_EXTENDED,
+        data: descs.as_ptr() as u64,
+        tags: 0,
+        nr: descs.len() as u32,
+        resv2: 0,
+    };
+    buffers_update_raw(ring_fd, &up)
+}
+
+/// Classic (non-extended) update with iovecs: clears a sparse slot with `{NULL, 0}` on every
+/// kernel since 5.13. Used as the control for the probe: same call, same struct, no flag.
+pub fn update_plain(ring_fd: RawFd, slot: u32, iovs: &[libc::iovec]) -> i64 {
+    let up = RsrcUpdate2 { offset: slot, flags: 0, data: iovs.as_ptr() as u64, tags: 0, nr: iovs.len() as u32, resv2: 0 };
+    buffers_update_raw(ring_fd, &up)
+}
+
+/// Registers `dmabuf_fd` into buffer slot `slot`, bound to `target_fd` (an O_DIRECT NVMe block
+/// device fd). The ring must not be IOPOLL and must have a buffer table (sparse is fine).
+pub fn register_dmabuf(ring_fd: RawFd, slot: u32, dmabuf_fd: RawFd, target_fd: RawFd) -> Result<(), i32> {
+    match update_extended(ring_fd, slot, &[RegbufDesc::dmabuf(dmabuf_fd, target_fd)]) {
+        1 => Ok(()),
+        r if r < 0 => Err(-r as i32),
+        r => Err(-(r as i32).max(1)), // positive but not 1: never expected; reported as such
+    }
+}
+
+/// Clears buffer slot `slot` (EMPTY descriptor), releasing a DMA-BUF registered there.
+pub fn clear_slot(ring_fd: RawFd, slot: u32) -> Result<(), i32> {
+    match update_extended(ring_fd, slot, &[RegbufDesc::empty()]) {
+        1 => Ok(()),
+        r if r < 0 => Err(-r as i32),
+        r => Err(-(r as i32).max(1)),
+    }
+}
+
+/// What the probe found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Support {
+    /// The EXTENDED EMPTY update returned 1.
+    Supported,
+    /// It returned -EINVAL: the kernel predates the uAPI (the flag sits in the old `resv`).
+    Absent,
+    /// Anything else (raw return value): the probe itself went wrong.
+    Unexpected(i64),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Probe {
+    pub support: Support,
+    /// Raw return of the EXTENDED EMPTY update.
+    pub extended: i64,
+    /// Raw return of the same update without the flag (an iovec `{NULL, 0}`): must be 1.
+    pub control: i64,
+}
+
+/// Probes the running kernel: a small non-IOPOLL ring with a one-slot sparse buffer table, one
+/// EXTENDED update with an EMPTY descriptor, plus the flag-less control on the same slot.
+pub fn probe() -> io::Result<Probe> {
+    let ring = IoUring::new(2)?;
+    ring.submitter().register_buffers_sparse(1)?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&ring);
+    let control = update_plain(fd, 0, &[libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }]);
+    let extended = update_extended(fd, 0, &[RegbufDesc::empty()]);
+    let support = match extended {
+        1 => Support::Supported,
+        r if r == -(libc::EINVAL as i64) => Support::Absent,
+        r => Support::Unexpected(r),
+    };
+    Ok(Probe { support, extended, control })
+}
