@@ -315,3 +315,22 @@ impl GpuProvider for Cuda {
         )
     }
 }
+
+/// Allocates `bytes` on `device`, exports it as DMA-BUFs in ≤1 GiB slabs, closes them and frees
+/// the memory. Returns the number of slabs. Used by the doctor and the GPU tests.
+pub fn export_probe(cuda: &Cuda, device: i32, bytes: u64) -> Result<usize> {
+    cuda.device(device)?;
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: writes the allocation's address into ptr.
+    check("cuMemAlloc", || unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes as usize) })?;
+    let result = (|| {
+        let slabs = crate::mem::vram::slab_ranges(ptr, bytes, ptr, ptr + bytes);
+        for &(start, len) in &slabs {
+            drop(cuda.export_dmabuf(device, start, len)?);
+        }
+        Ok(slabs.len())
+    })();
+    // SAFETY: frees the allocation made above.
+    let _ = check("cuMemFree", || unsafe { sys::cuMemFree_v2(ptr) });
+    result
+}
