@@ -278,6 +278,7 @@ impl Engine {
         }
         let ctx = PlanContext {
             max_io_size: self.params.max_io_size,
+            punt_buffered_min: self.params.punt_buffered_min,
             staging_buffer_size: self.params.staging_buffer_size,
             route: &|vram, file| self.route(vram, file),
         };

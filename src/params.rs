@@ -33,6 +33,7 @@ pub struct EngineParams {
     pub fixed_files: bool,
     pub max_io_size: u64,
     pub inline_write_max: u64,
+    pub punt_buffered_min: u64,
     pub vram_path: VramPath,
     pub gpu_provider: ProviderChoice,
     pub verify_dma: bool,
@@ -81,6 +82,7 @@ impl EngineParams {
             )));
         }
         let inline_write_max = parse_u64("inline_write_max", get("inline_write_max"))?;
+        let punt_buffered_min = parse_u64("punt_buffered_min", get("punt_buffered_min"))?;
         let vram_path = match get("vram_path").to_ascii_lowercase().as_str() {
             "auto" => VramPath::Auto,
             "dmabuf" => VramPath::Dmabuf,
@@ -112,6 +114,7 @@ impl EngineParams {
             fixed_files,
             max_io_size,
             inline_write_max,
+            punt_buffered_min,
             vram_path,
             gpu_provider,
             verify_dma,

@@ -30,7 +30,7 @@ pub fn dmabuf_read(ring: &Ring, vram: &VramRegion, file: &FileRegion, slot: u16)
     if n != block as isize {
         return Err(format!("plain O_DIRECT read of the test block failed ({n})"));
     }
-    let op = IoOp { file: FileRef::Raw(file.fd), fd: file.fd, file_offset: file.offset, addr: 0, len: block as u32, buf_index: Some(slot), device: None, desc_index: 0 };
+    let op = IoOp { file: FileRef::Raw(file.fd), fd: file.fd, file_offset: file.offset, addr: 0, len: block as u32, buf_index: Some(slot), device: None, punt: false, desc_index: 0 };
     let result = run_one(ring, op);
     // SAFETY: as above.
     let copied = wait(unsafe { p.copy_to_host(vram.device, via_dmabuf, slab.start, block) });

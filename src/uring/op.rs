@@ -32,6 +32,9 @@ pub struct IoOp {
     pub buf_index: Option<u16>,
     /// Set when `addr` is GPU memory of this device that moves through the staging pool.
     pub device: Option<i32>,
+    /// Hand the op straight to io_uring's worker pool (IOSQE_ASYNC) instead of running it in
+    /// the submitting thread: large page-cache copies of one request then use several cores.
+    pub punt: bool,
     /// Index of the transfer descriptor this op belongs to, for error messages.
     pub desc_index: u32,
 }
@@ -109,7 +112,12 @@ impl IoOp {
             FileRef::Fixed(slot) => build!(types::Fixed(slot)),
             FileRef::Raw(fd) => build!(types::Fd(fd)),
         };
-        entry.user_data(user_data)
+        let entry = entry.user_data(user_data);
+        if self.punt {
+            entry.flags(squeue::Flags::ASYNC)
+        } else {
+            entry
+        }
     }
 }
 
@@ -119,7 +127,7 @@ mod tests {
 
     #[test]
     fn remainder_continues_where_the_short_io_stopped() {
-        let op = IoOp { file: FileRef::Raw(3), fd: 3, file_offset: 4096, addr: 0x1000, len: 8192, buf_index: Some(2), device: None, desc_index: 5 };
+        let op = IoOp { file: FileRef::Raw(3), fd: 3, file_offset: 4096, addr: 0x1000, len: 8192, buf_index: Some(2), device: None, punt: false, desc_index: 5 };
         let rest = op.remainder(1000);
         assert_eq!((rest.file_offset, rest.addr, rest.len), (5096, 0x1000 + 1000, 7192));
         assert_eq!((rest.buf_index, rest.desc_index, rest.fd), (Some(2), 5, 3));

@@ -97,6 +97,8 @@ impl RegistrationSet {
 /// Limits and decisions the planner needs from the engine.
 pub struct PlanContext<'a> {
     pub max_io_size: u64,
+    /// Buffered I/Os of at least this many bytes go to io_uring's worker pool (0 = never).
+    pub punt_buffered_min: u64,
     /// Piece size of the staging path.
     pub staging_buffer_size: u64,
     /// Chooses (once per pair, cached by the engine) how a VRAM registration reaches a target.
@@ -108,13 +110,14 @@ pub struct PlanContext<'a> {
 /// # Safety
 /// Every non-null `md` in the lists must satisfy [`registration_of`]'s contract.
 pub unsafe fn plan(
-    op: XferOp,
+    op_kind: XferOp,
     local_kind: i32,
     local: &[iud_desc],
     remote_kind: i32,
     remote: &[iud_desc],
     ctx: &PlanContext<'_>,
 ) -> Result<Plan> {
+    let op = op_kind;
     let lk = MemKind::from_nixl(local_kind);
     let rk = MemKind::from_nixl(remote_kind);
     if !matches!(lk, Some(MemKind::Dram) | Some(MemKind::Vram)) || !matches!(rk, Some(MemKind::File) | Some(MemKind::Blk)) {
@@ -243,6 +246,8 @@ pub unsafe fn plan(
                     len: piece as u32,
                     buf_index,
                     device,
+                    // Marks buffered I/O for now; the size rule is applied after merging.
+                    punt: file.direct.is_none(),
                     desc_index: i as u32,
                 },
                 limit,
@@ -251,6 +256,11 @@ pub unsafe fn plan(
         }
         all_buffered &= file.direct.is_none();
         all_host &= route.is_none();
+    }
+    // Decided after merging, on the final sizes. Only reads: io_uring serializes buffered
+    // writes to one file in its worker pool anyway, so punting them only adds hand-offs.
+    for op in &mut ops {
+        op.punt &= op_kind == XferOp::Read && ctx.punt_buffered_min > 0 && op.len as u64 >= ctx.punt_buffered_min;
     }
     Ok(Plan {
         op,
@@ -302,7 +312,7 @@ mod tests {
     use crate::uring::FileRef;
 
     fn op(file_offset: u64, addr: u64, len: u32, buf_index: Option<u16>) -> IoOp {
-        IoOp { file: FileRef::Fixed(0), fd: 5, file_offset, addr, len, buf_index, device: None, desc_index: 0 }
+        IoOp { file: FileRef::Fixed(0), fd: 5, file_offset, addr, len, buf_index, device: None, punt: false, desc_index: 0 }
     }
 
     #[test]

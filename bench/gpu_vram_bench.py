@@ -1,0 +1,159 @@
+"""VRAM <-> FILE benchmark through the real NIXL runtime, side by side in one run:
+IO_URING_DMABUF (whatever path `vram_path` selects), NIXL GDS and GDS_MT (cuFile), and NIXL POSIX
+with a manual copy through a pinned host buffer. Every transfer is checked once per point
+(random data, byte for byte). Run on the GPU machine by ci/gpu/run.sh.
+
+Usage: python3 bench/gpu_vram_bench.py [--dir /tmp] [--direct] [--sizes 65536,...] [--seconds 0.3]
+Prints a markdown table (GB/s, decimal) per file kind.
+"""
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+from nixl._api import nixl_agent, nixl_agent_config
+
+MiB = 1 << 20
+
+BACKENDS = [
+    ("IO_URING_DMABUF", "IO_URING_DMABUF", {}),
+    ("GDS", "GDS", {}),
+    ("GDS_MT", "GDS_MT", {}),
+    ("POSIX+copy", "POSIX", {"use_uring": "true"}),
+]
+
+
+class Point:
+    def __init__(self, agent, name, kind, block, count, direct, path):
+        self.agent, self.kind, self.block, self.count = agent, kind, block, count
+        total = block * count
+        self.total = total
+        self.vram = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
+        self.check = torch.empty_like(self.vram)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o644)
+        os.ftruncate(self.fd, total)
+        self.regs = [agent.register_memory([(0, total, self.fd, "")], "FILE", backends=[name])]
+        self.remote = agent.get_xfer_descs([(i * block, block, self.fd) for i in range(count)], "FILE")
+        if kind == "POSIX":
+            # POSIX cannot address VRAM: stage through a pinned host tensor by hand.
+            self.host = torch.empty(total, dtype=torch.uint8).pin_memory()
+            self.regs.append(agent.register_memory([(self.host.data_ptr(), total, 0, "")], "DRAM", backends=[name]))
+            self.local = agent.get_xfer_descs([(self.host.data_ptr() + i * block, block, 0) for i in range(count)], "DRAM")
+        else:
+            self.host = None
+            self.regs.append(agent.register_memory([(self.vram.data_ptr(), total, 0, ""), (self.check.data_ptr(), total, 0, "")], "VRAM", backends=[name]))
+            self.local = agent.get_xfer_descs([(self.vram.data_ptr() + i * block, block, 0) for i in range(count)], "VRAM")
+            self.local_check = agent.get_xfer_descs([(self.check.data_ptr() + i * block, block, 0) for i in range(count)], "VRAM")
+        self.name = name
+
+    def xfer(self, op, local=None):
+        a = self.agent
+        if self.host is not None and op == "WRITE":
+            self.host.copy_(self.vram, non_blocking=True)
+            torch.cuda.synchronize()
+        h = a.initialize_xfer(op, local or self.local, self.remote, a.name, backends=[self.name])
+        s = a.transfer(h)
+        while s == "PROC":
+            s = a.check_xfer_state(h)
+        a.release_xfer_handle(h)
+        if s != "DONE":
+            raise RuntimeError(f"{op} ended in {s}")
+        if self.host is not None and op == "READ":
+            (self.vram if local is None else self.check).copy_(self.host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def verify(self):
+        self.xfer("WRITE")
+        self.check.fill_(1)
+        if self.host is not None:
+            self.xfer("READ", local=self.local)  # lands in host, copied into check below
+            self.check.copy_(self.host)
+        else:
+            self.xfer("READ", local=self.local_check)
+        torch.cuda.synchronize()
+        if not torch.equal(self.vram, self.check):
+            raise RuntimeError("data mismatch")
+
+    def close(self):
+        for r in self.regs:
+            self.agent.deregister_memory(r, backends=[self.name])
+        os.close(self.fd)
+
+
+def measure(p, op, seconds):
+    p.xfer(op)  # warm-up
+    n, t0 = 0, time.perf_counter()
+    while True:
+        p.xfer(op)
+        n += 1
+        el = time.perf_counter() - t0
+        if el >= seconds and n >= 3:
+            return p.total * n / el / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--direct", action="store_true")
+    ap.add_argument("--sizes", default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)))
+    ap.add_argument("--seconds", type=float, default=0.3)
+    ap.add_argument("--request_bytes", type=int, default=256 * MiB, help="bytes per request (descriptors = this / block, at most 128)")
+    ap.add_argument("--backends", default=",".join(b[0] for b in BACKENDS))
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    chosen = [b for b in BACKENDS if b[0] in args.backends.split(",")]
+    kind = "O_DIRECT file on the virtio disk" if args.direct else "buffered file (page cache)"
+    print(f"# VRAM <-> FILE, {kind}\n")
+    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; host {platform.node()}; kernel {platform.release()}; GPU {torch.cuda.get_device_name(0)}")
+    print(f"command: python3 {' '.join(sys.argv)}\n")
+    results = {}
+    for label, name, params in chosen:
+        agent = nixl_agent(f"bench-{label}-{os.getpid()}", nixl_agent_config(backends=[]))
+        try:
+            agent.create_backend(name, params)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            for b in sizes:
+                for op in ("READ", "WRITE"):
+                    results[(label, b, op)] = f"n/a ({type(e).__name__})"
+            print(f"{label}: create_backend failed: {e!r}", file=sys.stderr)
+            continue
+        for block in sizes:
+            count = max(1, min(128, args.request_bytes // block))
+            path = f"{args.dir}/iud-vram-bench-{label}.bin"
+            p = None
+            try:
+                p = Point(agent, name, name, block, count, args.direct, path)
+                p.verify()
+                for op in ("WRITE", "READ"):
+                    results[(label, block, op)] = f"{measure(p, op, args.seconds):.2f}"
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                print(f"{label} block {block}: {e!r}", file=sys.stderr)
+                for op in ("READ", "WRITE"):
+                    results.setdefault((label, block, op), f"n/a ({type(e).__name__})")
+            finally:
+                if p is not None:
+                    try:
+                        p.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+                if os.path.exists(path):
+                    os.unlink(path)
+    labels = [b[0] for b in chosen]
+    print("| op | block | " + " | ".join(f"{l} GB/s" for l in labels) + " | IO_URING_DMABUF / GDS_MT |")
+    print("|---|---|" + "---|" * (len(labels) + 1))
+    for op in ("READ", "WRITE"):
+        for b in sizes:
+            row = [results.get((l, b, op), "-") for l in labels]
+            ratio = "-"
+            try:
+                ratio = f"{float(results[('IO_URING_DMABUF', b, op)]) / float(results[('GDS_MT', b, op)]):.2f}x"
+            except (KeyError, ValueError, ZeroDivisionError):
+                pass
+            print(f"| {op} | {b >> 10} KiB | " + " | ".join(row) + f" | {ratio} |")
+    print()
+
+
+if __name__ == "__main__":
+    main()

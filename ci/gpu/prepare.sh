@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Prepares what the GPU machine needs (it has no Rust and no internet): the plugin and the doctor
+# built here, and the parts of the nixl-cu13 cp312 wheel that the GPU tests and benchmark load
+# (the whole wheel is over the 64 MiB carry limit). Output: .device/gpu (git-ignored), carried
+# by the device tool; ci/gpu/run.sh runs there.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out=.device/gpu
+rm -rf "$out"; mkdir -p "$out/wheels" "$out/site"
+cargo build --release --lib --bin iud-doctor
+strip -o "$out/libplugin_IO_URING_DMABUF.so" target/release/libio_uring_dmabuf.so
+strip -o "$out/iud-doctor" target/release/iud-doctor
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d "$out/wheels" nixl-cu13==1.5.1 nixl==1.5.1
+(cd "$out/site" && for w in ../wheels/*.whl; do unzip -q -o "$w"; done)
+python3 - "$out/site" <<'PY'
+# Keep the Python packages and the shared-library closure of libnixl, the bindings and the
+# plugins the GPU runs compare against; drop the rest (UCX, object stores, EP kernels).
+import os, shutil, subprocess, sys
+site = sys.argv[1]
+os.chdir(site)
+roots = [".nixl_cu13.mesonpy.libs/libnixl.so", ".nixl_cu13.mesonpy.libs/libnixl_capi.so",
+         "nixl_cu13/_bindings.cpython-312-x86_64-linux-gnu.so", "nixl_cu13/_utils.cpython-312-x86_64-linux-gnu.so"]
+roots += [f".nixl_cu13.mesonpy.libs/plugins/libplugin_{p}.so" for p in ("POSIX", "GDS", "GDS_MT")]
+index = {}
+for d in (".nixl_cu13.mesonpy.libs", "nixl_cu13.libs"):
+    for f in os.listdir(d):
+        index.setdefault(f, os.path.join(d, f))
+keep, todo = set(), list(roots)
+while todo:
+    f = todo.pop()
+    if f in keep:
+        continue
+    keep.add(f)
+    for line in subprocess.run(["readelf", "-d", f], capture_output=True, text=True).stdout.splitlines():
+        if "(NEEDED)" in line:
+            name = line.split("[")[1].rstrip("]")
+            if name in index:
+                todo.append(index[name])
+for d in (".nixl_cu13.mesonpy.libs", "nixl_cu13.libs"):
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            if p not in keep:
+                os.remove(p)
+for d in os.listdir("."):
+    if d not in ("nixl", "nixl_cu13", "nixl_meta_utils.py", ".nixl_cu13.mesonpy.libs", "nixl_cu13.libs"):
+        shutil.rmtree(d) if os.path.isdir(d) else os.remove(d)
+PY
+rm -rf "$out/wheels"
+du -sh "$out"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (through the device tool), from the repository root, after
+# ci/gpu/prepare.sh laid out .device/gpu here: the doctor, the GPU tests and the VRAM benchmark,
+# each writing its output under $OUT (the device tool brings that folder back).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+G=$PWD/.device/gpu
+SITE=$G/site
+LIBS=$SITE/.nixl_cu13.mesonpy.libs
+OUT=${OUT:-/tmp/iud-gpu-out}
+mkdir -p "$OUT" "$LIBS/iud-plugins"
+for p in "$LIBS"/plugins/libplugin_*.so; do ln -sf "../plugins/$(basename "$p")" "$LIBS/iud-plugins/"; done
+cp -f "$G/libplugin_IO_URING_DMABUF.so" "$LIBS/iud-plugins/"
+export NIXL_PLUGIN_DIR=$LIBS/iud-plugins PYTHONPATH=$SITE PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export IO_URING_DMABUF_LOG=${IO_URING_DMABUF_LOG:-info}
+step=${1:-all}
+{
+    date -u; uname -r; nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "cuda devices", torch.cuda.device_count())'
+    df -h /tmp /root | cat
+} 2>&1 | tee "$OUT/machine.txt"
+if [ "$step" = all ] || [ "$step" = doctor ]; then
+    "$G/iud-doctor" 2>&1 | tee "$OUT/doctor.txt"
+fi
+if [ "$step" = all ] || [ "$step" = tests ]; then
+    timeout 900 python3 -m pytest -v -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
+fi
+if [ "$step" = all ] || [ "$step" = bench ]; then
+    timeout 600 python3 bench/gpu_vram_bench.py --dir /tmp 2>&1 | tee "$OUT/bench-pagecache.md"
+    timeout 600 python3 bench/gpu_vram_bench.py --dir /root --direct 2>&1 | tee "$OUT/bench-direct.md"
+fi
