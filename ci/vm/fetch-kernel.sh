@@ -3,7 +3,8 @@
 #   - installs qemu-system-x86 and cpio from Debian if they are missing;
 #   - downloads the newest Debian cloud-amd64 kernel (trixie-backports or sid) with
 #     `apt-get download` and unpacks it with `dpkg -x` under ci/vm/work/kernel/<release>/;
-#   - writes ci/vm/work/kernel.env (KERNEL=..., MODULES=..., KVER=...) for run-lab.sh.
+#   - writes ci/vm/work/kernel-<release>.env (KVER=..., KERNEL=..., MODULES=...) for run-lab.sh,
+#     and ci/vm/work/kernel.env (the default kernel) when KVER was not given.
 #
 # The extra suites go into their own sources file with pin priority 1, so that nothing on the
 # system is ever upgraded from them; only the kernel packages are downloaded (never installed).
@@ -11,7 +12,8 @@
 # Usage: ci/vm/fetch-kernel.sh [--tools-only]   (--tools-only: install qemu and cpio, nothing else)
 #
 # Environment:
-#   KVER=7.2.13+deb14-cloud-amd64   fetch this kernel release instead of the newest one
+#   KVER=7.2.13+deb14-cloud-amd64   fetch this kernel release instead of the newest cloud one
+#                                   (any flavour: KVER=7.3.4+deb13-amd64 is the generic kernel)
 #   LAB_SUITES="trixie-backports sid"  suites to look in (default)
 #   LAB_NO_APT_UPDATE=1             skip `apt-get update` of the lab suites (lists already there)
 #
@@ -78,6 +80,7 @@ fi
 # --- pick the kernel ------------------------------------------------------------------------
 # Kernel packages of the 7.x layout: linux-binary-<release> holds vmlinuz, linux-modules-<release>
 # the modules; both carry the same version. The release string sorts like a version.
+explicit="${KVER:+1}"
 if [ -z "${KVER:-}" ]; then
     KVER="$(apt-cache pkgnames linux-binary- | grep -E '^linux-binary-[0-9][^ ]*-cloud-amd64$' \
         | sed 's/^linux-binary-//' | sort -V | tail -1)"
@@ -110,6 +113,7 @@ else
         dpkg -x "$d" "$dest"
     done
     touch "$dest/.complete"
+    rm -f "${debs[@]}"
 fi
 
 # --- locate vmlinuz and the modules --------------------------------------------------------
@@ -124,11 +128,17 @@ for c in "$dest/usr/lib/modules/$KVER" "$dest/lib/modules/$KVER"; do
     [ -f "$c/modules.dep" ] || [ -d "$c/kernel" ] && { modules="$c"; break; }
 done
 
-cat >"$work/kernel.env" <<EOF
+envf="$work/kernel-$KVER.env"
+cat >"$envf" <<EOF
 # Written by ci/vm/fetch-kernel.sh; read by ci/vm/run-lab.sh unless KERNEL is set.
 KVER=$KVER
 KERNEL=$kernel
 MODULES=$modules
 EOF
-log "wrote $work/kernel.env:"
-sed 's/^/    /' "$work/kernel.env" >&2
+also=""
+if [ -z "$explicit" ]; then
+    cp "$envf" "$work/kernel.env"
+    also=" and $work/kernel.env"
+fi
+log "wrote $envf$also:"
+sed 's/^/    /' "$envf" >&2

@@ -4,10 +4,12 @@
 # NVMe disk, and passes or fails on the VM's final "LAB RESULT:" line.
 #
 #   ci/vm/run-lab.sh                      the kernel from ci/vm/fetch-kernel.sh (fetched if needed)
+#   KVER=7.3.4+deb13-amd64 ci/vm/run-lab.sh   another Debian kernel release (fetched if needed)
 #   KERNEL=/path/bzImage [MODULES=/path/lib/modules/<release>] ci/vm/run-lab.sh   any other kernel
 #
 # Environment (all optional):
 #   KERNEL, MODULES     kernel image and its module tree (modules: only if udmabuf/nvme are modular)
+#   KVER                a Debian kernel release to fetch and use (ignored when KERNEL is set)
 #   LAB_MODULES         modules to pack and load if MODULES has them (default: "nvme udmabuf")
 #   LAB_TIMEOUT         seconds before the VM is killed (default 600)
 #   LAB_SMP, LAB_MEM    VM CPUs and memory (default 2, 1G)
@@ -40,10 +42,11 @@ if [ -n "${KERNEL:-}" ]; then
     KVER="(given)"
     MODULES="${MODULES:-}"
 else
-    [ -f "$work/kernel.env" ] || "$here/fetch-kernel.sh"
+    envf="$work/kernel${KVER:+-$KVER}.env"
+    [ -f "$envf" ] || "$here/fetch-kernel.sh"
     "$here/fetch-kernel.sh" --tools-only
     # shellcheck source=/dev/null
-    . "$work/kernel.env"
+    . "$envf"
     MODULES="${MODULES:-}"
 fi
 log "kernel: $KERNEL ($KVER)${MODULES:+, modules: $MODULES}"
@@ -82,7 +85,8 @@ mknod -m 600 "$root/dev/console" c 5 1 2>/dev/null || log "cannot mknod /dev/con
 
 if ldd "$bin" >/dev/null 2>&1 && ! ldd "$bin" 2>&1 | grep -q 'statically linked'; then
     log "dynamic binary: copying its libraries and the loader"
-    ldd "$bin" | awk '/=> \// { print $3 } /^\s*\/[^ ]+ \(/ { print $1 }' | while read -r lib; do
+    # "libc.so.6 => /lib/.../libc.so.6 (0x...)" and the loader "/lib64/ld-linux-x86-64.so.2 (0x...)"
+    ldd "$bin" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }' | while read -r lib; do
         mkdir -p "$root$(dirname "$lib")"
         cp -L "$lib" "$root$lib"
     done
@@ -160,7 +164,7 @@ if [ "$qemu_rc" = 124 ] || [ "$qemu_rc" = 137 ]; then
     die "timeout: the VM did not power off within ${timeout_s}s${result:+ (last result: $result)}"
 fi
 if [ -z "$result" ]; then
-    printf '%s\n' "$clean" | grep -a -m1 -A3 'Kernel panic' >&2 || true
+    printf '%s\n' "$clean" | tail -15 | sed 's/^/    | /' >&2
     die "no 'LAB RESULT:' line from the VM (qemu exit $qemu_rc)"
 fi
 passed="$(sed -n 's/^LAB RESULT: \([0-9]*\) passed.*/\1/p' <<<"$result")"

@@ -44,10 +44,12 @@ fn ensure_console() {
     }
 }
 
-/// Mounts, console, modules, device wait. Returns the module-loading notes.
+/// Mounts, console, modules, and a wait (up to 60 s) for `device` to appear.
 pub fn setup(device: &str) {
     let _ = mount("devtmpfs", "/dev", "devtmpfs", "mode=0755");
     ensure_console();
+    // Start on a fresh line after the firmware's terminal escapes.
+    println!();
     for (src, target, fstype) in [("proc", "/proc", "proc"), ("sysfs", "/sys", "sysfs"), ("tmpfs", "/tmp", "tmpfs")] {
         if let Err(e) = mount(src, target, fstype, "") {
             info(format!("mount {fstype} on {target}: {e}"));
