@@ -23,7 +23,11 @@ cargo build --release -p iud-bench
 IUD_PLUGIN_DIR="$(iud_plugin_dir)"
 libs="$(iud_nixl_libs)"
 rev="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-git diff --quiet HEAD -- 2>/dev/null || rev="$rev+uncommitted changes"
+# Only what goes into the plugin and the benchmark counts as "the code measured".
+measured=(src build.rs Cargo.toml Cargo.lock plugin-manifest nixl-headers bench/Cargo.toml bench/src)
+if [ -n "$(git status --porcelain -- "${measured[@]}" 2>/dev/null)" ]; then
+    rev="$rev+uncommitted changes in: $(git status --porcelain -- "${measured[@]}" | awk '{print $2}' | tr '\n' ' ')"
+fi
 echo "# ci/bench.sh at git $rev"
 
 export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
