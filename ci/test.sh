@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The project's one test command: setup, release build, Rust tests (unit + nixl-sys integration),
+# then the Python suite (tests/python) against the real NIXL runtime from the wheel.
+# Every test stage runs even if an earlier one failed; the exit status is non-zero if any did.
+# Extra arguments go to pytest (e.g. ci/test.sh -k roundtrip).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$IUD_ROOT"
+
+bash ci/setup.sh
+source ci/env.sh  # again: IUD_PLUGIN_DIR is known only once the wheel is installed
+bash ci/build.sh
+
+# The wheel's libraries: libnixl_capi.so for the nixl-sys integration tests.
+libs="$(iud_nixl_libs)"
+mod="$(basename "$libs")"
+mod="${mod#.}"
+mod="${mod%.mesonpy.libs}"
+export LD_LIBRARY_PATH="$libs:$(dirname "$libs")/$mod.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NIXL_PLUGIN_DIR="$IUD_PLUGIN_DIR"
+
+logs="$IUD_TARGET/test-logs"
+mkdir -p "$logs"
+status=0
+
+echo "== cargo test --release --workspace"
+cargo_rc=0
+cargo test --release --workspace 2>&1 | tee "$logs/cargo-test.log" || cargo_rc=${PIPESTATUS[0]}
+[ "$cargo_rc" -eq 0 ] || status=1
+
+echo "== pytest tests/python (backend ${IUD_TEST_BACKEND:-IO_URING_DMABUF})"
+py_rc=0
+"$IUD_PY" -m pytest tests/python "$@" 2>&1 | tee "$logs/pytest.log" || py_rc=${PIPESTATUS[0]}
+[ "$py_rc" -eq 0 ] || status=1
+
+echo "== summary"
+cargo_sum="$(grep -E '^test result: ' "$logs/cargo-test.log" |
+    awk '{p+=$4; f+=$6; i+=$8} END {printf "%d passed; %d failed; %d ignored", p, f, i}')"
+echo "cargo test: exit $cargo_rc ($cargo_sum)"
+py_sum="$(grep -E '^=+ .*(passed|failed|error|skipped|xfailed|no tests ran).* =+$' "$logs/pytest.log" | tail -n 1 || true)"
+echo "pytest: exit $py_rc ${py_sum:-(no summary line)}"
+exit "$status"

@@ -1,0 +1,152 @@
+"""pytest setup for the IO_URING_DMABUF Python suite.
+
+Environment:
+  IUD_TEST_BACKEND   backend under test (default IO_URING_DMABUF; POSIX validates the harness)
+  IUD_TEST_PARAMS    extra backend params, "k=v,k=v"
+  IUD_PLUGIN_DIR     NIXL plugin directory (default <wheel libs>/iud-plugins, as ci/build.sh
+                     lays it out; a private directory with the wheel's plugins only if that does
+                     not exist). NIXL_PLUGIN_DIR is set from it here, before nixl is imported,
+                     because NIXL's plugin manager is a process singleton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import glob
+import importlib.util
+import os
+import sys
+import tempfile
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _wheel_libs():
+    for mod in ("nixl_cu12", "nixl_cu13"):
+        spec = importlib.util.find_spec(mod)
+        if spec and spec.origin:
+            site = os.path.dirname(os.path.dirname(spec.origin))
+            libs = os.path.join(site, "." + mod + ".mesonpy.libs")
+            if os.path.isdir(libs):
+                return libs, os.path.join(site, mod + ".libs")
+    return None, None
+
+
+def _setup_plugin_dir():
+    libs, bundled = _wheel_libs()
+    plugin_dir = os.environ.get("IUD_PLUGIN_DIR") or (
+        os.path.join(libs, "iud-plugins") if libs else "")
+    if not os.path.isdir(plugin_dir) and libs:
+        # Not built yet: a private directory with the wheel's plugins only (enough for
+        # IUD_TEST_BACKEND=POSIX runs).
+        plugin_dir = tempfile.mkdtemp(prefix="iud-nixl-plugins-")
+        for p in glob.glob(os.path.join(libs, "plugins", "libplugin_*.so")):
+            os.symlink(p, os.path.join(plugin_dir, os.path.basename(p)))
+    os.environ["NIXL_PLUGIN_DIR"] = plugin_dir
+    os.environ["IUD_PLUGIN_DIR"] = plugin_dir
+    # The wheel's plugins find their private libraries through RPATH $ORIGIN/.., which only
+    # works from a plugin directory directly inside the wheel's library folder. For the
+    # temporary directory, preload those libraries so that dlopen finds them by soname.
+    if libs and os.path.dirname(os.path.abspath(plugin_dir)) != os.path.abspath(libs):
+        wanted = [os.path.join(libs, "libnixl_common.so"), os.path.join(libs, "libfile_utils.so")]
+        wanted += glob.glob(os.path.join(bundled, "liburing-*.so*"))
+        wanted += glob.glob(os.path.join(bundled, "libaio-*.so*"))
+        for w in wanted:
+            try:
+                ctypes.CDLL(w, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                pass
+
+
+_setup_plugin_dir()
+
+import pytest  # noqa: E402
+
+import iud_helpers as H  # noqa: E402
+
+
+def pytest_report_header(config):
+    return [f"IUD_TEST_BACKEND={H.test_backend()} params={H.default_params(H.test_backend())} "
+            f"NIXL_PLUGIN_DIR={os.environ['NIXL_PLUGIN_DIR']}"]
+
+
+@pytest.fixture(scope="session")
+def backend() -> str:
+    return H.test_backend()
+
+
+@pytest.fixture(scope="session")
+def is_plugin(backend) -> bool:
+    return backend == H.PLUGIN
+
+
+@pytest.fixture(scope="session")
+def plugin_so(backend) -> str:
+    """Our plugin as NIXL loads it. Missing: a failure when it is the backend under test."""
+    path = os.path.join(os.environ["NIXL_PLUGIN_DIR"], f"libplugin_{H.PLUGIN}.so")
+    if not os.path.exists(path):
+        msg = f"{path} does not exist (run ci/build.sh)"
+        if backend == H.PLUGIN:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+@pytest.fixture
+def rng(request):
+    import numpy as np
+
+    seed = int.from_bytes(os.urandom(8), "little")
+    print(f"rng seed for {request.node.name}: {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def rig(backend):
+    agent = H.make_agent(backend)
+    r = H.Rig(agent, backend)
+    yield r
+    r.close()
+    del r, agent
+    gc.collect()
+
+
+@pytest.fixture
+def known_posix_failure(request, backend):
+    """Mark the test xfail when run against POSIX, for a documented POSIX limitation."""
+    def mark(reason: str):
+        if backend == "POSIX":
+            request.node.add_marker(pytest.mark.xfail(reason="POSIX: " + reason, strict=False))
+    return mark
+
+
+@pytest.fixture
+def stderr_log(capfd):
+    """Returns a function giving the stderr written since its previous call."""
+    capfd.readouterr()
+
+    def take() -> str:
+        out, err = capfd.readouterr()
+        sys.stdout.write(out)
+        sys.stdout.write(err)  # keep it visible in the failure report
+        return err
+    return take
+
+
+@pytest.fixture(scope="session")
+def direct_ok(tmp_path_factory) -> bool:
+    d = tmp_path_factory.mktemp("odirect-probe")
+    try:
+        fd = os.open(str(d / "probe"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.fixture
+def need_direct(direct_ok):
+    if not direct_ok:
+        pytest.skip("the test directory's filesystem does not support O_DIRECT")
