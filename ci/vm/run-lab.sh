@@ -13,7 +13,7 @@
 #   LAB_MODULES         modules to pack and load if MODULES has them (default: "nvme udmabuf")
 #   LAB_TIMEOUT         seconds before the VM is killed (default 600)
 #   LAB_SMP, LAB_MEM    VM CPUs and memory (default 2, 1G)
-#   LAB_DISK_MB         size of the NVMe disk image (default 256)
+#   LAB_DISK_MB         size of the NVMe disk image (default 256, at least 192)
 #   LAB_APPEND          extra kernel command line (e.g. "loglevel=7" to drop the quiet boot)
 #   LAB_LINK            static (default: glibc static-pie) or dynamic (copies ldd's libraries)
 #   LAB_STRICT=1        also fail when a test was skipped
@@ -135,6 +135,7 @@ log "initramfs: $initrd ($(du -k "$initrd" | cut -f1) KiB)"
 
 # --- disk -----------------------------------------------------------------------------------
 img="$work/nvme.img"
+[ "${LAB_DISK_MB:-256}" -ge 192 ] || die "LAB_DISK_MB must be at least 192 (the tests use the first 192 MiB)"
 rm -f "$img"
 truncate -s "${LAB_DISK_MB:-256}M" "$img"
 

@@ -57,14 +57,16 @@ impl DirectLab {
         self.rng.fill(want);
         self.rng.fill(fill_back);
         let fd = types::Fd(self.dev.fd());
-        // SAFETY (for both entries): the pointers are inside the registered buffers 0 and 1.
-        let w = opcode::WriteFixed::new(fd, unsafe { self.src.ptr().add(s_off) }, len as u32, 0).offset(dev_off).build().user_data(0);
+        // SAFETY: s_off + len <= BUF_BYTES, so the pointer stays inside registered buffer 0.
+        let s_ptr = unsafe { self.src.ptr().add(s_off) };
+        // SAFETY: d_off + len <= BUF_BYTES, so the pointer stays inside registered buffer 1.
+        let d_ptr = unsafe { self.dst.ptr().add(d_off) };
+        let w = opcode::WriteFixed::new(fd, s_ptr, len as u32, 0).offset(dev_off).build().user_data(0);
         let r = submit_all(&mut self.ring, &[w])?;
         if r[0] as i64 != len as i64 {
             return Err(format!("WRITE_FIXED {} at {dev_off}: result {} (want {len})", size_str(len), res_str(r[0] as i64)));
         }
-        // SAFETY: as above.
-        let rd = opcode::ReadFixed::new(fd, unsafe { self.dst.ptr().add(d_off) }, len as u32, 1).offset(dev_off).build().user_data(0);
+        let rd = opcode::ReadFixed::new(fd, d_ptr, len as u32, 1).offset(dev_off).build().user_data(0);
         let r = submit_all(&mut self.ring, &[rd])?;
         if r[0] as i64 != len as i64 {
             return Err(format!("READ_FIXED {} at {dev_off}: result {} (want {len})", size_str(len), res_str(r[0] as i64)));
@@ -125,11 +127,13 @@ impl DirectLab {
         let lbs = self.dev.lbs as u64;
         let end = self.dev.bytes;
         let p = self.dst.ptr();
-        // SAFETY (all entries): pointers inside registered buffer 1 (8 MiB), lengths ≤ 8 KiB.
+        // SAFETY: one byte into the 8 MiB registered buffer 1; the I/O there is refused or stays
+        // inside the buffer (lengths of at most two logical blocks).
+        let p1 = unsafe { p.add(1) };
         let cases = [
             ("READ_FIXED of 100 B", opcode::ReadFixed::new(fd, p, 100, 1).offset(0).build()),
             ("READ_FIXED at an unaligned offset 100", opcode::ReadFixed::new(fd, p, lbs as u32, 1).offset(100).build()),
-            ("READ_FIXED from memory misaligned by 1 byte", opcode::ReadFixed::new(fd, unsafe { p.add(1) }, lbs as u32, 1).offset(0).build()),
+            ("READ_FIXED from memory misaligned by 1 byte", opcode::ReadFixed::new(fd, p1, lbs as u32, 1).offset(0).build()),
             ("READ_FIXED at the device end", opcode::ReadFixed::new(fd, p, lbs as u32, 1).offset(end).build()),
             ("READ_FIXED across the device end", opcode::ReadFixed::new(fd, p, 2 * lbs as u32, 1).offset(end - lbs).build()),
             ("WRITE_FIXED at the device end", opcode::WriteFixed::new(fd, p, lbs as u32, 1).offset(end).build()),

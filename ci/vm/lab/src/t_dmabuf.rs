@@ -268,7 +268,7 @@ pub fn dmabuf_refusals(device: &str, probe: Option<Probe>) -> TestResult {
     let dev = BlockDev::open(device, true)?;
     let buffered = std::fs::OpenOptions::new().read(true).write(true).open(device).map_err(|e| format!("open({device}): {e}"))?;
     let other = BlockDev::open(device, true)?;
-    let regular = std::fs::OpenOptions::new().read(true).write(true).create(true).open("/tmp/iud-lab-regular").map_err(|e| format!("create /tmp file: {e}"))?;
+    let regular = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open("/tmp/iud-lab-regular").map_err(|e| format!("create /tmp file: {e}"))?;
     let b = HostDmabuf::create(BUF)?;
     let mut ring = IoUring::new(8).map_err(|e| format!("io_uring_setup: {e}"))?;
     let rfd = ring.as_raw_fd();
