@@ -176,7 +176,7 @@ impl Config {
 }
 
 pub enum Parsed {
-    Run(Config),
+    Run(Box<Config>),
     Help,
 }
 
@@ -253,6 +253,30 @@ const BOOL_FLAGS: &[&str] = &[
     "help",
 ];
 
+const VALUE_FLAGS: &[&str] = &[
+    "backend",
+    "posix_api_type",
+    "posix_ios_pool_size",
+    "posix_kernel_queue_size",
+    "filepath",
+    "op_type",
+    "total_buffer_size",
+    "start_block_size",
+    "max_block_size",
+    "start_batch_size",
+    "max_batch_size",
+    "batch_sizes",
+    "num_iter",
+    "duration_ms",
+    "warmup_iter",
+    "large_blk_iter_ftr",
+    "num_threads",
+    "seed",
+    "randomize_location_mode",
+    "initiator_seg_type",
+    "worker_type",
+];
+
 pub fn parse(args: &[String]) -> Result<Parsed, String> {
     let mut c = Config::default();
     let mut i = 0;
@@ -290,6 +314,9 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                 _ => unreachable!(),
             }
             continue;
+        }
+        if !VALUE_FLAGS.contains(&key.as_str()) {
+            return Err(format!("unknown flag --{key} (see --help)"));
         }
         let val = match inline_val {
             Some(v) => v,
@@ -333,7 +360,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "max_batch_size" => c.max_batch_size = num(&val)?,
             "batch_sizes" => {
                 let v: Result<Vec<u64>, String> =
-                    val.split(',').filter(|s| !s.trim().is_empty()).map(|s| num(s)).collect();
+                    val.split(',').filter(|s| !s.trim().is_empty()).map(&num).collect();
                 c.batch_sizes = Some(v?);
             }
             "num_iter" => c.num_iter = num(&val)?,
@@ -363,7 +390,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
         }
     }
     validate(&c)?;
-    Ok(Parsed::Run(c))
+    Ok(Parsed::Run(Box::new(c)))
 }
 
 fn validate(c: &Config) -> Result<(), String> {
@@ -432,7 +459,8 @@ mod tests {
         assert!(c.storage_enable_direct && !c.check_consistency);
         assert_eq!(c.batches(), vec![1, 64]);
         assert_eq!(c.num_iter, 100);
-        assert!(parse(&s(&["--bogus", "1"])).is_err());
+        assert!(parse(&s(&["--bogus", "1"])).unwrap_err().contains("unknown flag"));
+        assert!(parse(&s(&["--bogus"])).unwrap_err().contains("unknown flag"));
         assert!(parse(&s(&["--max_block_size"])).is_err());
         assert_eq!(parse_size("1G").unwrap(), 1 << 30);
     }

@@ -157,7 +157,7 @@ fn print_config(cfg: &Config) {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let cfg = match cli::parse(&args) {
-        Ok(Parsed::Run(c)) => c,
+        Ok(Parsed::Run(c)) => *c,
         Ok(Parsed::Help) => {
             print!("{}", cli::USAGE);
             return;
@@ -302,7 +302,6 @@ fn run(cfg: &Config) -> i32 {
             rc = 1;
         }
     }
-    drop(ctx);
     drop(files);
     rc
 }

@@ -41,13 +41,17 @@ fn nerr(what: &str, e: NixlError) -> String {
     format!("{what}: {e} ({e:?})")
 }
 
+/// The Params to pass, the same as a sorted map for printing, and the keys the plugin does not
+/// advertise.
+type BuiltParams = (Params, BTreeMap<String, String>, Vec<String>);
+
 /// Effective backend params: the plugin's advertised defaults, then nixlbench's POSIX flags,
 /// then the spec's own key=value pairs.
 fn build_params(
     spec: &BackendSpec,
     cfg: &Config,
     defaults: &Params,
-) -> Result<(Params, BTreeMap<String, String>, Vec<String>), String> {
+) -> Result<BuiltParams, String> {
     let mut map: BTreeMap<String, String> = BTreeMap::new();
     let default_keys: Vec<String> = defaults.into_iter().map(|(k, _)| k.to_string()).collect();
     for (k, v) in defaults {
