@@ -175,6 +175,7 @@ impl Config {
     }
 }
 
+#[derive(Debug)]
 pub enum Parsed {
     Run(Box<Config>),
     Help,
