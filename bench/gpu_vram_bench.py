@@ -7,7 +7,9 @@ Usage: python3 bench/gpu_vram_bench.py [--dir /tmp] [--direct] [--sizes 65536,..
 Prints a markdown table (GB/s, decimal) per file kind.
 """
 import argparse
+import json
 import os
+import subprocess
 import platform
 import sys
 import time
@@ -93,6 +95,36 @@ def measure(p, op, seconds):
             return p.total * n / el / 1e9
 
 
+def run_backend(label, name, params, sizes, args):
+    """Measures one backend (in a child process, so a hang cannot stop the run)."""
+    results = {}
+    agent = nixl_agent(f"bench-{label}-{os.getpid()}", nixl_agent_config(backends=[]))
+    agent.create_backend(name, params)
+    for block in sizes:
+        count = max(1, min(128, args.request_bytes // block))
+        path = f"{args.dir}/iud-vram-bench-{label}.bin"
+        p = None
+        try:
+            p = Point(agent, name, name, block, count, args.direct, path)
+            p.verify()
+            for op in ("WRITE", "READ"):
+                results[f"{block}:{op}"] = f"{measure(p, op, args.seconds):.2f}"
+                print(f"{label} {op} {block}: {results[f'{block}:{op}']} GB/s", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            print(f"{label} block {block}: {e!r}", file=sys.stderr, flush=True)
+            for op in ("READ", "WRITE"):
+                results.setdefault(f"{block}:{op}", f"n/a ({type(e).__name__})")
+        finally:
+            if p is not None:
+                try:
+                    p.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            if os.path.exists(path):
+                os.unlink(path)
+    print("RESULTS " + json.dumps(results), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp")
@@ -101,45 +133,33 @@ def main():
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--request_bytes", type=int, default=256 * MiB, help="bytes per request (descriptors = this / block, at most 128)")
     ap.add_argument("--backends", default=",".join(b[0] for b in BACKENDS))
+    ap.add_argument("--timeout", type=float, default=90, help="seconds allowed per backend")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     chosen = [b for b in BACKENDS if b[0] in args.backends.split(",")]
+    if args.one:
+        label, name, params = next(b for b in BACKENDS if b[0] == args.one)
+        run_backend(label, name, params, sizes, args)
+        return
     kind = "O_DIRECT file on the virtio disk" if args.direct else "buffered file (page cache)"
     print(f"# VRAM <-> FILE, {kind}\n")
     print(f"date {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; host {platform.node()}; kernel {platform.release()}; GPU {torch.cuda.get_device_name(0)}")
-    print(f"command: python3 {' '.join(sys.argv)}\n")
+    print(f"command: python3 {' '.join(sys.argv)}\n", flush=True)
     results = {}
-    for label, name, params in chosen:
-        agent = nixl_agent(f"bench-{label}-{os.getpid()}", nixl_agent_config(backends=[]))
+    for label, _, _ in chosen:
+        cmd = [sys.executable] + sys.argv + ["--one", label]
         try:
-            agent.create_backend(name, params)
-        except Exception as e:  # noqa: BLE001 - reported in the table
-            for b in sizes:
-                for op in ("READ", "WRITE"):
-                    results[(label, b, op)] = f"n/a ({type(e).__name__})"
-            print(f"{label}: create_backend failed: {e!r}", file=sys.stderr)
-            continue
-        for block in sizes:
-            count = max(1, min(128, args.request_bytes // block))
-            path = f"{args.dir}/iud-vram-bench-{label}.bin"
-            p = None
-            try:
-                p = Point(agent, name, name, block, count, args.direct, path)
-                p.verify()
-                for op in ("WRITE", "READ"):
-                    results[(label, block, op)] = f"{measure(p, op, args.seconds):.2f}"
-            except Exception as e:  # noqa: BLE001 - reported in the table
-                print(f"{label} block {block}: {e!r}", file=sys.stderr)
-                for op in ("READ", "WRITE"):
-                    results.setdefault((label, block, op), f"n/a ({type(e).__name__})")
-            finally:
-                if p is not None:
-                    try:
-                        p.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                if os.path.exists(path):
-                    os.unlink(path)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout).stdout
+            line = next((l for l in out.splitlines() if l.startswith("RESULTS ")), None)
+            got = json.loads(line[8:]) if line else {}
+            if not got:
+                got = {f"{b}:{op}": "n/a (failed)" for b in sizes for op in ("READ", "WRITE")}
+        except subprocess.TimeoutExpired:
+            got = {f"{b}:{op}": f"n/a (hung > {args.timeout:.0f} s)" for b in sizes for op in ("READ", "WRITE")}
+        for k, v in got.items():
+            b, op = k.split(":")
+            results[(label, int(b), op)] = v
     labels = [b[0] for b in chosen]
     print("| op | block | " + " | ".join(f"{l} GB/s" for l in labels) + " | IO_URING_DMABUF / GDS_MT |")
     print("|---|---|" + "---|" * (len(labels) + 1))

@@ -15,6 +15,8 @@ export NIXL_PLUGIN_DIR=$LIBS/iud-plugins PYTHONPATH=$SITE PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export IO_URING_DMABUF_LOG=${IO_URING_DMABUF_LOG:-info}
 step=${1:-all}
+# cuFile (NIXL's GDS/GDS_MT, compared in the benchmark) needs udev data for the disk.
+bash ci/gpu/udev-shim.sh /tmp /root 2>&1 | tee "$OUT/udev-shim.txt"
 {
     date -u; uname -r; nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "cuda devices", torch.cuda.device_count())'
     df -h /tmp /root | cat
@@ -26,6 +28,6 @@ if [ "$step" = all ] || [ "$step" = tests ]; then
     timeout 900 python3 -m pytest -v -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
 fi
 if [ "$step" = all ] || [ "$step" = bench ]; then
-    timeout 600 python3 bench/gpu_vram_bench.py --dir /tmp 2>&1 | tee "$OUT/bench-pagecache.md"
-    timeout 600 python3 bench/gpu_vram_bench.py --dir /root --direct 2>&1 | tee "$OUT/bench-direct.md"
+    timeout 560 python3 bench/gpu_vram_bench.py --dir /tmp --timeout 60 2>"$OUT/bench-pagecache.log" | tee "$OUT/bench-pagecache.md"
+    timeout 560 python3 bench/gpu_vram_bench.py --dir /root --direct --timeout 60 2>"$OUT/bench-direct.log" | tee "$OUT/bench-direct.md"
 fi
