@@ -18,7 +18,7 @@ use crate::mem::vram::VramRoute;
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
 use crate::params::{EngineParams, FixedBuffers, VramPath};
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
-use crate::uring::{inline, Progress, RequestKey, Ring};
+use crate::uring::{Progress, RequestKey, Ring};
 use crate::xfer::plan::PlanContext;
 use crate::xfer::{plan, Plan, XferOp};
 
@@ -284,6 +284,11 @@ impl Engine {
         };
         // SAFETY: forwarded from the caller.
         let plan = unsafe { plan(op, local_kind, local, remote_kind, remote, &ctx) }?;
+        for reg in &plan.registrations {
+            if let Registration::Storage(f) = &**reg {
+                f.check_still_open()?;
+            }
+        }
         let key = self.ring.add_request(Arc::clone(&plan.ops));
         Ok(Box::new(Request { key, plan }))
     }
@@ -297,22 +302,21 @@ impl Engine {
                 "postXfer: operation or descriptor lists differ from what was prepared",
             ));
         }
+        // Files in the fixed-file table were checked at prep and stay pinned to the registered
+        // file; a raw fd can be closed or reused between posts, so it is checked every time.
         for reg in &req.plan.registrations {
             if let Registration::Storage(f) = &**reg {
-                f.check_still_open()?;
+                if !f.has_fixed_slot() {
+                    f.check_still_open()?;
+                }
             }
         }
-        let inline_max = self.params.inline_write_max;
-        if op == XferOp::Write && req.plan.all_buffered && req.plan.all_host && inline_max > 0 && req.plan.total_bytes <= inline_max {
-            inline::write_all(&req.plan.ops.ops)?;
-            return Ok(Progress::Done);
-        }
-        self.ring.post(req.key)
+        self.ring.post(req.key, self.params.inline_write_max)
     }
 
     /// Reaps completions without blocking; Ok(Done) once the request finished.
     pub fn check(&self, req: &Request) -> Result<Progress> {
-        self.ring.check(req.key)
+        self.ring.check(req.key, self.params.inline_write_max)
     }
 
     /// Releases a request, aborting it if it is in flight. On error the request is handed back

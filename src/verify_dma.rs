@@ -47,11 +47,11 @@ pub fn dmabuf_read(ring: &Ring, vram: &VramRegion, file: &FileRegion, slot: u16)
 
 /// Runs one READ op through the ring and waits for it.
 fn run_one(ring: &Ring, op: IoOp) -> Result<(), String> {
-    let key = ring.add_request(Arc::new(RequestOps { write: false, ops: vec![op] }));
-    let mut r = ring.post(key);
+    let key = ring.add_request(Arc::new(RequestOps { write: false, ops: vec![op], inline_writes: false }));
+    let mut r = ring.post(key, 0);
     while let Ok(Progress::InFlight) = r {
         std::thread::yield_now();
-        r = ring.check(key);
+        r = ring.check(key, 0);
     }
     let _ = ring.remove_request(key);
     r.map(drop).map_err(|e| format!("self-test read through the DMA-BUF failed: {}", e.message))

@@ -149,6 +149,12 @@ impl FileRegion {
         }
     }
 
+    /// Whether SQEs reach the file through the ring's fixed-file table (which holds its own
+    /// reference to the registered file, so a later close or reuse of the fd cannot redirect it).
+    pub fn has_fixed_slot(&self) -> bool {
+        self.fixed_slot.is_some()
+    }
+
     /// Fails when an application-owned fd was closed, or now names another file, since the
     /// registration (the fixed-file table would otherwise keep writing to the old file).
     pub fn check_still_open(&self) -> Result<()> {

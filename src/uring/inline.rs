@@ -1,12 +1,11 @@
-//! Small buffered writes done in the posting thread.
+//! Buffered writes done by the threads that post and poll.
 //!
 //! Page-cache writes are memory copies. io_uring runs them inline only on file systems that
 //! support non-blocking buffered writes; elsewhere (ext4 among them) every write is punted to an
-//! io-wq worker, and writes to one file are serialized there, so a small request pays a thread
-//! hand-off per I/O. libaio, by contrast, copies in the caller. For requests up to
-//! `inline_write_max` bytes the engine therefore writes with pwrite(2) in the posting thread and
-//! completes the request before postXfer returns; larger requests keep postXfer non-blocking
-//! and go through the ring.
+//! io-wq worker, and writes to one file are serialized there, so each I/O pays a thread hand-off.
+//! libaio, by contrast, copies in the caller. So each postXfer/checkXfer call writes up to
+//! `inline_write_max` bytes of its request with pwrite(2) itself (a request that small completes
+//! before postXfer returns), while the ring keeps a few of the request's writes in flight.
 
 use std::io;
 

@@ -51,7 +51,15 @@ const TEARDOWN_WAIT: Duration = Duration::from_secs(30);
 pub struct RequestOps {
     pub write: bool,
     pub ops: Vec<IoOp>,
+    /// Every op is a buffered write from host memory: the calling threads may write them
+    /// themselves (see `help_with_writes`).
+    pub inline_writes: bool,
 }
+
+/// Buffered writes of one request that may sit in io_uring at once. io_uring's workers run
+/// buffered writes to one file one after another, so a few keep them busy; the rest are left for
+/// the threads that post and poll, which write them directly.
+const RING_WRITES_PER_REQUEST: usize = 4;
 
 /// Key of a request in the ring's progress table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +99,16 @@ struct FileSlot {
 
 enum State {
     Idle,
-    Running { next: usize, outstanding: usize, error: Option<Error>, abort: bool },
+    Running {
+        /// Ops handed out so far (to the ring or to an inline writer).
+        next: usize,
+        /// Ops not finished yet (including those never handed out).
+        outstanding: usize,
+        /// Ops being written inline by some thread right now.
+        inline_active: usize,
+        error: Option<Error>,
+        abort: bool,
+    },
     Done,
     Failed(Error),
 }
@@ -319,7 +336,8 @@ impl Ring {
     }
 
     /// Starts (or restarts) a request. Returns Done when everything completed during the call.
-    pub fn post(&self, key: RequestKey) -> Result<Progress> {
+    /// `inline_budget`: bytes of buffered writes this thread may write itself (0 = none).
+    pub fn post(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
         let mut core = self.lock();
         let req = core.requests.get_mut(key.0).ok_or_else(|| Error::backend("postXfer: unknown request handle"))?;
         if matches!(req.state, State::Running { .. }) {
@@ -330,41 +348,89 @@ impl Ring {
             req.state = State::Done;
             return Ok(Progress::Done);
         }
-        req.state = State::Running { next: 0, outstanding: total, error: None, abort: false };
+        req.state = State::Running { next: 0, outstanding: total, inline_active: 0, error: None, abort: false };
         core.queue.push_back(key.0);
+        let mut core = self.help_with_writes(core, key.0, inline_budget);
         core.progress()?;
         core.status(key.0)
     }
 
     /// Reaps completions (for every request) without blocking and reports this request's state.
-    pub fn check(&self, key: RequestKey) -> Result<Progress> {
+    pub fn check(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
         let mut core = self.lock();
         core.progress()?;
+        let mut core = self.help_with_writes(core, key.0, inline_budget);
+        core.progress()?;
         core.status(key.0)
+    }
+
+    /// Writes up to `budget` bytes of the request's not-yet-started buffered writes with
+    /// pwrite(2) in this thread, without holding the lock while writing. Page-cache writes are
+    /// memory copies: done here they avoid a hand-off to io_uring's worker per I/O (which is what
+    /// makes libaio fast on buffered files), while the ring keeps a few in flight meanwhile.
+    fn help_with_writes<'a>(&'a self, mut core: MutexGuard<'a, Core>, key: usize, budget: u64) -> MutexGuard<'a, Core> {
+        let Some(req) = core.requests.get_mut(key) else { return core };
+        if budget == 0 || !req.ops.inline_writes {
+            return core;
+        }
+        let ops = Arc::clone(&req.ops);
+        let State::Running { next, inline_active, error: None, abort: false, .. } = &mut req.state else { return core };
+        let (start, mut end, mut bytes) = (*next, *next, 0u64);
+        while end < ops.ops.len() && bytes < budget {
+            bytes += ops.ops[end].len as u64;
+            end += 1;
+        }
+        if end == start {
+            return core;
+        }
+        *next = end;
+        *inline_active += end - start;
+        drop(core);
+        let result = inline::write_all(&ops.ops[start..end]);
+        let mut core = self.lock();
+        // The request still exists: release waits until no op is outstanding.
+        if let Some(req) = core.requests.get_mut(key) {
+            if let State::Running { outstanding, inline_active, .. } = &mut req.state {
+                *outstanding -= end - start;
+                *inline_active -= end - start;
+            }
+            if let Err(e) = result {
+                fail(req, e);
+            }
+            finish_if_drained(req);
+        }
+        core
     }
 
     /// Removes a request. One still in flight is aborted: its queued ops are dropped, its
     /// in-flight ops cancelled, and the call waits until the kernel has let go of all of them.
     pub fn remove_request(&self, key: RequestKey) -> Result<()> {
-        let mut core = self.lock();
-        let running = matches!(core.requests.get(key.0).map(|r| &r.state), Some(State::Running { .. }));
-        if running {
-            core.abort(key.0);
-            let deadline = Instant::now() + TEARDOWN_WAIT;
-            while matches!(core.requests[key.0].state, State::Running { .. }) {
-                if Instant::now() > deadline {
-                    return Err(Error::backend(format!(
-                        "releaseReqH: in-flight I/O did not finish within {}s after cancellation; the request is kept",
-                        TEARDOWN_WAIT.as_secs()
-                    )));
+        let deadline = Instant::now() + TEARDOWN_WAIT;
+        let mut aborted = false;
+        loop {
+            // Re-locked every round so that threads writing this request's ops inline can
+            // report back.
+            let mut core = self.lock();
+            let running = matches!(core.requests.get(key.0).map(|r| &r.state), Some(State::Running { .. }));
+            if !running {
+                if core.requests.contains(key.0) {
+                    core.requests.remove(key.0);
                 }
-                core.wait_one(Duration::from_millis(100))?;
+                return Ok(());
             }
+            if !aborted {
+                core.abort(key.0);
+                aborted = true;
+                continue;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::backend(format!(
+                    "releaseReqH: in-flight I/O did not finish within {}s after cancellation; the request is kept",
+                    TEARDOWN_WAIT.as_secs()
+                )));
+            }
+            core.wait_one(Duration::from_millis(10))?;
         }
-        if core.requests.contains(key.0) {
-            core.requests.remove(key.0);
-        }
-        Ok(())
     }
 }
 
@@ -387,6 +453,7 @@ impl Core {
     fn fill(&mut self) {
         let Core { uring, max_inflight, inflight, requests, queue, retry, staging, copies, .. } = self;
         let (submitter, mut sq, _) = uring.split();
+        let mut throttled = 0;
         loop {
             if inflight.len() >= *max_inflight {
                 break;
@@ -410,12 +477,22 @@ impl Core {
                 continue;
             };
             let total = req.ops.ops.len();
-            let State::Running { next, error: None, abort: false, .. } = &mut req.state else {
+            let inline_writes = req.ops.inline_writes;
+            let State::Running { next, outstanding, inline_active, error: None, abort: false } = &mut req.state else {
                 queue.pop_front();
                 continue;
             };
             if *next >= total {
                 queue.pop_front();
+                continue;
+            }
+            if inline_writes && *next - (total - *outstanding) - *inline_active >= RING_WRITES_PER_REQUEST {
+                // Enough of this request's writes are in the ring: let the next request go.
+                queue.rotate_left(1);
+                throttled += 1;
+                if throttled >= queue.len() {
+                    break;
+                }
                 continue;
             }
             let op = req.ops.ops[*next];
@@ -710,7 +787,7 @@ impl Drop for Core {
 /// Once a request has an error or is aborted, ops not yet handed to the kernel are dropped.
 fn stop_if_failing(req: &mut RequestProgress) {
     let total = req.ops.ops.len();
-    if let State::Running { next, outstanding, error, abort } = &mut req.state {
+    if let State::Running { next, outstanding, error, abort, .. } = &mut req.state {
         if (error.is_some() || *abort) && *next < total {
             *outstanding -= total - *next;
             *next = total;

@@ -264,7 +264,7 @@ pub unsafe fn plan(
     }
     Ok(Plan {
         op,
-        ops: Arc::new(RequestOps { write: op == XferOp::Write, ops }),
+        ops: Arc::new(RequestOps { write: op == XferOp::Write, inline_writes: op == XferOp::Write && all_buffered && all_host, ops }),
         registrations: regs.list,
         local_count: local.len(),
         remote_count: remote.len(),
