@@ -17,6 +17,7 @@ use crate::gpu::{self, GpuProvider};
 use crate::mem::vram::VramRoute;
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
 use crate::params::{EngineParams, FixedBuffers, VramPath};
+use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{Progress, RequestKey, Ring};
 use crate::xfer::plan::PlanContext;
@@ -32,6 +33,7 @@ pub struct Engine {
     fixed_buffer_fallback_logged: AtomicBool,
     /// The GPU provider, loaded on the first VRAM registration.
     gpu: OnceCell<std::result::Result<Arc<dyn GpuProvider>, Error>>,
+    recorder: Option<Recorder>,
 }
 
 /// The kernel's io_uring DMA-BUF capability, probed once per process.
@@ -47,6 +49,13 @@ pub struct Request {
     plan: Plan,
 }
 
+impl Request {
+    /// A stable id for logs and recordings (its address).
+    fn id(&self) -> usize {
+        self as *const Request as usize
+    }
+}
+
 impl Engine {
     pub fn new<'a>(local_agent: &str, params: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Engine> {
         let (params, ignored) = EngineParams::parse(params)?;
@@ -54,6 +63,11 @@ impl Engine {
             tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
         }
         let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files)?);
+        let record_path = match params.record.as_str() {
+            "" => std::env::var("IO_URING_DMABUF_RECORD").unwrap_or_default(),
+            p => p.to_owned(),
+        };
+        let recorder = if record_path.is_empty() { None } else { Some(Recorder::open(&record_path)?) };
         tracing::debug!(agent = local_agent, ?params, "IO_URING_DMABUF engine created");
         Ok(Engine {
             local_agent: local_agent.to_owned(),
@@ -62,6 +76,7 @@ impl Engine {
             path_dev_ids: Mutex::new(HashSet::new()),
             fixed_buffer_fallback_logged: AtomicBool::new(false),
             gpu: OnceCell::new(),
+            recorder,
         })
     }
 
@@ -87,7 +102,11 @@ impl Engine {
                 ))
             }
         };
-        Ok(Arc::into_raw(Arc::new(reg)).cast())
+        let md: *const c_void = Arc::into_raw(Arc::new(reg)).cast();
+        if let Some(r) = &self.recorder {
+            r.register(md as usize, kind.to_nixl(), addr, len, dev_id, meta_info);
+        }
+        Ok(md)
     }
 
     fn register_dram(&self, addr: u64, len: u64, dev_id: u64) -> Result<DramRegion> {
@@ -243,6 +262,9 @@ impl Engine {
         if md.is_null() {
             return Err(Error::invalid("deregisterMem: null metadata"));
         }
+        if let Some(r) = &self.recorder {
+            r.deregister(md as usize);
+        }
         // SAFETY: per the contract, md came from Arc::into_raw in register() and NIXL's
         // reference is still counted.
         let reg = unsafe { Arc::from_raw(md.cast::<Registration>()) };
@@ -290,7 +312,11 @@ impl Engine {
             }
         }
         let key = self.ring.add_request(Arc::clone(&plan.ops));
-        Ok(Box::new(Request { key, plan }))
+        let req = Box::new(Request { key, plan });
+        if let Some(r) = &self.recorder {
+            r.prep(req.id(), op as i32, local_kind, local, remote_kind, remote, req.plan.ops.ops.len(), req.plan.total_bytes);
+        }
+        Ok(req)
     }
 
     /// Starts a prepared request; Ok(Done) when it completed during the call.
@@ -311,7 +337,15 @@ impl Engine {
                 }
             }
         }
-        self.ring.post(req.key, self.params.inline_write_max)
+        let result = self.ring.post(req.key, self.params.inline_write_max);
+        if let Some(r) = &self.recorder {
+            r.post(req.id(), match &result {
+                Ok(Progress::Done) => "DONE",
+                Ok(Progress::InFlight) => "PROC",
+                Err(_) => "ERR",
+            });
+        }
+        result
     }
 
     /// Reaps completions without blocking; Ok(Done) once the request finished.
@@ -322,6 +356,9 @@ impl Engine {
     /// Releases a request, aborting it if it is in flight. On error the request is handed back
     /// (NIXL keeps it and may try again).
     pub fn release(&self, req: Box<Request>) -> std::result::Result<(), (Box<Request>, Error)> {
+        if let Some(r) = &self.recorder {
+            r.release(req.id());
+        }
         match self.ring.remove_request(req.key) {
             Ok(()) => Ok(()),
             Err(e) => Err((req, e)),

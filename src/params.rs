@@ -39,6 +39,8 @@ pub struct EngineParams {
     pub verify_dma: bool,
     pub staging_buffer_size: u64,
     pub staging_buffers: u32,
+    /// Recording-mode output file (empty = off).
+    pub record: String,
 }
 
 const RING_ENTRIES_RANGE: (u32, u32) = (16, 32768);
@@ -132,6 +134,7 @@ impl EngineParams {
             verify_dma,
             staging_buffer_size,
             staging_buffers: staging_buffers as u32,
+            record: get("record").to_owned(),
         };
         Ok((params, ignored))
     }

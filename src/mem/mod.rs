@@ -36,6 +36,17 @@ impl MemKind {
         })
     }
 
+    /// The `nixl_mem_t` number.
+    pub fn to_nixl(self) -> i32 {
+        match self {
+            MemKind::Dram => 0,
+            MemKind::Vram => 1,
+            MemKind::Blk => 2,
+            MemKind::Obj => 3,
+            MemKind::File => 4,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             MemKind::Dram => "DRAM_SEG",
