@@ -220,7 +220,8 @@ class Rig:
         spins = 0
         while st == "PROC":
             if time.monotonic() > deadline:
-                raise AssertionError(f"transfer {what} still PROC after {timeout:.0f} s")
+                raise AssertionError(f"transfer {what} still PROC after {timeout:.0f} s\n"
+                                     + uring_diagnostics())
             spins += 1
             time.sleep(0 if spins < 2000 else 0.0002)
             st = self.agent.check_xfer_state(h)
@@ -276,6 +277,39 @@ class Rig:
             except Exception:
                 pass
         self.regs.clear()
+
+
+def uring_diagnostics() -> str:
+    """Ring counters of every io_uring fd of this process and the io_uring worker threads, for
+    the message of a transfer that never completes."""
+    keys = ("SqHead", "SqTail", "CachedSqHead", "CqHead", "CqTail", "CachedCqTail", "SQEs",
+            "CQEs")
+    out = []
+    for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            if "io_uring" not in os.readlink(f"/proc/self/fd/{fd}"):
+                continue
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                head = f.read(4096).splitlines()
+        except OSError:
+            continue
+        vals = dict(ln.split(":", 1) for ln in head if ln.split(":", 1)[0] in keys)
+        out.append(f"io_uring fd {fd}: " + " ".join(f"{k}={v.strip()}" for k, v in vals.items()))
+    workers = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/self/task/{tid}/wchan") as f:
+                wchan = f.read().strip()
+        except OSError:
+            continue
+        if comm.startswith("iou-"):
+            key = f"{comm.split('-')[0]}-{comm.split('-')[1]}@{wchan or '-'}"
+            workers[key] = workers.get(key, 0) + 1
+    out.append("io_uring threads (kind@wchan: count): " + (", ".join(
+        f"{k}: {v}" for k, v in sorted(workers.items())) or "none"))
+    return "\n".join(out)
 
 
 def _triple(d):
