@@ -14,9 +14,10 @@ use once_cell::sync::OnceCell;
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
 use crate::gpu::{self, GpuProvider};
-use crate::mem::vram::VramRoute;
+use crate::mem::dmabuf_slabs::{DmabufSlabs, Route};
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
-use crate::params::{EngineParams, FixedBuffers, VramPath};
+use crate::params::{DramDmabuf, EngineParams, FixedBuffers, VramPath};
+use crate::verify_dma::CopyFn;
 use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{Progress, RequestKey, Ring};
@@ -117,7 +118,23 @@ impl Engine {
         // SAFETY: NIXL's contract: registered memory stays mapped until deregisterMem, and the
         // region (with its pinned slots) is dropped only after deregistration and the release
         // of every request using it.
-        let (region, fallback) = unsafe { DramRegion::register(Arc::clone(&self.ring), addr, len, dev_id, want_fixed) };
+        let (mut region, fallback) = unsafe { DramRegion::register(Arc::clone(&self.ring), addr, len, dev_id, want_fixed) };
+        match (self.params.dram_dmabuf, dmabuf_support()) {
+            (DramDmabuf::On, DmabufSupport::Absent(why)) => {
+                return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: dram_dmabuf=on cannot work here: {why}")))
+            }
+            (DramDmabuf::On, DmabufSupport::Available) => {
+                if let Some(why) = region.export_udmabuf() {
+                    return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: dram_dmabuf=on: DRAM 0x{addr:x}+{len}: {why}")));
+                }
+            }
+            (DramDmabuf::Auto, DmabufSupport::Available) => {
+                if let Some(why) = region.export_udmabuf() {
+                    tracing::debug!("DRAM 0x{addr:x}+{len} stays on fixed buffers: {why}");
+                }
+            }
+            _ => {}
+        }
         if let Some(why) = fallback {
             if !self.fixed_buffer_fallback_logged.swap(true, Ordering::Relaxed) {
                 tracing::info!("DRAM region 0x{addr:x}+{len} uses plain READ/WRITE instead of fixed buffers: {}; further fallbacks are logged at debug level", why.0);
@@ -160,61 +177,96 @@ impl Engine {
         VramRegion::register(provider, addr, len, device, export, required)
     }
 
-    /// How `vram` reaches `file`: decided on first use of the pair, cached, logged once.
-    fn route(&self, vram: &VramRegion, file: &FileRegion) -> Result<VramRoute> {
+    /// How a memory registration reaches `file`: decided on first use of the pair, cached,
+    /// logged once with the reason.
+    fn route(&self, mem: &Registration, file: &FileRegion) -> Result<Route> {
+        let (slabs, what) = match mem {
+            Registration::Vram(v) => (&v.dmabuf, format!("VRAM 0x{:x}+{} (GPU {})", v.addr, v.len, v.device)),
+            Registration::Dram(d) => match &d.dmabuf {
+                Some(slabs) => (slabs, format!("DRAM 0x{:x}+{}", d.addr, d.len)),
+                None => return Ok(Route::Host),
+            },
+            Registration::Storage(_) => return Err(Error::invalid("a storage registration on the memory side")),
+        };
         let key = file.key();
-        if let Some(r) = vram.routes.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
-            return Ok(r.clone());
+        if let Some(r) = slabs.cached_route(&key) {
+            return Ok(r);
         }
-        let (route, reason) = self.choose_route(vram, file)?;
-        if route == VramRoute::Staging {
-            self.ring.enable_staging(Arc::clone(&vram.provider), self.params.staging_buffer_size, self.params.staging_buffers)?;
+        let (route, reason) = match mem {
+            Registration::Vram(v) => self.choose_vram_route(v, file)?,
+            Registration::Dram(d) => self.choose_dram_route(d, slabs, file)?,
+            Registration::Storage(_) => unreachable!("refused above"),
+        };
+        if let (Route::Staging, Registration::Vram(v)) = (&route, mem) {
+            self.ring.enable_staging(Arc::clone(&v.provider), self.params.staging_buffer_size, self.params.staging_buffers)?;
         }
-        tracing::info!(
-            "VRAM 0x{:x}+{} (GPU {}) <-> fd {}: {} ({reason})",
-            vram.addr,
-            vram.len,
-            vram.device,
-            file.fd,
-            match route {
-                VramRoute::Dmabuf { .. } => "io_uring DMA-BUF",
-                VramRoute::Staging => "pinned host staging",
-            }
-        );
-        vram.routes.lock().unwrap_or_else(|p| p.into_inner()).insert(key, route.clone());
+        let how = match route {
+            Route::Dmabuf { .. } => "io_uring DMA-BUF",
+            Route::Staging => "pinned host staging",
+            Route::Host => "host buffers",
+        };
+        tracing::info!("{what} <-> fd {}: {how} ({reason})", file.fd);
+        slabs.remember_route(key, route.clone());
         Ok(route)
     }
 
-    fn choose_route(&self, vram: &VramRegion, file: &FileRegion) -> Result<(VramRoute, String)> {
+    fn choose_vram_route(&self, vram: &VramRegion, file: &FileRegion) -> Result<(Route, String)> {
+        let copy = |to_host: bool, dst: u64, src: u64, len: u64| -> std::result::Result<(), String> {
+            // SAFETY: the self-test copies one block between its own host buffer and the first
+            // block of a registered slab.
+            let ticket = unsafe {
+                if to_host {
+                    vram.provider.copy_to_host(vram.device, dst, src, len)
+                } else {
+                    vram.provider.copy_to_device(vram.device, dst, src, len)
+                }
+            };
+            ticket.and_then(|t| t.wait()).map_err(|e| e.message)
+        };
         match self.params.vram_path {
-            VramPath::Staging => Ok((VramRoute::Staging, "vram_path=staging".into())),
-            VramPath::Dmabuf => self.bind_dmabuf(vram, file).map(|r| (r, "vram_path=dmabuf".into())).map_err(|why| {
+            VramPath::Staging => Ok((Route::Staging, "vram_path=staging".into())),
+            VramPath::Dmabuf => self.bind_dmabuf(&vram.dmabuf, file, &copy).map(|r| (r, "vram_path=dmabuf".into())).map_err(|why| {
                 Error::new(ErrorKind::NotSupported, format!("vram_path=dmabuf cannot reach fd {}: {why}", file.fd))
             }),
-            VramPath::Auto => match self.bind_dmabuf(vram, file) {
+            VramPath::Auto => match self.bind_dmabuf(&vram.dmabuf, file, &copy) {
                 Ok(r) => Ok((r, "auto: DMA-BUF registration and self-test passed".into())),
-                Err(why) => Ok((
-                    VramRoute::Staging,
-                    format!("auto: dmabuf unavailable ({why}); cufile not built in; staging"),
-                )),
+                Err(why) => Ok((Route::Staging, format!("auto: dmabuf unavailable ({why}); cufile not built in; staging"))),
             },
             VramPath::Cufile => Err(Error::new(ErrorKind::NotSupported, "vram_path=cufile is not available in this build")),
         }
     }
 
-    /// Binds every slab of `vram` to `file` as io_uring DMA-BUF buffers, or says why not.
-    fn bind_dmabuf(&self, vram: &VramRegion, file: &FileRegion) -> std::result::Result<VramRoute, String> {
+    fn choose_dram_route(&self, dram: &DramRegion, slabs: &DmabufSlabs, file: &FileRegion) -> Result<(Route, String)> {
+        let copy = |_to_host: bool, dst: u64, src: u64, len: u64| -> std::result::Result<(), String> {
+            // SAFETY: the self-test copies one block between its own buffer and the first block
+            // of the registered host memory; the ranges do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize) };
+            Ok(())
+        };
+        match (self.bind_dmabuf(slabs, file, &copy), self.params.dram_dmabuf) {
+            (Ok(r), _) => Ok((r, format!("dram_dmabuf: udmabuf registered, self-test {}", if self.params.verify_dma { "passed" } else { "off" }))),
+            (Err(why), DramDmabuf::On) => Err(Error::new(
+                ErrorKind::NotSupported,
+                format!("dram_dmabuf=on cannot reach fd {} from DRAM 0x{:x}+{}: {why}", file.fd, dram.addr, dram.len),
+            )),
+            (Err(why), _) => Ok((Route::Host, format!("dram_dmabuf=auto: {why}; fixed buffers"))),
+        }
+    }
+
+    /// Binds every slab to `file` as io_uring DMA-BUF buffers (and runs the self-test), or says
+    /// why not.
+    fn bind_dmabuf(&self, slabs: &DmabufSlabs, file: &FileRegion, copy: CopyFn<'_>) -> std::result::Result<Route, String> {
         if let DmabufSupport::Absent(why) = dmabuf_support() {
             return Err(why.clone());
         }
         if file.kind != MemKind::Blk || file.direct.is_none() {
             return Err("the target is not a raw block device opened with O_DIRECT (the kernel supports DMA-BUF I/O only there)".into());
         }
-        if let Some(note) = &vram.export_note {
+        if let Some(note) = &slabs.export_note {
             return Err(note.clone());
         }
-        let mut slots = Vec::with_capacity(vram.slabs.len());
-        for slab in &vram.slabs {
+        let mut slots = Vec::with_capacity(slabs.slabs.len());
+        for slab in &slabs.slabs {
             use std::os::fd::AsRawFd;
             let fd = slab.dmabuf.as_ref().map(|f| f.as_raw_fd()).ok_or("slab has no DMA-BUF")?;
             match self.ring.register_dmabuf(fd, file.fd) {
@@ -229,15 +281,15 @@ impl Engine {
         }
         let ring = Arc::clone(&self.ring);
         let owned = slots.clone();
-        vram.on_drop.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(move || {
+        slabs.on_drop.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(move || {
             for s in owned {
                 ring.release_buffer(s);
             }
         }));
         if self.params.verify_dma {
-            crate::verify_dma::dmabuf_read(&self.ring, vram, file, slots[0])?;
+            crate::verify_dma::dmabuf_read(&self.ring, slabs, file, slots[0], copy)?;
         }
-        Ok(VramRoute::Dmabuf { slots })
+        Ok(Route::Dmabuf { slots })
     }
 
     fn register_storage(&self, kind: MemKind, offset: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<FileRegion> {
@@ -302,7 +354,7 @@ impl Engine {
             max_io_size: self.params.max_io_size,
             punt_buffered_min: self.params.punt_buffered_min,
             staging_buffer_size: self.params.staging_buffer_size,
-            route: &|vram, file| self.route(vram, file),
+            route: &|mem, file| self.route(mem, file),
         };
         // SAFETY: forwarded from the caller.
         let plan = unsafe { plan(op, local_kind, local, remote_kind, remote, &ctx) }?;

@@ -25,6 +25,14 @@ pub enum VramPath {
     Staging,
 }
 
+/// Whether DRAM registrations are exported as DMA-BUFs through udmabuf.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DramDmabuf {
+    Auto,
+    On,
+    Off,
+}
+
 /// Parsed backend parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineParams {
@@ -35,6 +43,7 @@ pub struct EngineParams {
     pub inline_write_max: u64,
     pub punt_buffered_min: u64,
     pub vram_path: VramPath,
+    pub dram_dmabuf: DramDmabuf,
     pub gpu_provider: ProviderChoice,
     pub verify_dma: bool,
     pub staging_buffer_size: u64,
@@ -108,6 +117,12 @@ impl EngineParams {
                 )))
             }
         };
+        let dram_dmabuf = match get("dram_dmabuf").to_ascii_lowercase().as_str() {
+            "auto" => DramDmabuf::Auto,
+            "on" | "true" => DramDmabuf::On,
+            "off" | "false" => DramDmabuf::Off,
+            other => return Err(Error::invalid(format!("backend parameter dram_dmabuf={other:?} must be auto, on or off"))),
+        };
         let gpu_provider = ProviderChoice::parse(get("gpu_provider")).ok_or_else(|| {
             Error::invalid(format!("backend parameter gpu_provider={:?} must be cuda, rocm, vulkan or auto", get("gpu_provider")))
         })?;
@@ -130,6 +145,7 @@ impl EngineParams {
             inline_write_max,
             punt_buffered_min,
             vram_path,
+            dram_dmabuf,
             gpu_provider,
             verify_dma,
             staging_buffer_size,
@@ -189,6 +205,7 @@ mod tests {
             ("fixed_files", "2"),
             ("max_io_size", "100"),
             ("vram_path", "gds"),
+            ("dram_dmabuf", "sometimes"),
             ("gpu_provider", "metal"),
             ("verify_dma", "perhaps"),
             ("staging_buffer_size", "1000"),

@@ -3,28 +3,29 @@
 //! refuse the path if the bytes differ. This catches platforms where peer-to-peer DMA silently
 //! goes nowhere (IOMMU in translation mode with exporters that hand out physical addresses).
 //!
-//! The test is read-only for the device and leaves the GPU memory as it found it: the block of
-//! VRAM it reads into is saved first and restored afterwards.
+//! The test is read-only for the device and leaves the registered memory as it found it: the
+//! block it reads into is saved first and restored afterwards.
 
 use std::sync::Arc;
 
-use crate::mem::{FileRegion, VramRegion};
+use crate::mem::dmabuf_slabs::DmabufSlabs;
+use crate::mem::FileRegion;
 use crate::uring::{FileRef, IoOp, Progress, RequestOps, Ring};
 
-/// Runs the self-test on slab 0 of `vram` (registered in fixed-buffer `slot`) against `file`.
-pub fn dmabuf_read(ring: &Ring, vram: &VramRegion, file: &FileRegion, slot: u16) -> Result<(), String> {
+/// Copies between the registered memory and a host buffer: (to_host, dst, src, len).
+pub type CopyFn<'a> = &'a dyn Fn(bool, u64, u64, u64) -> Result<(), String>;
+
+/// Runs the self-test on the first slab of `slabs` (registered in fixed-buffer `slot`) against
+/// `file`. `copy` moves bytes between that memory and host buffers.
+pub fn dmabuf_read(ring: &Ring, slabs: &DmabufSlabs, file: &FileRegion, slot: u16, copy: CopyFn<'_>) -> Result<(), String> {
     let block = file.direct.map_or(4096, |a| a.offset.max(a.mem)).max(4096);
-    let slab = vram.slabs.first().ok_or("registration has no slab")?;
+    let slab = slabs.slabs.first().ok_or("registration has no slab")?;
     if slab.len < block {
         return Err(format!("slab smaller than one block ({block} bytes)"));
     }
     let host = AlignedBuf::new(3 * block as usize)?;
     let (saved, via_plain, via_dmabuf) = (host.addr(), host.addr() + block, host.addr() + 2 * block);
-    let p = &vram.provider;
-    let wait = |t: crate::error::Result<Box<dyn crate::gpu::CopyTicket>>| t.and_then(|t| t.wait()).map_err(|e| e.message);
-    // SAFETY (all copies): host buffers are ours and block-sized; the device range is the first
-    // block of a registered slab.
-    wait(unsafe { p.copy_to_host(vram.device, saved, slab.start, block) })?;
+    copy(true, saved, slab.start, block)?;
     // SAFETY: reading into our own buffer.
     let n = unsafe { libc::pread(file.fd, via_plain as *mut libc::c_void, block as usize, file.offset as libc::off_t) };
     if n != block as isize {
@@ -32,15 +33,14 @@ pub fn dmabuf_read(ring: &Ring, vram: &VramRegion, file: &FileRegion, slot: u16)
     }
     let op = IoOp { file: FileRef::Raw(file.fd), fd: file.fd, file_offset: file.offset, addr: 0, len: block as u32, buf_index: Some(slot), device: None, punt: false, desc_index: 0 };
     let result = run_one(ring, op);
-    // SAFETY: as above.
-    let copied = wait(unsafe { p.copy_to_host(vram.device, via_dmabuf, slab.start, block) });
-    // SAFETY: as above; restores the user's bytes whatever happened.
-    let restored = wait(unsafe { p.copy_to_device(vram.device, slab.start, saved, block) });
+    let copied = copy(true, via_dmabuf, slab.start, block);
+    // Restores the user's bytes whatever happened.
+    let restored = copy(false, slab.start, saved, block);
     result?;
     copied?;
     restored?;
     if host.slice(block as usize, block as usize) != host.slice(2 * block as usize, block as usize) {
-        return Err("self-test: bytes read through the DMA-BUF differ from a plain read (peer-to-peer DMA does not reach GPU memory on this platform)".into());
+        return Err("self-test: bytes read through the DMA-BUF differ from a plain read (peer-to-peer DMA does not reach this memory on this platform)".into());
     }
     Ok(())
 }

@@ -225,3 +225,24 @@ fn blk_refuses_misalignment_and_ranges_past_the_end() {
     let image = std::fs::read(&lo.image).unwrap();
     assert!(image[(DEVICE_BYTES - 4096) as usize..] == buf.bytes()[..4096]);
 }
+
+#[test]
+fn dram_dmabuf_on_is_refused_with_the_reason_when_the_kernel_lacks_the_uapi() {
+    use io_uring_dmabuf::engine::dmabuf_support;
+    if dmabuf_support().is_available() {
+        println!("SKIP dram_dmabuf_refusal: this kernel has the io_uring DMA-BUF uAPI (the NVMe lab covers it)");
+        return;
+    }
+    let e = Engine::new(AGENT, [("dram_dmabuf", "on")]).unwrap();
+    let buf = Buf::random(1 << 16);
+    let err = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotSupported);
+    assert!(err.message.contains("dram_dmabuf=on") && err.message.contains("7.4"), "{}", err.message);
+    // auto falls back to fixed buffers and moves data.
+    let Some(lo) = loop_device("dram_dmabuf_auto", 4096) else { return };
+    let auto = Engine::new(AGENT, [("dram_dmabuf", "auto")]).unwrap();
+    let m = auto.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
+    let mb = auto.register(BLK, 0, 1 << 16, 9, &format!("rw,direct:{}", lo.dev)).unwrap();
+    run(&auto, WRITE, &[desc(buf.addr(), 1 << 16, 0, m)], &[desc(0, 1 << 16, 9, mb)]).unwrap();
+    assert!(std::fs::read(&lo.image).unwrap()[..1 << 16] == buf.bytes()[..]);
+}

@@ -324,7 +324,7 @@ pub fn export_probe(cuda: &Cuda, device: i32, bytes: u64) -> Result<usize> {
     // SAFETY: writes the allocation's address into ptr.
     check("cuMemAlloc", || unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes as usize) })?;
     let result = (|| {
-        let slabs = crate::mem::vram::slab_ranges(ptr, bytes, ptr, ptr + bytes);
+        let slabs = crate::mem::dmabuf_slabs::slab_ranges(ptr, bytes, ptr, ptr + bytes);
         for &(start, len) in &slabs {
             drop(cuda.export_dmabuf(device, start, len)?);
         }

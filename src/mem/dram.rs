@@ -8,6 +8,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::describe_os_error;
+use crate::mem::dmabuf_slabs::{slab_ranges, DmabufSlabs, PAGE};
+use crate::mem::udmabuf;
 use crate::uring::{Ring, MAX_FIXED_BUFFER};
 
 /// A registered host-memory range.
@@ -17,6 +19,8 @@ pub struct DramRegion {
     pub dev_id: u64,
     /// Fixed-buffer slots covering consecutive MAX_FIXED_BUFFER pieces from `addr`.
     slots: Vec<u16>,
+    /// The udmabuf export of the region (`dram_dmabuf`), when one was attempted.
+    pub dmabuf: Option<DmabufSlabs>,
     ring: Arc<Ring>,
 }
 
@@ -44,7 +48,7 @@ impl DramRegion {
         dev_id: u64,
         want_fixed: bool,
     ) -> (DramRegion, Option<FixedBufferFallback>) {
-        let mut region = DramRegion { addr, len, dev_id, slots: Vec::new(), ring };
+        let mut region = DramRegion { addr, len, dev_id, slots: Vec::new(), dmabuf: None, ring };
         if !want_fixed {
             return (region, None);
         }
@@ -79,6 +83,19 @@ impl DramRegion {
         let i = ((addr - self.addr) / MAX_FIXED_BUFFER) as usize;
         let end = (self.addr + (i as u64 + 1) * MAX_FIXED_BUFFER).min(self.addr + self.len);
         self.slots.get(i).map(|&s| (s, end))
+    }
+
+    /// Exports the region through udmabuf in ≤1 GiB slabs; returns why not, if it failed.
+    pub fn export_udmabuf(&mut self) -> Option<String> {
+        let cover = slab_ranges(self.addr, self.len, self.addr / PAGE * PAGE, (self.addr + self.len).div_ceil(PAGE) * PAGE);
+        let mut slabs = DmabufSlabs::new(cover, "not exported");
+        let failure = slabs.export_all(|start, len| {
+            let (memfd, offset) = udmabuf::backing_memfd(start, len)?;
+            udmabuf::seal_shrink(std::os::fd::AsRawFd::as_raw_fd(&memfd))?;
+            udmabuf::create(std::os::fd::AsRawFd::as_raw_fd(&memfd), offset, len)
+        });
+        self.dmabuf = Some(slabs);
+        failure
     }
 
     pub fn uses_fixed_buffers(&self) -> bool {

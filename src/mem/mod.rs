@@ -5,9 +5,11 @@
 //! fixed-buffer slots, a path-mode fd, a fixed-file slot) live until the last request that uses
 //! it is released, even if NIXL deregisters it first.
 
+pub mod dmabuf_slabs;
 pub mod dram;
 pub mod file;
 pub mod path_meta;
+pub mod udmabuf;
 pub mod vram;
 
 pub use dram::DramRegion;

@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::vram::VramRoute;
-use crate::mem::{FileRegion, MemKind, Registration, VramRegion};
+use crate::mem::dmabuf_slabs::Route;
+use crate::mem::{FileRegion, MemKind, Registration};
 use crate::uring::{IoOp, RequestOps, MAX_FIXED_BUFFER};
 
 /// NIXL's transfer direction: READ = storage -> memory, WRITE = memory -> storage.
@@ -101,8 +101,8 @@ pub struct PlanContext<'a> {
     pub punt_buffered_min: u64,
     /// Piece size of the staging path.
     pub staging_buffer_size: u64,
-    /// Chooses (once per pair, cached by the engine) how a VRAM registration reaches a target.
-    pub route: &'a dyn Fn(&VramRegion, &FileRegion) -> Result<VramRoute>,
+    /// Chooses (once per pair, cached by the engine) how a memory registration reaches a target.
+    pub route: &'a dyn Fn(&Registration, &FileRegion) -> Result<Route>,
 }
 
 /// Validates the lists and builds the request's ops.
@@ -186,17 +186,20 @@ pub unsafe fn plan(
             _ => {}
         }
         // Where the memory side of each piece lives, and where pieces must be cut.
-        let route = match &*mem {
-            Registration::Vram(vram) => Some((vram, (ctx.route)(vram, file)?)),
+        let route = (ctx.route)(&mem, file)?;
+        let slabs = match (&*mem, &route) {
+            (Registration::Vram(v), _) => Some(&v.dmabuf),
+            (Registration::Dram(d), Route::Dmabuf { .. }) => d.dmabuf.as_ref(),
             _ => None,
         };
+        let staged = route == Route::Staging;
         if let Some(a) = file.direct {
-            // Staged VRAM goes through page-aligned staging buffers: only the memory side of
-            // host and DMA-BUF addressing is checked.
-            let mem_addr = match &route {
-                Some((vram, VramRoute::Dmabuf { .. })) => vram.slab_at(l.addr).map_or(l.addr, |(s, _)| l.addr - vram.slabs[s].start),
-                Some((_, VramRoute::Staging)) => 0,
-                None => l.addr,
+            // Staged VRAM goes through page-aligned staging buffers; DMA-BUF memory is addressed
+            // by offset into its slab.
+            let mem_addr = match (&route, slabs) {
+                (Route::Dmabuf { .. }, Some(sl)) => sl.slab_at(l.addr).map_or(l.addr, |(s, _)| l.addr - sl.slabs[s].start),
+                (Route::Staging, _) => 0,
+                _ => l.addr,
             };
             if r.addr % a.offset != 0 || r.len % a.offset != 0 || mem_addr % a.mem != 0 {
                 return Err(Error::invalid(format!(
@@ -206,35 +209,36 @@ pub unsafe fn plan(
             }
         }
         // Cut into pieces that fit max_io_size (and the staging buffers) and never straddle a
-        // fixed-buffer slot or a VRAM slab; merge pieces that continue each other.
+        // fixed-buffer slot or a slab; merge pieces that continue each other.
+        let limit = if staged { max_piece.min(ctx.staging_buffer_size) } else { max_piece };
         let mut done = 0u64;
         while done < l.len {
             let addr = l.addr + done;
-            let mut piece = (l.len - done).min(max_piece);
-            let (mem_addr, buf_index, device) = match (&*mem, &route) {
-                (Registration::Dram(dram), _) => match dram.fixed_slot(addr) {
+            let mut piece = (l.len - done).min(limit);
+            let (mem_addr, buf_index, device) = match (&*mem, &route, slabs) {
+                (Registration::Dram(dram), Route::Host, _) => match dram.fixed_slot(addr) {
                     Some((slot, slot_end)) => {
                         piece = piece.min(slot_end - addr);
                         (addr, Some(slot), None)
                     }
                     None => (addr, None, None),
                 },
-                (_, Some((vram, route))) => {
-                    let (slab, slab_end) = vram.slab_at(addr).ok_or_else(|| {
+                (_, Route::Dmabuf { slots }, Some(sl)) => {
+                    let (slab, slab_end) = sl.slab_at(addr).ok_or_else(|| {
+                        Error::not_found(format!("descriptor {i}: address 0x{addr:x} is outside the registration's slabs"))
+                    })?;
+                    piece = piece.min(slab_end - addr);
+                    (addr - sl.slabs[slab].start, Some(slots[slab]), None)
+                }
+                (Registration::Vram(vram), Route::Staging, _) => {
+                    let (_, slab_end) = vram.dmabuf.slab_at(addr).ok_or_else(|| {
                         Error::not_found(format!("descriptor {i}: VRAM address 0x{addr:x} is outside the registration's slabs"))
                     })?;
                     piece = piece.min(slab_end - addr);
-                    match route {
-                        VramRoute::Staging => {
-                            piece = piece.min(ctx.staging_buffer_size);
-                            (addr, None, Some(vram.device))
-                        }
-                        VramRoute::Dmabuf { slots } => (addr - vram.slabs[slab].start, Some(slots[slab]), None),
-                    }
+                    (addr, None, Some(vram.device))
                 }
-                _ => unreachable!("local registrations are DRAM or VRAM"),
+                _ => return Err(Error::backend(format!("descriptor {i}: no way to address this memory for the chosen route {route:?}"))),
             };
-            let limit = if device.is_some() { max_piece.min(ctx.staging_buffer_size) } else { max_piece };
             total_bytes += piece;
             push_coalesced(
                 &mut ops,
@@ -255,7 +259,8 @@ pub unsafe fn plan(
             done += piece;
         }
         all_buffered &= file.direct.is_none();
-        all_host &= route.is_none();
+        // Inline pwrite needs real addresses: only memory addressed directly qualifies.
+        all_host &= route == Route::Host;
     }
     // Decided after merging, on the final sizes. Only reads: io_uring serializes buffered
     // writes to one file in its worker pool anyway, so punting them only adds hand-offs.

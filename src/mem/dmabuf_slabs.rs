@@ -1,0 +1,153 @@
+//! The DMA-BUF side of a memory registration (GPU memory exported by a GPU provider, or host
+//! memory exported through udmabuf): ≤1 GiB page-aligned slabs, each with its DMA-BUF fd, the
+//! route chosen per storage target, and the io_uring slots to release with the registration.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::Mutex;
+
+use crate::uring::{FileKey, MAX_FIXED_BUFFER};
+
+/// Host page size assumed for DMA-BUF export alignment.
+pub const PAGE: u64 = 4096;
+
+/// One ≤1 GiB, page-aligned piece of a registration.
+pub struct Slab {
+    pub start: u64,
+    pub len: u64,
+    /// The exported DMA-BUF, when one was wanted and the export worked.
+    pub dmabuf: Option<OwnedFd>,
+}
+
+/// How a (registration, target) pair moves bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// Registered with io_uring as DMA-BUF buffers bound to the target; one slot per slab.
+    Dmabuf { slots: Vec<u16> },
+    /// VRAM through the pinned host staging pool.
+    Staging,
+    /// Host memory addressed directly (fixed buffers or plain pointers).
+    Host,
+}
+
+/// Slabs, their DMA-BUFs, and the per-target routes of one registration.
+pub struct DmabufSlabs {
+    pub slabs: Vec<Slab>,
+    /// Why the slabs have no DMA-BUFs (export failed or was not attempted).
+    pub export_note: Option<String>,
+    /// Decided routes per target file, with the reason logged when decided.
+    pub routes: Mutex<HashMap<FileKey, Route>>,
+    /// Releases the DMA-BUF slots bound for this registration when it is dropped.
+    pub on_drop: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
+}
+
+impl DmabufSlabs {
+    /// Slabs covering `ranges`, none exported yet.
+    pub fn new(ranges: Vec<(u64, u64)>, note: &str) -> DmabufSlabs {
+        DmabufSlabs {
+            slabs: ranges.into_iter().map(|(start, len)| Slab { start, len, dmabuf: None }).collect(),
+            export_note: Some(note.to_owned()),
+            routes: Mutex::new(HashMap::new()),
+            on_drop: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Exports every slab with `export`; on the first failure keeps none and records why.
+    /// Returns the failure, if any.
+    pub fn export_all(&mut self, mut export: impl FnMut(u64, u64) -> Result<OwnedFd, String>) -> Option<String> {
+        for i in 0..self.slabs.len() {
+            let (start, len) = (self.slabs[i].start, self.slabs[i].len);
+            match export(start, len) {
+                Ok(fd) => self.slabs[i].dmabuf = Some(fd),
+                Err(e) => {
+                    let why = format!("DMA-BUF export of slab 0x{start:x}+{len} failed: {e}");
+                    for s in &mut self.slabs {
+                        s.dmabuf = None;
+                    }
+                    self.export_note = Some(why.clone());
+                    return Some(why);
+                }
+            }
+        }
+        self.export_note = None;
+        None
+    }
+
+    /// Index of the slab containing `addr`, and the address where it ends.
+    pub fn slab_at(&self, addr: u64) -> Option<(usize, u64)> {
+        let first = self.slabs.first()?;
+        if addr < first.start {
+            return None;
+        }
+        let i = ((addr - first.start) / MAX_FIXED_BUFFER) as usize;
+        self.slabs.get(i).filter(|s| addr < s.start + s.len).map(|s| (i, s.start + s.len))
+    }
+
+    pub fn cached_route(&self, key: &FileKey) -> Option<Route> {
+        self.routes.lock().unwrap_or_else(|p| p.into_inner()).get(key).cloned()
+    }
+
+    pub fn remember_route(&self, key: FileKey, route: Route) {
+        self.routes.lock().unwrap_or_else(|p| p.into_inner()).insert(key, route);
+    }
+}
+
+impl Drop for DmabufSlabs {
+    fn drop(&mut self) {
+        for release in self.on_drop.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            release();
+        }
+    }
+}
+
+/// The page-aligned cover of `[addr, addr+len)` inside `[alloc_start, alloc_end)`, cut into
+/// ≤1 GiB slabs.
+pub fn slab_ranges(addr: u64, len: u64, alloc_start: u64, alloc_end: u64) -> Vec<(u64, u64)> {
+    let start = (addr / PAGE * PAGE).max(alloc_start);
+    let end = (addr + len).div_ceil(PAGE).saturating_mul(PAGE).min(alloc_end);
+    let mut out = Vec::new();
+    let mut s = start;
+    while s < end {
+        let n = (end - s).min(MAX_FIXED_BUFFER);
+        out.push((s, n));
+        s += n;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slabs_cover_the_page_aligned_range_in_one_gib_pieces() {
+        let gib = 1u64 << 30;
+        let base = 0x7f00_0000_0000;
+        // 2.5 GiB starting 512 bytes into a page-aligned allocation.
+        let s = slab_ranges(base + 512, 5 * gib / 2, base, base + 3 * gib);
+        assert_eq!(s.len(), 3);
+        assert_eq!(s[0], (base, gib));
+        assert_eq!(s[1], (base + gib, gib));
+        assert_eq!(s[2].0, base + 2 * gib);
+        assert_eq!(s[2].1, (5 * gib / 2 + 512).div_ceil(PAGE) * PAGE - 2 * gib);
+    }
+
+    #[test]
+    fn slabs_never_leave_the_allocation() {
+        let s = slab_ranges(0x1000_0200, 100, 0x1000_0100, 0x1000_0400);
+        assert_eq!(s, vec![(0x1000_0100, 0x300)]);
+    }
+
+    #[test]
+    fn a_failed_export_keeps_no_dmabuf_and_says_why() {
+        let gib = 1u64 << 30;
+        let mut d = DmabufSlabs::new(vec![(0, gib), (gib, 4096)], "not attempted");
+        let why = d.export_all(|start, _| if start == 0 { Err("nope".into()) } else { unreachable!() });
+        assert!(why.unwrap().contains("nope"));
+        assert!(d.slabs.iter().all(|s| s.dmabuf.is_none()));
+        assert!(d.export_note.is_some());
+        assert_eq!(d.slab_at(5000), Some((0, gib)));
+        assert_eq!(d.slab_at(gib + 100), Some((1, gib + 4096)));
+        assert_eq!(d.slab_at(gib + 5000), None);
+    }
+}
