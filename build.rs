@@ -4,7 +4,7 @@
 use std::env;
 use std::fmt::Write as _;
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 const MANIFEST: &str = "plugin-manifest/IO_URING_DMABUF.toml";
 
@@ -37,7 +37,7 @@ fn compile_shim() {
         .compile("iud_shim");
 }
 
-fn generate_bridge(out: &PathBuf) {
+fn generate_bridge(out: &Path) {
     let bindings = bindgen::Builder::default()
         .header("src/shim/bridge.h")
         .allowlist_type("iud_.*")
@@ -61,7 +61,7 @@ fn mem_number(name: &str) -> i32 {
     }
 }
 
-fn generate_manifest(out: &PathBuf) {
+fn generate_manifest(out: &Path) {
     println!("cargo:rerun-if-changed={MANIFEST}");
     let text = fs::read_to_string(MANIFEST).expect("read plugin manifest");
     let doc: toml::Table = text.parse().expect("plugin manifest is valid TOML");

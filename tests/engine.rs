@@ -31,7 +31,7 @@ impl Buf {
         let mut ptr = std::ptr::null_mut();
         // SAFETY: posix_memalign writes an aligned allocation into ptr.
         assert_eq!(unsafe { libc::posix_memalign(&mut ptr, 4096, len) }, 0);
-        let b = Buf { ptr: ptr.cast(), len };
+        let mut b = Buf { ptr: ptr.cast(), len };
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         for byte in b.bytes_mut() {
             x ^= x << 13;
@@ -48,8 +48,8 @@ impl Buf {
         // SAFETY: ptr/len describe our allocation.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
-    fn bytes_mut(&self) -> &mut [u8] {
-        // SAFETY: ptr/len describe our allocation; tests do not alias mutable views.
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: ptr/len describe our allocation; &mut self excludes other views.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
@@ -292,7 +292,7 @@ fn path_mode_opens_the_file_and_rejects_a_reused_dev_id() {
 #[test]
 fn repost_after_completion_moves_new_data() {
     let e = engine(&[]);
-    let buf = Buf::new(1 << 16, 10);
+    let mut buf = Buf::new(1 << 16, 10);
     let (_d, f) = temp_file(false);
     let fd = f.as_raw_fd() as u64;
     let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();

@@ -148,12 +148,12 @@ pub unsafe fn plan(
             return Err(Error::invalid(format!("descriptor {i}: zero length")));
         }
         // SAFETY: the caller guarantees the MDs are live registrations.
-        let mem = match unsafe { regs.get(l.md) }.map(|r| Arc::clone(r)) {
+        let mem = match unsafe { regs.get(l.md) }.map(Arc::clone) {
             Some(reg) => reg,
             None => return Err(Error::not_found(format!("descriptor {i}: local memory 0x{:x}+{} is not registered with this backend", l.addr, l.len))),
         };
         // SAFETY: as above.
-        let file_reg = match unsafe { regs.get(r.md) }.map(|r| Arc::clone(r)) {
+        let file_reg = match unsafe { regs.get(r.md) }.map(Arc::clone) {
             Some(reg) => reg,
             None => return Err(Error::not_found(format!("descriptor {i}: file range devId {} offset {}+{} is not registered with this backend", r.dev_id, r.addr, r.len))),
         };
