@@ -34,9 +34,15 @@ py_rc=0
 [ "$py_rc" -eq 0 ] || status=1
 
 echo "== summary"
-cargo_sum="$(grep -E '^test result: ' "$logs/cargo-test.log" |
-    awk '{p+=$4; f+=$6; i+=$8} END {printf "%d passed; %d failed; %d ignored", p, f, i}')"
-echo "cargo test: exit $cargo_rc ($cargo_sum)"
-py_sum="$(grep -E '^=+ .*(passed|failed|error|skipped|xfailed|no tests ran).* =+$' "$logs/pytest.log" | tail -n 1 || true)"
-echo "pytest: exit $py_rc ${py_sum:-(no summary line)}"
+read -r c_pass c_fail c_ign < <({ grep -E '^test result: ' "$logs/cargo-test.log" || true; } |
+    awk '{p+=$4; f+=$6; i+=$8} END {printf "%d %d %d\n", p, f, i}')
+# a stage that failed without a counted test failure (build error, crash) counts as one failure
+[ "$cargo_rc" -eq 0 ] || [ "$c_fail" -gt 0 ] || c_fail=1
+echo "cargo test: exit $cargo_rc, $c_pass passed, $c_fail failed, $c_ign ignored"
+py_line="$(grep -E '^=+ .*(passed|failed|error|skipped|xfailed|no tests ran).* =+$' "$logs/pytest.log" | tail -n 1 || true)"
+count() { { grep -oE "[0-9]+ $1" <<<"$py_line" || true; } | awk '{s+=$1} END {print s+0}'; }
+p_pass=$(count passed); p_fail=$(( $(count failed) + $(count error) )); p_skip=$(count skipped)
+[ "$py_rc" -eq 0 ] || [ "$p_fail" -gt 0 ] || p_fail=1
+echo "pytest: exit $py_rc, ${py_line:-(no summary line)}"
+echo "total: $((c_pass + p_pass)) passed, $((c_fail + p_fail)) failed, $p_skip skipped"
 exit "$status"
