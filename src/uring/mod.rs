@@ -216,18 +216,24 @@ impl Ring {
         })
     }
 
-    /// Locks the core and first unregisters whatever was retired since the last lock.
-    fn lock(&self) -> MutexGuard<'_, Core> {
-        let mut core = self.core.lock().unwrap_or_else(|p| p.into_inner());
-        let retired = std::mem::take(&mut *self.retired.lock().unwrap_or_else(|p| p.into_inner()));
-        for r in retired {
-            core.unregister(r);
-        }
-        core
+    /// Locks the core. Whatever was retired meanwhile is unregistered now and again when the
+    /// guard is dropped.
+    fn lock(&self) -> CoreGuard<'_> {
+        let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        HOLDER.with(|h| h.set(self as *const Ring as usize));
+        let mut guard = CoreGuard { core, ring: self };
+        guard.flush_retired();
+        guard
     }
 
+    /// Queues a slot for unregistration and, unless this thread is inside the ring's lock
+    /// already (then the guard does it when released), unregisters it right away: a
+    /// deregistered buffer must not stay pinned, nor a file open, until some later call.
     fn retire(&self, r: Retired) {
         self.retired.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+        if HOLDER.with(|h| h.get()) != self as *const Ring as usize {
+            drop(self.lock());
+        }
     }
 
     /// Registers `len` bytes at `addr` (at most 1 GiB) as a fixed buffer.
@@ -368,7 +374,7 @@ impl Ring {
     /// pwrite(2) in this thread, without holding the lock while writing. Page-cache writes are
     /// memory copies: done here they avoid a hand-off to io_uring's worker per I/O (which is what
     /// makes libaio fast on buffered files), while the ring keeps a few in flight meanwhile.
-    fn help_with_writes<'a>(&'a self, mut core: MutexGuard<'a, Core>, key: usize, budget: u64) -> MutexGuard<'a, Core> {
+    fn help_with_writes<'a>(&'a self, mut core: CoreGuard<'a>, key: usize, budget: u64) -> CoreGuard<'a> {
         let Some(req) = core.requests.get_mut(key) else { return core };
         if budget == 0 || !req.ops.inline_writes {
             return core;
@@ -431,6 +437,46 @@ impl Ring {
             }
             core.wait_one(Duration::from_millis(10))?;
         }
+    }
+}
+
+thread_local! {
+    /// The ring whose core lock this thread holds (its address), or 0.
+    static HOLDER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The locked core. Dropping it unregisters retired slots before the lock is released.
+struct CoreGuard<'a> {
+    core: MutexGuard<'a, Core>,
+    ring: &'a Ring,
+}
+
+impl CoreGuard<'_> {
+    fn flush_retired(&mut self) {
+        let retired = std::mem::take(&mut *self.ring.retired.lock().unwrap_or_else(|p| p.into_inner()));
+        for r in retired {
+            self.core.unregister(r);
+        }
+    }
+}
+
+impl std::ops::Deref for CoreGuard<'_> {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
+}
+
+impl std::ops::DerefMut for CoreGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Core {
+        &mut self.core
+    }
+}
+
+impl Drop for CoreGuard<'_> {
+    fn drop(&mut self) {
+        self.flush_retired();
+        HOLDER.with(|h| h.set(0));
     }
 }
 
