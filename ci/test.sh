@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's one test command: setup, release build, Rust tests (unit + nixl-sys integration),
-# then the Python suite (tests/python) against the real NIXL runtime from the wheel.
+# then the Python suite (tests/python; tests/gpu skips without a GPU) against the real NIXL
+# runtime from the wheel, then the NVMe lab in QEMU (ci/vm).
 # Every test stage runs even if an earlier one failed; the exit status is non-zero if any did.
 # Extra arguments go to pytest (e.g. ci/test.sh -k roundtrip).
 set -euo pipefail
@@ -28,10 +29,30 @@ cargo_rc=0
 cargo test --release --workspace 2>&1 | tee "$logs/cargo-test.log" || cargo_rc=${PIPESTATUS[0]}
 [ "$cargo_rc" -eq 0 ] || status=1
 
-echo "== pytest tests/python (backend ${IUD_TEST_BACKEND:-IO_URING_DMABUF})"
+echo "== pytest tests/python tests/gpu (backend ${IUD_TEST_BACKEND:-IO_URING_DMABUF}; GPU tests skip without a CUDA GPU)"
 py_rc=0
-"$IUD_PY" -m pytest tests/python "$@" 2>&1 | tee "$logs/pytest.log" || py_rc=${PIPESTATUS[0]}
+"$IUD_PY" -m pytest -rs tests/python tests/gpu "$@" 2>&1 | tee "$logs/pytest.log" || py_rc=${PIPESTATUS[0]}
 [ "$py_rc" -eq 0 ] || status=1
+
+# The NVMe lab: a Debian kernel in QEMU with an emulated NVMe disk (ci/vm/README.md). Set
+# IUD_SKIP_LAB=1 to leave it out of a local run.
+lab_pass=0 lab_fail=0 lab_skip=0
+if [ "${IUD_SKIP_LAB:-0}" = 1 ]; then
+    echo "== NVMe lab: skipped (IUD_SKIP_LAB=1)"
+else
+    echo "== NVMe lab (ci/vm/run-lab.sh)"
+    lab_rc=0
+    bash ci/vm/run-lab.sh 2>&1 | tee "$logs/lab.log" || lab_rc=${PIPESTATUS[0]}
+    lab_line="$(grep -E 'LAB RESULT: ' "$logs/lab.log" | tail -n 1 || true)"
+    lab_pass=$(grep -oE '[0-9]+ passed' <<<"$lab_line" | awk '{print $1+0}')
+    lab_fail=$(grep -oE '[0-9]+ failed' <<<"$lab_line" | awk '{print $1+0}')
+    lab_skip=$(grep -oE '[0-9]+ skipped' <<<"$lab_line" | awk '{print $1+0}')
+    : "${lab_pass:=0}" "${lab_fail:=0}" "${lab_skip:=0}"
+    if [ "$lab_rc" -ne 0 ]; then
+        status=1
+        [ "$lab_fail" -gt 0 ] || lab_fail=1
+    fi
+fi
 
 echo "== summary"
 read -r c_pass c_fail c_ign < <({ grep -E '^test result: ' "$logs/cargo-test.log" || true; } |
@@ -44,5 +65,6 @@ count() { { grep -oE "[0-9]+ $1" <<<"$py_line" || true; } | awk '{s+=$1} END {pr
 p_pass=$(count passed); p_fail=$(( $(count failed) + $(count error) )); p_skip=$(count skipped)
 [ "$py_rc" -eq 0 ] || [ "$p_fail" -gt 0 ] || p_fail=1
 echo "pytest: exit $py_rc, ${py_line:-(no summary line)}"
-echo "total: $((c_pass + p_pass)) passed, $((c_fail + p_fail)) failed, $p_skip skipped"
+echo "NVMe lab: ${lab_line:-not run}"
+echo "total: $((c_pass + p_pass + lab_pass)) passed, $((c_fail + p_fail + lab_fail)) failed, $((p_skip + lab_skip)) skipped"
 exit "$status"
