@@ -118,11 +118,14 @@ class Ledger:
                 continue
             if np.array_equal(win, pattern(k, w, offset + i)):
                 return f"foreign bytes: chunk {k} at the same offset (wrong slot, stale or mixed-up data)"
-        # Shifted data: search the first 8 bytes in every known chunk (only on failure).
+        # Shifted data: search the first 8 bytes in the known chunks (only on failure; at most
+        # 1 GiB of patterns is regenerated for the search).
         if w >= 8:
+            budget = GiB
             for k, size in sorted(self.sizes.items()):
-                if size > 256 * MiB:
+                if size > budget:
                     continue
+                budget -= size
                 full = pattern(k, size)
                 cand = np.flatnonzero(full[:size - w + 1] == win[0])
                 for j in range(1, 8):
@@ -160,7 +163,6 @@ class Mem:
             self.dev = 0
         elif kind == "VRAM":
             torch = torch_cuda()
-            # 2 MiB-aligned start, like the CUDA caching allocator gives for large blocks.
             self._t = torch.empty(size, dtype=torch.uint8, device="cuda")
             self.addr = self._t.data_ptr()
             self.dev = self._t.get_device()
