@@ -17,7 +17,9 @@ use crate::gpu::{self, GpuProvider};
 use crate::mem::dmabuf_slabs::{DmabufSlabs, Route};
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
 use crate::params::{DramDmabuf, EngineParams, FixedBuffers, VramPath};
+use crate::gpu::cufile::CuFile;
 use crate::verify_dma::CopyFn;
+use crate::xfer::cufile_exec::{CufileExecutor, CufileProgress, Job};
 use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{Progress, RequestKey, Ring};
@@ -35,6 +37,8 @@ pub struct Engine {
     /// The GPU provider, loaded on the first VRAM registration.
     gpu: OnceCell<std::result::Result<Arc<dyn GpuProvider>, Error>>,
     recorder: Option<Recorder>,
+    /// Worker pool of the cuFile sub-path, started on first use.
+    cufile_exec: OnceCell<CufileExecutor>,
 }
 
 /// The kernel's io_uring DMA-BUF capability, probed once per process.
@@ -48,6 +52,8 @@ pub fn dmabuf_support() -> &'static DmabufSupport {
 pub struct Request {
     key: RequestKey,
     plan: Plan,
+    /// Progress on the cuFile sub-path (requests whose plan is cuFile).
+    cufile: Option<Arc<CufileProgress>>,
 }
 
 impl Request {
@@ -78,6 +84,7 @@ impl Engine {
             fixed_buffer_fallback_logged: AtomicBool::new(false),
             gpu: OnceCell::new(),
             recorder,
+            cufile_exec: OnceCell::new(),
         })
     }
 
@@ -166,10 +173,8 @@ impl Engine {
                 (true, true)
             }
             VramPath::Cufile => {
-                return Err(Error::new(
-                    ErrorKind::NotSupported,
-                    "registerMem: vram_path=cufile is not available in this build (the cuFile sub-path is not implemented yet); use auto or staging",
-                ))
+                CuFile::load().map_err(|e| Error::new(ErrorKind::NotSupported, format!("registerMem: vram_path=cufile: {}", e.message)))?;
+                (false, false)
             }
             VramPath::Auto => (dmabuf_support().is_available(), false),
             VramPath::Staging => (false, false),
@@ -203,6 +208,7 @@ impl Engine {
         let how = match route {
             Route::Dmabuf { .. } => "io_uring DMA-BUF",
             Route::Staging => "pinned host staging",
+            Route::Cufile => "cuFile",
             Route::Host => "host buffers",
         };
         tracing::info!("{what} <-> fd {}: {how} ({reason})", file.fd);
@@ -228,11 +234,25 @@ impl Engine {
             VramPath::Dmabuf => self.bind_dmabuf(&vram.dmabuf, file, &copy).map(|r| (r, "vram_path=dmabuf".into())).map_err(|why| {
                 Error::new(ErrorKind::NotSupported, format!("vram_path=dmabuf cannot reach fd {}: {why}", file.fd))
             }),
+            VramPath::Cufile => {
+                let mode = crate::gpu::cufile::mode().1;
+                self.bind_cufile(vram, file).map(|()| (Route::Cufile, format!("vram_path=cufile, mode {mode}"))).map_err(|why| {
+                    Error::new(ErrorKind::NotSupported, format!("vram_path=cufile cannot reach fd {}: {why}", file.fd))
+                })
+            }
             VramPath::Auto => match self.bind_dmabuf(&vram.dmabuf, file, &copy) {
                 Ok(r) => Ok((r, "auto: DMA-BUF registration and self-test passed".into())),
-                Err(why) => Ok((Route::Staging, format!("auto: dmabuf unavailable ({why}); cufile not built in; staging"))),
+                Err(dmabuf_why) => match crate::gpu::cufile::mode() {
+                    (true, mode) => match self.bind_cufile(vram, file) {
+                        Ok(()) => Ok((Route::Cufile, format!("auto: dmabuf unavailable ({dmabuf_why}); cuFile in mode {mode}"))),
+                        Err(why) => Ok((Route::Staging, format!("auto: dmabuf unavailable ({dmabuf_why}); cuFile failed ({why}); staging"))),
+                    },
+                    (false, mode) => Ok((
+                        Route::Staging,
+                        format!("auto: dmabuf unavailable ({dmabuf_why}); cuFile not direct here ({mode}); staging"),
+                    )),
+                },
             },
-            VramPath::Cufile => Err(Error::new(ErrorKind::NotSupported, "vram_path=cufile is not available in this build")),
         }
     }
 
@@ -251,6 +271,48 @@ impl Engine {
             )),
             (Err(why), _) => Ok((Route::Host, format!("dram_dmabuf=auto: {why}; fixed buffers"))),
         }
+    }
+
+    /// Prepares the cuFile sub-path for the pair: driver, file handle, buffer registration.
+    fn bind_cufile(&self, vram: &VramRegion, file: &FileRegion) -> std::result::Result<(), String> {
+        let lib = CuFile::load().map_err(|e| e.message)?;
+        if file.cufile.get().is_none() {
+            let h = lib.register_handle(file.fd).map_err(|e| e.message)?;
+            let _ = file.cufile.set(Arc::new(h));
+        }
+        vram.cufile.get_or_init(|| {
+            vram.provider.make_current(vram.device).ok()?;
+            lib.register_buffer(vram.addr, vram.len)
+                .inspect_err(|e| tracing::info!("{}; cuFile moves this VRAM without a buffer registration", e.message))
+                .ok()
+        });
+        self.cufile_executor();
+        Ok(())
+    }
+
+    fn cufile_executor(&self) -> &CufileExecutor {
+        self.cufile_exec.get_or_init(|| CufileExecutor::new(self.params.cufile_threads as usize))
+    }
+
+    /// The worker jobs of a cuFile request: each op with its file handle and buffer base.
+    fn cufile_jobs(&self, req: &Request, progress: &Arc<CufileProgress>) -> Result<Vec<Job>> {
+        let mut jobs = Vec::with_capacity(req.plan.ops.ops.len());
+        for op in &req.plan.ops.ops {
+            let file = req.plan.registrations.iter().find_map(|r| match &**r {
+                Registration::Storage(f) if f.fd == op.fd => f.cufile.get().cloned(),
+                _ => None,
+            });
+            let vram = req.plan.registrations.iter().find_map(|r| match &**r {
+                Registration::Vram(v) if v.addr <= op.addr && op.addr < v.addr + v.len => Some(v),
+                _ => None,
+            });
+            let (Some(handle), Some(vram)) = (file, vram) else {
+                return Err(Error::backend("cuFile request without its file handle or VRAM registration"));
+            };
+            let base = if matches!(vram.cufile.get(), Some(Some(_))) { vram.addr } else { op.addr };
+            jobs.push(Job { progress: Arc::clone(progress), op: *op, write: req.plan.ops.write, handle, base, provider: Arc::clone(&vram.provider) });
+        }
+        Ok(jobs)
     }
 
     /// Binds every slab to `file` as io_uring DMA-BUF buffers (and runs the self-test), or says
@@ -364,7 +426,8 @@ impl Engine {
             }
         }
         let key = self.ring.add_request(Arc::clone(&plan.ops));
-        let req = Box::new(Request { key, plan });
+        let cufile = plan.cufile.then(|| Arc::new(CufileProgress::default()));
+        let req = Box::new(Request { key, plan, cufile });
         if let Some(r) = &self.recorder {
             r.prep(req.id(), op as i32, local_kind, local, remote_kind, remote, req.plan.ops.ops.len(), req.plan.total_bytes);
         }
@@ -389,7 +452,10 @@ impl Engine {
                 }
             }
         }
-        let result = self.ring.post(req.key, self.params.inline_write_max);
+        let result = match &req.cufile {
+            Some(progress) => self.cufile_jobs(req, progress).and_then(|jobs| self.cufile_executor().post(progress, jobs)),
+            None => self.ring.post(req.key, self.params.inline_write_max),
+        };
         if let Some(r) = &self.recorder {
             r.post(req.id(), match &result {
                 Ok(Progress::Done) => "DONE",
@@ -402,7 +468,10 @@ impl Engine {
 
     /// Reaps completions without blocking; Ok(Done) once the request finished.
     pub fn check(&self, req: &Request) -> Result<Progress> {
-        self.ring.check(req.key, self.params.inline_write_max)
+        match &req.cufile {
+            Some(progress) => progress.status(),
+            None => self.ring.check(req.key, self.params.inline_write_max),
+        }
     }
 
     /// Releases a request, aborting it if it is in flight. On error the request is handed back
@@ -410,6 +479,11 @@ impl Engine {
     pub fn release(&self, req: Box<Request>) -> std::result::Result<(), (Box<Request>, Error)> {
         if let Some(r) = &self.recorder {
             r.release(req.id());
+        }
+        if let Some(progress) = &req.cufile {
+            if let Err(e) = self.cufile_executor().drain(progress, std::time::Duration::from_secs(30)) {
+                return Err((req, e));
+            }
         }
         match self.ring.remove_request(req.key) {
             Ok(()) => Ok(()),

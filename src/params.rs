@@ -48,6 +48,7 @@ pub struct EngineParams {
     pub verify_dma: bool,
     pub staging_buffer_size: u64,
     pub staging_buffers: u32,
+    pub cufile_threads: u32,
     /// Recording-mode output file (empty = off).
     pub record: String,
 }
@@ -137,6 +138,10 @@ impl EngineParams {
         if !(2..=256).contains(&staging_buffers) {
             return Err(Error::invalid(format!("backend parameter staging_buffers={staging_buffers} must be within 2..256")));
         }
+        let cufile_threads = parse_u64("cufile_threads", get("cufile_threads"))?;
+        if !(1..=64).contains(&cufile_threads) {
+            return Err(Error::invalid(format!("backend parameter cufile_threads={cufile_threads} must be within 1..64")));
+        }
         let params = EngineParams {
             ring_entries: ring_entries as u32,
             fixed_buffers,
@@ -150,6 +155,7 @@ impl EngineParams {
             verify_dma,
             staging_buffer_size,
             staging_buffers: staging_buffers as u32,
+            cufile_threads: cufile_threads as u32,
             record: get("record").to_owned(),
         };
         Ok((params, ignored))

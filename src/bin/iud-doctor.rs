@@ -35,7 +35,10 @@ fn main() {
     println!("  DRAM <-> BLK:  {}", if uring_ok { "io_uring O_DIRECT, DRAM as fixed buffers" } else { "unavailable (io_uring refused)" });
     let vram_file = match &gpu_export {
         None => "unavailable (no GPU provider)".to_owned(),
-        Some(_) => "staging (io_uring DMA-BUF I/O exists only for raw NVMe block devices; cuFile sub-path not built)".to_owned(),
+        Some(_) => match io_uring_dmabuf::gpu::cufile::mode() {
+            (true, mode) => format!("cufile ({mode})"),
+            (false, mode) => format!("staging (io_uring DMA-BUF I/O exists only for raw NVMe block devices; cuFile would run in {mode})"),
+        },
     };
     println!("  VRAM <-> FILE: {vram_file}");
     let vram_blk = match (&gpu_export, dmabuf) {
@@ -150,5 +153,5 @@ fn report_cufile(p2pdma: bool) {
     } else {
         "compatibility (no nvidia-fs, no kernel P2PDMA): cuFile bounces through host memory"
     };
-    println!("cuFile: {name} loaded, version {v}; mode {mode}; the plugin's cuFile sub-path is not built yet");
+    println!("cuFile: {name} loaded, version {v}; mode {mode}");
 }

@@ -304,6 +304,10 @@ impl GpuProvider for Cuda {
         self.record(&d, d.to_device)
     }
 
+    fn make_current(&self, device: i32) -> Result<()> {
+        self.device(device).map(drop)
+    }
+
     fn describe(&self) -> String {
         let names: Vec<String> = (0..self.count).map(|i| self.device_name(i).unwrap_or_else(|e| e.message)).collect();
         format!(

@@ -6,6 +6,7 @@
 //! an absent capability with a message, never a crash or a link dependency.
 
 pub mod cuda;
+pub mod cufile;
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -73,6 +74,9 @@ pub trait GpuProvider: Send + Sync {
     /// # Safety
     /// Both ranges must stay valid until the ticket reports completion.
     unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>>;
+    /// Makes the device's context current on the calling thread (for vendor libraries such as
+    /// cuFile that use the thread's context).
+    fn make_current(&self, device: i32) -> Result<()>;
     /// One line about the provider (driver version, devices) for logs and the doctor.
     fn describe(&self) -> String;
 }

@@ -26,6 +26,8 @@ pub enum Route {
     Dmabuf { slots: Vec<u16> },
     /// VRAM through the pinned host staging pool.
     Staging,
+    /// VRAM through cuFile (GPUDirect Storage).
+    Cufile,
     /// Host memory addressed directly (fixed buffers or plain pointers).
     Host,
 }

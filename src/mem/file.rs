@@ -43,6 +43,8 @@ pub struct FileRegion {
     key: FileKey,
     fixed_slot: Option<u32>,
     ring: Arc<Ring>,
+    /// The cuFile handle, registered when the cuFile sub-path first targets this file.
+    pub cufile: once_cell::sync::OnceCell<Arc<crate::gpu::cufile::CuFileHandle>>,
 }
 
 impl fmt::Debug for FileRegion {
@@ -133,6 +135,7 @@ impl FileRegion {
             key,
             fixed_slot,
             ring,
+            cufile: once_cell::sync::OnceCell::new(),
         })
     }
 
@@ -177,6 +180,8 @@ impl FileRegion {
 
 impl Drop for FileRegion {
     fn drop(&mut self) {
+        // cuFile's handle goes before the fd it names.
+        drop(self.cufile.take());
         if self.fixed_slot.is_some() {
             self.ring.release_file(self.key);
         }

@@ -19,6 +19,9 @@ pub struct VramRegion {
     pub device: i32,
     pub provider: Arc<dyn GpuProvider>,
     pub dmabuf: DmabufSlabs,
+    /// The cuFile buffer registration (None inside: cuFile refused it; compatibility mode works
+    /// without one), made when the cuFile sub-path is first chosen.
+    pub cufile: once_cell::sync::OnceCell<Option<crate::gpu::cufile::CuFileBuffer>>,
 }
 
 impl fmt::Debug for VramRegion {
@@ -51,6 +54,6 @@ impl VramRegion {
                 }
             }
         }
-        Ok(VramRegion { addr, len, device, provider, dmabuf })
+        Ok(VramRegion { addr, len, device, provider, dmabuf, cufile: once_cell::sync::OnceCell::new() })
     }
 }

@@ -49,6 +49,8 @@ pub struct Plan {
     pub all_buffered: bool,
     /// Every memory side is host memory (no VRAM).
     pub all_host: bool,
+    /// The ops run on the cuFile sub-path (all of them: a request does not mix paths).
+    pub cufile: bool,
 }
 
 /// Turns an MD pointer from NIXL back into a shared registration, without taking over NIXL's
@@ -137,6 +139,7 @@ pub unsafe fn plan(
     let mut regs = RegistrationSet::default();
     let mut ops = Vec::with_capacity(local.len());
     let (mut total_bytes, mut all_buffered, mut all_host) = (0u64, true, true);
+    let mut cufile_ops = 0usize;
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
         if l.len != r.len {
             return Err(Error::new(
@@ -230,6 +233,13 @@ pub unsafe fn plan(
                     piece = piece.min(slab_end - addr);
                     (addr - sl.slabs[slab].start, Some(slots[slab]), None)
                 }
+                (Registration::Vram(vram), Route::Cufile, _) => {
+                    let (_, slab_end) = vram.dmabuf.slab_at(addr).ok_or_else(|| {
+                        Error::not_found(format!("descriptor {i}: VRAM address 0x{addr:x} is outside the registration's slabs"))
+                    })?;
+                    piece = piece.min(slab_end - addr);
+                    (addr, None, Some(vram.device))
+                }
                 (Registration::Vram(vram), Route::Staging, _) => {
                     let (_, slab_end) = vram.dmabuf.slab_at(addr).ok_or_else(|| {
                         Error::not_found(format!("descriptor {i}: VRAM address 0x{addr:x} is outside the registration's slabs"))
@@ -259,8 +269,16 @@ pub unsafe fn plan(
             done += piece;
         }
         all_buffered &= file.direct.is_none();
+        if route == Route::Cufile {
+            cufile_ops += 1;
+        }
         // Inline pwrite needs real addresses: only memory addressed directly qualifies.
         all_host &= route == Route::Host;
+    }
+    if cufile_ops > 0 && cufile_ops < local.len() {
+        return Err(Error::invalid(
+            "descriptors of one request take different paths (cuFile for some, io_uring for others); split the request by memory region",
+        ));
     }
     // Decided after merging, on the final sizes. Only reads: io_uring serializes buffered
     // writes to one file in its worker pool anyway, so punting them only adds hand-offs.
@@ -276,6 +294,7 @@ pub unsafe fn plan(
         total_bytes,
         all_buffered,
         all_host,
+        cufile: cufile_ops > 0,
     })
 }
 

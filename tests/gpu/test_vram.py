@@ -147,8 +147,12 @@ def test_forced_dmabuf_refuses_cleanly_without_the_kernel_uapi():
         os.unlink(path)
 
 
-def test_forced_cufile():
-    pytest.skip("the cuFile sub-path is not implemented yet; vram_path=cufile refuses registration with a message")
+@pytest.mark.parametrize("block", [4096, MiB, 16 * MiB])
+def test_cufile_round_trip(block):
+    """vram_path=cufile through libcufile (compatibility mode on machines without nvidia-fs or
+    P2PDMA). cuFile wants O_DIRECT files."""
+    agent = make_agent({"vram_path": "cufile"})
+    round_trip(agent, block, max(2, min(32, (64 * MiB) // block)), True, f"{SCRATCH}/iud-gpu-cufile-{block}.bin")
 
 
 def test_four_threads_stage_concurrently_on_one_agent():
