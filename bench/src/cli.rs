@@ -4,7 +4,7 @@
 use std::fmt;
 
 pub const USAGE: &str = "\
-iud-bench: nixlbench-style storage benchmark (DRAM <-> FILE) over the NIXL runtime (nixl-sys).
+iud-bench: nixlbench-style storage benchmark (DRAM <-> FILE or BLOCK) over the NIXL runtime (nixl-sys).
 
 Run with LD_LIBRARY_PATH=<wheel>/.nixl_cu12.mesonpy.libs and NIXL_PLUGIN_DIR=<plugin dir>
 (ci/bench.sh does this). Flags (nixlbench names; sizes are bytes, K/M/G suffixes = KiB/MiB/GiB):
@@ -19,7 +19,13 @@ Run with LD_LIBRARY_PATH=<wheel>/.nixl_cu12.mesonpy.libs and NIXL_PLUGIN_DIR=<pl
   --posix_ios_pool_size N   POSIX ios_pool_size (only if given)
   --posix_kernel_queue_size N  POSIX kernel_queue_size (only if given)
   --filepath PATH           file to use (kept); a directory = temp file in it (removed at exit);
-                            default: temp file in /tmp, removed at exit
+                            default: temp file in /tmp, removed at exit. A block device
+                            (e.g. /dev/loop0) is used in place: not prefilled, its first
+                            --total_buffer_size bytes are OVERWRITTEN by WRITE points
+  --storage_seg_type T      FILE|BLOCK|auto (default auto: BLOCK when --filepath is a block
+                            device, else FILE). BLOCK registers the target as BLK_SEG (fd mode,
+                            O_DIRECT fd, addr = device byte offset) and needs
+                            --storage_enable_direct
   --op_type OP              READ|WRITE|BOTH (default WRITE; BOTH runs WRITE then READ)
   --total_buffer_size N     DRAM buffer = file region size (default 1G), split across threads
   --start_block_size N      default 4096
@@ -46,6 +52,12 @@ Run with LD_LIBRARY_PATH=<wheel>/.nixl_cu12.mesonpy.libs and NIXL_PLUGIN_DIR=<pl
                             range that a backend may merge into few large I/Os; blockaligned: the
                             file blocks are shuffled, so every descriptor stays a separate I/O
   --seed N                  random pattern/shuffle seed (default 1)
+  --poll_mode M             spin (default, like nixlbench: getXferStatus in a busy loop) or
+                            yield (sched_yield between polls: leaves the CPU to I/O threads such
+                            as the loop driver's worker on small machines)
+  --csv PATH                append one CSV line per measured point to PATH (header when the
+                            file is empty): backend,op,layout,block,batch,requests,ios,bytes,
+                            elapsed_s,gbps,iops,avg_lat_us (layout: seq = none, rand = blockaligned)
   --help
 
 Columns: B/W = bytes / wall time of the timed loop / 1e9; Avg Lat = wall time / iterations per
@@ -66,6 +78,15 @@ impl fmt::Display for Op {
             Op::Read => "READ",
         })
     }
+}
+
+/// How the storage target is registered with NIXL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegType {
+    /// BLOCK for block devices, FILE for anything else.
+    Auto,
+    File,
+    Block,
 }
 
 #[derive(Clone, Debug)]
@@ -112,6 +133,10 @@ pub struct Config {
     pub seed: u64,
     /// nixlbench --randomize_location_mode blockaligned: shuffle the file blocks of a request.
     pub randomize_blockaligned: bool,
+    pub storage_seg_type: SegType,
+    pub csv: Option<String>,
+    /// --poll_mode yield: sched_yield between getXferStatus polls.
+    pub poll_yield: bool,
 }
 
 impl Default for Config {
@@ -141,6 +166,9 @@ impl Default for Config {
             enable_pt: false,
             seed: 1,
             randomize_blockaligned: false,
+            storage_seg_type: SegType::Auto,
+            csv: None,
+            poll_yield: false,
         }
     }
 }
@@ -276,6 +304,9 @@ const VALUE_FLAGS: &[&str] = &[
     "randomize_location_mode",
     "initiator_seg_type",
     "worker_type",
+    "storage_seg_type",
+    "csv",
+    "poll_mode",
 ];
 
 pub fn parse(args: &[String]) -> Result<Parsed, String> {
@@ -382,6 +413,22 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                     return Err(format!("--initiator_seg_type {val}: only DRAM is supported"));
                 }
             }
+            "storage_seg_type" => {
+                c.storage_seg_type = match val.to_ascii_uppercase().as_str() {
+                    "AUTO" => SegType::Auto,
+                    "FILE" => SegType::File,
+                    "BLOCK" | "BLK" => SegType::Block,
+                    _ => return Err(format!("--storage_seg_type: FILE|BLOCK|auto, got '{val}'")),
+                }
+            }
+            "csv" => c.csv = Some(val),
+            "poll_mode" => {
+                c.poll_yield = match val.to_ascii_lowercase().as_str() {
+                    "spin" => false,
+                    "yield" => true,
+                    _ => return Err(format!("--poll_mode: spin|yield, got '{val}'")),
+                }
+            }
             "worker_type" => {
                 if val != "nixl" {
                     return Err(format!("--worker_type {val}: only nixl is supported"));
@@ -464,5 +511,11 @@ mod tests {
         assert!(parse(&s(&["--bogus"])).unwrap_err().contains("unknown flag"));
         assert!(parse(&s(&["--max_block_size"])).is_err());
         assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        let Parsed::Run(c) = parse(&s(&["--storage_seg_type", "block", "--csv=/tmp/x.csv"])).unwrap() else {
+            panic!()
+        };
+        assert_eq!(c.storage_seg_type, SegType::Block);
+        assert_eq!(c.csv.as_deref(), Some("/tmp/x.csv"));
+        assert!(parse(&s(&["--storage_seg_type", "VRAM"])).is_err());
     }
 }

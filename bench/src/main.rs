@@ -11,11 +11,12 @@ mod sysinfo;
 use std::ffi::CString;
 use std::io::Write as _;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use cli::{Config, Op, Parsed};
+use cli::{Config, Op, Parsed, SegType};
 use mem::{pwrite_full, AlignedBuf, SplitMix64};
 
 /// Temp file to remove at exit, also from the SIGINT/SIGTERM handler.
@@ -35,6 +36,8 @@ struct FileSetup {
     temp: bool,
     fd: i32,
     verify_fd: i32,
+    /// Some(capacity in bytes) when the target is a block device.
+    block_dev: Option<u64>,
 }
 
 impl Drop for FileSetup {
@@ -76,8 +79,10 @@ fn setup_file(cfg: &Config, total: u64) -> Result<FileSetup, String> {
             libc::signal(libc::SIGTERM, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
         }
     }
-    // nixlbench: O_RDWR|O_CREAT|O_LARGEFILE (+O_DIRECT).
-    let verify_fd = open_fd(&path, libc::O_RDWR | libc::O_CREAT | libc::O_LARGEFILE)?;
+    let is_blk = std::fs::metadata(&path).map(|m| m.file_type().is_block_device()).unwrap_or(false);
+    // nixlbench: O_RDWR|O_CREAT|O_LARGEFILE (+O_DIRECT). Block devices: no O_CREAT.
+    let creat = if is_blk { 0 } else { libc::O_CREAT };
+    let verify_fd = open_fd(&path, libc::O_RDWR | creat | libc::O_LARGEFILE)?;
     let direct = if cfg.storage_enable_direct { libc::O_DIRECT } else { 0 };
     let fd = match open_fd(&path, libc::O_RDWR | libc::O_LARGEFILE | direct) {
         Ok(fd) => fd,
@@ -90,7 +95,32 @@ fn setup_file(cfg: &Config, total: u64) -> Result<FileSetup, String> {
             return Err(format!("{e}{}", if direct != 0 { " (does this filesystem support O_DIRECT?)" } else { "" }));
         }
     };
-    let fs = FileSetup { path, temp, fd, verify_fd };
+    let block_dev = if is_blk {
+        let mut bytes = 0u64;
+        // SAFETY: BLKGETSIZE64 writes one u64 through the pointer.
+        if unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut bytes as *mut u64) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: closing our fds.
+            unsafe {
+                libc::close(fd);
+                libc::close(verify_fd);
+            }
+            return Err(format!("ioctl(BLKGETSIZE64) on {}: {e}", path.display()));
+        }
+        Some(bytes)
+    } else {
+        None
+    };
+    let fs = FileSetup { path, temp, fd, verify_fd, block_dev };
+    if let Some(bytes) = block_dev {
+        if bytes < total {
+            return Err(format!("block device {} holds {bytes} bytes < --total_buffer_size {total}", fs.path.display()));
+        }
+        println!(
+            "setup: block device of {bytes} bytes: used in place, not prefilled (WRITE points overwrite its first {total} bytes)"
+        );
+        return Ok(fs);
+    }
     let len = std::fs::metadata(&fs.path).map(|m| m.len()).unwrap_or(0);
     if len < total {
         // Like nixlbench: fill the region when the file is too short. A pattern different from
@@ -118,6 +148,9 @@ fn setup_file(cfg: &Config, total: u64) -> Result<FileSetup, String> {
     }
     Ok(fs)
 }
+
+/// _IOR(0x12, 114, size_t)
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
 fn print_config(cfg: &Config) {
     let b: Vec<String> = cfg.backends.iter().map(|b| b.label()).collect();
@@ -148,6 +181,16 @@ fn print_config(cfg: &Config) {
         ("enable_pt", cfg.enable_pt.to_string()),
         ("randomize_location_mode", if cfg.randomize_blockaligned { "blockaligned (file blocks of a request shuffled)".into() } else { "none (a request = one contiguous range in DRAM and file)".into() }),
         ("seed", cfg.seed.to_string()),
+        (
+            "storage_seg_type",
+            match cfg.storage_seg_type {
+                SegType::Auto => "auto (BLOCK for a block device, else FILE)".into(),
+                SegType::File => "FILE".into(),
+                SegType::Block => "BLOCK".into(),
+            },
+        ),
+        ("poll_mode", if cfg.poll_yield { "yield (sched_yield between polls)".into() } else { "spin".into() }),
+        ("csv", cfg.csv.clone().unwrap_or_else(|| "(none)".into())),
     ];
     for (k, v) in rows {
         println!("  {k:<24}: {v}");
@@ -218,7 +261,34 @@ fn run(cfg: &Config) -> i32 {
         files.fd,
         if cfg.storage_enable_direct { ", O_DIRECT" } else { ", buffered" }
     );
-    println!("filesystem: {}", sysinfo::filesystem_of(&files.path));
+    let storage_kind = match (cfg.storage_seg_type, files.block_dev.is_some()) {
+        (SegType::Block, _) | (SegType::Auto, true) => nixl_sys::MemType::Block,
+        _ => nixl_sys::MemType::File,
+    };
+    if storage_kind == nixl_sys::MemType::Block && !cfg.storage_enable_direct {
+        eprintln!("iud-bench: BLOCK (BLK_SEG) targets need an O_DIRECT fd: add --storage_enable_direct");
+        return 1;
+    }
+    match files.block_dev {
+        Some(bytes) => println!("block device: {bytes} bytes; {}", sysinfo::block_queue_info(&files.path)),
+        None => println!("filesystem: {}", sysinfo::filesystem_of(&files.path)),
+    }
+    println!("registered as: {}", if storage_kind == nixl_sys::MemType::Block { "BLOCK (BLK_SEG)" } else { "FILE (FILE_SEG)" });
+    let csv = match &cfg.csv {
+        None => None,
+        Some(p) => match std::fs::OpenOptions::new().create(true).append(true).open(p) {
+            Ok(mut f) => {
+                if f.metadata().map(|m| m.len() == 0).unwrap_or(false) {
+                    let _ = writeln!(f, "{}", report::CSV_HEADER);
+                }
+                Some(std::sync::Mutex::new(f))
+            }
+            Err(e) => {
+                eprintln!("iud-bench: --csv {p}: {e}");
+                return 1;
+            }
+        },
+    };
 
     let t = Instant::now();
     let dram = match AlignedBuf::new(total as usize, 4096) {
@@ -258,7 +328,15 @@ fn run(cfg: &Config) -> i32 {
             (Op::Write, true) => "note: O_DIRECT WRITE: data goes to the device (no fsync)".into(),
         })
     };
-    let ctx = runner::Ctx { cfg, dram: &dram, fd: files.fd, verify_fd: files.verify_fd, page_cache_note: &note };
+    let ctx = runner::Ctx {
+        cfg,
+        dram: &dram,
+        fd: files.fd,
+        verify_fd: files.verify_fd,
+        page_cache_note: &note,
+        storage_kind,
+        csv: csv.as_ref(),
+    };
 
     let mut labels = Vec::new();
     let mut all = Vec::new();

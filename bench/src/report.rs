@@ -58,6 +58,26 @@ pub fn p99(v: &[f64]) -> f64 {
     s[rank - 1]
 }
 
+pub const CSV_HEADER: &str = "backend,op,layout,block,batch,requests,ios,bytes,elapsed_s,gbps,iops,avg_lat_us";
+
+/// One `--csv` line (see CSV_HEADER); the backend label is quoted (it may hold ';' and ',').
+pub fn csv_row(backend: &str, layout: &str, r: &PointResult) -> String {
+    format!(
+        "\"{}\",{},{layout},{},{},{},{},{:.0},{:.6},{:.6},{:.1},{:.3}",
+        backend.replace('"', "'"),
+        r.op,
+        r.block,
+        r.batch,
+        r.iters,
+        r.iters * r.batch,
+        r.bytes(),
+        r.elapsed_s,
+        r.gbps(),
+        r.iops(),
+        r.avg_lat_us()
+    )
+}
+
 const W0: usize = 20;
 const W: usize = 15;
 
@@ -220,7 +240,8 @@ mod tests {
         assert!((r.gbps() - 4000.0 * 4096.0 / 1e9).abs() < 1e-12);
         assert!((r.avg_lat_us() - 500.0).abs() < 1e-9);
         assert!(table_row(&r).starts_with("4096"));
-        let s = summary(&["X".into(), "Y".into()], &[vec![r.clone()], vec![r]], &[Op::Read]);
+        let s = summary(&["X".into(), "Y".into()], &[vec![r.clone()], vec![r.clone()]], &[Op::Read]);
         assert!(s.contains("1.00"), "{s}");
+        assert_eq!(csv_row("A:x=1", "rand", &r), "\"A:x=1\",READ,rand,4096,2,1000,2000,8192000,0.500000,0.016384,4000.0,500.000");
     }
 }

@@ -13,7 +13,9 @@ use nixl_sys::{
 
 use crate::cli::{BackendSpec, Config, Op};
 use crate::mem::{pread_full, AlignedBuf, Region, SplitMix64};
-use crate::report::{table_header, table_row, PointResult};
+use std::io::Write as _;
+
+use crate::report::{csv_row, table_header, table_row, PointResult};
 
 /// A transfer that has not completed after this long is reported as hung.
 const STALL_TIMEOUT: Duration = Duration::from_secs(120);
@@ -29,6 +31,10 @@ pub struct Ctx<'a> {
     /// A buffered fd of the same file, for setup and verification.
     pub verify_fd: i32,
     pub page_cache_note: &'a (dyn Fn(Op) -> Option<String> + Sync),
+    /// MemType::File (FILE_SEG) or MemType::Block (BLK_SEG) for the storage side.
+    pub storage_kind: MemType,
+    /// --csv: one line per point.
+    pub csv: Option<&'a std::sync::Mutex<std::fs::File>>,
 }
 
 pub struct SpecOutcome {
@@ -155,16 +161,17 @@ fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutco
     reg_args.add_backend(&backend).map_err(|e| nerr("OptArgs::add_backend", e))?;
     let total = cfg.region_per_thread() as usize * cfg.num_threads;
     let dram = Region { addr: ctx.dram.addr(), len: total, dev_id: 0, kind: MemType::Dram };
-    let file = Region { addr: 0, len: total, dev_id: ctx.fd as u64, kind: MemType::File };
+    let file = Region { addr: 0, len: total, dev_id: ctx.fd as u64, kind: ctx.storage_kind };
+    let kind_name = if ctx.storage_kind == MemType::Block { "BLOCK" } else { "FILE" };
     let t = Instant::now();
     let _dram_reg = agent
         .register_memory(&dram, Some(&reg_args))
         .map_err(|e| nerr("register_memory(DRAM)", e))?;
     let _file_reg = agent
         .register_memory(&file, Some(&reg_args))
-        .map_err(|e| nerr("register_memory(FILE, fd mode)", e))?;
+        .map_err(|e| nerr(&format!("register_memory({kind_name}, fd mode)"), e))?;
     println!(
-        "registered DRAM (0x{:x}, {total}, 0) and FILE (0, {total}, fd {}) in {:.1} ms",
+        "registered DRAM (0x{:x}, {total}, 0) and {kind_name} (0, {total}, fd {}) in {:.1} ms",
         dram.addr,
         ctx.fd,
         t.elapsed().as_secs_f64() * 1e3
@@ -190,6 +197,11 @@ fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutco
                 let r = run_point(&agent, &agent_name, &backend, ctx, op, block, batch)
                     .map_err(|e| format!("{} {} block {block} batch {batch}: {e}", spec.label(), op))?;
                 println!("{}", table_row(&r));
+                if let Some(csv) = ctx.csv {
+                    let layout = if cfg.randomize_blockaligned { "rand" } else { "seq" };
+                    let mut f = csv.lock().unwrap_or_else(|p| p.into_inner());
+                    writeln!(f, "{}", csv_row(&spec.label(), layout, &r)).map_err(|e| format!("--csv: {e}"))?;
+                }
                 if let Some(Err(e)) = &r.consistency {
                     println!("  CONSISTENCY FAILED: {e}");
                     out.consistency_failures += 1;
@@ -380,7 +392,7 @@ impl ThreadXfer<'_> {
         t: usize,
     ) -> Result<Self, String> {
         let mut local = XferDescList::new(MemType::Dram).map_err(|e| nerr("XferDescList(DRAM)", e))?;
-        let mut remote = XferDescList::new(MemType::File).map_err(|e| nerr("XferDescList(FILE)", e))?;
+        let mut remote = XferDescList::new(ctx.storage_kind).map_err(|e| nerr("XferDescList(storage)", e))?;
         for (mem, file) in desc_pairs(ctx.cfg, block, batch, t) {
             local.add_desc(ctx.dram.addr() + mem as usize, block as usize, 0);
             remote.add_desc(file as usize, block as usize, ctx.fd as u64);
@@ -455,7 +467,7 @@ fn thread_run(
                 drop(req);
                 req = x.create(agent, agent_name, None)?;
             }
-            post_and_wait(agent, &req).map_err(|e| format!("warmup: {e}"))?;
+            post_and_wait(agent, &req, ctx.cfg.poll_yield).map_err(|e| format!("warmup: {e}"))?;
             // Time-based mode: warmup takes at most a fifth of the point's duration.
             if p.duration.is_some_and(|d| wstart.elapsed() >= d / 5) {
                 break;
@@ -491,7 +503,7 @@ fn thread_run(
             drop(req);
             req = x.create(agent, agent_name, Some(&mut st.prep)).map_err(|e| format!("iteration {n}: {e}"))?;
         }
-        match post_and_wait(agent, &req) {
+        match post_and_wait(agent, &req, ctx.cfg.poll_yield) {
             Ok((post, tx)) => {
                 st.post.push(post);
                 st.tx.push(tx);
@@ -514,8 +526,9 @@ impl ThreadStats {
     }
 }
 
-/// Posts and spins on get_xfer_status until done (as nixlbench does). Returns (post µs, tx µs).
-fn post_and_wait(agent: &Agent, req: &XferRequest) -> Result<(f64, f64), String> {
+/// Posts and spins on get_xfer_status until done (as nixlbench does; with `yield_cpu`,
+/// sched_yield between polls). Returns (post µs, tx µs).
+fn post_and_wait(agent: &Agent, req: &XferRequest, yield_cpu: bool) -> Result<(f64, f64), String> {
     let t0 = Instant::now();
     let in_prog = agent.post_xfer_req(req, None).map_err(|e| nerr("post_xfer_req", e))?;
     let t1 = Instant::now();
@@ -532,7 +545,12 @@ fn post_and_wait(agent: &Agent, req: &XferRequest) -> Result<(f64, f64), String>
                             STALL_TIMEOUT.as_secs()
                         ));
                     }
-                    std::hint::spin_loop();
+                    if yield_cpu {
+                        // SAFETY: plain syscall.
+                        unsafe { libc::sched_yield() };
+                    } else {
+                        std::hint::spin_loop();
+                    }
                 }
                 Err(e) => return Err(nerr("get_xfer_status", e)),
             }

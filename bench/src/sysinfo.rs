@@ -232,3 +232,28 @@ pub fn page_cache_residency(fd: i32, len: usize) -> Option<f64> {
     }
     Some(vec.iter().filter(|&&b| b & 1 != 0).count() as f64 / n as f64)
 }
+
+/// Queue facts of a block device from sysfs (logical block size, max I/O, scheduler, and for
+/// loop devices the backing file and whether it is opened with direct I/O).
+pub fn block_queue_info(path: &Path) -> String {
+    let canon = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let Some(name) = canon.file_name().and_then(|n| n.to_str()).map(str::to_owned) else {
+        return "(no sysfs name)".into();
+    };
+    let base = Path::new("/sys/class/block").join(&name);
+    let rd = |rel: &str| fs::read_to_string(base.join(rel)).map(|s| s.trim().to_owned()).ok();
+    let mut parts = vec![name.clone()];
+    for (label, rel) in [
+        ("logical_block_size", "queue/logical_block_size"),
+        ("max_sectors_kb", "queue/max_sectors_kb"),
+        ("nr_requests", "queue/nr_requests"),
+        ("scheduler", "queue/scheduler"),
+        ("loop backing_file", "loop/backing_file"),
+        ("loop dio", "loop/dio"),
+    ] {
+        if let Some(v) = rd(rel) {
+            parts.push(format!("{label} {v}"));
+        }
+    }
+    parts.join(", ")
+}

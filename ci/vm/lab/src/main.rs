@@ -6,10 +6,15 @@
 //!
 //! Outside a VM: `iud-lab --device /dev/XXX --overwrite` runs the same tests against any
 //! block device (they OVERWRITE its first 192 MiB), and exits 1 if a test failed.
+//!
+//! Benchmark mode (bench.rs): `iud-lab --bench --device /dev/XXX --overwrite [options]` outside
+//! a VM; as PID 1 when run-lab.sh packed `/lab/bench.args` (LAB_BENCH=1): the engine against fio
+//! on the device instead of the tests, ending with `LAB BENCH DONE` or `LAB BENCH FAILED: ...`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+mod bench;
 mod dmabuf_uapi;
 mod init;
 mod report;
@@ -22,15 +27,57 @@ mod util;
 use report::{info, Report};
 
 const VM_DEVICE: &str = "/dev/nvme0n1";
+/// Written by run-lab.sh with LAB_BENCH=1: the bench options, whitespace separated.
+const BENCH_ARGS: &str = "/lab/bench.args";
 
 fn usage() -> ! {
     eprintln!("usage: iud-lab --device /dev/BLOCKDEV --overwrite   (destroys the device's first 192 MiB)");
     eprintln!("       (as PID 1 in the lab VM it tests {VM_DEVICE} without arguments)");
+    eprintln!("{}", bench::USAGE);
     std::process::exit(2);
+}
+
+/// Benchmark mode; as PID 1 it powers the VM off at the end.
+fn bench_main(pid1: bool, args: &[String], device: Option<String>) -> ! {
+    if pid1 {
+        init::setup(VM_DEVICE);
+        info(format!("iud-lab {} benchmark on kernel {}", env!("CARGO_PKG_VERSION"), std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim()));
+    }
+    let t0 = std::time::Instant::now();
+    let r = bench::parse_args(args, device).and_then(|c| bench::run(&c));
+    info(format!("benchmark took {} ms", t0.elapsed().as_millis()));
+    let ok = match r {
+        Ok(()) => {
+            println!("LAB BENCH DONE");
+            true
+        }
+        Err(e) => {
+            println!("LAB BENCH FAILED: {e}");
+            false
+        }
+    };
+    if pid1 {
+        init::power_off();
+    }
+    std::process::exit(if ok { 0 } else { 1 });
 }
 
 fn main() {
     let pid1 = init::is_pid1();
+    if pid1 {
+        if let Ok(a) = std::fs::read_to_string(BENCH_ARGS) {
+            let args: Vec<String> = a.split_whitespace().map(str::to_owned).collect();
+            bench_main(true, &args, Some(VM_DEVICE.to_owned()));
+        }
+    } else {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        if args.iter().any(|a| a == "--bench") {
+            if !args.iter().any(|a| a == "--overwrite") {
+                usage();
+            }
+            bench_main(false, &args, None);
+        }
+    }
     let device = if pid1 {
         VM_DEVICE.to_owned()
     } else {
