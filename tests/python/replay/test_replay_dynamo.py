@@ -23,6 +23,7 @@ Every block and piece is checked byte for byte in the file and in memory.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import tempfile
 import time
@@ -50,17 +51,22 @@ class Layout:
 def _transfers(agent, op, local_kind, batches, chosen: set):
     """Issue batches of (local descs, remote descs), up to MAX_CONCURRENT_TRANSFERS in flight,
     each polled with get_xfer_status every 5 ms until done."""
-    pending, queue = [], list(batches)
+    _in_flight(agent, [(op, local_kind, lo, re) for lo, re in batches], chosen)
+
+
+def _in_flight(agent, items, chosen: set):
+    """items: (op, local kind, local descs, remote descs); any mix of directions in flight."""
+    pending, queue = [], list(items)
     while queue or pending:
         while queue and len(pending) < MAX_CONCURRENT_TRANSFERS:
-            local, remote = queue.pop(0)
-            h = agent.initialize_xfer(op, agent.get_xfer_descs(local, local_kind),
+            op, kind, local, remote = queue.pop(0)
+            h = agent.initialize_xfer(op, agent.get_xfer_descs(local, kind),
                                       agent.get_xfer_descs(remote, "FILE"), agent.name)
-            chosen.add((local_kind, agent.query_xfer_backend(h)))
-            pending.append([h, agent.transfer(h)])
+            chosen.add((kind, agent.query_xfer_backend(h)))
+            pending.append([h, agent.transfer(h), op])
         time.sleep(POLL_S)
         for item in list(pending):
-            h, state = item
+            h, state, op = item
             if state == "PROC":
                 state = item[1] = agent.check_xfer_state(h)
             if state != "PROC":
@@ -138,7 +144,7 @@ def replay(created, kind, direct, workdir, rng) -> set:
         for kv in range(2):
             m.write(kv * n_dev * lay.piece,
                     ledger.make(f"dev-l{layer}-kv{kv}", n_dev * lay.piece))
-    disk_has: dict[int, tuple] = {}       # disk block -> ("host", b) or ("dev", b)
+    disk_has: dict[int, tuple] = {}   # disk block -> ("host", chunk name) or ("dev", block)
 
     def batches(pairs, make):
         pairs = list(pairs)
@@ -155,7 +161,7 @@ def replay(created, kind, direct, workdir, rng) -> set:
 
     _transfers(agent, "WRITE", "DRAM", batches(off_pairs, per_block), chosen)
     for h, d in off_pairs:
-        disk_has[d] = ("host", h)
+        disk_has[d] = ("host", f"host{h}")
 
     # 2. G1 -> G3 direct: per-(layer, K/V) descriptors, into other disk blocks.
     g1_pairs = list(zip([int(x) for x in rng.permutation(n_dev)],
@@ -178,7 +184,7 @@ def replay(created, kind, direct, workdir, rng) -> set:
     def expect_block(d):
         src, b = disk_has[d]
         if src == "host":
-            return [(f"host{b}", 0, lay.block_bytes)]
+            return [(b, 0, lay.block_bytes)]
         # chunk "dev-l<layer>-kv<kv>" is the K (or V) half of a layer region: block b of it
         # starts at b * piece in its stream
         return [(f"dev-l{layer}-kv{kv}", b * lay.piece, lay.piece)
@@ -193,6 +199,29 @@ def replay(created, kind, direct, workdir, rng) -> set:
     for d in disk_has:
         check_block(lambda pos, n, d=d: R.file_bytes(fd, d * lay.block_bytes + pos, n), d,
                     "file after offload")
+
+    def poison_dev(blocks):
+        for b in blocks:
+            for layer, m in enumerate(dev_layers):
+                for kv in range(2):
+                    m.write(dev_piece(layer, kv, b), ledger.poison(f"dev{layer}", lay.piece))
+
+    def check_dev(pairs):
+        """Device block b must hold disk block d, piece by piece."""
+        for b, d in pairs:
+            for (name, off, n), (layer, kv) in zip(
+                    expect_pieces(d), [(x, y) for x in range(lay.layers) for y in range(2)]):
+                got = dev_layers[layer].read(dev_piece(layer, kv, b), lay.piece)
+                ledger.check(got, name, f"device block {b} layer {layer} kv {kv} after READ "
+                             f"of disk block {d}", offset=off)
+
+    def expect_pieces(d):
+        """expect_block(d) cut into (layer, K/V) pieces."""
+        out = []
+        for name, off, n in expect_block(d):
+            for k in range(0, n, lay.piece):
+                out.append((name, off + k, lay.piece))
+        return out
 
     # 3. Onboard G3 -> G2 (READ, host memory local): every written disk block, in batches,
     #    into poisoned host blocks.
@@ -211,19 +240,31 @@ def replay(created, kind, direct, workdir, rng) -> set:
     # 4. G3 -> G1 direct READ: disk blocks written from the host, into poisoned device blocks.
     from_host = [d for d in written if disk_has[d][0] == "host"][:n_dev]
     dev_targets = [int(x) for x in rng.permutation(n_dev)[:len(from_host)]]
-    for b in dev_targets:
-        for layer, m in enumerate(dev_layers):
-            for kv in range(2):
-                m.write(dev_piece(layer, kv, b), ledger.poison(f"dev{layer}", lay.piece))
+    poison_dev(dev_targets)
     pairs = list(zip(dev_targets, from_host))
     _transfers(agent, "READ", kind, batches(pairs, per_piece), chosen)
-    for b, d in pairs:
-        hb = disk_has[d][1]
-        for layer in range(lay.layers):
-            for kv in range(2):
-                got = dev_layers[layer].read(dev_piece(layer, kv, b), lay.piece)
-                ledger.check(got, f"host{hb}", f"device block {b} layer {layer} kv {kv} "
-                             f"after READ of disk block {d}", offset=lay.in_block(layer, kv))
+    check_dev(pairs)
+
+    # 5. Both directions in flight at once: offload new host contents over the disk blocks
+    #    that came from the host, while the disk blocks that came from the device are read
+    #    back into (poisoned) device blocks.
+    for h in range(n_host):
+        host.write(h * lay.block_bytes, ledger.make(f"host-gen2-{h}", lay.block_bytes))
+    over = list(zip(range(n_host), from_host))
+    from_dev = [d for d in written if disk_has[d][0] == "dev"][:n_dev]
+    dev_targets = [int(x) for x in rng.permutation(n_dev)[:len(from_dev)]]
+    poison_dev(dev_targets)
+    back = list(zip(dev_targets, from_dev))
+    items = []
+    for wb, rb in itertools.zip_longest(batches(over, per_block), batches(back, per_piece)):
+        items += [("WRITE", "DRAM") + wb] if wb else []
+        items += [("READ", kind) + rb] if rb else []
+    _in_flight(agent, items, chosen)
+    check_dev(back)
+    for h, d in over:
+        disk_has[d] = ("host", f"host-gen2-{h}")
+        check_block(lambda pos, n, d=d: R.file_bytes(fd, d * lay.block_bytes + pos, n), d,
+                    "file after the mixed phase")
 
     # Drop: deregister, close; the temp file is removed by the test.
     agent.deregister_memory(disk_reg)

@@ -10,7 +10,7 @@ registered as one descriptor per chunk and prepped with agent name ""):
   * dynamic (pool_size 0): per batch open <path>/<url-quoted key> (O_CREAT|O_RDWR for puts,
     O_RDONLY for gets), register, get_xfer_descs, prep with the own name, transfer, poll,
     release, deregister, close; async puts (nixl_async_put) stay in flight while gets open new
-    fds, so fd numbers are reused between registrations. Failure cases: a missing file is a
+    fds from another thread, so fd numbers are reused between registrations. Failure cases: a missing file is a
     miss before NIXL is called; a truncated file makes the transfer fail cleanly
     (nixlBackendError, which LMCache turns into a miss) and leaves the agent usable; a write that
     fails at I/O time (file size limit, in a child process) fails cleanly and the client unlinks
@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from urllib.parse import quote as url_quote
@@ -94,14 +95,17 @@ class Pages:
     def __init__(self, buffer: R.Mem, page: int, rng):
         self.buffer, self.page = buffer, page
         self.free = [int(i) for i in rng.permutation(buffer.size // page)]
+        self.lock = threading.Lock()
 
     def alloc(self, n):
-        out, self.free = self.free[:n], self.free[n:]
+        with self.lock:
+            out, self.free = self.free[:n], self.free[n:]
         assert len(out) == n, "chunk buffer exhausted"
         return out
 
     def release(self, pages):
-        self.free.extend(pages)
+        with self.lock:
+            self.free.extend(pages)
 
     def write(self, idx, data):
         self.buffer.write(idx * self.page, data)
@@ -338,18 +342,26 @@ def test_dynamic_mode(direct, plugin_so, tmp_path, rng, stderr_log):
     for i in range(0, 16, 4):
         be.put_sync(keys[i:i + 4])
 
-    async def overlap():
-        tasks = [asyncio.create_task(be.put_async(keys[i:i + 3])) for i in range(16, 40, 3)]
+    # The async puts run as tasks of LMCache's event loop thread; the gets come from the
+    # caller's thread at the same time (NIXL sync mode STRICT serializes the agent calls).
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+    try:
+        futs = [asyncio.run_coroutine_threadsafe(be.put_async(keys[i:i + 3]), loop)
+                for i in range(16, 40, 3)]
         got = []
         for i in range(0, 16, 4):          # gets of stored keys while the puts are in flight
             mem = be.get(keys[i:i + 4])
             assert mem is not None, f"get of stored keys {keys[i:i + 4]} missed"
             got.append((keys[i:i + 4], mem))
-            await asyncio.sleep(0)
-        await asyncio.gather(*tasks)
-        return got
-
-    for ks, mem in asyncio.run(overlap()):
+        for f in futs:
+            f.result(timeout=120)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join()
+        loop.close()
+    for ks, mem in got:
         be.check(ks, mem)
     for i in rng.permutation(40)[:24].reshape(-1, 4):
         ks = [keys[int(j)] for j in i]
