@@ -12,7 +12,7 @@
 2. The proposed file-offload shape (vLLM OBJ tier template, llm-d StorageOffloadEngine, GDS RFC
    #54777): the KV memory registered once; per job one file per block, register_memory(files,
    "FILE"), initialize_xfer (un-prepped) against the own agent name, transfer, poll,
-   release, deregister, close; two jobs in flight at once. Shape "obj": a contiguous block per
+   deregister, release (the OBJ engine's order), close; two jobs in flight at once. Shape "obj": a contiguous block per
    file and files.trim() as the remote list; shape "gds": FILE -> per-(layer, K/V) KV regions;
    "gds-mla": the same with MLA's 18 KiB blocks (512-byte aligned, also with O_DIRECT).
 
@@ -274,8 +274,10 @@ def test_file_offload_jobs(kind, shape, direct, plugin_so, tmp_path, rng, stderr
 
     def finish(job):
         state = R.wait(agent, job["h"], job["state"], 0.001)
-        agent.release_xfer_handle(job["h"])
+        # The OBJ engine's order: deregister the job's registrations, then release the request
+        # (which still refers to them), then close the files.
         agent.deregister_memory(job["files"])
+        agent.release_xfer_handle(job["h"])
         for fd in job["fds"]:
             os.close(fd)
         assert state == "DONE", f"{job['op']} job ended {state}"
