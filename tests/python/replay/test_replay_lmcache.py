@@ -10,8 +10,8 @@ registered as one descriptor per chunk and prepped with agent name ""):
   * dynamic (pool_size 0): per batch open <path>/<url-quoted key> (O_CREAT|O_RDWR for puts,
     O_RDONLY for gets), register, get_xfer_descs, prep with the own name, transfer, poll,
     release, deregister, close; async puts (nixl_async_put) stay in flight while gets open new
-    fds from another thread, so fd numbers are reused between registrations. Failure cases: a missing file is a
-    miss before NIXL is called; a truncated file makes the transfer fail cleanly
+    fds from another thread, so fd numbers are reused between registrations. Failure cases: a
+    missing file is a miss before NIXL is called; a truncated file makes the transfer fail cleanly
     (nixlBackendError, which LMCache turns into a miss) and leaves the agent usable; a write that
     fails at I/O time (file size limit, in a child process) fails cleanly and the client unlinks
     the file.

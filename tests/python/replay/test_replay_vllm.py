@@ -12,9 +12,10 @@
 2. The proposed file-offload shape (vLLM OBJ tier template, llm-d StorageOffloadEngine, GDS RFC
    #54777): the KV memory registered once; per job one file per block, register_memory(files,
    "FILE"), initialize_xfer (un-prepped) against the own agent name, transfer, poll,
-   deregister, release (the OBJ engine's order), close; two jobs in flight at once. Shape "obj": a contiguous block per
-   file and files.trim() as the remote list; shape "gds": FILE -> per-(layer, K/V) KV regions;
-   "gds-mla": the same with MLA's 18 KiB blocks (512-byte aligned, also with O_DIRECT).
+   deregister, release (the OBJ engine's order), close; two jobs in flight at once.
+   Shape "obj": a contiguous block per file and files.trim() as the remote list; shape "gds":
+   FILE -> per-(layer, K/V) KV regions; "gds-mla": the same with MLA's 18 KiB blocks
+   (512-byte aligned, also with O_DIRECT).
 
 DRAM stands in for VRAM on CPU; the VRAM variants (regions >= 1 GiB for the connector) run on
 the GPU machine.
