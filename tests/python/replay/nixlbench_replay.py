@@ -119,6 +119,7 @@ def run(backend: str, *, kind="DRAM", op="WRITE", num_threads=1, num_files=1, di
             os.close(f[0])
         for r in mem_regs:
             agent.deregister_memory(r, backends=only)
+        _poisons.clear()
     return points
 
 
