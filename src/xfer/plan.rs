@@ -233,14 +233,8 @@ pub unsafe fn plan(
                     piece = piece.min(slab_end - addr);
                     (addr - sl.slabs[slab].start, Some(slots[slab]), None)
                 }
-                (Registration::Vram(vram), Route::Cufile, _) => {
-                    let (_, slab_end) = vram.dmabuf.slab_at(addr).ok_or_else(|| {
-                        Error::not_found(format!("descriptor {i}: VRAM address 0x{addr:x} is outside the registration's slabs"))
-                    })?;
-                    piece = piece.min(slab_end - addr);
-                    (addr, None, Some(vram.device))
-                }
-                (Registration::Vram(vram), Route::Staging, _) => {
+                // Both move VRAM by its address; pieces still stop at slab ends.
+                (Registration::Vram(vram), Route::Staging | Route::Cufile, _) => {
                     let (_, slab_end) = vram.dmabuf.slab_at(addr).ok_or_else(|| {
                         Error::not_found(format!("descriptor {i}: VRAM address 0x{addr:x} is outside the registration's slabs"))
                     })?;
