@@ -14,57 +14,8 @@ use io_uring_dmabuf::engine::Engine;
 use io_uring_dmabuf::error::ErrorKind;
 use io_uring_dmabuf::uring::Progress;
 
-const DRAM: i32 = 0;
-const FILE: i32 = 4;
-const READ: i32 = 0;
-const WRITE: i32 = 1;
-const AGENT: &str = "agent";
-
-/// Page-aligned host buffer filled with a pattern unique to `seed` (never zeros).
-struct Buf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Buf {
-    fn new(len: usize, seed: u64) -> Buf {
-        let mut ptr = std::ptr::null_mut();
-        // SAFETY: posix_memalign writes an aligned allocation into ptr.
-        assert_eq!(unsafe { libc::posix_memalign(&mut ptr, 4096, len) }, 0);
-        let mut b = Buf { ptr: ptr.cast(), len };
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        for byte in b.bytes_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *byte = (x >> 24) as u8;
-        }
-        b
-    }
-    fn addr(&self) -> u64 {
-        self.ptr as u64
-    }
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: ptr/len describe our allocation.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: ptr/len describe our allocation; &mut self excludes other views.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for Buf {
-    fn drop(&mut self) {
-        // SAFETY: allocated by posix_memalign.
-        unsafe { libc::free(self.ptr.cast()) }
-    }
-}
-
-// SAFETY: the buffer is plain memory; tests coordinate access.
-unsafe impl Send for Buf {}
-// SAFETY: as above.
-unsafe impl Sync for Buf {}
+mod common;
+use common::*;
 
 fn engine(params: &[(&str, &str)]) -> Engine {
     Engine::new(AGENT, params.iter().copied()).expect("engine")
@@ -103,20 +54,9 @@ mod tempdir {
     }
 }
 
-fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
-    iud_desc { addr, len, dev_id, md }
-}
-
-/// Runs a transfer to completion (polling like NIXL's clients) and returns its result.
+/// Runs a DRAM <-> FILE transfer to completion.
 fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), io_uring_dmabuf::error::Error> {
-    // SAFETY: every md in the lists is a live registration of `e`.
-    let req = unsafe { e.prep(op, DRAM, local, FILE, remote, AGENT) }?;
-    let mut res = e.post(&req, op, local.len(), remote.len());
-    while let Ok(Progress::InFlight) = res {
-        res = e.check(&req);
-    }
-    e.release(req).map_err(|(_, err)| err).expect("release");
-    res.map(|_| ())
+    run_kind(e, op, FILE, local, remote)
 }
 
 /// Splits `total` bytes into blocks of mixed sizes (multiples of `unit`).

@@ -2,7 +2,6 @@
 //! blocks): round trips in path and fd mode, the capacity edge, and every alignment and bounds
 //! refusal. Needs root and loop devices; without them each test prints one SKIP line and returns.
 
-use std::ffi::c_void;
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -11,14 +10,10 @@ use std::process::Command;
 use io_uring_dmabuf::bridge::iud_desc;
 use io_uring_dmabuf::engine::Engine;
 use io_uring_dmabuf::error::{Error, ErrorKind};
-use io_uring_dmabuf::uring::Progress;
 
-const DRAM: i32 = 0;
-const BLK: i32 = 2;
-const FILE: i32 = 4;
-const READ: i32 = 0;
-const WRITE: i32 = 1;
-const AGENT: &str = "agent";
+mod common;
+use common::*;
+
 const DEVICE_BYTES: u64 = 64 << 20;
 
 /// A loop device over a sparse image in /var/tmp, detached and removed on drop.
@@ -74,55 +69,9 @@ fn loop_device(test: &str, sector: u32) -> Option<Loop> {
     }
 }
 
-struct Buf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Buf {
-    fn random(len: usize) -> Buf {
-        let mut ptr = std::ptr::null_mut();
-        // SAFETY: posix_memalign writes an aligned allocation into ptr.
-        assert_eq!(unsafe { libc::posix_memalign(&mut ptr, 4096, len) }, 0);
-        let b = Buf { ptr: ptr.cast(), len };
-        let mut filled = 0;
-        while filled < len {
-            // SAFETY: writes into our allocation.
-            let n = unsafe { libc::getrandom(b.ptr.add(filled).cast(), len - filled, 0) };
-            assert!(n > 0);
-            filled += n as usize;
-        }
-        b
-    }
-    fn addr(&self) -> u64 {
-        self.ptr as u64
-    }
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: our allocation.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl Drop for Buf {
-    fn drop(&mut self) {
-        // SAFETY: allocated by posix_memalign.
-        unsafe { libc::free(self.ptr.cast()) }
-    }
-}
-
-fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
-    iud_desc { addr, len, dev_id, md }
-}
-
+/// Runs a DRAM <-> BLK transfer to completion.
 fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), Error> {
-    // SAFETY: the lists' MDs are live registrations of `e`.
-    let req = unsafe { e.prep(op, DRAM, local, BLK, remote, AGENT) }?;
-    let mut res = e.post(&req, op, local.len(), remote.len());
-    while let Ok(Progress::InFlight) = res {
-        res = e.check(&req);
-    }
-    e.release(req).map_err(|(_, err)| err).expect("release");
-    res.map(|_| ())
+    run_kind(e, op, BLK, local, remote)
 }
 
 fn prep_err(e: &Engine, local: &[iud_desc], remote: &[iud_desc]) -> Error {

@@ -1,0 +1,101 @@
+//! Shared by the engine test binaries: memory kinds, an aligned host buffer with a pattern
+//! that is never zeros, descriptor construction, and running one request to completion.
+#![allow(dead_code)]
+
+use std::ffi::c_void;
+
+use io_uring_dmabuf::bridge::iud_desc;
+use io_uring_dmabuf::engine::Engine;
+use io_uring_dmabuf::error::Error;
+use io_uring_dmabuf::uring::Progress;
+
+pub const DRAM: i32 = 0;
+pub const VRAM: i32 = 1;
+pub const BLK: i32 = 2;
+pub const FILE: i32 = 4;
+pub const READ: i32 = 0;
+pub const WRITE: i32 = 1;
+pub const AGENT: &str = "agent";
+
+/// Page-aligned host buffer.
+pub struct Buf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Buf {
+    /// Filled with a pattern unique to `seed` (never all zeros).
+    pub fn new(len: usize, seed: u64) -> Buf {
+        let mut b = Buf::alloc(len);
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        for byte in b.bytes_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *byte = (x >> 24) as u8;
+        }
+        b
+    }
+
+    /// Filled from the kernel's random source.
+    pub fn random(len: usize) -> Buf {
+        let b = Buf::alloc(len);
+        let mut filled = 0;
+        while filled < len {
+            // SAFETY: writes into our allocation.
+            let n = unsafe { libc::getrandom(b.ptr.add(filled).cast(), len - filled, 0) };
+            assert!(n > 0);
+            filled += n as usize;
+        }
+        b
+    }
+
+    fn alloc(len: usize) -> Buf {
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: posix_memalign writes an aligned allocation into ptr.
+        assert_eq!(unsafe { libc::posix_memalign(&mut ptr, 4096, len) }, 0);
+        Buf { ptr: ptr.cast(), len }
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: ptr/len describe our allocation.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: ptr/len describe our allocation; &mut self excludes other views.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by posix_memalign.
+        unsafe { libc::free(self.ptr.cast()) }
+    }
+}
+
+// SAFETY: the buffer is plain memory; tests coordinate access.
+unsafe impl Send for Buf {}
+// SAFETY: as above.
+unsafe impl Sync for Buf {}
+
+pub fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
+    iud_desc { addr, len, dev_id, md }
+}
+
+/// Runs a DRAM <-> `remote_kind` transfer to completion, polling like NIXL's clients.
+pub fn run_kind(e: &Engine, op: i32, remote_kind: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), Error> {
+    // SAFETY: every md in the lists is a live registration of `e`.
+    let req = unsafe { e.prep(op, DRAM, local, remote_kind, remote, AGENT) }?;
+    let mut res = e.post(&req, op, local.len(), remote.len());
+    while let Ok(Progress::InFlight) = res {
+        res = e.check(&req);
+    }
+    e.release(req).map_err(|(_, err)| err).expect("release");
+    res.map(|_| ())
+}
