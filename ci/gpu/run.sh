@@ -27,6 +27,10 @@ fi
 if [ "$step" = all ] || [ "$step" = tests ]; then
     timeout 900 python3 -m pytest -v -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
 fi
+if [ "$step" = all ] || [ "$step" = replay ]; then
+    # The client replays' VRAM variants (tests/python/replay; they skip on CPU machines).
+    IUD_PLUGIN_DIR=$LIBS/iud-plugins timeout 600 python3 -m pytest -v -p no:cacheprovider -rs tests/python/replay -k vram 2>&1 | tee "$OUT/gpu-replay.txt"
+fi
 if [ "$step" = all ] || [ "$step" = bench ]; then
     timeout 560 python3 bench/gpu_vram_bench.py --dir /tmp --timeout 45 2>"$OUT/bench-pagecache.log" | tee "$OUT/bench-pagecache.md"
     timeout 560 python3 bench/gpu_vram_bench.py --dir /root --direct --timeout 45 2>"$OUT/bench-direct.log" | tee "$OUT/bench-direct.md"
