@@ -81,7 +81,7 @@ def ring_tables(fd: int) -> tuple[int, int]:
             section = "b"
         elif ln[:1] not in (" ", "\t"):
             section = None
-        elif section and ":" in ln:
+        elif section and ":" in ln and "<none>" not in ln:
             if section == "f":
                 files += 1
             else:
