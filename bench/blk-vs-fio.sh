@@ -22,6 +22,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../ci/env.sh"
 cd "$IUD_ROOT"
 
+cmdline="bash bench/blk-vs-fio.sh${*:+ $*}"
 device="" overwrite="" sector=4096 imgdir=/var/tmp with_engine="" pass=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -73,7 +74,7 @@ name="$(basename "$(readlink -f "$device")")"
 q=/sys/class/block/$name
 echo "# DRAM <-> BLK: IO_URING_DMABUF (NIXL, iud-bench) vs fio on the same device"
 echo "date:     $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-echo "command:  bash bench/blk-vs-fio.sh $*"
+echo "command:  $cmdline"
 echo "git:      $rev"
 echo "cpu:      $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1) ($(nproc) CPUs)"
 echo "memory:   $(awk '/MemTotal/ {printf "%.1f GiB", $2/1048576}' /proc/meminfo)"

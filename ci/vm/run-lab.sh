@@ -19,9 +19,16 @@
 #   LAB_STRICT=1        also fail when a test was skipped
 #   LAB_NO_BUILD=1      reuse the last built binary
 #   CARGO_TARGET_DIR    where cargo builds (default: the workspace's target/)
+#   LAB_BENCH=1         benchmark instead of the tests (opt-in; nothing else changes without it):
+#                       the engine (no NIXL) against fio (io_uring, fixedbufs, direct) on
+#                       /dev/nvme0n1, one side-by-side table. fio (apt-get install -y fio if
+#                       missing) and every library it links are packed into the initramfs.
+#   LAB_BENCH_ARGS      options of `iud-lab --bench` (default "--duration-ms 300 --reps 1": WRITE,READ
+#                       x rand,seq x 4K..1M x batch 1,32); see ci/vm/lab/src/bench.rs
 #
 # Exit status: 0 when the VM printed "LAB RESULT: N passed, 0 failed" with N > 0; 1 otherwise
-# (test failures, no result line, kernel panic, timeout).
+# (test failures, no result line, kernel panic, timeout). LAB_BENCH=1: 0 when the VM printed
+# "LAB BENCH DONE".
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -92,6 +99,26 @@ if ldd "$bin" >/dev/null 2>&1 && ! ldd "$bin" 2>&1 | grep -q 'statically linked'
     done
 fi
 
+# LAB_BENCH: fio and its whole library closure (at their own paths; the loader searches the
+# multiarch directories without an ld.so.cache), and the bench options that make /init benchmark.
+bench_cmd=""
+if [ -n "${LAB_BENCH:-}" ]; then
+    if ! command -v fio >/dev/null; then
+        log "installing fio (apt-get install -y fio)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y fio >&2
+    fi
+    fio_bin="$(command -v fio)"
+    mkdir -p "$root/usr/bin"
+    cp -L "$fio_bin" "$root/usr/bin/fio"
+    ldd "$fio_bin" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }' | while read -r lib; do
+        mkdir -p "$root$(dirname "$lib")"
+        cp -L "$lib" "$root$lib"
+    done
+    bench_cmd="--fio /usr/bin/fio ${LAB_BENCH_ARGS:---duration-ms 300 --reps 1}"
+    echo "$bench_cmd" >"$root/lab/bench.args"
+    log "LAB_BENCH: packed $("$fio_bin" --version) with $(ldd "$fio_bin" | grep -c '/') libraries; /init runs: iud-lab --bench $bench_cmd"
+fi
+
 # Modules: only those the kernel has as files (built-in ones are simply not found), with their
 # dependencies first, decompressed so that finit_module needs no decompressor in the kernel.
 packed=()
@@ -140,6 +167,7 @@ rm -f "$img"
 truncate -s "${LAB_DISK_MB:-256}M" "$img"
 
 # --- boot -----------------------------------------------------------------------------------
+[ -z "${LAB_BENCH:-}" ] || load_before="$(uptime)"
 timeout_s="${LAB_TIMEOUT:-600}"
 vmlog="$work/lab.log"
 log "booting (TCG, timeout ${timeout_s}s); console output follows and is kept in $vmlog"
@@ -159,6 +187,27 @@ rm -f "$img"
 
 # --- verdict --------------------------------------------------------------------------------
 clean="$(tr -d '\r' <"$vmlog")"
+if [ -n "${LAB_BENCH:-}" ]; then
+    log "times: build $(secs "$t_build" "$t_built") s, VM $(secs "$t_boot" "$t_end") s, total $(secs "$t_start" "$t_end") s"
+    done_line="$(printf '%s\n' "$clean" | grep -a '^LAB BENCH ' | tail -1 || true)"
+    echo
+    echo "# DRAM <-> BLK on the lab's emulated NVMe: the engine (no NIXL) vs fio, inside the VM"
+    echo "date:     $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+    echo "command:  LAB_BENCH=1${LAB_BENCH_ARGS:+ LAB_BENCH_ARGS=\"$LAB_BENCH_ARGS\"} ci/vm/run-lab.sh"
+    echo "host:     $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1) ($(nproc) CPUs), kernel $(uname -r), $(qemu-system-x86_64 --version | head -1)"
+    echo "VM:       kernel $KVER, TCG (thread=single), -smp ${LAB_SMP:-2} -m ${LAB_MEM:-1G}, -device nvme on a sparse raw file (QEMU default cache: host page cache)"
+    echo "in VM:    iud-lab --bench $bench_cmd"
+    printf '%s\n' "$clean" | grep -a -e '^INFO /dev/nvme0n1' -e '^INFO bench' | sed 's/^INFO /info:     /'
+    echo "load before: $load_before"
+    echo "load after:  $(uptime)"
+    echo
+    printf '%s\n' "$clean" | sed -n 's/^TABLE //p'
+    if [ "$qemu_rc" = 124 ] || [ "$qemu_rc" = 137 ]; then
+        die "timeout: the VM did not power off within ${timeout_s}s"
+    fi
+    [ "$done_line" = "LAB BENCH DONE" ] || die "${done_line:-no 'LAB BENCH' line from the VM (qemu exit $qemu_rc)}"
+    exit 0
+fi
 result="$(printf '%s\n' "$clean" | grep -a '^LAB RESULT:' | tail -1 || true)"
 log "times: build $(secs "$t_build" "$t_built") s, VM $(secs "$t_boot" "$t_end") s, total $(secs "$t_start" "$t_end") s"
 if [ "$qemu_rc" = 124 ] || [ "$qemu_rc" = 137 ]; then
