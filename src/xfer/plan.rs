@@ -78,21 +78,35 @@ unsafe fn registration_of(md: *const c_void) -> Option<Arc<Registration>> {
 struct RegistrationSet {
     index: HashMap<usize, usize>,
     list: Vec<Arc<Registration>>,
+    /// The last two lookups (memory side, storage side): most lists repeat one MD per side.
+    recent: [(usize, usize); 2],
 }
 
 impl RegistrationSet {
+    /// Index into `list` of the registration behind `md`; `side` picks the lookup cache.
+    ///
     /// # Safety
     /// As [`registration_of`].
-    unsafe fn get(&mut self, md: *const c_void) -> Option<&Arc<Registration>> {
+    unsafe fn get(&mut self, md: *const c_void, side: usize) -> Option<usize> {
         let key = md as usize;
-        if let Some(&i) = self.index.get(&key) {
-            return Some(&self.list[i]);
+        if key == 0 {
+            return None;
         }
-        // SAFETY: forwarded from the caller.
-        let reg = unsafe { registration_of(md) }?;
-        self.list.push(reg);
-        self.index.insert(key, self.list.len() - 1);
-        self.list.last()
+        if self.recent[side].0 == key {
+            return Some(self.recent[side].1);
+        }
+        let i = match self.index.get(&key) {
+            Some(&i) => i,
+            None => {
+                // SAFETY: forwarded from the caller.
+                let reg = unsafe { registration_of(md) }?;
+                self.list.push(reg);
+                self.index.insert(key, self.list.len() - 1);
+                self.list.len() - 1
+            }
+        };
+        self.recent[side] = (key, i);
+        Some(i)
     }
 }
 
@@ -151,15 +165,14 @@ pub unsafe fn plan(
             return Err(Error::invalid(format!("descriptor {i}: zero length")));
         }
         // SAFETY: the caller guarantees the MDs are live registrations.
-        let mem = match unsafe { regs.get(l.md) }.map(Arc::clone) {
-            Some(reg) => reg,
-            None => return Err(Error::not_found(format!("descriptor {i}: local memory 0x{:x}+{} is not registered with this backend", l.addr, l.len))),
+        let Some(mi) = (unsafe { regs.get(l.md, 0) }) else {
+            return Err(Error::not_found(format!("descriptor {i}: local memory 0x{:x}+{} is not registered with this backend", l.addr, l.len)));
         };
         // SAFETY: as above.
-        let file_reg = match unsafe { regs.get(r.md) }.map(Arc::clone) {
-            Some(reg) => reg,
-            None => return Err(Error::not_found(format!("descriptor {i}: file range devId {} offset {}+{} is not registered with this backend", r.dev_id, r.addr, r.len))),
+        let Some(fi) = (unsafe { regs.get(r.md, 1) }) else {
+            return Err(Error::not_found(format!("descriptor {i}: file range devId {} offset {}+{} is not registered with this backend", r.dev_id, r.addr, r.len)));
         };
+        let (mem, file_reg) = (&*regs.list[mi], &*regs.list[fi]);
         if Some(mem.kind()) != lk {
             return Err(Error::invalid(format!(
                 "descriptor {i}: local list is {} but the descriptor's registration is {}",
@@ -167,7 +180,7 @@ pub unsafe fn plan(
                 mem.kind().name()
             )));
         }
-        let Registration::Storage(file) = &*file_reg else {
+        let Registration::Storage(file) = file_reg else {
             return Err(Error::invalid(format!("descriptor {i}: remote descriptor's registration is {}, not storage", file_reg.kind().name())));
         };
         if Some(file.kind) != rk {
@@ -177,8 +190,8 @@ pub unsafe fn plan(
                 file.kind.name()
             )));
         }
-        check_covered(i, "local memory", l, &mem)?;
-        check_covered(i, "file range", r, &file_reg)?;
+        check_covered(i, "local memory", l, mem)?;
+        check_covered(i, "file range", r, file_reg)?;
         match op {
             XferOp::Write if !file.writable => {
                 return Err(Error::invalid(format!("descriptor {i}: WRITE to fd {} which is open read-only", file.fd)))
@@ -189,8 +202,8 @@ pub unsafe fn plan(
             _ => {}
         }
         // Where the memory side of each piece lives, and where pieces must be cut.
-        let route = (ctx.route)(&mem, file)?;
-        let slabs = match (&*mem, &route) {
+        let route = (ctx.route)(mem, file)?;
+        let slabs = match (mem, &route) {
             (Registration::Vram(v), _) => Some(&v.dmabuf),
             (Registration::Dram(d), Route::Dmabuf { .. }) => d.dmabuf.as_ref(),
             _ => None,
@@ -218,7 +231,7 @@ pub unsafe fn plan(
         while done < l.len {
             let addr = l.addr + done;
             let mut piece = (l.len - done).min(limit);
-            let (mem_addr, buf_index, device) = match (&*mem, &route, slabs) {
+            let (mem_addr, buf_index, device) = match (mem, &route, slabs) {
                 (Registration::Dram(dram), Route::Host, _) => match dram.fixed_slot(addr) {
                     Some((slot, slot_end)) => {
                         piece = piece.min(slot_end - addr);
