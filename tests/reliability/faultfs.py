@@ -11,6 +11,9 @@ RULES is a comma-separated list (an empty string or "full" = no faults):
   enospc:OFF       a WRITE that reaches byte OFF or beyond fails with ENOSPC (a full disk at OFF)
   short_write:N    every WRITE stores at most N bytes and replies with that count (N > 0), so
                    write(2)/pwrite(2)/io_uring see short writes and must resubmit the remainder
+  short_read:N     every READ returns at most N bytes (N > 0); with direct_io the caller sees a
+                   short read and must ask again for the remainder (through the page cache FUSE
+                   would take a short reply for end of file)
   delay_ms:MS      every READ and WRITE is answered MS milliseconds late
   direct_io        open replies FOPEN_DIRECT_IO (no page cache; each I/O reaches the daemon)
 
@@ -36,7 +39,7 @@ FOPEN_DIRECT_IO = 1 << 0
 class Rules:
     def __init__(self, spec: str):
         self.eio_read = self.eio_write = self.enospc = None
-        self.short_write = None
+        self.short_write = self.short_read = None
         self.delay = 0.0
         self.direct_io = False
         for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -52,6 +55,9 @@ class Rules:
             elif key == "short_write":
                 self.short_write = int(val)
                 assert self.short_write > 0
+            elif key == "short_read":
+                self.short_read = int(val)
+                assert self.short_read > 0
             elif key == "delay_ms":
                 self.delay = int(val) / 1000.0
             elif key == "direct_io":
@@ -64,7 +70,7 @@ class RulesFS(base.FaultFS):
     def __init__(self, mnt: str, backing: str, spec: str):
         super().__init__(mnt, backing, "full")
         self.rules = Rules(spec)
-        self.stats.update({"short_writes": 0, "enospc": 0, "eio_write": 0, "delayed": 0})
+        self.stats.update({"read_log": [], "short_reads": 0, "short_writes": 0, "enospc": 0, "eio_write": 0, "delayed": 0})
 
     def handle(self, op: int, node: int, body: bytes):
         r = self.rules
@@ -75,10 +81,18 @@ class RulesFS(base.FaultFS):
             return 0, struct.pack("<QII", 1, FOPEN_DIRECT_IO, 0)
         if op == base.FUSE_READ:
             _, off, size, *_ = base.READ_IN.unpack_from(body)
+            if len(self.stats["read_log"]) < 12:  # (offset, size) of the first READs
+                self.stats["read_log"].append((off, size))
             if r.eio_read is not None and off <= r.eio_read < off + size:
                 self.stats["reads"] += 1
                 self.stats["eio"] += 1
                 return -errno.EIO, b""
+            if r.short_read is not None and size > r.short_read:
+                self.stats["reads"] += 1
+                self.stats["short_reads"] += 1
+                data = os.pread(self.bfd, r.short_read, off)
+                self.stats["read_bytes"] += len(data)
+                return 0, data
         if op == base.FUSE_WRITE:
             _, off, size, *_ = base.READ_IN.unpack_from(body)
             if r.eio_write is not None and off <= r.eio_write < off + size:

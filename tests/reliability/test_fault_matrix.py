@@ -665,3 +665,32 @@ def test_blk_misaligned(scene, rng):
     finally:
         gc.collect()
         _lodetach(dev)
+
+
+@pytest.mark.xfail(reason="kernel: io_uring retries a short read of a FUSE direct_io file itself, "
+                          "at the stale offset 0 (FUSE sees every retry at offset 0); NIXL's POSIX "
+                          "backend gets the same misplaced bytes. See RELIABILITY.md.", strict=False)
+def test_short_reads_fuse_direct_io(scene, rng):
+    """Every FUSE READ returns at most 4 KiB (FOPEN_DIRECT_IO, so the reader sees short reads).
+    The right outcome is DONE with exactly the file's bytes (or a clean error)."""
+    content = H.rand_bytes(rng, MiB)
+    m = scene.mount("short_read:4096,direct_io", content)
+    buf = H.Buf(MiB)
+    scene.reg(scene.rig.reg_dram(buf))
+    fd = scene.fd(os.open(m.path, os.O_RDONLY))
+    scene.reg(scene.rig.reg_fd(fd, MiB))
+    seen = {}
+
+    def verify():
+        seen["equal"] = bool(np.array_equal(buf.arr, content))
+        assert seen["equal"], "short reads: " + H.first_diff(buf.arr, content)
+
+    try:
+        scene.check("short reads (FUSE direct_io, 4 KiB per reply)", lambda: rel.run_request(
+            scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr, MiB)], [(0, MiB, fd)])),
+            "NIXL_SUCCESS", ("done",), log_lines=None, extra=verify)
+    finally:
+        gc.collect()
+        stats = m.stop()
+        print("FUSE read log (offset, size):", stats.get("read_log"), "short replies:",
+              stats.get("short_reads"))
