@@ -193,6 +193,7 @@ if [ -n "${LAB_BENCH:-}" ]; then
     echo
     echo "# DRAM <-> BLK on the lab's emulated NVMe: the engine (no NIXL) vs fio, inside the VM"
     echo "date:     $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+    echo "git:      $(cd "$repo" && git rev-parse --short HEAD 2>/dev/null || echo unknown)$(cd "$repo" && [ -n "$(git status --porcelain -- src Cargo.toml Cargo.lock ci/vm/lab 2>/dev/null)" ] && echo ' + uncommitted changes in src/ or ci/vm/lab/')"
     echo "command:  LAB_BENCH=1${LAB_BENCH_ARGS:+ LAB_BENCH_ARGS=\"$LAB_BENCH_ARGS\"} ci/vm/run-lab.sh"
     echo "host:     $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1) ($(nproc) CPUs), kernel $(uname -r), $(qemu-system-x86_64 --version | head -1)"
     echo "VM:       kernel $KVER, TCG (thread=single), -smp ${LAB_SMP:-2} -m ${LAB_MEM:-1G}, -device nvme on a sparse raw file (QEMU default cache: host page cache)"
