@@ -36,6 +36,10 @@ pub struct FileRegion {
     pub len: u64,
     /// Set when the file was opened with O_DIRECT.
     pub direct: Option<DirectAlign>,
+    /// For O_DIRECT: the largest I/O the underlying device takes in one request
+    /// (queue/max_sectors_kb). Larger direct I/O is split into several bios, which io_uring
+    /// cannot issue without blocking, so it hands the whole I/O to a worker thread.
+    pub max_direct_io: Option<u64>,
     pub writable: bool,
     pub readable: bool,
     /// The plugin opened the file (path mode) and closes it on drop.
@@ -119,6 +123,7 @@ impl FileRegion {
                 )));
             }
         }
+        let max_direct_io = direct.and_then(|_| device_max_io(if is_block { st.st_rdev } else { st.st_dev }));
         let key = FileKey { fd, dev: st.st_dev, ino: st.st_ino };
         let fixed_slot = if fixed_files { ring.acquire_file(key) } else { None };
         std::mem::forget(guard);
@@ -129,6 +134,7 @@ impl FileRegion {
             offset,
             len,
             direct,
+            max_direct_io,
             writable: access == libc::O_WRONLY || access == libc::O_RDWR,
             readable: access == libc::O_RDONLY || access == libc::O_RDWR,
             owned_path,
@@ -217,6 +223,15 @@ fn open_path(m: &PathMeta, dev_id: u64) -> Result<i32> {
         return Err(Error::os(format!("FILE registration devId {dev_id}: open({:?})", m.path), &io::Error::last_os_error()));
     }
     Ok(fd)
+}
+
+/// queue/max_sectors_kb of the block device `dev` (a partition reads its disk's queue), in bytes.
+fn device_max_io(dev: libc::dev_t) -> Option<u64> {
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    ["queue/max_sectors_kb", "../queue/max_sectors_kb"].iter().find_map(|rel| {
+        let kb: u64 = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/{rel}")).ok()?.trim().parse().ok()?;
+        (kb >= 4).then_some(kb * 1024)
+    })
 }
 
 /// `_IOR(0x12, 114, size_t)` from linux/fs.h; the libc crate does not export it.

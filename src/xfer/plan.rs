@@ -226,7 +226,11 @@ pub unsafe fn plan(
         }
         // Cut into pieces that fit max_io_size (and the staging buffers) and never straddle a
         // fixed-buffer slot or a slab; merge pieces that continue each other.
-        let limit = if staged { max_piece.min(ctx.staging_buffer_size) } else { max_piece };
+        let mut limit = if staged { max_piece.min(ctx.staging_buffer_size) } else { max_piece };
+        if let Some(dev_max) = file.max_direct_io {
+            // One device request per I/O keeps O_DIRECT on io_uring's non-blocking path.
+            limit = limit.min(dev_max);
+        }
         let mut done = 0u64;
         while done < l.len {
             let addr = l.addr + done;
