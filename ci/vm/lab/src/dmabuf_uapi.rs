@@ -7,9 +7,9 @@
 //! the feature reject a non-zero `resv` with -EINVAL, so an EXTENDED update carrying one EMPTY
 //! descriptor is a harmless probe: 1 (one slot updated) where supported, -EINVAL where not.
 //!
-//! All constants live here, in one place, so that they can be checked against
-//! `include/uapi/linux/io_uring.h` of v7.4 (see kernel-gpu-interfaces.md §1.2) and moved into
-//! the engine unchanged.
+//! The engine has its own copy (src/uring/dmabuf_uapi.rs). This one is kept on purpose as an
+//! independent oracle: it speaks raw errnos, adds the plain-update control call, and test c2
+//! checks that both reach the same verdict on the kernel under test, so a mistake in one shows.
 
 use std::io;
 use std::os::fd::RawFd;
