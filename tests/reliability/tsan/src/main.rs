@@ -155,7 +155,7 @@ fn main() {
                         let sm = e.register(DRAM, scratch.addr(), 1 << 20, 0, "").unwrap() as usize;
                         let dev = 1000 + t as u64;
                         let meta = format!("rw:{}", path.display());
-                        let pm = e.register(FILE, 0, 1 << 20, dev, &meta).unwrap() as usize;
+                        let pm = e.register(FILE, base, REGION as u64, dev, &meta).unwrap() as usize;
                         let l = [d(scratch.addr(), 1 << 16, 0, sm)];
                         let r = [d(base, 1 << 16, dev, pm)];
                         // SAFETY: live registrations.
