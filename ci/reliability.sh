@@ -16,7 +16,8 @@
 #   tsan     tests/reliability/tsan (8-thread engine stress) with -Zsanitizer=thread (nightly)
 #   fuzz     fuzz/ targets params, path_meta, plan (cargo-fuzz, nightly)
 # Tools that are missing (nightly, cargo-fuzz, valgrind) make their stage report SKIP, not pass.
-# Environment: IUD_REL_STAGES="pytest soak ..." selects stages; IUD_REL_OUT (default
+# Environment: IUD_REL_STAGES="pytest soak ..." selects stages; IUD_REL_FUZZ_S overrides the
+# seconds per fuzz target; IUD_REL_OUT (default
 # target/reliability) receives the JSON figures.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -37,6 +38,7 @@ else
     SOAK_ARGS="--gib 2 --descs 20000 --file-mib 512 --mem-mib 128"; LEAK_CYCLES=10000; STRESS_S=5
     FUZZ_S=60; DRIVER_CYCLES=10000; DRIVER_ITERS=40; TSAN_ITERS=100; VG_CYCLES=200
 fi
+FUZZ_S="${IUD_REL_FUZZ_S:-$FUZZ_S}"
 default_stages="pytest soak asan valgrind tsan fuzz"
 [ "$mode" = quick ] && default_stages="pytest soak"
 stages="${IUD_REL_STAGES:-$default_stages}"
