@@ -123,58 +123,21 @@ impl SplitMix64 {
     }
 }
 
-/// Full pread of `buf.len()` bytes at `off` (loops over short reads).
-pub fn pread_full(fd: i32, buf: &mut [u8], off: u64) -> std::io::Result<()> {
-    let mut done = 0usize;
-    while done < buf.len() {
-        // SAFETY: the destination range is inside buf.
-        let n = unsafe {
-            libc::pread(
-                fd,
-                buf[done..].as_mut_ptr().cast(),
-                buf.len() - done,
-                (off + done as u64) as libc::off_t,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!("EOF at offset {}", off + done as u64),
-            ));
-        }
-        done += n as usize;
-    }
-    Ok(())
+/// A `File` view of a borrowed fd (never closed here).
+fn borrowed(fd: i32) -> std::mem::ManuallyDrop<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: the caller's fd stays open for the call; ManuallyDrop keeps us from closing it.
+    std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
-/// Full pwrite of `buf` at `off` (loops over short writes).
+/// Full pread of `buf.len()` bytes at `off` (std's loop over short reads; EOF is an error).
+pub fn pread_full(fd: i32, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    borrowed(fd).read_exact_at(buf, off)
+}
+
+/// Full pwrite of `buf` at `off` (std's loop over short writes).
 pub fn pwrite_full(fd: i32, buf: &[u8], off: u64) -> std::io::Result<()> {
-    let mut done = 0usize;
-    while done < buf.len() {
-        // SAFETY: the source range is inside buf.
-        let n = unsafe {
-            libc::pwrite(
-                fd,
-                buf[done..].as_ptr().cast(),
-                buf.len() - done,
-                (off + done as u64) as libc::off_t,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        done += n as usize;
-    }
-    Ok(())
+    use std::os::unix::fs::FileExt;
+    borrowed(fd).write_all_at(buf, off)
 }
