@@ -54,6 +54,21 @@ else
     fi
 fi
 
+# Reliability, CI size (RELIABILITY.md): fault matrix, leaks, stress, a 2 GiB soak, the C++ driver
+# under ASan and valgrind; the stages that need nightly Rust (tsan, fuzz) report SKIP here.
+rel_fail=0
+if [ "${IUD_SKIP_RELIABILITY:-0}" = 1 ]; then
+    echo "== reliability: skipped (IUD_SKIP_RELIABILITY=1)"
+else
+    echo "== reliability (ci/reliability.sh, short)"
+    rel_rc=0
+    bash ci/reliability.sh 2>&1 | tee "$logs/reliability.log" || rel_rc=${PIPESTATUS[0]}
+    if [ "$rel_rc" -ne 0 ]; then
+        status=1
+        rel_fail=1
+    fi
+fi
+
 echo "== summary"
 read -r c_pass c_fail c_ign < <({ grep -E '^test result: ' "$logs/cargo-test.log" || true; } |
     awk '{p+=$4; f+=$6; i+=$8} END {printf "%d %d %d\n", p, f, i}')
@@ -66,5 +81,6 @@ p_pass=$(count passed); p_fail=$(( $(count failed) + $(count error) )); p_skip=$
 [ "$py_rc" -eq 0 ] || [ "$p_fail" -gt 0 ] || p_fail=1
 echo "pytest: exit $py_rc, ${py_line:-(no summary line)}"
 echo "NVMe lab: ${lab_line:-not run}"
-echo "total: $((c_pass + p_pass + lab_pass)) passed, $((c_fail + p_fail + lab_fail)) failed, $((p_skip + lab_skip)) skipped"
+echo "reliability: $([ "$rel_fail" -eq 0 ] && echo ok || echo FAILED) (stage lines above; figures in target/reliability)"
+echo "total: $((c_pass + p_pass + lab_pass)) passed, $((c_fail + p_fail + lab_fail + rel_fail)) failed, $((p_skip + lab_skip)) skipped"
 exit "$status"
