@@ -55,7 +55,8 @@ else
 fi
 
 # Reliability, CI size (RELIABILITY.md): fault matrix, leaks, stress, a 2 GiB soak, the C++ driver
-# under ASan and valgrind; the stages that need nightly Rust (tsan, fuzz) report SKIP here.
+# under ASan and valgrind, and (where nightly Rust and cargo-fuzz are installed, else SKIP) the
+# engine under ThreadSanitizer and 60 s per fuzz target. About 5 minutes with all stages.
 rel_fail=0
 if [ "${IUD_SKIP_RELIABILITY:-0}" = 1 ]; then
     echo "== reliability: skipped (IUD_SKIP_RELIABILITY=1)"

@@ -26,7 +26,12 @@ fn boundary(what: &str, body: impl FnOnce() -> Result<i32>) -> i32 {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(status)) => status,
         Ok(Err(e)) => {
-            tracing::error!("{what}: {e}");
+            // Messages that already name the call are logged as they are.
+            if e.message.starts_with(what) {
+                tracing::error!("{e}");
+            } else {
+                tracing::error!("{what}: {e}");
+            }
             e.to_status()
         }
         Err(panic) => {
