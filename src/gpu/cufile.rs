@@ -220,3 +220,35 @@ pub fn mode() -> (bool, &'static str) {
         (false, "compatibility (no nvidia-fs, no kernel P2PDMA): cuFile bounces through host memory")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_libcufile_is_an_absent_capability_with_a_message() {
+        let present = CANDIDATES.iter().any(|n| {
+            let c = CString::new(*n).unwrap();
+            // SAFETY: dlopen/dlclose of a library name, only to see whether it exists.
+            let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+            if !h.is_null() {
+                // SAFETY: closing the handle opened above.
+                unsafe { libc::dlclose(h) };
+            }
+            !h.is_null()
+        });
+        if present {
+            println!("SKIP missing-libcufile: this machine has libcufile (the GPU tests cover cuFile)");
+            return;
+        }
+        let err = CuFile::load().err().expect("no libcufile here");
+        assert_eq!(err.kind, ErrorKind::NotSupported);
+        assert!(err.message.contains("libcufile.so.0 could not be loaded"), "{}", err.message);
+    }
+
+    #[test]
+    fn cufile_statuses_are_named() {
+        assert!(status_name(5027).contains("HANDLE_NOT_REGISTERED"));
+        assert_eq!(status_name(4242), "cuFile error 4242");
+    }
+}
