@@ -88,10 +88,6 @@ impl Engine {
         })
     }
 
-    pub fn params(&self) -> &EngineParams {
-        &self.params
-    }
-
     /// Registers one descriptor; returns the MD pointer handed to NIXL.
     pub fn register(&self, kind: i32, addr: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<*const c_void> {
         let kind = MemKind::from_nixl(kind)

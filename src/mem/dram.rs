@@ -98,10 +98,6 @@ impl DramRegion {
         failure
     }
 
-    pub fn uses_fixed_buffers(&self) -> bool {
-        !self.slots.is_empty()
-    }
-
     fn release_slots(&mut self) {
         for slot in self.slots.drain(..) {
             self.ring.release_buffer(slot);

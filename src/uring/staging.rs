@@ -78,11 +78,6 @@ impl StagingPool {
         debug_assert!(!self.free.contains(&buf));
         self.free.push(buf);
     }
-
-    /// Fixed-buffer slots held by the pool (released with the ring).
-    pub fn slots(&self) -> impl Iterator<Item = u16> + '_ {
-        self.bufs.iter().filter_map(|b| b.buf_index)
-    }
 }
 
 impl Drop for StagingPool {

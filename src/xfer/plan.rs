@@ -47,7 +47,8 @@ pub struct Plan {
     pub total_bytes: u64,
     /// No file of the request is open with O_DIRECT.
     pub all_buffered: bool,
-    /// Every memory side is host memory (no VRAM).
+    /// Every memory side is addressed directly by pointer (host buffers, no staging, cuFile
+    /// or DMA-BUF offsets), so the I/O can also be done with plain pwrite.
     pub all_host: bool,
     /// The ops run on the cuFile sub-path (all of them: a request does not mix paths).
     pub cufile: bool,
