@@ -31,7 +31,7 @@ pub fn dmabuf_read(ring: &Ring, slabs: &DmabufSlabs, file: &FileRegion, slot: u1
     if n != block as isize {
         return Err(format!("plain O_DIRECT read of the test block failed ({n})"));
     }
-    let op = IoOp { file: FileRef::Raw(file.fd), fd: file.fd, file_offset: file.offset, addr: 0, len: block as u32, buf_index: Some(slot), device: None, punt: false, desc_index: 0 };
+    let op = IoOp { file: FileRef::Raw(file.fd), fd: file.fd, file_offset: file.offset, addr: slab.dmabuf_offset_of(slab.start), len: block as u32, buf_index: Some(slot), device: None, punt: false, desc_index: 0 };
     let result = run_one(ring, op);
     let copied = copy(true, via_dmabuf, slab.start, block);
     // Restores the user's bytes whatever happened.

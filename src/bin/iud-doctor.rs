@@ -28,6 +28,9 @@ fn main() {
     println!("NVMe controllers: {}", if nvme.is_empty() { "none".to_owned() } else { nvme.join(", ") });
 
     let gpu_export = report_gpu();
+    for line in gpu::rocm::doctor_report().into_iter().chain(gpu::vulkan::doctor_report()) {
+        println!("{line}");
+    }
     report_cufile(p2pdma);
 
     println!("auto would choose:");

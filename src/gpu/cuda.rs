@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
-use super::{CopyTicket, DeviceRange, GpuProvider};
+use super::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Runs a driver call, turning a loader panic (missing symbol) into an error.
@@ -255,7 +255,7 @@ impl GpuProvider for Cuda {
         Ok(DeviceRange { alloc_start: base, alloc_end: end })
     }
 
-    fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<OwnedFd> {
+    fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<DmabufExport> {
         self.device(device)?;
         let mut fd: i32 = -1;
         // SAFETY: writes one int (the fd); the range is only described, not accessed.
@@ -269,7 +269,7 @@ impl GpuProvider for Cuda {
             )
         })?;
         // SAFETY: the driver returned a new fd that we now own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) }.into())
     }
 
     unsafe fn pin_host(&self, addr: u64, len: u64) -> Result<()> {

@@ -7,11 +7,13 @@
 
 pub mod cuda;
 pub mod cufile;
+pub mod rocm;
+pub mod vulkan;
 
-use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
+pub use crate::mem::dmabuf_slabs::DmabufExport;
 
 /// Which provider the parameter asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,8 +58,9 @@ pub trait GpuProvider: Send + Sync {
     fn device_count(&self) -> i32;
     /// Fails unless `[addr, addr+len)` is device memory of `device`.
     fn check_device_range(&self, device: i32, addr: u64, len: u64) -> Result<DeviceRange>;
-    /// Exports `[addr, addr+len)` (host-page aligned) as a DMA-BUF.
-    fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<OwnedFd>;
+    /// Exports `[addr, addr+len)` (host-page aligned) as a DMA-BUF, with the offset at which
+    /// `addr` sits inside it (0 when exactly the range is exported).
+    fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<DmabufExport>;
     /// Page-locks host memory for fast asynchronous copies.
     ///
     /// # Safety
@@ -93,9 +96,7 @@ pub fn load(choice: ProviderChoice) -> Result<Arc<dyn GpuProvider>> {
                 }
             })
         }
-        ProviderChoice::Rocm | ProviderChoice::Vulkan => Err(Error::new(
-            ErrorKind::NotSupported,
-            format!("gpu_provider={choice:?} is not available in this build yet; use cuda or auto"),
-        )),
+        ProviderChoice::Rocm => rocm::load(),
+        ProviderChoice::Vulkan => vulkan::load(),
     }
 }

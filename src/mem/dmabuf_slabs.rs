@@ -17,6 +17,29 @@ pub struct Slab {
     pub len: u64,
     /// The exported DMA-BUF, when one was wanted and the export worked.
     pub dmabuf: Option<OwnedFd>,
+    /// Where `start` sits inside that DMA-BUF (HSA may export the whole allocation; CUDA and
+    /// udmabuf export exactly the slab, offset 0).
+    pub export_offset: u64,
+}
+
+impl Slab {
+    /// The I/O address of `addr` (inside this slab) as an offset into the slab's DMA-BUF.
+    pub fn dmabuf_offset_of(&self, addr: u64) -> u64 {
+        self.export_offset + (addr - self.start)
+    }
+}
+
+/// A DMA-BUF exported for one slab: the fd and where the slab starts inside it.
+pub struct DmabufExport {
+    pub fd: OwnedFd,
+    pub offset: u64,
+}
+
+impl From<OwnedFd> for DmabufExport {
+    /// An export of exactly the requested range (offset 0).
+    fn from(fd: OwnedFd) -> DmabufExport {
+        DmabufExport { fd, offset: 0 }
+    }
 }
 
 /// How a (registration, target) pair moves bytes.
@@ -47,7 +70,7 @@ impl DmabufSlabs {
     /// Slabs covering `ranges`, none exported yet.
     pub fn new(ranges: Vec<(u64, u64)>, note: &str) -> DmabufSlabs {
         DmabufSlabs {
-            slabs: ranges.into_iter().map(|(start, len)| Slab { start, len, dmabuf: None }).collect(),
+            slabs: ranges.into_iter().map(|(start, len)| Slab { start, len, dmabuf: None, export_offset: 0 }).collect(),
             export_note: Some(note.to_owned()),
             routes: Mutex::new(HashMap::new()),
             on_drop: Mutex::new(Vec::new()),
@@ -56,15 +79,19 @@ impl DmabufSlabs {
 
     /// Exports every slab with `export`; on the first failure keeps none and records why.
     /// Returns the failure, if any.
-    pub fn export_all(&mut self, mut export: impl FnMut(u64, u64) -> Result<OwnedFd, String>) -> Option<String> {
+    pub fn export_all(&mut self, mut export: impl FnMut(u64, u64) -> Result<DmabufExport, String>) -> Option<String> {
         for i in 0..self.slabs.len() {
             let (start, len) = (self.slabs[i].start, self.slabs[i].len);
             match export(start, len) {
-                Ok(fd) => self.slabs[i].dmabuf = Some(fd),
+                Ok(e) => {
+                    self.slabs[i].dmabuf = Some(e.fd);
+                    self.slabs[i].export_offset = e.offset;
+                }
                 Err(e) => {
                     let why = format!("DMA-BUF export of slab 0x{start:x}+{len} failed: {e}");
                     for s in &mut self.slabs {
                         s.dmabuf = None;
+                        s.export_offset = 0;
                     }
                     self.export_note = Some(why.clone());
                     return Some(why);
@@ -151,5 +178,22 @@ mod tests {
         assert_eq!(d.slab_at(5000), Some((0, gib)));
         assert_eq!(d.slab_at(gib + 100), Some((1, gib + 4096)));
         assert_eq!(d.slab_at(gib + 5000), None);
+    }
+
+    #[test]
+    fn export_offsets_shift_io_addresses_into_the_dmabuf() {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        let gib = 1u64 << 30;
+        let base = 0x7000_0000_0000u64;
+        let mut d = DmabufSlabs::new(vec![(base, gib), (base + gib, 8192)], "not attempted");
+        let why = d.export_all(|start, _| {
+            // SAFETY: a fresh fd from dup that the export now owns.
+            let fd = unsafe { OwnedFd::from_raw_fd(libc::dup(0).max(libc::dup(2))) };
+            // An allocation-wide export: the slab sits (start - base) + 64 KiB into the DMA-BUF.
+            Ok(DmabufExport { fd, offset: start - base + 65536 })
+        });
+        assert!(why.is_none());
+        assert_eq!(d.slabs[0].dmabuf_offset_of(base + 4096), 65536 + 4096);
+        assert_eq!(d.slabs[1].dmabuf_offset_of(base + gib + 100), gib + 65536 + 100);
     }
 }

@@ -92,7 +92,7 @@ impl DramRegion {
         let failure = slabs.export_all(|start, len| {
             let (memfd, offset) = udmabuf::backing_memfd(start, len)?;
             udmabuf::seal_shrink(std::os::fd::AsRawFd::as_raw_fd(&memfd))?;
-            udmabuf::create(std::os::fd::AsRawFd::as_raw_fd(&memfd), offset, len)
+            udmabuf::create(std::os::fd::AsRawFd::as_raw_fd(&memfd), offset, len).map(Into::into)
         });
         self.dmabuf = Some(slabs);
         failure

@@ -214,7 +214,7 @@ pub unsafe fn plan(
             // Staged VRAM goes through page-aligned staging buffers; DMA-BUF memory is addressed
             // by offset into its slab.
             let mem_addr = match (&route, slabs) {
-                (Route::Dmabuf { .. }, Some(sl)) => sl.slab_at(l.addr).map_or(l.addr, |(s, _)| l.addr - sl.slabs[s].start),
+                (Route::Dmabuf { .. }, Some(sl)) => sl.slab_at(l.addr).map_or(l.addr, |(s, _)| sl.slabs[s].dmabuf_offset_of(l.addr)),
                 (Route::Staging, _) => 0,
                 _ => l.addr,
             };
@@ -249,7 +249,7 @@ pub unsafe fn plan(
                         Error::not_found(format!("descriptor {i}: address 0x{addr:x} is outside the registration's slabs"))
                     })?;
                     piece = piece.min(slab_end - addr);
-                    (addr - sl.slabs[slab].start, Some(slots[slab]), None)
+                    (sl.slabs[slab].dmabuf_offset_of(addr), Some(slots[slab]), None)
                 }
                 // Both move VRAM by its address; pieces still stop at slab ends.
                 (Registration::Vram(vram), Route::Staging | Route::Cufile, _) => {
