@@ -48,4 +48,6 @@ for d in os.listdir("."):
         shutil.rmtree(d) if os.path.isdir(d) else os.remove(d)
 PY
 rm -rf "$out/wheels"
+# fio for the O_DIRECT reference (the GPU machine has none).
+bash ci/gpu/build-fio.sh "$out/fio/fio"
 du -sh "$out"

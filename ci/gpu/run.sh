@@ -35,3 +35,7 @@ if [ "$step" = all ] || [ "$step" = bench ]; then
     timeout 560 python3 bench/gpu_vram_bench.py --dir /tmp --timeout 45 2>"$OUT/bench-pagecache.log" | tee "$OUT/bench-pagecache.md"
     timeout 560 python3 bench/gpu_vram_bench.py --dir /root --direct --timeout 45 2>"$OUT/bench-direct.log" | tee "$OUT/bench-direct.md"
 fi
+if [ "$step" = all ] || [ "$step" = bench ] || [ "$step" = fio ]; then
+    # What fio reaches on the same disk, for the O_DIRECT ">= 95 % of fio" target.
+    timeout 300 python3 bench/fio_reference.py --fio "$G/fio/fio" --dir /root 2>&1 | tee "$OUT/fio-reference.md"
+fi

@@ -1,0 +1,68 @@
+"""What fio reaches on a disk with O_DIRECT, for the VRAM benchmark's ">= 95 % of fio" target.
+
+Runs fio (io_uring engine, O_DIRECT, registered buffers and files) on one file per block size,
+the same 256 MiB span the VRAM benchmark uses, at several queue depths, and prints a markdown table
+of the best GB/s (decimal) per (op, block) with the depth that reached it.
+
+Usage: python3 bench/fio_reference.py --fio PATH --dir /root [--sizes 65536,...] [--seconds 2]
+"""
+import argparse
+import json
+import os
+import subprocess
+import time
+
+MiB = 1 << 20
+
+
+def run_fio(fio, path, op, block, depth, seconds, span):
+    cmd = [fio, "--name=ref", f"--filename={path}", f"--size={span}", "--direct=1", "--ioengine=io_uring",
+           "--fixedbufs=1", "--registerfiles=1", f"--rw={op}", f"--bs={block}", f"--iodepth={depth}",
+           "--time_based=1", f"--runtime={seconds}", "--ramp_time=0.5", "--output-format=json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 10 + 60)
+    if out.returncode != 0:
+        raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[-300:]}")
+    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    return job["read" if op == "read" else "write"]["bw_bytes"] / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fio", required=True)
+    ap.add_argument("--dir", default="/root")
+    ap.add_argument("--sizes", default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)))
+    ap.add_argument("--depths", default="4,16,64")
+    ap.add_argument("--seconds", type=int, default=2)
+    ap.add_argument("--span", type=int, default=256 * MiB)
+    a = ap.parse_args()
+    path = os.path.join(a.dir, f"iud-fio-ref-{os.getpid()}")
+    # Lay the file out once so reads hit allocated blocks.
+    subprocess.run([a.fio, "--name=fill", f"--filename={path}", f"--size={a.span}", "--direct=1", "--rw=write",
+                    "--bs=4M", "--ioengine=psync"], capture_output=True, check=True)
+    version = subprocess.run([a.fio, "--version"], capture_output=True, text=True).stdout.strip()
+    print(f"# fio reference, O_DIRECT on {a.dir}\n")
+    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; kernel {os.uname().release}; {version}")
+    print(f"command: python3 bench/fio_reference.py --fio {a.fio} --dir {a.dir} (io_uring, fixedbufs, registerfiles, "
+          f"depths {a.depths}, {a.seconds} s each, {a.span // MiB} MiB span)\n")
+    print("| op | block | best fio GB/s | at depth | all depths GB/s |")
+    print("|---|---|---|---|---|")
+    try:
+        for op in ("read", "write"):
+            for block in [int(s) for s in a.sizes.split(",")]:
+                depths = [d for d in (int(x) for x in a.depths.split(",")) if d * block <= 4 * a.span] or [1]
+                got = []
+                for d in depths:
+                    try:
+                        got.append((run_fio(a.fio, path, op, block, d, a.seconds, a.span), d))
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        print(f"<!-- {op} {block} depth {d}: {e} -->")
+                if got:
+                    best = max(got)
+                    detail = ", ".join(f"{g:.2f}@{d}" for g, d in got)
+                    print(f"| {op.upper()} | {block // 1024} KiB | {best[0]:.2f} | {best[1]} | {detail} |", flush=True)
+    finally:
+        os.unlink(path)
+
+
+if __name__ == "__main__":
+    main()
