@@ -22,6 +22,7 @@ MiB = 1 << 20
 BACKENDS = [
     ("IO_URING_DMABUF", "IO_URING_DMABUF", {}),
     ("IUD-cufile", "IO_URING_DMABUF", {"vram_path": "cufile"}),
+    ("IUD-cufile-batch", "IO_URING_DMABUF", {"vram_path": "cufile", "cufile_api": "batch"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),

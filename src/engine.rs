@@ -16,10 +16,10 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::gpu::{self, GpuProvider};
 use crate::mem::dmabuf_slabs::{DmabufSlabs, Route};
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
-use crate::params::{DramDmabuf, EngineParams, FixedBuffers, VramPath};
+use crate::params::{CufileApiChoice, DramDmabuf, EngineParams, FixedBuffers, VramPath};
 use crate::gpu::cufile::CuFile;
 use crate::verify_dma::CopyFn;
-use crate::xfer::cufile_exec::{CufileExecutor, CufileProgress, Job};
+use crate::xfer::cufile_exec::{CufileApi, CufileExecutor, CufileProgress, Job};
 use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{Progress, RequestKey, Ring};
@@ -272,6 +272,9 @@ impl Engine {
     /// Prepares the cuFile sub-path for the pair: driver, file handle, buffer registration.
     fn bind_cufile(&self, vram: &VramRegion, file: &FileRegion) -> std::result::Result<(), String> {
         let lib = CuFile::load().map_err(|e| e.message)?;
+        if self.params.cufile_api == CufileApiChoice::Batch && lib.batch.is_none() {
+            return Err(format!("cufile_api=batch: {} has no batch API (cuFileBatchIO*)", lib.path));
+        }
         if file.cufile.get().is_none() {
             let h = lib.register_handle(file.fd).map_err(|e| e.message)?;
             let _ = file.cufile.set(Arc::new(h));
@@ -287,7 +290,23 @@ impl Engine {
     }
 
     fn cufile_executor(&self) -> &CufileExecutor {
-        self.cufile_exec.get_or_init(|| CufileExecutor::new(self.params.cufile_threads as usize))
+        self.cufile_exec.get_or_init(|| {
+            let lib = CuFile::load().ok();
+            let direct = crate::gpu::cufile::mode().0;
+            let batch = lib.and_then(|l| l.batch.map(|f| (f, l.props.as_ref().map_or(128, |p| p.max_batch_io_size.max(1) as usize))));
+            let api = match (self.params.cufile_api, batch) {
+                (CufileApiChoice::Batch, Some((f, max))) | (CufileApiChoice::Auto, Some((f, max))) if direct || self.params.cufile_api == CufileApiChoice::Batch => {
+                    tracing::info!("cuFile sub-path: batch API, up to {max} pieces per batch");
+                    CufileApi::Batch(f, max)
+                }
+                _ => {
+                    tracing::info!("cuFile sub-path: {} worker threads{}", self.params.cufile_threads,
+                        if direct { "" } else { " (compatibility mode: the batch API is used only when cuFile is direct)" });
+                    CufileApi::Threads
+                }
+            };
+            CufileExecutor::new(self.params.cufile_threads as usize, api)
+        })
     }
 
     /// The worker jobs of a cuFile request: each op with its file handle and buffer base.

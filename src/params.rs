@@ -25,6 +25,14 @@ pub enum VramPath {
     Staging,
 }
 
+/// How requests reach cuFile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CufileApiChoice {
+    Auto,
+    Threads,
+    Batch,
+}
+
 /// Whether DRAM registrations are exported as DMA-BUFs through udmabuf.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DramDmabuf {
@@ -49,6 +57,7 @@ pub struct EngineParams {
     pub staging_buffer_size: u64,
     pub staging_buffers: u32,
     pub cufile_threads: u32,
+    pub cufile_api: CufileApiChoice,
     /// Recording-mode output file (empty = off).
     pub record: String,
 }
@@ -118,6 +127,12 @@ impl EngineParams {
                 )))
             }
         };
+        let cufile_api = match get("cufile_api").to_ascii_lowercase().as_str() {
+            "auto" => CufileApiChoice::Auto,
+            "threads" => CufileApiChoice::Threads,
+            "batch" => CufileApiChoice::Batch,
+            other => return Err(Error::invalid(format!("backend parameter cufile_api={other:?} must be auto, threads or batch"))),
+        };
         let dram_dmabuf = match get("dram_dmabuf").to_ascii_lowercase().as_str() {
             "auto" => DramDmabuf::Auto,
             "on" | "true" => DramDmabuf::On,
@@ -156,6 +171,7 @@ impl EngineParams {
             staging_buffer_size,
             staging_buffers: staging_buffers as u32,
             cufile_threads: cufile_threads as u32,
+            cufile_api,
             record: get("record").to_owned(),
         };
         Ok((params, ignored))
@@ -211,6 +227,7 @@ mod tests {
             ("fixed_files", "2"),
             ("max_io_size", "100"),
             ("vram_path", "gds"),
+            ("cufile_api", "stream"),
             ("dram_dmabuf", "sometimes"),
             ("gpu_provider", "metal"),
             ("verify_dma", "perhaps"),

@@ -2,7 +2,6 @@
 //! would take for each memory x storage pair. Read-only: it allocates a little GPU memory to try a
 //! DMA-BUF export and touches no storage.
 
-use std::ffi::CString;
 
 use io_uring::{opcode, register::Probe, IoUring};
 use io_uring_dmabuf::engine::dmabuf_support;
@@ -117,44 +116,23 @@ fn report_gpu() -> Option<Result<(), String>> {
     Some(r.map(drop).map_err(|e| e.message))
 }
 
-/// libcufile: where it is, its version, whether the driver opens, and the mode it would run in.
+/// libcufile: where it is, its version, whether the driver opens, the mode its driver properties
+/// report, and whether it has the batch API.
 fn report_cufile(p2pdma: bool) {
-    let mut found = None;
-    for name in ["libcufile.so.0", "libcufile.so", "/usr/local/cuda/lib64/libcufile.so.0"] {
-        let c = CString::new(name).unwrap();
-        // SAFETY: dlopen of a library name; RTLD_LOCAL keeps its symbols private.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if !h.is_null() {
-            found = Some((name, h));
-            break;
+    use io_uring_dmabuf::gpu::cufile::CuFile;
+    match CuFile::load() {
+        Err(e) => println!("cuFile: {}", e.message),
+        Ok(lib) => {
+            let v = lib.version.map_or("unknown".to_owned(), |v| v.to_string());
+            let props = match &lib.props {
+                Ok(p) => p.describe(),
+                Err(why) => why.clone(),
+            };
+            println!("cuFile: {} loaded, version {v}, driver open; mode {props}", lib.path);
+            println!("cuFile batch API: {}", if lib.batch.is_some() { "present" } else { "absent" });
+            if p2pdma {
+                println!("cuFile: the kernel has PCI P2PDMA; cufile.json's use_pci_p2pdma decides whether cuFile uses it");
+            }
         }
     }
-    let Some((name, h)) = found else {
-        println!("cuFile: libcufile.so.0 not found");
-        return;
-    };
-    let sym = |s: &str| {
-        let c = CString::new(s).unwrap();
-        // SAFETY: dlsym on a valid handle.
-        unsafe { libc::dlsym(h, c.as_ptr()) }
-    };
-    let version = sym("cuFileGetVersion");
-    let v = if version.is_null() {
-        "unknown".to_owned()
-    } else {
-        let mut v: i32 = 0;
-        // SAFETY: cuFileGetVersion(int*) returns a CUfileError_t (two ints) by value.
-        let f: extern "C" fn(*mut i32) -> [i32; 2] = unsafe { std::mem::transmute(version) };
-        let r = f(&mut v);
-        if r[0] == 0 { v.to_string() } else { format!("error {}", r[0]) }
-    };
-    let nvfs = std::path::Path::new("/proc/driver/nvidia-fs").exists();
-    let mode = if nvfs {
-        "nvidia-fs (direct)"
-    } else if p2pdma {
-        "P2PDMA possible if cufile.json enables use_pci_p2pdma and NVMe is local; else compatibility"
-    } else {
-        "compatibility (no nvidia-fs, no kernel P2PDMA): cuFile bounces through host memory"
-    };
-    println!("cuFile: {name} loaded, version {v}; mode {mode}");
 }

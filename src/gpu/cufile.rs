@@ -51,6 +51,12 @@ pub struct CuFile {
     read: ReadFn,
     write: WriteFn,
     pub path: &'static str,
+    /// The driver's properties (None: cuFileDriverGetProperties failed; the message says why).
+    pub props: std::result::Result<DriverProps, String>,
+    /// cuFileGetVersion, when the library has it.
+    pub version: Option<i32>,
+    /// The batch API, when the library has all of it.
+    pub batch: Option<crate::gpu::cufile_batch::BatchFns>,
 }
 
 // SAFETY: plain function pointers into a library that stays loaded.
@@ -63,24 +69,137 @@ static CUFILE: OnceCell<std::result::Result<CuFile, Error>> = OnceCell::new();
 /// The names a cuFile install answers to, most specific first.
 const CANDIDATES: [&str; 3] = ["libcufile.so.0", "libcufile.so", "/usr/local/cuda/lib64/libcufile.so.0"];
 
-/// Human-readable cuFile status (the codes NIXL users meet most).
+/// Human-readable cuFile status: every `CUfileOpError` of cufile.h, with a hint where one helps.
 pub fn status_name(code: i32) -> String {
     let name = match code {
+        0 => "SUCCESS",
         5001 => "DRIVER_NOT_INITIALIZED (nvidia-fs not loaded and compatibility mode off)",
+        5002 => "DRIVER_INVALID_PROPS",
+        5003 => "DRIVER_UNSUPPORTED_LIMIT",
+        5004 => "DRIVER_VERSION_MISMATCH",
+        5005 => "DRIVER_VERSION_READ_ERROR",
+        5006 => "DRIVER_CLOSING",
         5007 => "PLATFORM_NOT_SUPPORTED",
+        5008 => "IO_NOT_SUPPORTED",
+        5009 => "DEVICE_NOT_SUPPORTED",
+        5010 => "NVFS_DRIVER_ERROR",
         5011 => "CUDA_DRIVER_ERROR",
         5012 => "CUDA_POINTER_INVALID",
+        5013 => "CUDA_MEMORY_TYPE_INVALID",
+        5014 => "CUDA_POINTER_RANGE_ERROR",
+        5015 => "CUDA_CONTEXT_MISMATCH",
+        5016 => "INVALID_MAPPING_SIZE",
+        5017 => "INVALID_MAPPING_RANGE",
         5018 => "INVALID_FILE_TYPE",
         5019 => "INVALID_FILE_OPEN_FLAG",
         5020 => "DIO_NOT_SET",
         5022 => "INVALID_VALUE",
         5023 => "MEMORY_ALREADY_REGISTERED",
+        5024 => "MEMORY_NOT_REGISTERED",
+        5025 => "PERMISSION_DENIED",
+        5026 => "DRIVER_ALREADY_OPEN",
         5027 => "HANDLE_NOT_REGISTERED (on machines without udevd cuFile finds no ID_FS_USAGE for the disk; see ci/gpu/udev-shim.sh)",
         5028 => "HANDLE_ALREADY_REGISTERED",
+        5029 => "DEVICE_NOT_FOUND",
         5030 => "INTERNAL_ERROR",
+        5031 => "GETNEWFD_FAILED",
+        5033 => "NVFS_SETUP_ERROR",
+        5034 => "IO_DISABLED (GPUDirect Storage disabled by cufile.json for this file)",
+        5035 => "BATCH_SUBMIT_FAILED",
+        5036 => "GPU_MEMORY_PINNING_FAILED",
+        5037 => "BATCH_FULL",
+        5038 => "ASYNC_NOT_SUPPORTED",
+        5039..=5042 => "internal batch error",
+        5043 => "NOMEM",
+        5044 => "IO_ERROR",
+        5045 => "INTERNAL_BUF_REGISTER_ERROR",
+        5046 => "HASH_OPR_ERROR",
+        5047 => "INVALID_CONTEXT",
+        5048 => "NVFS_INTERNAL_DRIVER_ERROR",
+        5049 => "BATCH_NOCOMPAT_ERROR",
+        5050 => "IO_MAX_ERROR",
         _ => return format!("cuFile error {code}"),
     };
     format!("{code} {name}")
+}
+
+/// The leading, stable part of `CUfileDrvProps_t` (cufile.h): the nvfs block, then the feature
+/// flags and limits. Newer releases may append fields, so the call writes into a larger zeroed
+/// buffer and only this prefix is read.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DriverProps {
+    pub nvfs_major_version: u32,
+    pub nvfs_minor_version: u32,
+    pub poll_thresh_size: usize,
+    pub max_direct_io_size: usize,
+    pub dstatusflags: u32,
+    pub dcontrolflags: u32,
+    pub fflags: u32,
+    pub max_device_cache_size: u32,
+    pub per_buffer_cache_size: u32,
+    pub max_device_pinned_mem_size: u32,
+    pub max_batch_io_size: u32,
+    pub max_batch_io_timeout_msecs: u32,
+}
+const _: () = assert!(std::mem::size_of::<DriverProps>() == 56);
+const _: () = assert!(std::mem::offset_of!(DriverProps, dstatusflags) == 24);
+const _: () = assert!(std::mem::offset_of!(DriverProps, fflags) == 32);
+
+/// `dstatusflags` bits (CUfileDriverStatusFlags_t).
+const STATUS_NVME_SUPPORTED: u32 = 1 << 4;
+const STATUS_NVME_P2P_SUPPORTED: u32 = 1 << 11;
+/// `dcontrolflags` bit CU_FILE_ALLOW_COMPAT_MODE.
+const CONTROL_ALLOW_COMPAT: u32 = 1 << 1;
+/// `fflags` bit CU_FILE_BATCH_IO_SUPPORTED.
+const FEATURE_BATCH_IO: u32 = 1 << 1;
+
+/// The I/O mode cuFile runs in, as its driver properties say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// nvidia-fs is loaded: GPUDirect DMA on supported file systems.
+    NvidiaFs,
+    /// Upstream PCI P2PDMA (no nvidia-fs) on local NVMe.
+    P2pdma,
+    /// POSIX I/O through cuFile's own bounce buffers.
+    Compatibility,
+    /// The driver reported neither a direct mode nor compatibility mode.
+    Unavailable,
+}
+
+impl DriverProps {
+    /// Decides the mode: nvidia-fs reports its version; P2PDMA sets the NVMe-P2P status bit;
+    /// otherwise only compatibility mode (if allowed) moves bytes.
+    pub fn mode(&self) -> Mode {
+        if self.nvfs_major_version != 0 {
+            Mode::NvidiaFs
+        } else if self.dstatusflags & STATUS_NVME_P2P_SUPPORTED != 0 {
+            Mode::P2pdma
+        } else if self.dcontrolflags & CONTROL_ALLOW_COMPAT != 0 {
+            Mode::Compatibility
+        } else {
+            Mode::Unavailable
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        let mode = match self.mode() {
+            Mode::NvidiaFs => format!("nvidia-fs {}.{} (direct)", self.nvfs_major_version, self.nvfs_minor_version),
+            Mode::P2pdma => "P2PDMA (direct, upstream kernel PCI P2PDMA)".to_owned(),
+            Mode::Compatibility => "compatibility (no nvidia-fs, no P2PDMA: cuFile bounces through host memory)".to_owned(),
+            Mode::Unavailable => "none (no nvidia-fs, no P2PDMA, compatibility mode off)".to_owned(),
+        };
+        format!(
+            "{mode}; dstatusflags 0x{:x} (NVMe {}), dcontrolflags 0x{:x}, fflags 0x{:x} (batch {}), max_direct_io {} KiB, max_batch_io_size {}",
+            self.dstatusflags,
+            if self.dstatusflags & STATUS_NVME_SUPPORTED != 0 { "yes" } else { "no" },
+            self.dcontrolflags,
+            self.fflags,
+            if self.fflags & FEATURE_BATCH_IO != 0 { "yes" } else { "no" },
+            self.max_direct_io_size,
+            self.max_batch_io_size
+        )
+    }
 }
 
 impl CuFile {
@@ -123,6 +242,9 @@ impl CuFile {
                 read: std::mem::transmute::<*mut c_void, ReadFn>(sym("cuFileRead")?),
                 write: std::mem::transmute::<*mut c_void, WriteFn>(sym("cuFileWrite")?),
                 path,
+                props: Err("not read yet".into()),
+                version: None,
+                batch: None,
             }
         };
         // SAFETY: no arguments; opens cuFile's process-wide driver state.
@@ -130,6 +252,32 @@ impl CuFile {
         if st.err != 0 {
             return Err(Error::backend(format!("cuFileDriverOpen failed: {}", status_name(st.err))));
         }
+        let mut lib = lib;
+        lib.props = match sym("cuFileDriverGetProperties") {
+            Err(e) => Err(e.message),
+            Ok(p) => {
+                // SAFETY: cuFileDriverGetProperties(CUfileDrvProps_t*) -> CUfileError_t.
+                let get: unsafe extern "C" fn(*mut u8) -> CuFileError = unsafe { std::mem::transmute(p) };
+                // Room for fields newer releases append; the known prefix is read back.
+                let mut raw = [0u64; 64];
+                // SAFETY: the buffer is larger than any CUfileDrvProps_t.
+                let st = unsafe { get(raw.as_mut_ptr().cast()) };
+                if st.err != 0 {
+                    Err(format!("cuFileDriverGetProperties failed: {}", status_name(st.err)))
+                } else {
+                    // SAFETY: raw is 8-aligned, larger than DriverProps, and DriverProps is plain data.
+                    Ok(unsafe { std::ptr::read(raw.as_ptr().cast::<DriverProps>()) })
+                }
+            }
+        };
+        lib.version = sym("cuFileGetVersion").ok().and_then(|p| {
+            // SAFETY: cuFileGetVersion(int*) -> CUfileError_t.
+            let f: unsafe extern "C" fn(*mut i32) -> CuFileError = unsafe { std::mem::transmute(p) };
+            let mut v = 0;
+            // SAFETY: writes one int.
+            (unsafe { f(&mut v) }.err == 0).then_some(v)
+        });
+        lib.batch = crate::gpu::cufile_batch::BatchFns::resolve(&|s| sym(s).ok());
         Ok(lib)
     }
 
@@ -168,6 +316,11 @@ unsafe impl Send for CuFileHandle {}
 unsafe impl Sync for CuFileHandle {}
 
 impl CuFileHandle {
+    /// The raw handle, for the batch API.
+    pub fn raw(&self) -> *mut c_void {
+        self.handle
+    }
+
     /// One synchronous transfer: `len` bytes between `base + buf_offset` and `file_offset`.
     /// Returns the bytes moved (may be short) or the error.
     pub fn io(&self, write: bool, base: u64, buf_offset: u64, len: u64, file_offset: u64) -> std::result::Result<u64, String> {
@@ -208,16 +361,15 @@ impl Drop for CuFileBuffer {
     }
 }
 
-/// What mode cuFile would run in on this machine, and whether that is really direct.
-pub fn mode() -> (bool, &'static str) {
-    if std::path::Path::new("/proc/driver/nvidia-fs").exists() {
-        return (true, "nvidia-fs (direct)");
-    }
-    let p2pdma = std::fs::read_to_string("/proc/kallsyms").map(|k| k.contains("p2pdma_pgmap_ops")).unwrap_or(false);
-    if p2pdma {
-        (false, "P2PDMA kernel support present; direct only if cufile.json enables use_pci_p2pdma on local NVMe")
-    } else {
-        (false, "compatibility (no nvidia-fs, no kernel P2PDMA): cuFile bounces through host memory")
+/// What mode cuFile runs in here (from its driver properties), and whether that is really direct.
+/// Opens the driver if no one did yet.
+pub fn mode() -> (bool, String) {
+    match CuFile::load() {
+        Err(e) => (false, format!("cuFile unavailable: {}", e.message)),
+        Ok(lib) => match &lib.props {
+            Err(why) => (false, format!("mode unknown ({why}); treated as not direct")),
+            Ok(p) => (matches!(p.mode(), Mode::NvidiaFs | Mode::P2pdma), p.describe()),
+        },
     }
 }
 
@@ -249,6 +401,24 @@ mod tests {
     #[test]
     fn cufile_statuses_are_named() {
         assert!(status_name(5027).contains("HANDLE_NOT_REGISTERED"));
+        assert!(status_name(5037).contains("BATCH_FULL"));
         assert_eq!(status_name(4242), "cuFile error 4242");
+        // Every code of cufile.h from 5001 to 5050 has a name (5021 and 5032 are unassigned).
+        for code in (5001..=5050).filter(|c| ![5021, 5032].contains(c)) {
+            assert!(!status_name(code).starts_with("cuFile error"), "{code}");
+        }
+    }
+
+    #[test]
+    fn the_mode_comes_from_the_driver_properties() {
+        let compat = DriverProps { dcontrolflags: CONTROL_ALLOW_COMPAT, ..Default::default() };
+        assert_eq!(compat.mode(), Mode::Compatibility);
+        assert!(compat.describe().starts_with("compatibility"));
+        let nvfs = DriverProps { nvfs_major_version: 2, nvfs_minor_version: 17, dcontrolflags: CONTROL_ALLOW_COMPAT, ..Default::default() };
+        assert_eq!(nvfs.mode(), Mode::NvidiaFs);
+        assert!(nvfs.describe().contains("nvidia-fs 2.17"));
+        let p2p = DriverProps { dstatusflags: STATUS_NVME_P2P_SUPPORTED | STATUS_NVME_SUPPORTED, ..Default::default() };
+        assert_eq!(p2p.mode(), Mode::P2pdma);
+        assert_eq!(DriverProps::default().mode(), Mode::Unavailable);
     }
 }

@@ -7,6 +7,7 @@
 
 pub mod cuda;
 pub mod cufile;
+pub mod cufile_batch;
 pub mod rocm;
 pub mod vulkan;
 

@@ -1,7 +1,11 @@
-//! Runs requests on the cuFile sub-path: cuFileRead/cuFileWrite are synchronous, so a small pool
-//! of worker threads executes a request's pieces in parallel while checkXfer polls a counter.
-//! (cuFile's batch API would be asynchronous, but NIXL's GDS backend, which uses it, hung on the
-//! project's GPU machine in compatibility mode; the thread pool mirrors GDS_MT, which works.)
+//! Runs requests on the cuFile sub-path, in one of two ways (`cufile_api`):
+//! - `threads`: cuFileRead/cuFileWrite are synchronous, so a small pool of worker threads executes
+//!   a request's pieces in parallel while checkXfer polls a counter (as NIXL's GDS_MT does);
+//! - `batch`: the pieces go to cuFile's batch API in batches of at most max_batch_io_size, and
+//!   checkXfer polls their events without blocking (as NIXL's GDS does).
+//!
+//! `auto` takes the batch API only when cuFile is really direct: in compatibility mode NIXL's GDS
+//! backend (batch API) hung on the project's GPU machine while the thread pool worked.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -11,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::gpu::cufile::CuFileHandle;
+use crate::gpu::cufile_batch::{event_status_name, Batch, BatchFns, Piece, STATUS_COMPLETE};
 use crate::gpu::GpuProvider;
 use crate::uring::{IoOp, Progress};
 
@@ -27,15 +32,24 @@ pub struct Job {
 }
 
 /// Progress of one request on the cuFile path.
-#[derive(Default, Debug)]
+#[derive(Default)]
 pub struct CufileProgress {
     outstanding: AtomicUsize,
     error: Mutex<Option<Error>>,
+    /// Batch mode: the submitted batches with the jobs they carry.
+    batches: Mutex<Vec<(Batch, Vec<Job>)>>,
+}
+
+impl std::fmt::Debug for CufileProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CufileProgress({} outstanding)", self.outstanding.load(Ordering::Relaxed))
+    }
 }
 
 impl CufileProgress {
     /// Ok(Done) when every piece finished, Ok(InFlight) before; the first error once all ended.
     pub fn status(&self) -> Result<Progress> {
+        self.poll_batches();
         if self.outstanding.load(Ordering::Acquire) > 0 {
             return Ok(Progress::InFlight);
         }
@@ -43,6 +57,49 @@ impl CufileProgress {
             Some(e) => Err(e),
             None => Ok(Progress::Done),
         }
+    }
+
+    /// Batch mode: collects finished pieces, finishes short ones synchronously, and records the
+    /// first failure. Batches whose pieces all ended are destroyed.
+    fn poll_batches(&self) {
+        let mut batches = self.batches.lock().unwrap_or_else(|p| p.into_inner());
+        batches.retain_mut(|(batch, jobs)| {
+            match batch.poll() {
+                Err(e) => {
+                    self.fail(Error::backend(e));
+                    self.outstanding.fetch_sub(batch.results.iter().filter(|r| r.is_none()).count(), Ordering::AcqRel);
+                    false // dropping cancels and destroys it
+                }
+                Ok(false) => true,
+                Ok(true) => {
+                    for (job, result) in jobs.iter().zip(&batch.results) {
+                        let (status, ret) = result.unwrap_or((0, 0));
+                        let outcome = if status != STATUS_COMPLETE {
+                            Err(Error::backend(format!(
+                                "cuFile batch {} fd {} offset {} length {} (descriptor {}): {} (ret {})",
+                                if job.write { "write to" } else { "read from" },
+                                job.op.fd,
+                                job.op.file_offset,
+                                job.op.len,
+                                job.op.desc_index,
+                                event_status_name(status),
+                                ret as isize
+                            )))
+                        } else if (ret as u64) < job.op.len as u64 {
+                            // A short piece: move the rest with the synchronous call.
+                            run_from(job, ret as u64)
+                        } else {
+                            Ok(())
+                        };
+                        if let Err(e) = outcome {
+                            self.fail(e);
+                        }
+                    }
+                    self.outstanding.fetch_sub(jobs.len(), Ordering::AcqRel);
+                    false
+                }
+            }
+        });
     }
 
     fn fail(&self, e: Error) {
@@ -53,14 +110,26 @@ impl CufileProgress {
     }
 }
 
-/// The worker pool of one engine.
+/// How requests reach cuFile.
+#[derive(Clone, Copy)]
+pub enum CufileApi {
+    Threads,
+    /// The batch API with at most this many pieces per batch.
+    Batch(BatchFns, usize),
+}
+
+/// The worker pool (or batch submitter) of one engine.
 pub struct CufileExecutor {
     tx: Mutex<Option<Sender<Job>>>,
     workers: Vec<JoinHandle<()>>,
+    api: CufileApi,
 }
 
 impl CufileExecutor {
-    pub fn new(threads: usize) -> CufileExecutor {
+    pub fn new(threads: usize, api: CufileApi) -> CufileExecutor {
+        if let CufileApi::Batch(..) = api {
+            return CufileExecutor { tx: Mutex::new(None), workers: Vec::new(), api };
+        }
         let (tx, rx) = channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         let workers = (0..threads.max(1))
@@ -69,7 +138,7 @@ impl CufileExecutor {
                 std::thread::Builder::new().name(format!("iud-cufile-{i}")).spawn(move || worker(&rx)).expect("spawn cuFile worker")
             })
             .collect();
-        CufileExecutor { tx: Mutex::new(Some(tx)), workers }
+        CufileExecutor { tx: Mutex::new(Some(tx)), workers, api }
     }
 
     /// Starts a request. Fails if it is still running.
@@ -79,6 +148,9 @@ impl CufileExecutor {
         }
         *progress.error.lock().unwrap_or_else(|p| p.into_inner()) = None;
         progress.outstanding.store(jobs.len(), Ordering::Release);
+        if let CufileApi::Batch(fns, max) = self.api {
+            return self.post_batches(progress, jobs, fns, max);
+        }
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         let tx = tx.as_ref().ok_or_else(|| Error::backend("cuFile workers are shut down"))?;
         for job in jobs {
@@ -87,9 +159,47 @@ impl CufileExecutor {
         progress.status()
     }
 
+    /// Submits the jobs in batches of at most `max` pieces (one read or write direction per
+    /// request, files may differ per piece).
+    fn post_batches(&self, progress: &Arc<CufileProgress>, jobs: Vec<Job>, fns: BatchFns, max: usize) -> Result<Progress> {
+        let Some(first) = jobs.first() else {
+            return progress.status();
+        };
+        // cuFile uses the calling thread's CUDA context.
+        if let Err(e) = first.provider.make_current(first.op.device.unwrap_or(0)) {
+            progress.outstanding.store(0, Ordering::Release);
+            return Err(e);
+        }
+        let mut batches = progress.batches.lock().unwrap_or_else(|p| p.into_inner());
+        let mut jobs = jobs.into_iter().peekable();
+        while jobs.peek().is_some() {
+            let chunk: Vec<Job> = jobs.by_ref().take(max.max(1)).collect();
+            let pieces: Vec<Piece<'_>> = chunk
+                .iter()
+                .map(|j| Piece { file: &j.handle, base: j.base, buf_offset: j.op.addr - j.base, file_offset: j.op.file_offset, len: j.op.len as u64 })
+                .collect();
+            match Batch::submit(fns, chunk[0].write, &pieces) {
+                Ok(b) => batches.push((b, chunk)),
+                Err(e) => {
+                    // Pieces of this chunk and of the ones not yet submitted will not run.
+                    let not_run = chunk.len() + jobs.count();
+                    progress.outstanding.fetch_sub(not_run, Ordering::AcqRel);
+                    progress.fail(Error::backend(e));
+                    break;
+                }
+            }
+        }
+        drop(batches);
+        progress.status()
+    }
+
     /// Waits (bounded) until none of the request's pieces runs: synchronous cuFile calls cannot
-    /// be cancelled, so release waits for them.
+    /// be cancelled, so release waits for them; batches are cancelled.
     pub fn drain(&self, progress: &CufileProgress, limit: Duration) -> Result<()> {
+        let cancelled: usize = progress.batches.lock().unwrap_or_else(|p| p.into_inner()).drain(..).map(|(_, jobs)| jobs.len()).sum();
+        if cancelled > 0 {
+            progress.outstanding.fetch_sub(cancelled, Ordering::AcqRel);
+        }
         let deadline = Instant::now() + limit;
         while progress.outstanding.load(Ordering::Acquire) > 0 {
             if Instant::now() > deadline {
@@ -128,11 +238,15 @@ fn run(job: &Job) -> Result<()> {
     if job.progress.error.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
         return Ok(()); // the request already failed: skip the rest
     }
+    run_from(job, 0)
+}
+
+/// Moves the piece from byte `done` on with synchronous calls.
+fn run_from(job: &Job, mut done: u64) -> Result<()> {
     let op = job.op;
     let device = op.device.unwrap_or(0);
     // cuFile uses the calling thread's CUDA context.
     job.provider.make_current(device)?;
-    let mut done = 0u64;
     while done < op.len as u64 {
         let n = job
             .handle
