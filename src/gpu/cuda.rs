@@ -338,3 +338,89 @@ pub fn export_probe(cuda: &Cuda, device: i32, bytes: u64) -> Result<usize> {
     let _ = check("cuMemFree", || unsafe { sys::cuMemFree_v2(ptr) });
     result
 }
+
+/// Device memory that another API allocated and CUDA imported (`cuImportExternalMemory` plus
+/// `cuExternalMemoryGetMappedBuffer`): the CUDA address of the whole imported object. Dropping it
+/// frees the mapping and destroys the external-memory handle; the exporting API's allocation
+/// stays the exporter's to free (after this).
+pub struct ImportedMemory {
+    ext: sys::CUexternalMemory,
+    ptr: sys::CUdeviceptr,
+    size: u64,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: the handles are process-wide driver objects; drop makes their context current first.
+unsafe impl Send for ImportedMemory {}
+// SAFETY: as above; nothing is mutated through a shared reference.
+unsafe impl Sync for ImportedMemory {}
+
+impl ImportedMemory {
+    /// The CUDA device address of the imported object's first byte.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+impl Drop for ImportedMemory {
+    fn drop(&mut self) {
+        // SAFETY: both handles were created by import_opaque_fd and are released once, the
+        // mapping before the external memory (CUDA's order: "cuMemFree ... then
+        // cuDestroyExternalMemory").
+        let _ = guard("free imported memory", || unsafe {
+            sys::cuCtxSetCurrent(self.ctx);
+            sys::cuMemFree_v2(self.ptr);
+            sys::cuDestroyExternalMemory(self.ext)
+        });
+    }
+}
+
+impl Cuda {
+    /// The device's UUID (what Vulkan reports as `VkPhysicalDeviceIDProperties::deviceUUID`).
+    pub fn device_uuid(&self, ordinal: i32) -> Result<[u8; 16]> {
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: writes into dev.
+        check("cuDeviceGet", || unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: writes 16 bytes into uuid; _v2 is the form that matches Vulkan/NVML on MIG too.
+        check("cuDeviceGetUuid_v2", || unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) })
+            // SAFETY: as above, the older entry point.
+            .or_else(|_| check("cuDeviceGetUuid", || unsafe { sys::cuDeviceGetUuid(&mut uuid, dev) }))?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    /// Imports an opaque POSIX fd exported by another API (Vulkan `VK_KHR_external_memory_fd`,
+    /// OPAQUE_FD) of `size` bytes on device `ordinal` and maps the whole object. The fd is
+    /// consumed: "Ownership of the file descriptor is transferred to the CUDA driver when the
+    /// handle is imported successfully"; on failure it is closed here.
+    pub fn import_opaque_fd(&self, ordinal: i32, fd: OwnedFd, size: u64, dedicated: bool) -> Result<ImportedMemory> {
+        use std::os::fd::{AsRawFd, IntoRawFd};
+        let d = self.device(ordinal)?;
+        // SAFETY: a zeroed descriptor is the documented starting point (reserved fields 0).
+        let mut desc: sys::CUDA_EXTERNAL_MEMORY_HANDLE_DESC = unsafe { std::mem::zeroed() };
+        desc.type_ = sys::CUexternalMemoryHandleType::CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD;
+        desc.handle.fd = fd.as_raw_fd();
+        desc.size = size;
+        desc.flags = if dedicated { sys::CUDA_EXTERNAL_MEMORY_DEDICATED } else { 0 };
+        let mut ext: sys::CUexternalMemory = std::ptr::null_mut();
+        // SAFETY: desc is fully initialized; ext receives the handle.
+        check("cuImportExternalMemory(OPAQUE_FD)", || unsafe { sys::cuImportExternalMemory(&mut ext, &desc) })?;
+        // The driver owns the fd now.
+        let _ = fd.into_raw_fd();
+        // SAFETY: zeroed reserved fields, as above.
+        let mut buf: sys::CUDA_EXTERNAL_MEMORY_BUFFER_DESC = unsafe { std::mem::zeroed() };
+        buf.offset = 0;
+        buf.size = size;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: ext was just imported; ptr receives the mapping.
+        if let Err(e) = check("cuExternalMemoryGetMappedBuffer", || unsafe { sys::cuExternalMemoryGetMappedBuffer(&mut ptr, ext, &buf) }) {
+            // SAFETY: releases the handle imported above.
+            let _ = guard("cuDestroyExternalMemory", || unsafe { sys::cuDestroyExternalMemory(ext) });
+            return Err(e);
+        }
+        Ok(ImportedMemory { ext, ptr, size, ctx: d.ctx })
+    }
+}
