@@ -6,7 +6,7 @@
 //! from a system memory pool instead would hand the pool memory it did not map. Locking may give
 //! the agents another address for the same pages, so copies use the address HSA returned.
 
-use super::status::{self, HsaStatus};
+use super::status::HsaStatus;
 use super::sys::{self, Lib, Signal};
 use super::Rocm;
 use crate::error::{Error, Result};
@@ -36,14 +36,14 @@ fn lock(lib: &Lib, addr: u64, len: u64) -> Result<u64> {
     let mut agent_ptr: *mut std::ffi::c_void = std::ptr::null_mut();
     // SAFETY: the caller keeps the memory mapped while locked; agent_ptr is a valid out-param.
     let st = unsafe { (lib.memory_lock)(addr as *mut _, len as usize, std::ptr::null_mut(), 0, &mut agent_ptr) };
-    status::check(&format!("hsa_amd_memory_lock(0x{addr:x}+{len})"), st)?;
+    lib.check(&format!("hsa_amd_memory_lock(0x{addr:x}+{len})"), st)?;
     Ok(if agent_ptr.is_null() { addr } else { agent_ptr as u64 })
 }
 
 fn unlock(lib: &Lib, addr: u64) {
     // SAFETY: `addr` was locked by `lock` and is unlocked once.
     let st = unsafe { (lib.memory_unlock)(addr as *mut _) };
-    if let Err(e) = status::check(&format!("hsa_amd_memory_unlock(0x{addr:x})"), st) {
+    if let Err(e) = lib.check(&format!("hsa_amd_memory_unlock(0x{addr:x})"), st) {
         tracing::warn!("{}", e.message);
     }
 }
@@ -141,7 +141,7 @@ impl Drop for SignalTicket {
             self.wait_value(s);
             // SAFETY: the copy has finished with the signal; destroyed once.
             let st = unsafe { (self.lib.signal_destroy)(s) };
-            if let Err(e) = status::check("hsa_signal_destroy", st) {
+            if let Err(e) = self.lib.check("hsa_signal_destroy", st) {
                 tracing::warn!("{}", e.message);
             }
         }

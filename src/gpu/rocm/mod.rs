@@ -142,20 +142,9 @@ impl Rocm {
         })
     }
 
-    /// The failure of `call`, with the runtime's own text for the status when it has one.
-    fn fail(&self, call: &str, code: status::HsaStatus) -> Error {
-        let e = status::error(call, code);
-        match self.lib.status_text(code) {
-            Some(text) => Error::new(e.kind, format!("{}: {text}", e.message)),
-            None => e,
-        }
-    }
-
+    /// See `Lib::check`.
     fn check(&self, call: &str, code: status::HsaStatus) -> Result<()> {
-        match code {
-            status::SUCCESS | status::INFO_BREAK => Ok(()),
-            _ => Err(self.fail(call, code)),
-        }
+        self.lib.check(call, code)
     }
 }
 

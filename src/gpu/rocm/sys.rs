@@ -11,7 +11,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
-use super::status::HsaStatus;
+use super::status::{self, HsaStatus};
 use crate::error::{Error, ErrorKind, Result};
 
 /// `hsa_agent_t`: an opaque 64-bit handle (passed by value like a u64 in the C ABI).
@@ -244,13 +244,22 @@ impl Lib {
         }
     }
 
+    /// Turns the status of `call` into a result: the error names the call and the status (see
+    /// `status`) and adds the runtime's own text for it when the runtime has one.
+    pub fn check(&self, call: &str, code: HsaStatus) -> Result<()> {
+        status::check(call, code).map_err(|e| match self.status_text(code) {
+            Some(text) => Error::new(e.kind, format!("{}: {text}", e.message)),
+            None => e,
+        })
+    }
+
     /// The runtime's own text for a status, when it has one.
     pub fn status_text(&self, code: HsaStatus) -> Option<String> {
         let f = self.status_string?;
         let mut p: *const c_char = std::ptr::null();
         // SAFETY: writes a pointer to a static string on success.
         let st = unsafe { f(code, &mut p) };
-        if st != super::status::SUCCESS || p.is_null() {
+        if st != status::SUCCESS || p.is_null() {
             return None;
         }
         // SAFETY: the runtime returns a NUL-terminated static string.
