@@ -1,0 +1,123 @@
+"""VRAM <-> FILE through the real NIXL runtime with gpu_provider=rocm, on a machine without an
+AMD GPU: the plugin loads the fake HSA runtime of tests/rocm_double (IUD_HSA_LIBRARY), whose
+"VRAM" is host memory it allocates and tracks; this test allocates that memory through the
+double (ctypes, the same loaded copy the plugin uses), registers it as VRAM and moves random
+data through the staging path (hsa_amd_memory_lock'ed buffers, hsa_amd_memory_async_copy with
+completion signals), verified byte for byte in the file and in memory.
+
+Needs a C compiler (cc, or $CC). Runs in the CPU CI; with IUD_TEST_BACKEND=POSIX it skips.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import iud_helpers as H
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SRC = os.path.join(REPO, "tests", "rocm_double", "fake_hsa.c")
+
+
+@pytest.fixture(scope="module")
+def double(tmp_path_factory):
+    """The compiled double, loaded here and named to the plugin through IUD_HSA_LIBRARY."""
+    if H.test_backend() != H.PLUGIN:
+        pytest.skip("the ROCm provider is the plugin's; nothing to test against POSIX")
+    out = str(tmp_path_factory.mktemp("rocm-double") / "libfake_hsa.so")
+    cc = os.environ.get("CC", "cc")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-Wall", "-fvisibility=hidden", "-pthread", "-o", out, SRC],
+                   check=True)
+    prev = os.environ.get("IUD_HSA_LIBRARY")
+    # The plugin reads it when its first VRAM registration loads the ROCm provider (once per
+    # process); no other test of this process uses gpu_provider=rocm.
+    os.environ["IUD_HSA_LIBRARY"] = out
+    lib = ctypes.CDLL(out)
+    lib.fake_hsa_alloc_vram.restype = ctypes.c_void_p
+    lib.fake_hsa_alloc_vram.argtypes = [ctypes.c_size_t]
+    lib.fake_hsa_free_vram.argtypes = [ctypes.c_void_p]
+    lib.fake_hsa_locked_ranges.restype = ctypes.c_int
+    yield lib
+    if prev is None:
+        os.environ.pop("IUD_HSA_LIBRARY", None)
+    else:
+        os.environ["IUD_HSA_LIBRARY"] = prev
+
+
+def vram(lib, size: int) -> tuple[int, np.ndarray]:
+    addr = lib.fake_hsa_alloc_vram(size)
+    assert addr, f"fake_hsa_alloc_vram({size})"
+    arr = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
+    return addr, arr
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
+def test_rocm_vram_staging_round_trip_through_nixl(double, rng, tmp_path, direct, direct_ok):
+    if direct and not direct_ok:
+        pytest.skip("the test directory's filesystem does not support O_DIRECT")
+    alloc = 8 * H.MiB
+    src_base, src = vram(double, alloc)
+    dst_base, dst = vram(double, alloc)
+    src[:] = H.rand_bytes(rng, alloc)
+    dst[:] = H.rand_bytes(rng, alloc)
+    background = dst.copy()
+
+    # Registrations start inside their allocations; descriptors of mixed sizes, memory order
+    # reversed against file order; 256 KiB staging buffers so pieces wrap around the pool.
+    reg_off = 3 * H.ALIGN + (0 if direct else 100)
+    reg_len = 6 * H.MiB
+    sizes = [4096, 65536, 1 << 20, 12288, 3 * H.MiB // 2, 4096 * 37] if direct else \
+        [1, 4095, 65537, 1 << 20, 77777, 3 * H.MiB // 2, 123]
+    n = len(sizes)
+    file_offs = np.cumsum([0] + sizes[:-1]).tolist()
+    mem_offs, pos = [0] * n, 0
+    for i in reversed(range(n)):
+        mem_offs[i] = pos
+        pos += sizes[i] + (H.ALIGN if direct else 7)
+    assert pos < reg_len
+    file_size = sum(sizes)
+
+    params = {"gpu_provider": "rocm", "vram_path": "staging", "staging_buffer_size": "262144",
+              "staging_buffers": "4"}
+    agent = H.make_agent(H.PLUGIN, params, name="rocm-double")
+    rig = H.Rig(agent, H.PLUGIN)
+    path = str(tmp_path / "rocm.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        os.ftruncate(fd, file_size)
+        for base in (src_base, dst_base):
+            rig.regs.append(agent.register_memory([(base + reg_off, reg_len, 0, "")], "VRAM"))
+        rig.reg_fd(fd, file_size)
+        files = [(f, s, fd) for f, s in zip(file_offs, sizes)]
+        w = rig.xfer("WRITE", [(src_base + reg_off + m, s, 0) for m, s in zip(mem_offs, sizes)], files,
+                     mem_kind="VRAM")
+        rig.run(w, what="VRAM WRITE (rocm, staging)")
+        on_disk = H.read_file(fd, file_size)
+        want_file = np.concatenate([src[reg_off + m:reg_off + m + s] for m, s in zip(mem_offs, sizes)])
+        assert np.array_equal(on_disk, want_file), "file after WRITE: " + H.first_diff(on_disk, want_file)
+
+        r = rig.xfer("READ", [(dst_base + reg_off + m, s, 0) for m, s in zip(mem_offs, sizes)], files,
+                     mem_kind="VRAM")
+        rig.run(r, what="VRAM READ (rocm, staging)")
+        want = background.copy()
+        for m, s in zip(mem_offs, sizes):
+            want[reg_off + m:reg_off + m + s] = src[reg_off + m:reg_off + m + s]
+        assert np.array_equal(dst, want), "VRAM after READ: " + H.first_diff(dst, want)
+    finally:
+        rig.close()
+        del rig, agent
+        os.close(fd)
+        double.fake_hsa_free_vram(src_base)
+        double.fake_hsa_free_vram(dst_base)
+
+
+def test_rocm_host_memory_registered_as_vram_is_refused_by_name(double, stderr_log):
+    agent = H.make_agent(H.PLUGIN, {"gpu_provider": "rocm", "vram_path": "staging"}, name="rocm-refuse")
+    host = H.Buf(1 << 16)
+    with pytest.raises(H.nixl_errors()):
+        agent.register_memory([(host.addr, host.size, 0, "")], "VRAM")
+    err = stderr_log()
+    assert f"VRAM registration 0x{host.addr:x}+{host.size}: not memory of the HSA runtime" in err, err
