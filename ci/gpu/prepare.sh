@@ -50,4 +50,17 @@ PY
 rm -rf "$out/wheels"
 # fio for the O_DIRECT reference (the GPU machine has none).
 bash ci/gpu/build-fio.sh "$out/fio/fio"
+# The Vulkan loader and GLVND (NVIDIA's Vulkan ICD library needs libGLdispatch) for
+# gpu_provider=vulkan there: the amd64 debs the device README names (under 1 MiB), unpacked by
+# ci/gpu/run.sh into a private folder.
+mkdir -p "$out/vk"
+vk_debs="libvulkan1 libglvnd0 libglx0 libegl1 libgl1 libopengl0 libgles2"
+if [ "$(dpkg --print-architecture)" = amd64 ]; then
+    (cd "$out/vk" && apt-get download -q $vk_debs 2>&1 | grep -v "^W: Download is performed unsandboxed" || true)
+else
+    o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
+    mkdir -p /tmp/amd64/partial && apt-get $o update -qq
+    (cd "$out/vk" && apt-get $o download -q $vk_debs)
+fi
+ls "$out"/vk/libvulkan1_*.deb >/dev/null
 du -sh "$out"

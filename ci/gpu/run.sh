@@ -14,6 +14,18 @@ cp -f "$G/libplugin_IO_URING_DMABUF.so" "$LIBS/iud-plugins/"
 export NIXL_PLUGIN_DIR=$LIBS/iud-plugins PYTHONPATH=$SITE PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export IO_URING_DMABUF_LOG=${IO_URING_DMABUF_LOG:-info}
+# Vulkan (gpu_provider=vulkan): the loader debs carried in .device/gpu/vk, unpacked into a
+# private folder (not /) and found through LD_LIBRARY_PATH; NVIDIA's ICD where the driver mount
+# has it. Without them the doctor reports Vulkan absent and tests/gpu/test_vulkan.py skips.
+VK_ROOT=/tmp/iud-vk
+if ls "$G"/vk/*.deb >/dev/null 2>&1; then
+    rm -rf "$VK_ROOT"; mkdir -p "$VK_ROOT"
+    for f in "$G"/vk/*.deb; do dpkg -x "$f" "$VK_ROOT"; done
+    export LD_LIBRARY_PATH=$VK_ROOT/usr/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH
+fi
+if [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]; then
+    export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+fi
 step=${1:-all}
 # cuFile (NIXL's GDS/GDS_MT, compared in the benchmark) needs udev data for the disk.
 bash ci/gpu/udev-shim.sh /tmp /root 2>&1 | tee "$OUT/udev-shim.txt"
@@ -26,6 +38,11 @@ if [ "$step" = all ] || [ "$step" = doctor ]; then
 fi
 if [ "$step" = all ] || [ "$step" = tests ]; then
     timeout 900 python3 -m pytest -v -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu-tests.txt"
+fi
+if [ "$step" = vulkan ]; then
+    # The Vulkan part alone (also inside `doctor` and `tests`).
+    "$G/iud-doctor" 2>&1 | sed -n '/^vulkan:/,/^cuFile/p' | tee "$OUT/doctor-vulkan.txt"
+    timeout 600 python3 -m pytest -v -s -rs -p no:cacheprovider tests/gpu/test_vulkan.py 2>&1 | tee "$OUT/gpu-vulkan.txt"
 fi
 if [ "$step" = all ] || [ "$step" = replay ]; then
     # The client replays' VRAM variants (tests/python/replay; they skip on CPU machines).

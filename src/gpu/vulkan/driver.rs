@@ -188,7 +188,14 @@ impl Vulkan {
             .api_version(instance_version.min(vk::API_VERSION_1_3));
         let info = vk::InstanceCreateInfo::default().application_info(&app);
         // SAFETY: info and app live across the call; no allocation callbacks.
-        let instance = unsafe { entry.create_instance(&info, None) }.map_err(|r| vk_error("vkCreateInstance", r))?;
+        let instance = unsafe { entry.create_instance(&info, None) }.map_err(|r| match r {
+            vk::Result::ERROR_INCOMPATIBLE_DRIVER => Error::new(
+                ErrorKind::NotSupported,
+                "vkCreateInstance failed: ERROR_INCOMPATIBLE_DRIVER: the Vulkan loader found no driver (install one, e.g. \
+                 mesa-vulkan-drivers, or point VK_DRIVER_FILES at the driver's ICD JSON)",
+            ),
+            r => vk_error("vkCreateInstance", r),
+        })?;
         // SAFETY: instance is valid.
         let handles = match unsafe { instance.enumerate_physical_devices() } {
             Ok(h) => h,
