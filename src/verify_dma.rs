@@ -47,7 +47,7 @@ pub fn dmabuf_read(ring: &Ring, slabs: &DmabufSlabs, file: &FileRegion, slot: u1
 
 /// Runs one READ op through the ring and waits for it.
 fn run_one(ring: &Ring, op: IoOp) -> Result<(), String> {
-    let key = ring.add_request(Arc::new(RequestOps { write: false, ops: vec![op], inline_writes: false }));
+    let key = ring.add_request(Arc::new(RequestOps { write: false, ops: vec![op], inline_writes: false, inline_reads: false }));
     let mut r = ring.post(key, 0);
     while let Ok(Progress::InFlight) = r {
         std::thread::yield_now();

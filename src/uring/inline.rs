@@ -1,4 +1,5 @@
-//! Buffered writes done by the threads that post and poll.
+//! Buffered I/O done by the threads that post and poll: writes, and small reads whose data is
+//! already in the page cache.
 //!
 //! Page-cache writes are memory copies. io_uring runs them inline only on file systems that
 //! support non-blocking buffered writes; elsewhere (ext4 among them) every write is punted to an
@@ -40,3 +41,21 @@ pub fn write_all(ops: &[IoOp]) -> Result<()> {
     }
     Ok(())
 }
+
+/// Reads ops in order with preadv2(RWF_NOWAIT) while each is served completely from the page
+/// cache; returns how many were. The first op that would block, comes back short or fails stops
+/// it: that op and the rest go through the ring, which also reports errors (EOF included) with
+/// their full context.
+pub fn read_cached_prefix(ops: &[IoOp]) -> usize {
+    for (i, op) in ops.iter().enumerate() {
+        let iov = libc::iovec { iov_base: op.addr as *mut libc::c_void, iov_len: op.len as usize };
+        // SAFETY: op.addr..op.addr+op.len lies inside registered memory that NIXL's contract
+        // keeps mapped while the request exists, and no other op of the request targets it now.
+        let n = unsafe { libc::preadv2(op.fd, &iov, 1, op.file_offset as libc::off_t, libc::RWF_NOWAIT) };
+        if n != op.len as isize {
+            return i;
+        }
+    }
+    ops.len()
+}
+

@@ -54,7 +54,16 @@ pub struct RequestOps {
     /// Every op is a buffered write from host memory: the calling threads may write them
     /// themselves (see `help_with_writes`).
     pub inline_writes: bool,
+    /// Every op is a buffered read into host memory: a small request may be served from the
+    /// page cache by the posting thread (see `read_inline_if_cached`).
+    pub inline_reads: bool,
 }
+
+/// A read request this small is first tried from the page cache by the posting thread: one
+/// preadv2 per op beats a ring round trip (SQE, io_uring_enter, CQE, and NIXL's second call to
+/// see the completion). Larger requests gain more from one batched io_uring_enter.
+const INLINE_READ_MAX_OPS: usize = 4;
+const INLINE_READ_MAX_BYTES: u64 = 64 << 10;
 
 /// Buffered writes of one request that may sit in io_uring at once. io_uring's workers run
 /// buffered writes to one file one after another, so a few keep them busy; the rest are left for
@@ -355,6 +364,10 @@ impl Ring {
             return Ok(Progress::Done);
         }
         req.state = State::Running { next: 0, outstanding: total, inline_active: 0, error: None, abort: false };
+        let mut core = self.read_inline_if_cached(core, key.0);
+        if let Ok(Progress::Done) = core.status(key.0) {
+            return Ok(Progress::Done);
+        }
         core.queue.push_back(key.0);
         let mut core = self.help_with_writes(core, key.0, inline_budget);
         core.progress()?;
@@ -403,6 +416,35 @@ impl Ring {
             if let Err(e) = result {
                 fail(req, e);
             }
+            finish_if_drained(req);
+        }
+        core
+    }
+
+    /// Serves a small buffered read request from the page cache in this thread, without holding
+    /// the lock while copying; what it could not serve stays for the ring.
+    fn read_inline_if_cached<'a>(&'a self, mut core: CoreGuard<'a>, key: usize) -> CoreGuard<'a> {
+        let Some(req) = core.requests.get_mut(key) else { return core };
+        let ops = Arc::clone(&req.ops);
+        let n = ops.ops.len();
+        if !ops.inline_reads || n > INLINE_READ_MAX_OPS || ops.ops.iter().map(|o| o.len as u64).sum::<u64>() > INLINE_READ_MAX_BYTES {
+            return core;
+        }
+        let State::Running { next: next @ 0, inline_active, error: None, abort: false, .. } = &mut req.state else { return core };
+        *next = n;
+        *inline_active += n;
+        drop(core);
+        let done = inline::read_cached_prefix(&ops.ops);
+        let mut core = self.lock();
+        // The request still exists: release waits until no op is outstanding.
+        if let Some(req) = core.requests.get_mut(key) {
+            if let State::Running { next, outstanding, inline_active, .. } = &mut req.state {
+                *inline_active -= n;
+                *outstanding -= done;
+                *next = done;
+            }
+            // A release that came meanwhile drops the ops not read.
+            stop_if_failing(req);
             finish_if_drained(req);
         }
         core

@@ -299,7 +299,7 @@ pub unsafe fn plan(
     }
     Ok(Plan {
         op,
-        ops: Arc::new(RequestOps { write: op == XferOp::Write, inline_writes: op == XferOp::Write && all_buffered && all_host, ops }),
+        ops: Arc::new(RequestOps { write: op == XferOp::Write, inline_writes: op == XferOp::Write && all_buffered && all_host, inline_reads: op == XferOp::Read && all_buffered && all_host, ops }),
         registrations: regs.list,
         local_count: local.len(),
         remote_count: remote.len(),
