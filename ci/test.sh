@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's one test command: setup, release build, Rust tests (unit + nixl-sys integration),
-# then the Python suite (tests/python; tests/gpu skips without a GPU) against the real NIXL
-# runtime from the wheel, then the NVMe lab in QEMU (ci/vm).
+# the `rocm` feature check (ci/rocm-feature.sh), then the Python suite (tests/python; tests/gpu
+# skips without a GPU) against the real NIXL runtime from the wheel, then the NVMe lab in QEMU
+# (ci/vm).
 # Every test stage runs even if an earlier one failed; the exit status is non-zero if any did.
 # Extra arguments go to pytest (e.g. ci/test.sh -k roundtrip).
 set -euo pipefail
@@ -28,6 +29,17 @@ echo "== cargo test --release --workspace"
 cargo_rc=0
 cargo test --release --workspace 2>&1 | tee "$logs/cargo-test.log" || cargo_rc=${PIPESTATUS[0]}
 [ "$cargo_rc" -eq 0 ] || status=1
+
+# The `rocm` cargo feature (ci/rocm-feature.sh): installs Debian's libamdhip64-dev if missing
+# (18.5 MB, ~10 s) and runs cargo check --features rocm (~15 s). IUD_SKIP_ROCM_FEATURE=1 leaves it
+# out; IUD_ROCM_FEATURE_TEST=1 also builds and runs the ROCm tests with the feature (~3 min).
+rocm_feature="skipped (IUD_SKIP_ROCM_FEATURE=1)"
+if [ "${IUD_SKIP_ROCM_FEATURE:-0}" != 1 ]; then
+    echo "== rocm feature (ci/rocm-feature.sh)"
+    rocm_rc=0
+    bash ci/rocm-feature.sh 2>&1 | tee "$logs/rocm-feature.log" || rocm_rc=${PIPESTATUS[0]}
+    if [ "$rocm_rc" -eq 0 ]; then rocm_feature=ok; else rocm_feature="FAILED (exit $rocm_rc)"; status=1; fi
+fi
 
 echo "== pytest tests/python tests/gpu (backend ${IUD_TEST_BACKEND:-IO_URING_DMABUF}; GPU tests skip without a CUDA GPU)"
 py_rc=0
@@ -81,7 +93,10 @@ count() { { grep -oE "[0-9]+ $1" <<<"$py_line" || true; } | awk '{s+=$1} END {pr
 p_pass=$(count passed); p_fail=$(( $(count failed) + $(count error) )); p_skip=$(count skipped)
 [ "$py_rc" -eq 0 ] || [ "$p_fail" -gt 0 ] || p_fail=1
 echo "pytest: exit $py_rc, ${py_line:-(no summary line)}"
+echo "rocm feature: $rocm_feature"
 echo "NVMe lab: ${lab_line:-not run}"
 echo "reliability: $([ "$rel_fail" -eq 0 ] && echo ok || echo FAILED) (stage lines above; figures in target/reliability)"
-echo "total: $((c_pass + p_pass + lab_pass)) passed, $((c_fail + p_fail + lab_fail + rel_fail)) failed, $((p_skip + lab_skip)) skipped"
+rocm_fail=0
+case "$rocm_feature" in FAILED*) rocm_fail=1 ;; esac
+echo "total: $((c_pass + p_pass + lab_pass)) passed, $((c_fail + p_fail + lab_fail + rel_fail + rocm_fail)) failed, $((p_skip + lab_skip)) skipped"
 exit "$status"

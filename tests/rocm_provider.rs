@@ -80,6 +80,7 @@ fn agents_support_query_and_export_entry_are_reported() {
     assert_eq!(rocm.dmabuf_query(), &DmabufQuery::Supported);
     assert_eq!(rocm.export_entry(), Some("hsa_amd_portable_export_dmabuf_v2"));
     let d = rocm.describe();
+    println!("{d}");
     assert!(d.contains("1 GPU agent(s): Fake Instinct (host memory) (gfx-fake)"), "{d}");
     assert!(d.contains("DMA-BUF export via hsa_amd_portable_export_dmabuf_v2"), "{d}");
     assert!(d.contains("fake-hsa (tests/rocm_double)"), "{d}");

@@ -45,6 +45,14 @@ pub fn build(variant: Variant) -> PathBuf {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rocm_double/fake_hsa.c");
     let out = out_dir().join(format!("libfake_hsa_{variant:?}.so"));
     let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if built.is_empty() {
+        // Private copies left by earlier runs (one per test and process) go first.
+        for e in std::fs::read_dir(out_dir()).into_iter().flatten().flatten() {
+            if !e.file_name().to_string_lossy().starts_with("libfake_hsa_") {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
     if !built.contains(&variant) {
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
         let tmp = out.with_extension(format!("so.{}", std::process::id()));

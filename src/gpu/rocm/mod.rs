@@ -89,7 +89,11 @@ impl Rocm {
     fn init(lib: &'static Lib) -> Result<Arc<Rocm>> {
         // SAFETY: hsa_init takes no arguments; it is reference-counted, and the provider never
         // calls hsa_shut_down (the runtime stays up for the process, like the library).
-        check("hsa_init", unsafe { (lib.init)() }).map_err(|e| Error::new(e.kind, format!("{} ({})", e.message, lib.path)))?;
+        check("hsa_init", unsafe { (lib.init)() }).map_err(|e| {
+            // ROCr fails hsa_init with OUT_OF_RESOURCES when there is no KFD device node at all.
+            let hint = if std::path::Path::new("/dev/kfd").exists() { "" } else { "; /dev/kfd does not exist: no amdgpu/KFD driver (no AMD GPU) on this machine" };
+            Error::new(e.kind, format!("{} ({}){hint}", e.message, lib.path))
+        })?;
         let agents = list_agents(lib)?;
         let mut gpus = Vec::new();
         let mut cpu = None;
