@@ -49,8 +49,8 @@ if [ "$step" = all ] || [ "$step" = replay ]; then
     IUD_PLUGIN_DIR=$LIBS/iud-plugins timeout 600 python3 -m pytest -v -p no:cacheprovider -rs tests/python/replay -k vram 2>&1 | tee "$OUT/gpu-replay.txt"
 fi
 if [ "$step" = all ] || [ "$step" = bench ]; then
-    timeout 560 python3 bench/gpu_vram_bench.py --dir /tmp --timeout 45 2>"$OUT/bench-pagecache.log" | tee "$OUT/bench-pagecache.md"
-    timeout 560 python3 bench/gpu_vram_bench.py --dir /root --direct --timeout 45 2>"$OUT/bench-direct.log" | tee "$OUT/bench-direct.md"
+    timeout 560 python3 bench/gpu_vram_bench.py --dir /tmp --timeout 30 2>"$OUT/bench-pagecache.log" | tee "$OUT/bench-pagecache.md"
+    timeout 560 python3 bench/gpu_vram_bench.py --dir /root --direct --timeout 30 2>"$OUT/bench-direct.log" | tee "$OUT/bench-direct.md"
 fi
 if [ "$step" = all ] || [ "$step" = bench ] || [ "$step" = fio ]; then
     # What fio reaches on the same disk, for the O_DIRECT ">= 95 % of fio" target.

@@ -171,11 +171,11 @@ def test_cufile_batch_api_round_trip(block):
         f"print('BATCH ROUND TRIP VERIFIED')"
     )
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=45)
         outcome = f"exit {r.returncode}: {(r.stdout + r.stderr).strip()[-600:]}"
         ok = r.returncode == 0 and "BATCH ROUND TRIP VERIFIED" in r.stdout
     except subprocess.TimeoutExpired:
-        outcome, ok = "no completion within 90 s (hung)", False
+        outcome, ok = "no completion within 45 s (hung)", False
     print(outcome)
     if not ok:
         if not os.path.exists("/proc/driver/nvidia-fs"):
