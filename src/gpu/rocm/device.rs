@@ -65,7 +65,7 @@ pub fn export(rocm: &Rocm, device: i32, addr: u64, len: u64) -> Result<DmabufExp
     let call = |name: &str| format!("{name}(0x{addr:x}+{len})");
     let Some(entry) = rocm.lib.export else {
         return Err(not_supported(format!(
-            "{} has no hsa_amd_portable_export_dmabuf (ROCm before 6): VRAM cannot be exported as DMA-BUF",
+            "{} has no hsa_amd_portable_export_dmabuf (an older ROCm, e.g. 5.2): VRAM cannot be exported as DMA-BUF",
             rocm.lib.path
         )));
     };

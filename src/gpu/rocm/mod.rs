@@ -308,7 +308,7 @@ pub fn doctor_report() -> Vec<String> {
         DmabufQuery::NotSupported => "rocm: HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED = false (the amdgpu/KFD driver lacks DMA-BUF export; KFD interface 1.12+ needed)".to_owned(),
         DmabufQuery::Unknown(why) => format!("rocm: DMA-BUF support unknown: {why}"),
     });
-    out.push(format!("rocm: DMA-BUF export entry point: {}", rocm.export_entry().unwrap_or("none (ROCm before 6; VRAM moves through staging)")));
+    out.push(format!("rocm: DMA-BUF export entry point: {}", rocm.export_entry().unwrap_or("none (an older ROCm, e.g. 5.2; VRAM moves through staging)")));
     if rocm.gpus.is_empty() {
         out.push("rocm: no GPU agents".to_owned());
     }

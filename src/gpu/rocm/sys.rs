@@ -4,7 +4,8 @@
 //! the default build needs no ROCm headers and links nothing: the library is dlopen'ed at run
 //! time and each entry point resolved by name. Required symbols missing = the library is refused
 //! with the symbol named; the DMA-BUF calls are optional (`hsa_amd_portable_export_dmabuf` came
-//! with ROCm 6, `_v2` with ROCm 7.1), so an older runtime still serves the staging path.
+//! with later ROCm releases than 5.2, `_v2` with ROCm 7.1), so an older runtime still serves
+//! the staging path.
 //!
 //! Raw declarations live only here; `unsafe` calls through these pointers happen in the
 //! provider's thin wrappers, each with its SAFETY note.
@@ -123,7 +124,7 @@ pub enum Export {
     /// `hsa_amd_portable_export_dmabuf_v2` (ROCm 7.1+), called with flags 0
     /// (`HSA_AMD_DMABUF_MAPPING_TYPE_NONE`, the same mapping as v1).
     V2(ExportV2Fn),
-    /// `hsa_amd_portable_export_dmabuf` (ROCm 6+).
+    /// `hsa_amd_portable_export_dmabuf` (absent from ROCm 5.2, e.g. Debian bookworm's).
     V1(ExportV1Fn),
 }
 
