@@ -11,7 +11,7 @@ use crate::gpu::{DeviceRange, DmabufExport};
 
 /// What `hsa_amd_pointer_info` says about `addr`.
 fn pointer_info(rocm: &Rocm, addr: u64) -> Result<PointerInfo> {
-    let mut info = PointerInfo::new();
+    let mut info = PointerInfo::default();
     // SAFETY: `info` is a valid out-struct whose `size` says how much the runtime may write; the
     // agent list is not requested (alloc NULL), so nothing is allocated for us. `addr` is only
     // looked up, never dereferenced.

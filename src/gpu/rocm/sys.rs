@@ -77,8 +77,9 @@ pub struct PointerInfo {
 }
 const _: () = assert!(std::mem::size_of::<PointerInfo>() == 56);
 
-impl PointerInfo {
-    pub fn new() -> PointerInfo {
+impl Default for PointerInfo {
+    /// An empty query whose `size` covers this struct.
+    fn default() -> PointerInfo {
         PointerInfo {
             size: std::mem::size_of::<PointerInfo>() as u32,
             kind: POINTER_TYPE_UNKNOWN,
@@ -215,8 +216,8 @@ impl Lib {
             }
         };
         let optional = |s: &str| -> Option<*mut c_void> { Some(find(s)).filter(|p| !p.is_null()) };
-        // SAFETY (all transmutes below): each symbol is the C function of that name in hsa.h /
-        // hsa_ext_amd.h, and each type alias spells its C signature.
+        // SAFETY: every transmute below turns the address of the C function of that name in
+        // hsa.h / hsa_ext_amd.h into a pointer of the type alias that spells its C signature.
         unsafe {
             use std::mem::transmute as t;
             let export = match (optional("hsa_amd_portable_export_dmabuf_v2"), optional("hsa_amd_portable_export_dmabuf")) {
