@@ -399,21 +399,24 @@ impl Cuda {
     pub fn import_opaque_fd(&self, ordinal: i32, fd: OwnedFd, size: u64, dedicated: bool) -> Result<ImportedMemory> {
         use std::os::fd::{AsRawFd, IntoRawFd};
         let d = self.device(ordinal)?;
-        // SAFETY: a zeroed descriptor is the documented starting point (reserved fields 0).
-        let mut desc: sys::CUDA_EXTERNAL_MEMORY_HANDLE_DESC = unsafe { std::mem::zeroed() };
-        desc.type_ = sys::CUexternalMemoryHandleType::CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD;
-        desc.handle.fd = fd.as_raw_fd();
-        desc.size = size;
-        desc.flags = if dedicated { sys::CUDA_EXTERNAL_MEMORY_DEDICATED } else { 0 };
+        // Built field by field: the handle-type enum has no zero value, so a zeroed descriptor
+        // would be invalid (Rust aborts on it). The union holds an int or pointers: zero is valid.
+        // SAFETY: every member of the union is an integer or a raw pointer.
+        let mut handle: sys::CUDA_EXTERNAL_MEMORY_HANDLE_DESC_st__bindgen_ty_1 = unsafe { std::mem::zeroed() };
+        handle.fd = fd.as_raw_fd();
+        let desc = sys::CUDA_EXTERNAL_MEMORY_HANDLE_DESC {
+            type_: sys::CUexternalMemoryHandleType::CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD,
+            handle,
+            size,
+            flags: if dedicated { sys::CUDA_EXTERNAL_MEMORY_DEDICATED } else { 0 },
+            reserved: [0; 16],
+        };
         let mut ext: sys::CUexternalMemory = std::ptr::null_mut();
         // SAFETY: desc is fully initialized; ext receives the handle.
         check("cuImportExternalMemory(OPAQUE_FD)", || unsafe { sys::cuImportExternalMemory(&mut ext, &desc) })?;
         // The driver owns the fd now.
         let _ = fd.into_raw_fd();
-        // SAFETY: zeroed reserved fields, as above.
-        let mut buf: sys::CUDA_EXTERNAL_MEMORY_BUFFER_DESC = unsafe { std::mem::zeroed() };
-        buf.offset = 0;
-        buf.size = size;
+        let buf = sys::CUDA_EXTERNAL_MEMORY_BUFFER_DESC { offset: 0, size, flags: 0, reserved: [0; 16] };
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: ext was just imported; ptr receives the mapping.
         if let Err(e) = check("cuExternalMemoryGetMappedBuffer", || unsafe { sys::cuExternalMemoryGetMappedBuffer(&mut ptr, ext, &buf) }) {
