@@ -152,12 +152,17 @@ def main():
     for label, _, _ in chosen:
         cmd = [sys.executable] + sys.argv + ["--one", label]
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout).stdout
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            # The child's progress lines, failures and plugin log go to our stderr (the .log).
+            sys.stderr.write(r.stderr)
+            out = r.stdout
             line = next((l for l in out.splitlines() if l.startswith("RESULTS ")), None)
             got = json.loads(line[8:]) if line else {}
             if not got:
                 got = {f"{b}:{op}": "n/a (failed)" for b in sizes for op in ("READ", "WRITE")}
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            sys.stderr.write(f"{label}: no result within {args.timeout:.0f} s; its stderr so far:\n{err}")
             got = {f"{b}:{op}": f"n/a (hung > {args.timeout:.0f} s)" for b in sizes for op in ("READ", "WRITE")}
         for k, v in got.items():
             b, op = k.split(":")
