@@ -467,6 +467,7 @@ impl Engine {
                 }
             }
         }
+        self.fence_app_work(req)?;
         let result = match &req.cufile {
             Some(progress) => self.cufile_jobs(req, progress).and_then(|jobs| self.cufile_executor().post(progress, jobs)),
             None => self.ring.post(req.key, self.params.inline_write_max),
@@ -479,6 +480,27 @@ impl Engine {
             });
         }
         result
+    }
+
+    /// Orders a VRAM request after the application's work already queued on the GPU (see
+    /// `GpuProvider::fence_app_work`): staged copies wait on the device; cuFile and DMA-BUF I/O,
+    /// which touch VRAM outside our streams, wait here.
+    fn fence_app_work(&self, req: &Request) -> Result<()> {
+        let mut vram = req.plan.registrations.iter().filter_map(|r| match &**r {
+            Registration::Vram(v) => Some(v),
+            _ => None,
+        });
+        let Some(first) = vram.next() else { return Ok(()) };
+        let staged = req.cufile.is_none() && req.plan.ops.ops.iter().any(|o| o.device.is_some());
+        let mut fenced = vec![first.device];
+        first.provider.fence_app_work(first.device, !staged)?;
+        for v in vram {
+            if !fenced.contains(&v.device) {
+                fenced.push(v.device);
+                v.provider.fence_app_work(v.device, !staged)?;
+            }
+        }
+        Ok(())
     }
 
     /// Reaps completions without blocking; Ok(Done) once the request finished.

@@ -16,7 +16,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH
 export IO_URING_DMABUF_LOG=${IO_URING_DMABUF_LOG:-info}
 # Vulkan (gpu_provider=vulkan): the loader debs carried in .device/gpu/vk, unpacked into a
 # private folder (not /) and found through LD_LIBRARY_PATH; NVIDIA's ICD where the driver mount
-# has it. Without them the doctor reports Vulkan absent and tests/gpu/test_vulkan.py skips.
+# has it. Without them the doctor reports Vulkan absent and tests/gpu/test_vulkan_gpu.py skips.
 VK_ROOT=/tmp/iud-vk
 if ls "$G"/vk/*.deb >/dev/null 2>&1; then
     rm -rf "$VK_ROOT"; mkdir -p "$VK_ROOT"
@@ -42,7 +42,7 @@ fi
 if [ "$step" = vulkan ]; then
     # The Vulkan part alone (also inside `doctor` and `tests`).
     "$G/iud-doctor" 2>&1 | sed -n '/^vulkan:/,/^cuFile/p' | tee "$OUT/doctor-vulkan.txt"
-    timeout 600 python3 -m pytest -v -s -rs -p no:cacheprovider tests/gpu/test_vulkan.py 2>&1 | tee "$OUT/gpu-vulkan.txt"
+    timeout 600 python3 -m pytest -v -s -rs -p no:cacheprovider tests/gpu/test_vulkan_gpu.py 2>&1 | tee "$OUT/gpu-vulkan.txt"
 fi
 if [ "$step" = all ] || [ "$step" = replay ]; then
     # The client replays' VRAM variants (tests/python/replay; they skip on CPU machines).

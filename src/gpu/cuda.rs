@@ -56,6 +56,8 @@ struct Device {
     ctx: sys::CUcontext,
     to_host: sys::CUstream,
     to_device: sys::CUstream,
+    /// Recorded on the legacy default stream at each post; our streams wait on it.
+    app_done: sys::CUevent,
 }
 
 /// The loaded CUDA driver.
@@ -128,7 +130,10 @@ impl Cuda {
         check("cuStreamCreate", || unsafe { sys::cuStreamCreate(&mut to_host, flags) })?;
         // SAFETY: as above.
         check("cuStreamCreate", || unsafe { sys::cuStreamCreate(&mut to_device, flags) })?;
-        let d = Arc::new(Device { ctx, to_host, to_device });
+        let mut app_done: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: writes into the event handle, with the context current.
+        check("cuEventCreate", || unsafe { sys::cuEventCreate(&mut app_done, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) })?;
+        let d = Arc::new(Device { ctx, to_host, to_device, app_done });
         devices.insert(ordinal, Arc::clone(&d));
         Ok(d)
     }
@@ -302,6 +307,25 @@ impl GpuProvider for Cuda {
         // SAFETY: the caller keeps both ranges valid until the ticket completes.
         check("cuMemcpyHtoDAsync", || unsafe { sys::cuMemcpyHtoDAsync_v2(dev, host as *const c_void, len as usize, d.to_device) })?;
         self.record(&d, d.to_device)
+    }
+
+    fn fence_app_work(&self, device: i32, host_wait: bool) -> Result<()> {
+        let d = self.device(device)?;
+        // CU_STREAM_LEGACY: the implicit default stream that applications (PyTorch's default
+        // stream among them) queue their kernels on.
+        let legacy = 0x1 as sys::CUstream;
+        // SAFETY: the event and streams belong to the device's context, current after device().
+        check("cuEventRecord(default stream)", || unsafe { sys::cuEventRecord(d.app_done, legacy) })?;
+        if host_wait {
+            // SAFETY: as above.
+            return check("cuEventSynchronize", || unsafe { sys::cuEventSynchronize(d.app_done) });
+        }
+        for stream in [d.to_host, d.to_device] {
+            // SAFETY: as above; the wait captures the record just made (or a later one, which
+            // also follows the application's earlier work).
+            check("cuStreamWaitEvent", || unsafe { sys::cuStreamWaitEvent(stream, d.app_done, 0) })?;
+        }
+        Ok(())
     }
 
     fn make_current(&self, device: i32) -> Result<()> {

@@ -83,21 +83,29 @@ pub trait GpuProvider: Send + Sync {
     fn make_current(&self, device: i32) -> Result<()>;
     /// One line about the provider (driver version, devices) for logs and the doctor.
     fn describe(&self) -> String;
+    /// Orders the provider's next copies on `device` after the work the application already
+    /// queued on the device's default stream, so a buffer a kernel is still writing is not read
+    /// early (NIXL users hand over memory right after launching the kernel that fills it, as
+    /// they may with cuFile, whose copies run on the default stream). With `host_wait` the
+    /// calling thread also waits for that work (for paths where storage reads or writes the
+    /// device memory directly). One-way: the application's later work does not wait for ours.
+    fn fence_app_work(&self, device: i32, host_wait: bool) -> Result<()> {
+        let _ = (device, host_wait);
+        Ok(())
+    }
 }
 
-/// Loads the chosen provider.
+/// Loads the chosen provider. `auto` takes CUDA, else ROCm; Vulkan only when named (its memory
+/// must come from the plugin's Vulkan allocator, so the application knows it uses it).
 pub fn load(choice: ProviderChoice) -> Result<Arc<dyn GpuProvider>> {
     match choice {
-        ProviderChoice::Cuda | ProviderChoice::Auto => {
-            cuda::Cuda::load().map(|c| c as Arc<dyn GpuProvider>).map_err(|e| {
-                if choice == ProviderChoice::Auto {
-                    Error::new(e.kind, format!("no GPU provider available: {}", e.message))
-                } else {
-                    e
-                }
-            })
-        }
+        ProviderChoice::Cuda => cuda::Cuda::load().map(|c| c as Arc<dyn GpuProvider>),
         ProviderChoice::Rocm => rocm::load(),
         ProviderChoice::Vulkan => vulkan::load(),
+        ProviderChoice::Auto => cuda::Cuda::load().map(|c| c as Arc<dyn GpuProvider>).or_else(|cuda_err| {
+            rocm::load().map_err(|rocm_err| {
+                Error::new(cuda_err.kind, format!("no GPU provider available: {}; ROCm: {}", cuda_err.message, rocm_err.message))
+            })
+        }),
     }
 }

@@ -183,6 +183,38 @@ def test_cufile_batch_api_round_trip(block):
         pytest.fail(f"cuFile batch API round trip failed with nvidia-fs present: {outcome}")
 
 
+@pytest.mark.parametrize("path", ["staging", "cufile"])
+def test_transfers_are_ordered_after_kernels_already_queued(path):
+    """Applications post right after launching the kernel that fills a buffer (cuFile's copies
+    run on the default stream, so that works with GDS). A ~100 ms kernel queued ahead of the
+    fill makes any copy that does not wait for the default stream read stale bytes (WRITE) or
+    be overwritten afterwards (READ)."""
+    agent = make_agent({"vram_path": path})
+    n = 64 * MiB
+    expected = random_tensor(n)
+    src = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    path_name = f"{SCRATCH}/iud-gpu-order-{path}.bin"
+    fd = open_file(path_name, True, n)
+    try:
+        agent.register_memory([(src.data_ptr(), n, 0, ""), (dst.data_ptr(), n, 0, "")], "VRAM")
+        agent.register_memory([(0, n, fd, "")], "FILE")
+        remote = agent.get_xfer_descs([(i * 16 * MiB, 16 * MiB, fd) for i in range(4)], "FILE")
+        torch.cuda._sleep(200_000_000)
+        src.copy_(expected)  # queued behind the sleep on the default stream
+        run(agent, "WRITE", agent.get_xfer_descs([(src.data_ptr() + i * 16 * MiB, 16 * MiB, 0) for i in range(4)], "VRAM"), remote)
+        assert torch.equal(file_bytes(path_name, n), expected.cpu()), "WRITE read the buffer before the kernel that fills it"
+        torch.cuda._sleep(200_000_000)
+        dst.fill_(7)  # queued behind the sleep; the READ must land after it
+        run(agent, "READ", agent.get_xfer_descs([(dst.data_ptr() + i * 16 * MiB, 16 * MiB, 0) for i in range(4)], "VRAM"), remote)
+        torch.cuda.synchronize()
+        assert torch.equal(dst, expected), "READ landed before a kernel queued ahead of it"
+    finally:
+        os.close(fd)
+        os.unlink(path_name)
+
+
 def test_four_threads_stage_concurrently_on_one_agent():
     """Registration happens first (NIXL registers under its exclusive lock); then four threads
     post and poll their own requests on the shared engine at once."""

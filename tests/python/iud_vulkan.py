@@ -1,6 +1,6 @@
 """The plugin's Vulkan allocator (include/iud_vulkan.h) through ctypes, and one NIXL round trip
 over Vulkan allocations, shared by tests/python/test_vulkan.py (CPU machines, Mesa lavapipe)
-and tests/gpu/test_vulkan.py (the GPU machine).
+and tests/gpu/test_vulkan_gpu.py (the GPU machine).
 
 The allocator is loaded from the same file NIXL loads, so dlopen hands both the same library and
 the plugin's engines see the allocations. Bytes are moved in and out of an allocation with

@@ -2,7 +2,7 @@
 allocations of the plugin's Vulkan allocator (include/iud_vulkan.h), which NIXL then moves as
 VRAM through the staging path, byte-verified. Every test skips with one line where no Vulkan
 driver is installed (apt-get install mesa-vulkan-drivers gives lavapipe). The CUDA-mapped
-variants run on the GPU machine (tests/gpu/test_vulkan.py)."""
+variants run on the GPU machine (tests/gpu/test_vulkan_gpu.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def vk(plugin_so, backend):
     variant = v.variant(addr)
     v.free(addr)
     if variant not in HOST_VARIANTS:
-        pytest.skip(f"variant {variant} needs CUDA (tests/gpu/test_vulkan.py covers it)")
+        pytest.skip(f"variant {variant} needs CUDA (tests/gpu/test_vulkan_gpu.py covers it)")
     print(f"Vulkan allocator variant: {variant}")
     return v
 

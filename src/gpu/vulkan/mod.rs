@@ -364,6 +364,13 @@ impl GpuProvider for VulkanProvider {
         Ok(Box::new(Done))
     }
 
+    fn fence_app_work(&self, device: i32, host_wait: bool) -> Result<()> {
+        match &self.cuda {
+            Some(c) => c.fence_app_work(device, host_wait),
+            None => Ok(()),
+        }
+    }
+
     fn make_current(&self, device: i32) -> Result<()> {
         match &self.cuda {
             Some(c) => c.make_current(device),
