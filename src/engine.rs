@@ -431,6 +431,7 @@ impl Engine {
             max_io_size: self.params.max_io_size,
             punt_buffered_min: self.params.punt_buffered_min,
             staging_buffer_size: self.params.staging_buffer_size,
+            staging_buffers: self.params.staging_buffers,
             route: &|mem, file| self.route(mem, file),
         };
         // SAFETY: forwarded from the caller.

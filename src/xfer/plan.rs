@@ -116,10 +116,23 @@ pub struct PlanContext<'a> {
     pub max_io_size: u64,
     /// Buffered I/Os of at least this many bytes go to io_uring's worker pool (0 = never).
     pub punt_buffered_min: u64,
-    /// Piece size of the staging path.
+    /// Piece size of the staging path, and how many staging buffers there are.
     pub staging_buffer_size: u64,
+    pub staging_buffers: u32,
     /// Chooses (once per pair, cached by the engine) how a memory registration reaches a target.
     pub route: &'a dyn Fn(&Registration, &FileRegion) -> Result<Route>,
+}
+
+/// Smallest staged piece worth cutting (below it, per-piece overhead outweighs parallelism).
+const STAGED_PIECE_MIN: u64 = 256 << 10;
+
+/// Piece size for staged VRAM: at most a staging buffer, but small enough that the request keeps
+/// every staging buffer busy (an 8 MiB request in one 8 MiB piece would run one storage I/O and
+/// one copy, one after the other), in 64 KiB multiples so O_DIRECT pieces stay aligned.
+fn staged_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
+    let request: u64 = local.iter().map(|l| l.len).sum();
+    let share = (request / u64::from(ctx.staging_buffers.max(1))) & !((64 << 10) - 1);
+    ctx.staging_buffer_size.min(share.max(STAGED_PIECE_MIN))
 }
 
 /// Validates the lists and builds the request's ops.
@@ -151,6 +164,7 @@ pub unsafe fn plan(
         ));
     }
     let max_piece = if ctx.max_io_size == 0 { MAX_FIXED_BUFFER } else { ctx.max_io_size.min(MAX_FIXED_BUFFER) };
+    let staged_limit = max_piece.min(staged_piece(ctx, local));
     let mut regs = RegistrationSet::default();
     let mut ops = Vec::with_capacity(local.len());
     let (mut total_bytes, mut all_buffered, mut all_host) = (0u64, true, true);
@@ -227,7 +241,7 @@ pub unsafe fn plan(
         }
         // Cut into pieces that fit max_io_size (and the staging buffers) and never straddle a
         // fixed-buffer slot or a slab; merge pieces that continue each other.
-        let mut limit = if staged { max_piece.min(ctx.staging_buffer_size) } else { max_piece };
+        let mut limit = if staged { staged_limit } else { max_piece };
         if let Some(dev_max) = file.max_direct_io {
             // One device request per I/O keeps O_DIRECT on io_uring's non-blocking path.
             limit = limit.min(dev_max);
