@@ -23,6 +23,10 @@ BACKENDS = [
     ("IO_URING_DMABUF", "IO_URING_DMABUF", {}),
     ("IUD-cufile", "IO_URING_DMABUF", {"vram_path": "cufile"}),
     ("IUD-cufile-batch", "IO_URING_DMABUF", {"vram_path": "cufile", "cufile_api": "batch"}),
+    # Staging pool shapes (same total pinned memory as the default 8 x 8 MiB, or more buffers).
+    ("IUD-stage-1Mx64", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB), "staging_buffers": "64"}),
+    ("IUD-stage-2Mx32", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(2 * MiB), "staging_buffers": "32"}),
+    ("IUD-stage-4Mx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(4 * MiB), "staging_buffers": "16"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),
@@ -134,7 +138,7 @@ def main():
     ap.add_argument("--sizes", default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)))
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--request_bytes", type=int, default=256 * MiB, help="bytes per request (descriptors = this / block, at most 128)")
-    ap.add_argument("--backends", default=",".join(b[0] for b in BACKENDS))
+    ap.add_argument("--backends", default=",".join(b[0] for b in BACKENDS if not b[0].startswith("IUD-stage-")))
     ap.add_argument("--timeout", type=float, default=90, help="seconds allowed per backend")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
