@@ -68,6 +68,9 @@ pub struct Rocm {
 }
 
 static ROCM: OnceCell<std::result::Result<Arc<Rocm>, Error>> = OnceCell::new();
+/// The process-wide HSA library: it stays loaded for the process (the runtime is never shut
+/// down), so it lives in a static, also when its hsa_init failed.
+static LIB: OnceCell<std::result::Result<Lib, Error>> = OnceCell::new();
 
 /// Loads the provider once per process (the library of `IUD_HSA_LIBRARY`, else the soname), or
 /// says why it is unavailable.
@@ -76,7 +79,7 @@ pub fn load() -> Result<Arc<dyn GpuProvider>> {
 }
 
 fn load_rocm() -> Result<Arc<Rocm>> {
-    ROCM.get_or_init(|| Lib::open_default().and_then(|lib| Rocm::init(Box::leak(Box::new(lib))))).clone()
+    ROCM.get_or_init(|| LIB.get_or_init(Lib::open_default).as_ref().map_err(Clone::clone).and_then(Rocm::init)).clone()
 }
 
 impl Rocm {
