@@ -294,12 +294,18 @@ impl Engine {
             let lib = CuFile::load().ok();
             let direct = crate::gpu::cufile::mode().0;
             let batch = lib.and_then(|l| l.batch.map(|f| (f, l.props.as_ref().map_or(128, |p| p.max_batch_io_size.max(1) as usize))));
-            let api = match (self.params.cufile_api, batch) {
-                (CufileApiChoice::Batch, Some((f, max))) | (CufileApiChoice::Auto, Some((f, max))) if direct || self.params.cufile_api == CufileApiChoice::Batch => {
+            let wants_batch = match self.params.cufile_api {
+                CufileApiChoice::Batch => true,
+                CufileApiChoice::Auto => direct,
+                CufileApiChoice::Threads => false,
+            };
+            // bind_cufile refused cufile_api=batch already when the library lacks the batch API.
+            let api = match batch.filter(|_| wants_batch) {
+                Some((f, max)) => {
                     tracing::info!("cuFile sub-path: batch API, up to {max} pieces per batch");
                     CufileApi::Batch(f, max)
                 }
-                _ => {
+                None => {
                     tracing::info!("cuFile sub-path: {} worker threads{}", self.params.cufile_threads,
                         if direct { "" } else { " (compatibility mode: the batch API is used only when cuFile is direct)" });
                     CufileApi::Threads
@@ -487,19 +493,15 @@ impl Engine {
     /// `GpuProvider::fence_app_work`): staged copies wait on the device; cuFile and DMA-BUF I/O,
     /// which touch VRAM outside our streams, wait here.
     fn fence_app_work(&self, req: &Request) -> Result<()> {
-        let mut vram = req.plan.registrations.iter().filter_map(|r| match &**r {
-            Registration::Vram(v) => Some(v),
-            _ => None,
-        });
-        let Some(first) = vram.next() else { return Ok(()) };
-        let staged = req.cufile.is_none() && req.plan.ops.ops.iter().any(|o| o.device.is_some());
-        let mut fenced = vec![first.device];
-        first.provider.fence_app_work(first.device, !staged)?;
-        for v in vram {
-            if !fenced.contains(&v.device) {
-                fenced.push(v.device);
-                v.provider.fence_app_work(v.device, !staged)?;
+        let mut fenced: Vec<i32> = Vec::new();
+        for reg in &req.plan.registrations {
+            let Registration::Vram(v) = &**reg else { continue };
+            if fenced.contains(&v.device) {
+                continue;
             }
+            let staged = req.cufile.is_none() && req.plan.ops.ops.iter().any(|o| o.device.is_some());
+            v.provider.fence_app_work(v.device, !staged)?;
+            fenced.push(v.device);
         }
         Ok(())
     }
