@@ -496,12 +496,10 @@ impl Engine {
         let mut fenced: Vec<i32> = Vec::new();
         for reg in &req.plan.registrations {
             let Registration::Vram(v) = &**reg else { continue };
-            if fenced.contains(&v.device) {
-                continue;
+            if !fenced.contains(&v.device) {
+                v.provider.fence_app_work(v.device, req.plan.vram_outside_streams)?;
+                fenced.push(v.device);
             }
-            let staged = req.cufile.is_none() && req.plan.ops.ops.iter().any(|o| o.device.is_some());
-            v.provider.fence_app_work(v.device, !staged)?;
-            fenced.push(v.device);
         }
         Ok(())
     }

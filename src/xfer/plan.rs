@@ -52,6 +52,9 @@ pub struct Plan {
     pub all_host: bool,
     /// The ops run on the cuFile sub-path (all of them: a request does not mix paths).
     pub cufile: bool,
+    /// Some VRAM piece is reached outside the plugin's device streams (cuFile or DMA-BUF I/O),
+    /// so posting must wait on the host for the application's queued GPU work.
+    pub vram_outside_streams: bool,
 }
 
 /// Turns an MD pointer from NIXL back into a shared registration, without taking over NIXL's
@@ -169,6 +172,7 @@ pub unsafe fn plan(
     let mut ops = Vec::with_capacity(local.len());
     let (mut total_bytes, mut all_buffered, mut all_host) = (0u64, true, true);
     let mut cufile_ops = 0usize;
+    let mut vram_outside_streams = false;
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
         if l.len != r.len {
             return Err(Error::new(
@@ -224,6 +228,7 @@ pub unsafe fn plan(
             _ => None,
         };
         let staged = route == Route::Staging;
+        vram_outside_streams |= matches!(mem, Registration::Vram(_)) && !staged;
         if let Some(a) = file.direct {
             // Staged VRAM goes through page-aligned staging buffers; DMA-BUF memory is addressed
             // by offset into its slab.
@@ -321,6 +326,7 @@ pub unsafe fn plan(
         all_buffered,
         all_host,
         cufile: cufile_ops > 0,
+        vram_outside_streams,
     })
 }
 
