@@ -75,16 +75,7 @@ impl CufileProgress {
                     for (job, result) in jobs.iter().zip(&batch.results) {
                         let (status, ret) = result.unwrap_or((0, 0));
                         let outcome = if status != STATUS_COMPLETE {
-                            Err(Error::backend(format!(
-                                "cuFile batch {} fd {} offset {} length {} (descriptor {}): {} (ret {})",
-                                if job.write { "write to" } else { "read from" },
-                                job.op.fd,
-                                job.op.file_offset,
-                                job.op.len,
-                                job.op.desc_index,
-                                event_status_name(status),
-                                ret as isize
-                            )))
+                            Err(piece_error(job, 0, &format!("batch event {} (ret {})", event_status_name(status), ret as isize)))
                         } else if (ret as u64) < job.op.len as u64 {
                             // A short piece: move the rest with the synchronous call.
                             run_from(job, ret as u64)
@@ -241,6 +232,19 @@ fn run(job: &Job) -> Result<()> {
     run_from(job, 0)
 }
 
+/// The error of a piece that failed after `done` bytes, naming the file range and descriptor.
+fn piece_error(job: &Job, done: u64, why: &str) -> Error {
+    let op = job.op;
+    Error::backend(format!(
+        "cuFile {} fd {} offset {} length {} (descriptor {}): {why}",
+        if job.write { "write to" } else { "read from" },
+        op.fd,
+        op.file_offset + done,
+        op.len as u64 - done,
+        op.desc_index
+    ))
+}
+
 /// Moves the piece from byte `done` on with synchronous calls.
 fn run_from(job: &Job, mut done: u64) -> Result<()> {
     let op = job.op;
@@ -251,16 +255,7 @@ fn run_from(job: &Job, mut done: u64) -> Result<()> {
         let n = job
             .handle
             .io(job.write, job.base, op.addr + done - job.base, op.len as u64 - done, op.file_offset + done)
-            .map_err(|e| {
-                Error::backend(format!(
-                    "cuFile {} fd {} offset {} length {} (descriptor {}): {e}",
-                    if job.write { "write to" } else { "read from" },
-                    op.fd,
-                    op.file_offset + done,
-                    op.len as u64 - done,
-                    op.desc_index
-                ))
-            })?;
+            .map_err(|e| piece_error(job, done, &e))?;
         if n == 0 {
             return Err(op.remainder(done as u32).made_no_progress(job.write));
         }
