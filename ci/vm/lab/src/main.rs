@@ -21,6 +21,7 @@ mod report;
 mod t_direct;
 mod t_dmabuf;
 mod t_engine;
+mod t_engine_dmabuf;
 mod udmabuf;
 mod util;
 
@@ -118,6 +119,7 @@ fn main() {
     rep.run("d2_udmabuf_pages_as_fixed_buffers", || t_dmabuf::pages_as_fixed_buffers(&device));
     rep.run("d3_udmabuf_dmabuf_registration", || t_dmabuf::dmabuf_registration(&device, probe));
     rep.run("d4_dmabuf_registration_refusals", || t_dmabuf::dmabuf_refusals(&device, probe));
+    rep.run("e1_engine_dram_dmabuf_round_trip", || t_engine_dmabuf::dram_dmabuf_round_trip(&device, probe));
 
     info(format!("tests took {} ms", t0.elapsed().as_millis()));
     println!("{}", rep.summary_line());

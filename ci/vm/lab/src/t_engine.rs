@@ -15,21 +15,21 @@ use io_uring_dmabuf::uring::Progress;
 use crate::report::{Outcome, TestResult};
 use crate::util::{compare, read_buffered, size_str, MmapBuf, Rng};
 
-const DRAM: i32 = 0;
-const BLK: i32 = 2;
-const READ: i32 = 0;
-const WRITE: i32 = 1;
+pub(crate) const DRAM: i32 = 0;
+pub(crate) const BLK: i32 = 2;
+pub(crate) const READ: i32 = 0;
+pub(crate) const WRITE: i32 = 1;
 const AGENT: &str = "iud-lab";
 /// Device bytes [64 MiB, 128 MiB) belong to these tests: path mode in the first half, fd mode
 /// in the second.
 const BASE: u64 = 64 << 20;
 const REGION: u64 = 24 << 20;
 
-fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
+pub(crate) fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
     iud_desc { addr, len, dev_id, md }
 }
 
-fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), Error> {
+pub(crate) fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), Error> {
     // SAFETY: every md in the lists is a live registration of `e` (deregistered only after).
     let req = unsafe { e.prep(op, DRAM, local, BLK, remote, AGENT) }?;
     let mut res = e.post(&req, op, local.len(), remote.len());
@@ -43,7 +43,7 @@ fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(
 }
 
 /// Registers the device range; Ok(None) = the engine does not support BLK_SEG (yet): SKIP.
-fn register_blk(e: &Engine, offset: u64, len: u64, dev_id: u64, meta: &str) -> Result<Option<*const c_void>, String> {
+pub(crate) fn register_blk(e: &Engine, offset: u64, len: u64, dev_id: u64, meta: &str) -> Result<Option<*const c_void>, String> {
     match e.register(BLK, offset, len, dev_id, meta) {
         Ok(md) => Ok(Some(md)),
         Err(err) if err.kind == ErrorKind::NotSupported => Ok(None),
