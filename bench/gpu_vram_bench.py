@@ -27,10 +27,17 @@ BACKENDS = [
     ("IUD-stage-1Mx64", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB), "staging_buffers": "64"}),
     ("IUD-stage-2Mx32", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(2 * MiB), "staging_buffers": "32"}),
     ("IUD-stage-4Mx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(4 * MiB), "staging_buffers": "16"}),
+    # Page-cache READ pieces handed to io_uring's workers (punted) from this size; 0 = never.
+    ("IUD-punt-off", "IO_URING_DMABUF", {"vram_path": "staging", "punt_buffered_min": "0"}),
+    ("IUD-punt-64K", "IO_URING_DMABUF", {"vram_path": "staging", "punt_buffered_min": "65536"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),
 ]
+
+
+# Variants measured only when named in --backends.
+OPT_IN = ("IUD-stage-", "IUD-punt-")
 
 
 class Point:
@@ -138,7 +145,7 @@ def main():
     ap.add_argument("--sizes", default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)))
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--request_bytes", type=int, default=256 * MiB, help="bytes per request (descriptors = this / block, at most 128)")
-    ap.add_argument("--backends", default=",".join(b[0] for b in BACKENDS if not b[0].startswith("IUD-stage-")))
+    ap.add_argument("--backends", default=",".join(b[0] for b in BACKENDS if not b[0].startswith(OPT_IN)))
     ap.add_argument("--timeout", type=float, default=90, help="seconds allowed per backend")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()

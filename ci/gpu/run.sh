@@ -52,6 +52,11 @@ if [ "$step" = all ] || [ "$step" = bench ]; then
     timeout 560 python3 bench/gpu_vram_bench.py --dir /tmp --timeout 30 2>"$OUT/bench-pagecache.log" | tee "$OUT/bench-pagecache.md"
     timeout 560 python3 bench/gpu_vram_bench.py --dir /root --direct --timeout 30 2>"$OUT/bench-direct.log" | tee "$OUT/bench-direct.md"
 fi
+if [ "$step" = bench-args ]; then
+    # One page-cache benchmark run with the given arguments (IUD_BENCH_ARGS), e.g. opt-in variants.
+    # shellcheck disable=SC2086
+    timeout 560 python3 bench/gpu_vram_bench.py $IUD_BENCH_ARGS 2>"$OUT/bench-args.log" | tee "$OUT/bench-args.md"
+fi
 if [ "$step" = all ] || [ "$step" = bench ] || [ "$step" = fio ]; then
     # What fio reaches on the same disk, for the O_DIRECT ">= 95 % of fio" target.
     timeout 300 python3 bench/fio_reference.py --fio "$G/fio/fio" --dir /root 2>&1 | tee "$OUT/fio-reference.md"

@@ -58,6 +58,9 @@ struct Device {
     to_device: sys::CUstream,
     /// Recorded on the legacy default stream at each post; our streams wait on it.
     app_done: sys::CUevent,
+    /// Copy-completion events of finished tickets, reused: creating and destroying one per
+    /// copy costs two driver calls on the hot path of every staged piece.
+    spare_events: Mutex<Vec<sys::CUevent>>,
 }
 
 /// The loaded CUDA driver.
@@ -133,7 +136,7 @@ impl Cuda {
         let mut app_done: sys::CUevent = std::ptr::null_mut();
         // SAFETY: writes into the event handle, with the context current.
         check("cuEventCreate", || unsafe { sys::cuEventCreate(&mut app_done, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) })?;
-        let d = Arc::new(Device { ctx, to_host, to_device, app_done });
+        let d = Arc::new(Device { ctx, to_host, to_device, app_done, spare_events: Mutex::new(Vec::new()) });
         devices.insert(ordinal, Arc::clone(&d));
         Ok(d)
     }
@@ -171,8 +174,11 @@ impl Cuda {
 
 struct EventTicket {
     event: sys::CUevent,
-    ctx: sys::CUcontext,
+    device: Arc<Device>,
 }
+
+/// Spare events kept per device; more are destroyed (a request rarely has more copies in flight).
+const SPARE_EVENTS_MAX: usize = 256;
 
 // SAFETY: a CUDA event may be queried from any thread with its context current.
 unsafe impl Send for EventTicket {}
@@ -180,7 +186,7 @@ unsafe impl Send for EventTicket {}
 impl CopyTicket for EventTicket {
     fn is_done(&self) -> Result<bool> {
         // SAFETY: ctx is a retained primary context; event is alive until drop.
-        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(self.device.ctx) })?;
         // SAFETY: as above.
         match guard("cuEventQuery", || unsafe { sys::cuEventQuery(self.event) })? {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -191,7 +197,7 @@ impl CopyTicket for EventTicket {
 
     fn wait(&self) -> Result<()> {
         // SAFETY: as in is_done.
-        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(self.ctx) })?;
+        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(self.device.ctx) })?;
         // SAFETY: as above.
         check("cuEventSynchronize", || unsafe { sys::cuEventSynchronize(self.event) })
     }
@@ -199,22 +205,37 @@ impl CopyTicket for EventTicket {
 
 impl Drop for EventTicket {
     fn drop(&mut self) {
+        // Re-recording a spare event replaces its previous capture, so even an event whose copy
+        // is still pending (a failing request) is safe to reuse.
+        let mut spare = self.device.spare_events.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < SPARE_EVENTS_MAX {
+            spare.push(self.event);
+            return;
+        }
+        drop(spare);
         // SAFETY: the event was created by us and is destroyed once; a pending event may be
         // destroyed (the driver releases it when it completes).
         let _ = guard("cuEventDestroy", || unsafe {
-            sys::cuCtxSetCurrent(self.ctx);
+            sys::cuCtxSetCurrent(self.device.ctx);
             sys::cuEventDestroy_v2(self.event)
         });
     }
 }
 
 impl Cuda {
-    fn record(&self, d: &Device, stream: sys::CUstream) -> Result<Box<dyn CopyTicket>> {
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: writes into event with the device's context current.
-        check("cuEventCreate", || unsafe { sys::cuEventCreate(&mut event, flags) })?;
-        let ticket = EventTicket { event, ctx: d.ctx };
+    fn record(&self, d: &Arc<Device>, stream: sys::CUstream) -> Result<Box<dyn CopyTicket>> {
+        let spare = d.spare_events.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let event = match spare {
+            Some(e) => e,
+            None => {
+                let mut event: sys::CUevent = std::ptr::null_mut();
+                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+                // SAFETY: writes into event with the device's context current.
+                check("cuEventCreate", || unsafe { sys::cuEventCreate(&mut event, flags) })?;
+                event
+            }
+        };
+        let ticket = EventTicket { event, device: Arc::clone(d) };
         // SAFETY: event and stream belong to the current context.
         check("cuEventRecord", || unsafe { sys::cuEventRecord(event, stream) })?;
         Ok(Box::new(ticket))

@@ -19,6 +19,7 @@ pub mod inline;
 mod op;
 mod slots;
 pub mod staging;
+mod workers;
 
 pub use op::{FileRef, IoOp};
 
@@ -34,6 +35,7 @@ use crate::error::{describe_os_error, Error, ErrorKind, Result};
 use crate::gpu::{CopyTicket, GpuProvider};
 use slots::SlotPool;
 use staging::StagingPool;
+use workers::{Job, PageCacheWorkers};
 
 /// user_data of SQEs whose completions carry no information (cancellations).
 const IGNORED_CQE: u64 = u64::MAX;
@@ -166,6 +168,12 @@ struct Core {
     files: HashMap<FileKey, FileSlot>,
     staging: Option<StagingPool>,
     copies: Vec<PendingCopy>,
+    /// Threads for page-cache I/O (`IoOp::punt`), started on first use.
+    workers: Option<PageCacheWorkers>,
+    /// Ops of `inflight` that are on `workers` rather than in the kernel.
+    on_workers: usize,
+    /// Scratch list of (user_data, result) completions, reused.
+    completed: Vec<(u64, i32)>,
 }
 
 impl Ring {
@@ -218,6 +226,9 @@ impl Ring {
                 file_slots,
                 files: HashMap::new(),
                 staging: None,
+                workers: None,
+                on_workers: 0,
+                completed: Vec::new(),
                 copies: Vec::new(),
             }),
             retired: Mutex::new(Vec::new()),
@@ -539,7 +550,7 @@ impl Core {
     /// Moves waiting ops into the SQ (or, for staged WRITEs, onto a device stream) as far as
     /// the SQ, the in-flight bound and the staging pool allow.
     fn fill(&mut self) {
-        let Core { uring, max_inflight, inflight, requests, queue, retry, staging, copies, .. } = self;
+        let Core { uring, max_inflight, inflight, requests, queue, retry, staging, copies, workers, on_workers, .. } = self;
         let (submitter, mut sq, _) = uring.split();
         let mut throttled = 0;
         loop {
@@ -554,7 +565,7 @@ impl Core {
                     drop_op(req, entry.stage, staging);
                     continue;
                 }
-                if !push_sqe(&submitter, &mut sq, inflight, entry, write, retry) {
+                if !push_sqe(&submitter, &mut sq, inflight, entry, write, retry, (workers, on_workers)) {
                     break;
                 }
                 continue;
@@ -603,7 +614,7 @@ impl Core {
             }
             match stage {
                 None => {
-                    if !push_sqe(&submitter, &mut sq, inflight, InFlight { req: key, op, stage: None }, write, retry) {
+                    if !push_sqe(&submitter, &mut sq, inflight, InFlight { req: key, op, stage: None }, write, retry, (workers, on_workers)) {
                         break;
                     }
                 }
@@ -623,7 +634,15 @@ impl Core {
                                 drop_op(req, Some(stage), staging);
                             }
                         }
-                    } else if !push_sqe(&submitter, &mut sq, inflight, InFlight { req: key, op: host_op, stage: Some(stage) }, write, retry) {
+                    } else if !push_sqe(
+                        &submitter,
+                        &mut sq,
+                        inflight,
+                        InFlight { req: key, op: host_op, stage: Some(stage) },
+                        write,
+                        retry,
+                        (workers, on_workers),
+                    ) {
                         break;
                     }
                 }
@@ -689,71 +708,88 @@ impl Core {
         }
     }
 
-    /// Processes every available CQE; returns how many there were.
+    /// Processes every available completion (CQEs and page-cache workers' results); returns how
+    /// many there were.
     fn reap(&mut self) -> usize {
-        let Core { uring, inflight, requests, retry, staging, copies, .. } = self;
+        let mut done = std::mem::take(&mut self.completed);
+        done.clear();
         let mut n = 0;
-        for cqe in uring.completion() {
+        for cqe in self.uring.completion() {
             n += 1;
-            let ud = cqe.user_data();
-            if ud == IGNORED_CQE {
-                continue;
+            if cqe.user_data() != IGNORED_CQE {
+                done.push((cqe.user_data(), cqe.result()));
             }
-            let Some(entry) = inflight.try_remove(ud as usize) else {
-                tracing::error!(user_data = ud, "io_uring completion for an unknown op; ignored");
-                continue;
-            };
-            let req = &mut requests[entry.req];
-            let write = req.ops.write;
-            let State::Running { error, abort, .. } = &mut req.state else {
-                tracing::error!("io_uring completion for a request that is not running; ignored");
-                continue;
-            };
-            let op = entry.op;
-            let res = cqe.result();
-            if res >= 0 && res as u32 == op.len {
-                match entry.stage {
-                    // A staged READ landed in its buffer: copy it up to the GPU.
-                    Some(stage) if !write && error.is_none() && !*abort => {
-                        let pool = staging.as_ref().expect("staged op without pool");
-                        let host = pool.bufs[stage.buf].addr;
-                        let d = stage.device_op;
-                        // SAFETY: the buffer stays ours until the copy completes; the device range
-                        // is registered VRAM kept alive by the plan.
-                        match unsafe { pool.provider.copy_to_device(d.device.unwrap_or(0), d.addr, host, d.len as u64) } {
-                            Ok(ticket) => copies.push(PendingCopy { req: entry.req, stage, ticket, then_write: false }),
-                            Err(e) => {
-                                fail(req, e);
-                                drop_op(req, Some(stage), staging);
-                            }
+        }
+        if self.on_workers > 0 {
+            if let Some(w) = &self.workers {
+                let before = done.len();
+                w.take_done(&mut done);
+                self.on_workers -= done.len() - before;
+                n += done.len() - before;
+            }
+        }
+        for &(ud, res) in &done {
+            self.complete(ud, res);
+        }
+        self.completed = done;
+        n
+    }
+
+    /// One storage I/O ended with `res` (bytes moved or -errno).
+    fn complete(&mut self, ud: u64, res: i32) {
+        let Core { inflight, requests, retry, staging, copies, .. } = self;
+        let Some(entry) = inflight.try_remove(ud as usize) else {
+            tracing::error!(user_data = ud, "io_uring completion for an unknown op; ignored");
+            return;
+        };
+        let req = &mut requests[entry.req];
+        let write = req.ops.write;
+        let State::Running { error, abort, .. } = &mut req.state else {
+            tracing::error!("io_uring completion for a request that is not running; ignored");
+            return;
+        };
+        let op = entry.op;
+        if res >= 0 && res as u32 == op.len {
+            match entry.stage {
+                // A staged READ landed in its buffer: copy it up to the GPU.
+                Some(stage) if !write && error.is_none() && !*abort => {
+                    let pool = staging.as_ref().expect("staged op without pool");
+                    let host = pool.bufs[stage.buf].addr;
+                    let d = stage.device_op;
+                    // SAFETY: the buffer stays ours until the copy completes; the device range
+                    // is registered VRAM kept alive by the plan.
+                    match unsafe { pool.provider.copy_to_device(d.device.unwrap_or(0), d.addr, host, d.len as u64) } {
+                        Ok(ticket) => copies.push(PendingCopy { req: entry.req, stage, ticket, then_write: false }),
+                        Err(e) => {
+                            fail(req, e);
+                            drop_op(req, Some(stage), staging);
                         }
                     }
-                    stage => drop_op(req, stage, staging),
                 }
-            } else if res > 0 {
-                // Short transfer: finish the remainder (NIXL's POSIX fails the request here).
-                retry.push_back(InFlight { req: entry.req, op: op.remainder(res as u32), stage: entry.stage });
-            } else if res == 0 {
-                if error.is_none() {
-                    *error = Some(op.made_no_progress(write));
+                stage => drop_op(req, stage, staging),
+            }
+        } else if res > 0 {
+            // Short transfer: finish the remainder (NIXL's POSIX fails the request here).
+            retry.push_back(InFlight { req: entry.req, op: op.remainder(res as u32), stage: entry.stage });
+        } else if res == 0 {
+            if error.is_none() {
+                *error = Some(op.made_no_progress(write));
+            }
+            drop_op(req, entry.stage, staging);
+        } else {
+            let errno = -res;
+            let retryable = errno == libc::EAGAIN || errno == libc::EINTR || (errno == libc::ECANCELED && !*abort);
+            if retryable && error.is_none() && !*abort {
+                retry.push_back(InFlight { req: entry.req, op, stage: entry.stage });
+            } else {
+                if error.is_none() && !*abort {
+                    *error = Some(op.failed(write, errno));
                 }
                 drop_op(req, entry.stage, staging);
-            } else {
-                let errno = -res;
-                let retryable = errno == libc::EAGAIN || errno == libc::EINTR || (errno == libc::ECANCELED && !*abort);
-                if retryable && error.is_none() && !*abort {
-                    retry.push_back(InFlight { req: entry.req, op, stage: entry.stage });
-                } else {
-                    if error.is_none() && !*abort {
-                        *error = Some(op.failed(write, errno));
-                    }
-                    drop_op(req, entry.stage, staging);
-                }
             }
-            stop_if_failing(req);
-            finish_if_drained(req);
         }
-        n
+        stop_if_failing(req);
+        finish_if_drained(req);
     }
 
     /// This request's state as a post/check result.
@@ -795,13 +831,20 @@ impl Core {
     /// Waits (bounded) for at least one completion, storage or device copy, and processes what
     /// arrived.
     fn wait_one(&mut self, timeout: Duration) -> Result<()> {
+        let in_kernel = self.inflight.len() - self.on_workers;
         if self.inflight.is_empty() && !self.copies.is_empty() {
             // Only device copies are pending: block on the oldest.
             if let Err(e) = self.copies[0].ticket.wait() {
                 tracing::error!("waiting for a device copy: {e}");
             }
+        } else if in_kernel == 0 && self.copies.is_empty() && self.on_workers > 0 {
+            // Only page-cache workers are busy: wait for one of them.
+            if let Some(w) = &self.workers {
+                w.wait_done(timeout);
+            }
         } else {
-            let timeout = if self.copies.is_empty() { timeout } else { Duration::from_millis(1) };
+            // Results of device copies and workers arrive outside the ring: look again soon.
+            let timeout = if self.copies.is_empty() && self.on_workers == 0 { timeout } else { Duration::from_millis(1) };
             let ts = types::Timespec::new().sec(timeout.as_secs()).nsec(timeout.subsec_nanos());
             let args = types::SubmitArgs::new().timespec(&ts);
             match self.uring.submitter().submit_with_args(1, &args) {
@@ -910,8 +953,11 @@ fn drop_op(req: &mut RequestProgress, stage: Option<Stage>, staging: &mut Option
     finish_if_drained(req);
 }
 
-/// Pushes one SQE, submitting first if the SQ is full. Returns false (and keeps the entry for a
-/// retry) when there is still no room.
+/// Page-cache workers for punted ops: more threads than this rarely help one file's copies.
+const PAGE_CACHE_WORKERS_MAX: usize = 8;
+
+/// Pushes one SQE, submitting first if the SQ is full, or hands a punted op to the page-cache
+/// workers. Returns false (and keeps the entry for a retry) when there is still no room.
 fn push_sqe(
     submitter: &io_uring::Submitter<'_>,
     sq: &mut io_uring::SubmissionQueue<'_>,
@@ -919,7 +965,27 @@ fn push_sqe(
     entry: InFlight,
     write: bool,
     retry: &mut VecDeque<InFlight>,
+    (workers, on_workers): (&mut Option<PageCacheWorkers>, &mut usize),
 ) -> bool {
+    if entry.op.punt {
+        if workers.is_none() {
+            let n = std::thread::available_parallelism().map_or(2, |n| n.get() / 2).clamp(2, PAGE_CACHE_WORKERS_MAX);
+            match PageCacheWorkers::new(n) {
+                Ok(w) => {
+                    tracing::debug!(threads = w.threads(), "page-cache workers started");
+                    *workers = Some(w);
+                }
+                Err(e) => tracing::info!("page-cache workers unavailable ({e}); punted I/O goes to io_uring's workers"),
+            }
+        }
+        if let Some(w) = workers.as_ref() {
+            let op = entry.op;
+            let token = inflight.insert(entry) as u64;
+            *on_workers += 1;
+            w.submit(Job { token, fd: op.fd, offset: op.file_offset, addr: op.addr, len: op.len, write });
+            return true;
+        }
+    }
     if sq.is_full() {
         sq.sync();
         if submitter.submit().is_err() {

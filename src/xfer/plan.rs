@@ -311,10 +311,12 @@ pub unsafe fn plan(
             "descriptors of one request take different paths (cuFile for some, io_uring for others); split the request by memory region",
         ));
     }
-    // Decided after merging, on the final sizes. Only reads: io_uring serializes buffered
-    // writes to one file in its worker pool anyway, so punting them only adds hand-offs.
+    // Decided after merging, on the final sizes; punted ops run on the page-cache workers
+    // (uring/workers.rs). Reads, and the writes of staged VRAM: their device copies overlap the
+    // workers' writes, while DRAM writes are written by the calling threads (`inline_writes`).
     for op in &mut ops {
-        op.punt &= op_kind == XferOp::Read && ctx.punt_buffered_min > 0 && op.len as u64 >= ctx.punt_buffered_min;
+        let kind_ok = op_kind == XferOp::Read || op.device.is_some();
+        op.punt &= kind_ok && ctx.punt_buffered_min > 0 && op.len as u64 >= ctx.punt_buffered_min;
     }
     Ok(Plan {
         op,
