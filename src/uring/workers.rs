@@ -247,10 +247,8 @@ mod tests {
         assert_eq!(done, vec![(7, 4096)]);
         let mut back = vec![0u8; 4096];
         // SAFETY: reads into a live local buffer.
-        assert_eq!(
-            unsafe { libc::pread(f.as_raw_fd(), back.as_mut_ptr().cast(), 4096, 8192) },
-            4096
-        );
+        let n = unsafe { libc::pread(f.as_raw_fd(), back.as_mut_ptr().cast(), 4096, 8192) };
+        assert_eq!(n, 4096);
         assert_eq!(back, patch);
     }
 
