@@ -812,6 +812,9 @@ impl Core {
         stop_if_failing(req);
         finish_if_drained(req);
         let targets: Vec<u64> = self.inflight.iter().filter(|(_, f)| f.req == key).map(|(k, _)| k as u64).collect();
+        if let (Some(w), true) = (&self.workers, self.on_workers > 0) {
+            w.cancel(&targets);
+        }
         for ud in targets {
             let sqe = opcode::AsyncCancel::new(ud).build().user_data(IGNORED_CQE);
             loop {

@@ -88,6 +88,26 @@ impl PageCacheWorkers {
         self.shared.job_ready.notify_one();
     }
 
+    /// Takes the jobs among `tokens` that no thread has started yet out of the queue; they
+    /// complete with -ECANCELED. Started ones run to their end (a pread cannot be interrupted).
+    pub fn cancel(&self, tokens: &[u64]) {
+        let mut q = self.lock();
+        let before = q.jobs.len();
+        let mut canceled = Vec::new();
+        q.jobs.retain(|j| {
+            let hit = tokens.contains(&j.token);
+            if hit {
+                canceled.push((j.token, -libc::ECANCELED));
+            }
+            !hit
+        });
+        if q.jobs.len() != before {
+            q.done.append(&mut canceled);
+            drop(q);
+            self.shared.done_ready.notify_all();
+        }
+    }
+
     /// Moves the finished jobs' results into `out` without blocking.
     pub fn take_done(&self, out: &mut Vec<(u64, i32)>) {
         out.append(&mut self.lock().done);
