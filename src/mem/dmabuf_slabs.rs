@@ -104,12 +104,10 @@ impl DmabufSlabs {
 
     /// Index of the slab containing `addr`, and the address where it ends.
     pub fn slab_at(&self, addr: u64) -> Option<(usize, u64)> {
-        let first = self.slabs.first()?;
-        if addr < first.start {
-            return None;
-        }
-        let i = ((addr - first.start) / MAX_FIXED_BUFFER) as usize;
-        self.slabs.get(i).filter(|s| addr < s.start + s.len).map(|s| (i, s.start + s.len))
+        // Slabs are sorted and contiguous, but not all 1 GiB: udmabuf's size limit can make
+        // them smaller.
+        let i = self.slabs.partition_point(|s| s.start + s.len <= addr);
+        self.slabs.get(i).filter(|s| addr >= s.start).map(|s| (i, s.start + s.len))
     }
 
     pub fn cached_route(&self, key: &FileKey) -> Option<Route> {
@@ -132,12 +130,18 @@ impl Drop for DmabufSlabs {
 /// The page-aligned cover of `[addr, addr+len)` inside `[alloc_start, alloc_end)`, cut into
 /// ≤1 GiB slabs.
 pub fn slab_ranges(addr: u64, len: u64, alloc_start: u64, alloc_end: u64) -> Vec<(u64, u64)> {
+    slab_ranges_of(addr, len, alloc_start, alloc_end, MAX_FIXED_BUFFER)
+}
+
+/// As [`slab_ranges`], with slabs of at most `max_slab` bytes (a page multiple).
+pub fn slab_ranges_of(addr: u64, len: u64, alloc_start: u64, alloc_end: u64, max_slab: u64) -> Vec<(u64, u64)> {
+    let max_slab = (max_slab / PAGE * PAGE).clamp(PAGE, MAX_FIXED_BUFFER);
     let start = (addr / PAGE * PAGE).max(alloc_start);
     let end = (addr + len).div_ceil(PAGE).saturating_mul(PAGE).min(alloc_end);
     let mut out = Vec::new();
     let mut s = start;
     while s < end {
-        let n = (end - s).min(MAX_FIXED_BUFFER);
+        let n = (end - s).min(max_slab);
         out.push((s, n));
         s += n;
     }
@@ -147,6 +151,16 @@ pub fn slab_ranges(addr: u64, len: u64, alloc_start: u64, alloc_end: u64) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn smaller_slabs_when_the_exporter_caps_the_size() {
+        let mib = 1u64 << 20;
+        let base = 0x7f00_0000_0000;
+        let s = slab_ranges_of(base, 96 * mib, base, base + 96 * mib, 64 * mib);
+        assert_eq!(s, vec![(base, 64 * mib), (base + 64 * mib, 32 * mib)]);
+        // A cap above 1 GiB still yields 1 GiB slabs (io_uring's registered-buffer limit).
+        assert_eq!(slab_ranges_of(base, 3 << 30, base, base + (3 << 30), 8 << 30).len(), 3);
+    }
 
     #[test]
     fn slabs_cover_the_page_aligned_range_in_one_gib_pieces() {
@@ -178,6 +192,19 @@ mod tests {
         assert_eq!(d.slab_at(5000), Some((0, gib)));
         assert_eq!(d.slab_at(gib + 100), Some((1, gib + 4096)));
         assert_eq!(d.slab_at(gib + 5000), None);
+    }
+
+    #[test]
+    fn slab_lookup_works_for_slabs_smaller_than_one_gib() {
+        let mib = 1u64 << 20;
+        let base = 0x7f00_0000_0000;
+        let d = DmabufSlabs::new(slab_ranges_of(base, 96 * mib, base, base + 96 * mib, 64 * mib), "not attempted");
+        assert_eq!(d.slab_at(base - 1), None);
+        assert_eq!(d.slab_at(base), Some((0, base + 64 * mib)));
+        assert_eq!(d.slab_at(base + 64 * mib - 1), Some((0, base + 64 * mib)));
+        assert_eq!(d.slab_at(base + 64 * mib), Some((1, base + 96 * mib)));
+        assert_eq!(d.slab_at(base + 96 * mib - 1), Some((1, base + 96 * mib)));
+        assert_eq!(d.slab_at(base + 96 * mib), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::error::describe_os_error;
-use crate::mem::dmabuf_slabs::{slab_ranges, DmabufSlabs, PAGE};
+use crate::mem::dmabuf_slabs::{slab_ranges_of, DmabufSlabs, PAGE};
 use crate::mem::udmabuf;
 use crate::uring::{Ring, MAX_FIXED_BUFFER};
 
@@ -85,9 +85,11 @@ impl DramRegion {
         self.slots.get(i).map(|&s| (s, end))
     }
 
-    /// Exports the region through udmabuf in ≤1 GiB slabs; returns why not, if it failed.
+    /// Exports the region through udmabuf in slabs of at most 1 GiB and at most udmabuf's
+    /// `size_limit_mb` (64 MiB by default upstream); returns why not, if it failed.
     pub fn export_udmabuf(&mut self) -> Option<String> {
-        let cover = slab_ranges(self.addr, self.len, self.addr / PAGE * PAGE, (self.addr + self.len).div_ceil(PAGE) * PAGE);
+        let (start, end) = (self.addr / PAGE * PAGE, (self.addr + self.len).div_ceil(PAGE) * PAGE);
+        let cover = slab_ranges_of(self.addr, self.len, start, end, udmabuf::size_limit().unwrap_or(MAX_FIXED_BUFFER));
         let mut slabs = DmabufSlabs::new(cover, "not exported");
         let failure = slabs.export_all(|start, len| {
             let (memfd, offset) = udmabuf::backing_memfd(start, len)?;

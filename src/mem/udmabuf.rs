@@ -74,6 +74,12 @@ pub fn seal_shrink(memfd: RawFd) -> Result<(), String> {
     Ok(())
 }
 
+/// udmabuf's per-buffer limit in bytes (module parameter `size_limit_mb`), when it is visible.
+pub fn size_limit() -> Option<u64> {
+    let mb: u64 = std::fs::read_to_string("/sys/module/udmabuf/parameters/size_limit_mb").ok()?.trim().parse().ok()?;
+    Some(mb.saturating_mul(1 << 20))
+}
+
 /// `UDMABUF_CREATE` on `[offset, offset+size)` of `memfd`.
 pub fn create(memfd: RawFd, offset: u64, size: u64) -> Result<OwnedFd, String> {
     let dev = OpenOptions::new()

@@ -120,6 +120,7 @@ fn main() {
     rep.run("d3_udmabuf_dmabuf_registration", || t_dmabuf::dmabuf_registration(&device, probe));
     rep.run("d4_dmabuf_registration_refusals", || t_dmabuf::dmabuf_refusals(&device, probe));
     rep.run("e1_engine_dram_dmabuf_round_trip", || t_engine_dmabuf::dram_dmabuf_round_trip(&device, probe));
+    rep.run("e2_engine_dram_dmabuf_slab_boundary", || t_engine_dmabuf::dram_dmabuf_slab_boundary(&device, probe));
 
     info(format!("tests took {} ms", t0.elapsed().as_millis()));
     println!("{}", rep.summary_line());
