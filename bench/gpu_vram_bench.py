@@ -43,26 +43,32 @@ OPT_IN = ("IUD-stage-", "IUD-punt-")
 
 
 class Point:
-    def __init__(self, agent, name, kind, block, count, direct, path):
+    def __init__(self, agent, name, kind, block, count, direct, path, memory="vram"):
         self.agent, self.kind, self.block, self.count = agent, kind, block, count
         total = block * count
         self.total = total
-        self.vram = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
+        self.dram_only = memory == "dram"
+        # --memory dram: every backend moves pinned host memory (no GPU copies at all).
+        dev = "cpu" if self.dram_only else "cuda"
+        self.vram = torch.randint(0, 256, (total,), dtype=torch.uint8, device=dev)
+        if self.dram_only:
+            self.vram = self.vram.pin_memory()
         self.check = torch.empty_like(self.vram)
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o644)
         os.ftruncate(self.fd, total)
         self.regs = [agent.register_memory([(0, total, self.fd, "")], "FILE", backends=[name])]
         self.remote = agent.get_xfer_descs([(i * block, block, self.fd) for i in range(count)], "FILE")
-        if kind == "POSIX":
+        if kind == "POSIX" and not self.dram_only:
             # POSIX cannot address VRAM: stage through a pinned host tensor by hand.
             self.host = torch.empty(total, dtype=torch.uint8).pin_memory()
             self.regs.append(agent.register_memory([(self.host.data_ptr(), total, 0, "")], "DRAM", backends=[name]))
             self.local = agent.get_xfer_descs([(self.host.data_ptr() + i * block, block, 0) for i in range(count)], "DRAM")
         else:
             self.host = None
-            self.regs.append(agent.register_memory([(self.vram.data_ptr(), total, 0, ""), (self.check.data_ptr(), total, 0, "")], "VRAM", backends=[name]))
-            self.local = agent.get_xfer_descs([(self.vram.data_ptr() + i * block, block, 0) for i in range(count)], "VRAM")
-            self.local_check = agent.get_xfer_descs([(self.check.data_ptr() + i * block, block, 0) for i in range(count)], "VRAM")
+            mk = "DRAM" if self.dram_only else "VRAM"
+            self.regs.append(agent.register_memory([(self.vram.data_ptr(), total, 0, ""), (self.check.data_ptr(), total, 0, "")], mk, backends=[name]))
+            self.local = agent.get_xfer_descs([(self.vram.data_ptr() + i * block, block, 0) for i in range(count)], mk)
+            self.local_check = agent.get_xfer_descs([(self.check.data_ptr() + i * block, block, 0) for i in range(count)], mk)
         self.name = name
 
     def xfer(self, op, local=None):
@@ -120,7 +126,7 @@ def run_backend(label, name, params, sizes, args):
         path = f"{args.dir}/iud-vram-bench-{label}.bin"
         p = None
         try:
-            p = Point(agent, name, name, block, count, args.direct, path)
+            p = Point(agent, name, name, block, count, args.direct, path, args.memory)
             p.verify()
             for op in ("WRITE", "READ"):
                 results[f"{block}:{op}"] = f"{measure(p, op, args.seconds):.2f}"
@@ -149,6 +155,8 @@ def main():
     ap.add_argument("--request_bytes", type=int, default=256 * MiB, help="bytes per request (descriptors = this / block, at most 128)")
     ap.add_argument("--backends", default=",".join(b[0] for b in BACKENDS if not b[0].startswith(OPT_IN)))
     ap.add_argument("--timeout", type=float, default=90, help="seconds allowed per backend")
+    ap.add_argument("--memory", choices=("vram", "dram"), default="vram",
+                    help="dram: pinned host memory for every backend (no GPU copies; POSIX+copy is then plain POSIX)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -158,7 +166,7 @@ def main():
         run_backend(label, name, params, sizes, args)
         return
     kind = "O_DIRECT file on the virtio disk" if args.direct else "buffered file (page cache)"
-    print(f"# VRAM <-> FILE, {kind}\n")
+    print(f"# {args.memory.upper()} <-> FILE, {kind}\n")
     print(f"date {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; host {platform.node()}; kernel {platform.release()}; GPU {torch.cuda.get_device_name(0)}")
     print(f"command: python3 {' '.join(sys.argv)}\n", flush=True)
     results = {}
