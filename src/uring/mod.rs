@@ -959,6 +959,11 @@ fn drop_op(req: &mut RequestProgress, stage: Option<Stage>, staging: &mut Option
 /// Page-cache workers for punted ops: more threads than this rarely help one file's copies.
 const PAGE_CACHE_WORKERS_MAX: usize = 8;
 
+/// How many page-cache worker threads an engine starts: half the CPUs, 2 to 8.
+pub fn page_cache_threads() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get() / 2).clamp(2, PAGE_CACHE_WORKERS_MAX)
+}
+
 /// Pushes one SQE, submitting first if the SQ is full, or hands a punted op to the page-cache
 /// workers. Returns false (and keeps the entry for a retry) when there is still no room.
 fn push_sqe(
@@ -972,8 +977,7 @@ fn push_sqe(
 ) -> bool {
     if entry.op.punt {
         if workers.is_none() {
-            let n = std::thread::available_parallelism().map_or(2, |n| n.get() / 2).clamp(2, PAGE_CACHE_WORKERS_MAX);
-            match PageCacheWorkers::new(n) {
+            match PageCacheWorkers::new(page_cache_threads()) {
                 Ok(w) => {
                     tracing::debug!(threads = w.threads(), "page-cache workers started");
                     *workers = Some(w);

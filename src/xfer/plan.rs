@@ -138,6 +138,15 @@ fn staged_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
     ctx.staging_buffer_size.min(share.max(STAGED_PIECE_MIN))
 }
 
+/// Piece size for buffered reads handed to the page-cache workers: the request spread over all
+/// of them (merging neighbours into max_io_size pieces would leave most idle: 128 x 64 KiB
+/// became two 4 MiB reads), but never below `punt_buffered_min` (smaller ones are not punted).
+fn worker_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
+    let request: u64 = local.iter().map(|l| l.len).sum();
+    let share = (request / crate::uring::page_cache_threads() as u64).div_ceil(4096) * 4096;
+    share.max(ctx.punt_buffered_min)
+}
+
 /// Validates the lists and builds the request's ops.
 ///
 /// # Safety
@@ -168,6 +177,7 @@ pub unsafe fn plan(
     }
     let max_piece = if ctx.max_io_size == 0 { MAX_FIXED_BUFFER } else { ctx.max_io_size.min(MAX_FIXED_BUFFER) };
     let staged_limit = max_piece.min(staged_piece(ctx, local));
+    let worker_limit = max_piece.min(worker_piece(ctx, local));
     let mut regs = RegistrationSet::default();
     let mut ops = Vec::with_capacity(local.len());
     let (mut total_bytes, mut all_buffered, mut all_host) = (0u64, true, true);
@@ -247,6 +257,10 @@ pub unsafe fn plan(
         // Cut into pieces that fit max_io_size (and the staging buffers) and never straddle a
         // fixed-buffer slot or a slab; merge pieces that continue each other.
         let mut limit = if staged { staged_limit } else { max_piece };
+        if !staged && op_kind == XferOp::Read && file.direct.is_none() && ctx.punt_buffered_min > 0 {
+            // Page-cache reads go to the workers: cut so that every worker gets a share.
+            limit = worker_limit;
+        }
         if let Some(dev_max) = file.max_direct_io {
             // One device request per I/O keeps O_DIRECT on io_uring's non-blocking path.
             limit = limit.min(dev_max);
