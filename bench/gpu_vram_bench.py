@@ -27,6 +27,9 @@ BACKENDS = [
     ("IUD-stage-1Mx64", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB), "staging_buffers": "64"}),
     ("IUD-stage-2Mx32", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(2 * MiB), "staging_buffers": "32"}),
     ("IUD-stage-4Mx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(4 * MiB), "staging_buffers": "16"}),
+    # Small pools: less host memory touched per request (cache-resident staging for writes?).
+    ("IUD-stage-1Mx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB), "staging_buffers": "16"}),
+    ("IUD-stage-512Kx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "16"}),
     # More bytes in flight for disks that want deep queues (256 MiB pinned instead of 64).
     ("IUD-stage-2Mx128", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(2 * MiB), "staging_buffers": "128"}),
     # Page-cache READ pieces handed to io_uring's workers (punted) from this size; 0 = never.
