@@ -129,6 +129,12 @@ pub struct PlanContext<'a> {
 /// Smallest staged piece worth cutting (below it, per-piece overhead outweighs parallelism).
 const STAGED_PIECE_MIN: u64 = 256 << 10;
 
+/// Largest staged piece of a page-cache WRITE. The file system writes one file's pieces one at a
+/// time (inode lock), so large pieces buy no parallelism; small ones keep the host memory a
+/// request touches small. Measured on the H200 (bench/results, session 4): 2 MiB pieces wrote
+/// 5.0-5.1 GB/s at 1-16 MiB blocks, 512 KiB pieces 6.3-6.8.
+const STAGED_WRITE_PIECE_MAX: u64 = 512 << 10;
+
 /// Piece size for staged VRAM: at most a staging buffer, but small enough that the request keeps
 /// every staging buffer busy (an 8 MiB request in one 8 MiB piece would run one storage I/O and
 /// one copy, one after the other), in 64 KiB multiples so O_DIRECT pieces stay aligned.
@@ -257,6 +263,9 @@ pub unsafe fn plan(
         // Cut into pieces that fit max_io_size (and the staging buffers) and never straddle a
         // fixed-buffer slot or a slab; merge pieces that continue each other.
         let mut limit = if staged { staged_limit } else { max_piece };
+        if staged && op_kind == XferOp::Write && file.direct.is_none() {
+            limit = limit.min(STAGED_WRITE_PIECE_MAX);
+        }
         if !staged && op_kind == XferOp::Read && file.direct.is_none() && ctx.punt_buffered_min > 0 {
             // Page-cache reads go to the workers: cut so that every worker gets a share.
             limit = worker_limit;
