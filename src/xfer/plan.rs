@@ -183,7 +183,7 @@ pub unsafe fn plan(
     }
     let max_piece = if ctx.max_io_size == 0 { MAX_FIXED_BUFFER } else { ctx.max_io_size.min(MAX_FIXED_BUFFER) };
     let staged_limit = max_piece.min(staged_piece(ctx, local));
-    let worker_limit = max_piece.min(worker_piece(ctx, local));
+    let worker_limit = if ctx.punt_buffered_min > 0 { max_piece.min(worker_piece(ctx, local)) } else { max_piece };
     let mut regs = RegistrationSet::default();
     let mut ops = Vec::with_capacity(local.len());
     let (mut total_bytes, mut all_buffered, mut all_host) = (0u64, true, true);
