@@ -194,37 +194,41 @@ def test_eio_on_read(scene, rng, mode):
     assert m.stop()["eio"] > 0
 
 
-@pytest.mark.parametrize("ring_only", [False, True], ids=["inline", "ring"])
-def test_eio_on_write(scene_factory, rng, ring_only):
+def write_fault_scene(scene_factory, rng, ring_only, fault, content):
+    """A scene whose writes go through the ring only (inline_write_max=0) or start inline, a
+    FUSE file with `fault` registered in fd mode, and a registered SIZE-byte random source."""
     scene = scene_factory({"inline_write_max": "0"} if ring_only else None)
-    content = np.zeros(SIZE, np.uint8)
-    m = scene.mount(f"eio_write:{2 * MiB + 4097}", content)
+    m = scene.mount(fault, content)
     buf = H.Buf(SIZE).fill(rng)
     scene.reg(scene.rig.reg_dram(buf))
     fd = scene.fd(os.open(m.path, os.O_RDWR))
     scene.reg(scene.rig.reg_fd(fd, SIZE))
-    c = 512 * KiB
+    return scene, m, buf, fd
+
+
+def whole_buffer_write(scene, buf, fd, chunk):
+    """WRITE of the whole buffer to the file in `chunk`-byte descriptors, run to its end."""
+    return lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
+        "WRITE", [(buf.addr + i, chunk) for i in range(0, SIZE, chunk)],
+        [(i, chunk, fd) for i in range(0, SIZE, chunk)]))
+
+
+@pytest.mark.parametrize("ring_only", [False, True], ids=["inline", "ring"])
+def test_eio_on_write(scene_factory, rng, ring_only):
+    scene, m, buf, fd = write_fault_scene(scene_factory, rng, ring_only, f"eio_write:{2 * MiB + 4097}",
+                                          np.zeros(SIZE, np.uint8))
     scene.check(f"EIO on write ({'ring' if ring_only else 'inline pwrite'})",
-                lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-                    "WRITE", [(buf.addr + i, c) for i in range(0, SIZE, c)],
-                    [(i, c, fd) for i in range(0, SIZE, c)])),
+                whole_buffer_write(scene, buf, fd, 512 * KiB),
                 "NIXL_ERR_BACKEND", ("post", "check"), contains=("Input/output error",))
     assert m.stop()["eio_write"] > 0
 
 
 @pytest.mark.parametrize("ring_only", [False, True], ids=["inline", "ring"])
 def test_enospc(scene_factory, rng, ring_only):
-    scene = scene_factory({"inline_write_max": "0"} if ring_only else None)
-    m = scene.mount(f"enospc:{3 * MiB}", np.zeros(MiB, np.uint8))
-    buf = H.Buf(SIZE).fill(rng)
-    scene.reg(scene.rig.reg_dram(buf))
-    fd = scene.fd(os.open(m.path, os.O_RDWR))
-    scene.reg(scene.rig.reg_fd(fd, SIZE))
-    c = 1 * MiB
+    scene, m, buf, fd = write_fault_scene(scene_factory, rng, ring_only, f"enospc:{3 * MiB}",
+                                          np.zeros(MiB, np.uint8))
     scene.check(f"ENOSPC ({'ring' if ring_only else 'inline pwrite'})",
-                lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-                    "WRITE", [(buf.addr + i, c) for i in range(0, SIZE, c)],
-                    [(i, c, fd) for i in range(0, SIZE, c)])),
+                whole_buffer_write(scene, buf, fd, 1 * MiB),
                 "NIXL_ERR_BACKEND", ("post", "check"), contains=("No space left on device",))
     assert m.stop()["enospc"] > 0
 
@@ -233,22 +237,15 @@ def test_enospc(scene_factory, rng, ring_only):
 def test_short_writes_are_completed(scene_factory, rng, ring_only):
     """Every FUSE WRITE stores at most 8 KiB and says so: the plugin must resubmit remainders
     until the request is complete, and the file must hold exactly the bytes."""
-    scene = scene_factory({"inline_write_max": "0"} if ring_only else None)
-    m = scene.mount("short_write:8192", np.zeros(SIZE, np.uint8))
-    buf = H.Buf(SIZE).fill(rng)
-    scene.reg(scene.rig.reg_dram(buf))
-    fd = scene.fd(os.open(m.path, os.O_RDWR))
-    scene.reg(scene.rig.reg_fd(fd, SIZE))
-    c = 512 * KiB
+    scene, m, buf, fd = write_fault_scene(scene_factory, rng, ring_only, "short_write:8192",
+                                          np.zeros(SIZE, np.uint8))
 
     def verify():
         got = m.backing_bytes()[:SIZE]
         assert np.array_equal(got, buf.arr), "short writes: file content " + H.first_diff(got, buf.arr)
 
     scene.check(f"short writes ({'ring' if ring_only else 'inline pwrite'})",
-                lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-                    "WRITE", [(buf.addr + i, c) for i in range(0, SIZE, c)],
-                    [(i, c, fd) for i in range(0, SIZE, c)])),
+                whole_buffer_write(scene, buf, fd, 512 * KiB),
                 "NIXL_SUCCESS", ("done",), log_lines=0, extra=verify)
     assert m.stop()["short_writes"] > 0
 
