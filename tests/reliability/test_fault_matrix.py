@@ -213,24 +213,21 @@ def whole_buffer_write(scene, buf, fd, chunk):
         [(i, chunk, fd) for i in range(0, SIZE, chunk)]))
 
 
-@pytest.mark.parametrize("ring_only", [False, True], ids=["inline", "ring"])
-def test_eio_on_write(scene_factory, rng, ring_only):
-    scene, m, buf, fd = write_fault_scene(scene_factory, rng, ring_only, f"eio_write:{2 * MiB + 4097}",
-                                          np.zeros(SIZE, np.uint8))
-    scene.check(f"EIO on write ({'ring' if ring_only else 'inline pwrite'})",
-                whole_buffer_write(scene, buf, fd, 512 * KiB),
-                "NIXL_ERR_BACKEND", ("post", "check"), contains=("Input/output error",))
-    assert m.stop()["eio_write"] > 0
+# name -> (FUSE fault, file bytes at mount, descriptor size, errno text, fault counter)
+WRITE_FAULTS = {
+    "EIO on write": (f"eio_write:{2 * MiB + 4097}", SIZE, 512 * KiB, "Input/output error", "eio_write"),
+    "ENOSPC": (f"enospc:{3 * MiB}", MiB, 1 * MiB, "No space left on device", "enospc"),
+}
 
 
 @pytest.mark.parametrize("ring_only", [False, True], ids=["inline", "ring"])
-def test_enospc(scene_factory, rng, ring_only):
-    scene, m, buf, fd = write_fault_scene(scene_factory, rng, ring_only, f"enospc:{3 * MiB}",
-                                          np.zeros(MiB, np.uint8))
-    scene.check(f"ENOSPC ({'ring' if ring_only else 'inline pwrite'})",
-                whole_buffer_write(scene, buf, fd, 1 * MiB),
-                "NIXL_ERR_BACKEND", ("post", "check"), contains=("No space left on device",))
-    assert m.stop()["enospc"] > 0
+@pytest.mark.parametrize("what", list(WRITE_FAULTS), ids=["eio", "enospc"])
+def test_write_fault_fails_the_request(scene_factory, rng, ring_only, what):
+    fault, file_bytes, chunk, text, counter = WRITE_FAULTS[what]
+    scene, m, buf, fd = write_fault_scene(scene_factory, rng, ring_only, fault, np.zeros(file_bytes, np.uint8))
+    scene.check(f"{what} ({'ring' if ring_only else 'inline pwrite'})", whole_buffer_write(scene, buf, fd, chunk),
+                "NIXL_ERR_BACKEND", ("post", "check"), contains=(text,))
+    assert m.stop()[counter] > 0
 
 
 @pytest.mark.parametrize("ring_only", [False, True], ids=["inline", "ring"])
