@@ -1,8 +1,10 @@
 //! 8 threads x mixed requests on one engine, driven directly (no NIXL): random round trips
 //! (buffered and O_DIRECT, byte-checked), posts released while in flight (racing the other
 //! threads' post/check on the shared ring), reposts of one request, and register/deregister
-//! cycles of memory and files while the other threads transfer. Built with -Zsanitizer=thread it
-//! checks the request state machine and the ring's locking for data races.
+//! cycles of memory and files while the other threads transfer. Buffered reads of 16 KiB and more
+//! go to the page-cache worker threads (punt_buffered_min), so releases also race those. Built
+//! with -Zsanitizer=thread it checks the request state machine and the ring's locking for data
+//! races.
 //!
 //!   iud-tsan-stress DIR ITERATIONS_PER_THREAD
 
@@ -87,7 +89,7 @@ fn main() {
     let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
     f.set_len((THREADS * REGION) as u64).unwrap();
     let fdirect = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&path).unwrap();
-    let e = Arc::new(Engine::new(AGENT, [("ring_entries", "64")]).unwrap());
+    let e = Arc::new(Engine::new(AGENT, [("ring_entries", "64"), ("punt_buffered_min", "16384")]).unwrap());
     let total = (THREADS * REGION) as u64;
     let mf = e.register(FILE, 0, total, f.as_raw_fd() as u64, "").unwrap() as usize;
     let mfd = e.register(FILE, 0, total, fdirect.as_raw_fd() as u64, "").unwrap() as usize;
@@ -138,7 +140,9 @@ fn main() {
                     }
                     2 => {
                         let l: Vec<_> = (0..4u64).map(|k| d(dst.addr() + k * (1 << 20), 1 << 20, 0, md)).collect();
-                        let r: Vec<_> = (0..4u64).map(|k| d(base + k * (1 << 20), 1 << 20, fds[1], mfd)).collect();
+                        // Direct reads go to the kernel, buffered ones to the page-cache workers.
+                        let (rfd, rmd) = if rng.next() % 2 == 0 { (fds[1], mfd) } else { (fds[0], mf) };
+                        let r: Vec<_> = (0..4u64).map(|k| d(base + k * (1 << 20), 1 << 20, rfd, rmd)).collect();
                         // SAFETY: live registrations.
                         let req = unsafe { e.prep(READ, DRAM, &l, FILE, &r, AGENT) }.expect("prep");
                         if let Ok(Progress::InFlight) = e.post(&req, READ, 4, 4) {
