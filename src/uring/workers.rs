@@ -92,17 +92,16 @@ impl PageCacheWorkers {
     /// complete with -ECANCELED. Started ones run to their end (a pread cannot be interrupted).
     pub fn cancel(&self, tokens: &[u64]) {
         let mut q = self.lock();
-        let before = q.jobs.len();
-        let mut canceled = Vec::new();
-        q.jobs.retain(|j| {
+        let Queues { jobs, done } = &mut *q;
+        let before = done.len();
+        jobs.retain(|j| {
             let hit = tokens.contains(&j.token);
             if hit {
-                canceled.push((j.token, -libc::ECANCELED));
+                done.push((j.token, -libc::ECANCELED));
             }
             !hit
         });
-        if q.jobs.len() != before {
-            q.done.append(&mut canceled);
+        if done.len() != before {
             drop(q);
             self.shared.done_ready.notify_all();
         }

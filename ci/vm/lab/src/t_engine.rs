@@ -42,6 +42,22 @@ pub(crate) fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) 
     res.map(|_| ())
 }
 
+/// Cuts `total` bytes into consecutive (offset, length) blocks whose lengths cycle through
+/// `unit_sizes` logical blocks, each at most 4 MiB.
+pub(crate) fn mixed_blocks(unit_sizes: &[u64], lbs: u64, total: u64) -> Vec<(u64, u64)> {
+    let mut blocks = Vec::new();
+    let mut off = 0;
+    for i in 0.. {
+        if off >= total {
+            break;
+        }
+        let len = (unit_sizes[i % unit_sizes.len()] * lbs).min(total - off).min(4 << 20);
+        blocks.push((off, len));
+        off += len;
+    }
+    blocks
+}
+
 /// Registers the device range; Ok(None) = the engine does not support BLK_SEG (yet): SKIP.
 pub(crate) fn register_blk(e: &Engine, offset: u64, len: u64, dev_id: u64, meta: &str) -> Result<Option<*const c_void>, String> {
     match e.register(BLK, offset, len, dev_id, meta) {
@@ -94,16 +110,7 @@ pub fn round_trip(device: &str, fd_mode: bool) -> TestResult {
     rng.fill(src.bytes_mut());
     let ms = e.register(DRAM, src.ptr() as u64, total, 0, "").map_err(|e| format!("register DRAM: {}", e.message))?;
     let md = e.register(DRAM, dst.ptr() as u64, total, 0, "").map_err(|e| format!("register DRAM: {}", e.message))?;
-    let mut blocks = Vec::new();
-    let mut off = 0;
-    for i in 0.. {
-        if off >= total {
-            break;
-        }
-        let len = (unit_sizes[i % unit_sizes.len()] * lbs).min(total - off).min(4 << 20);
-        blocks.push((off, len));
-        off += len;
-    }
+    let blocks = mixed_blocks(&unit_sizes, lbs, total);
     let mem_pos = |i: usize| -> u64 { blocks[i + 1..].iter().map(|b| b.1).sum() };
     let remote: Vec<_> = blocks.iter().map(|&(o, n)| desc(base + o, n, dev_id, mb)).collect();
     let lw: Vec<_> = (0..blocks.len()).map(|i| desc(src.ptr() as u64 + mem_pos(i), blocks[i].1, 0, ms)).collect();

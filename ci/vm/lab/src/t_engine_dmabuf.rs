@@ -13,7 +13,7 @@ use io_uring_dmabuf::error::ErrorKind;
 
 use crate::dmabuf_uapi::{Probe, Support};
 use crate::report::{Outcome, TestResult};
-use crate::t_engine::{desc, register_blk, run, DRAM, READ, WRITE};
+use crate::t_engine::{desc, mixed_blocks, register_blk, run, DRAM, READ, WRITE};
 use crate::util::{compare, read_buffered, size_str, Rng};
 
 /// Device bytes [192 MiB, 232 MiB) belong to these tests (e1 24 MiB, then e2 16 MiB).
@@ -129,17 +129,7 @@ fn round_trip(device: &str, probe: Option<Probe>, region: usize, mem_start: usiz
         mds.push(mb);
         // Mixed sizes (in logical blocks, up to 4 MiB); memory order is the reverse of device
         // order, so every DMA-BUF offset differs from its device offset.
-        let unit_sizes = [8u64, 1, 2048, 3, 256, 8192, 17, 64, 1];
-        let mut blocks = Vec::new();
-        let mut off = 0u64;
-        for i in 0.. {
-            if off >= window as u64 {
-                break;
-            }
-            let len = (unit_sizes[i % unit_sizes.len()] * lbs).min(window as u64 - off).min(4 << 20);
-            blocks.push((off, len));
-            off += len;
-        }
+        let blocks = mixed_blocks(&[8, 1, 2048, 3, 256, 8192, 17, 64, 1], lbs, window as u64);
         let mem_pos = |i: usize| -> u64 { mem_start as u64 + blocks[i + 1..].iter().map(|b| b.1).sum::<u64>() };
         let crossing = boundary.map(|b| (0..blocks.len()).filter(|&i| mem_pos(i) < b && mem_pos(i) + blocks[i].1 > b).count());
         if crossing == Some(0) {
