@@ -266,6 +266,10 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
     info(&mut inf, "date", sysinfo::utc_now());
     info(&mut inf, "host", sysinfo::hostname());
     info(&mut inf, "command", sysinfo::command_line());
+    if let Ok(rev) = std::env::var("IUD_BENCH_GIT") {
+        // Set by ci/bench.sh: the commit measured, with any uncommitted changes named.
+        info(&mut inf, "git", rev);
+    }
     let (listed, usable) = sysinfo::cpu_count();
     info(&mut inf, "cpu", format!("{} ({listed} logical CPUs, {usable} usable by this process)", sysinfo::cpu_model()));
     info(&mut inf, "memory", sysinfo::mem_total());
