@@ -179,7 +179,7 @@ fn md_table(labels: &[String], rows: &[Row], workload: &str, op: Op) -> String {
             line.push_str(&format!(" {} |", v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into())));
         }
         let all: Vec<Option<bool>> = (0..nb).filter_map(find).map(|r| r.verified).collect();
-        let v = if all.iter().any(|v| *v == Some(false)) {
+        let v = if all.contains(&Some(false)) {
             "FAILED"
         } else if !all.is_empty() && all.iter().all(|v| *v == Some(true)) {
             "yes"
