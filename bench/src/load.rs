@@ -4,12 +4,16 @@
 /// The running busy processes.
 pub struct BackgroundLoad {
     pids: Vec<libc::pid_t>,
+    /// The nice value the children inherited.
+    nice: i32,
 }
 
 impl BackgroundLoad {
     /// Forks `n` busy processes. Call before any thread is started (fork copies only the caller).
     pub fn start(n: usize) -> Result<Self, String> {
-        let mut load = Self { pids: Vec::new() };
+        // SAFETY: plain syscall; -1 is a valid nice value, so errno is not checked (never fails for self).
+        let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+        let mut load = Self { pids: Vec::new(), nice };
         // SAFETY: getpid has no preconditions.
         let parent = unsafe { libc::getpid() };
         for _ in 0..n {
@@ -32,9 +36,10 @@ impl BackgroundLoad {
         }
         let pids: Vec<String> = self.pids.iter().map(|p| p.to_string()).collect();
         format!(
-            "{} CPU-bound busy-loop process(es) (pids {}, nice 0), running from before setup to the end",
+            "{} CPU-bound busy-loop process(es) (pids {}, nice {} like the benchmark), running from before setup to the end",
             self.pids.len(),
-            pids.join(" ")
+            pids.join(" "),
+            self.nice
         )
     }
 }
