@@ -24,6 +24,8 @@ pub mod manifest;
 pub mod mem;
 pub mod params;
 pub mod record;
+#[doc(hidden)]
+pub mod test_support;
 pub mod uring;
 pub mod verify_dma;
 pub mod xfer;

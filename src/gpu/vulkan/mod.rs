@@ -34,7 +34,7 @@ use super::cuda::{Cuda, ImportedMemory};
 use super::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::dmabuf_slabs::PAGE;
-use crate::uring::MAX_FIXED_BUFFER;
+use crate::uring::dmabuf_uapi::MAX_DMABUF_SLAB;
 use driver::{AllocSpec, HandleSupport, PhysicalDevice, VkAllocation, Vulkan, DMA_BUF, OPAQUE_FD};
 
 /// How an allocation is made, addressed and exported (see the module table).
@@ -295,13 +295,14 @@ impl GpuProvider for VulkanProvider {
         let a = self.registered(addr, len)?;
         match a.variant {
             Variant::DmabufCuda | Variant::DmabufHost => {
-                if a.vk.alloc_size > MAX_FIXED_BUFFER {
+                if a.vk.alloc_size > MAX_DMABUF_SLAB {
                     return Err(Error::new(
                         ErrorKind::NotSupported,
                         format!(
-                            "Vulkan exports a DMA-BUF of the whole allocation ({} bytes), over io_uring's {} byte limit for one DMA-BUF buffer; \
+                            "Vulkan exports a DMA-BUF of the whole allocation ({} bytes), over the {} byte limit for one io_uring DMA-BUF buffer \
+                             (v3 of the kernel series; later versions relax it to a value not known here); \
                              allocate at most 1 GiB per iud_vulkan_alloc for the dmabuf path",
-                            a.vk.alloc_size, MAX_FIXED_BUFFER
+                            a.vk.alloc_size, MAX_DMABUF_SLAB
                         ),
                     ));
                 }
