@@ -1,0 +1,171 @@
+"""A client process for the remote tests: runs on host B, driven by JSON lines on stdin.
+
+Each command line gets exactly one JSON answer line on stdout (events such as "submitted" come
+before it, marked with "event"). Data is verified byte for byte here: the worker reads the
+expected bytes straight from the export's path (the two namespaces share the filesystem; the
+client library never does), so a wrong, stale or missing byte fails the command.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from storage_node import NodeUnreachable, StorageClient, StorageError
+
+KiB, MiB = 1 << 10, 1 << 20
+BUF = 64 * MiB
+
+
+def say(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def random_blocks(rng, file_size: int, lo: int, hi: int, budget: int, base: int, align: int = 4096):
+    """Scattered blocks of lo..hi bytes (multiples of 4 KiB) at random aligned file offsets,
+    packed into [base, base + budget) of the client buffer."""
+    blocks, used = [], 0
+    while True:
+        ln = int(rng.integers(lo // align, hi // align + 1)) * align
+        if used + ln > budget:
+            break
+        foff = int(rng.integers(0, (file_size - ln) // align + 1)) * align
+        blocks.append((foff, ln, base + used))
+        used += ln
+    return blocks
+
+
+class Worker:
+    def __init__(self):
+        self.c = None
+        self.mm = mmap.mmap(-1, BUF)
+        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
+        self.base = self.buf.ctypes.data
+
+    def view(self, addr, ln):
+        o = addr - self.base
+        return self.buf[o:o + ln]
+
+    def connect(self, node, addr=None, timeout=30.0, ping=0.5):
+        self.c = StorageClient(node, node_addr=tuple(addr) if addr else None, timeout=timeout,
+                               ping_interval=ping)
+        self.c.register(self.base, BUF)
+        return {"name": self.c.name}
+
+    def read_verify(self, file, path, seed, lo=64 * KiB, hi=2 * MiB, budget=BUF, rounds=1):
+        size = os.path.getsize(path)
+        rng = np.random.default_rng(seed)
+        total = 0
+        for _ in range(rounds):
+            blocks = random_blocks(rng, size, lo, hi, budget, self.base)
+            self.buf[:budget] = 0xA5  # poison: a block that does not land shows up
+            n = self.c.read([(file, f, ln, a) for f, ln, a in blocks])
+            with open(path, "rb") as fh:
+                for i, (f, ln, a) in enumerate(blocks):
+                    want = np.frombuffer(os.pread(fh.fileno(), ln, f), dtype=np.uint8)
+                    got = self.view(a, ln)
+                    if not np.array_equal(want, got):
+                        bad = int(np.argmax(want != got))
+                        return {"ok": False, "error": f"block {i} (file offset {f}, {ln} B): first wrong byte at +{bad}: "
+                                                      f"got {int(got[bad])} want {int(want[bad])}"}
+            if n != sum(ln for _, ln, _ in blocks):
+                return {"ok": False, "error": f"node reported {n} bytes for {sum(ln for _, ln, _ in blocks)}"}
+            total += n
+        return {"ok": True, "bytes": total, "blocks": len(blocks)}
+
+    def write_verify(self, file, path, seed, start, length, lo=64 * KiB, hi=2 * MiB):
+        """Write random blocks into [start, start+length) of the export, check the file, read back."""
+        rng = np.random.default_rng(seed)
+        half = BUF // 2
+        blocks, used, off = [], 0, start
+        while True:
+            ln = int(rng.integers(lo // 4096, hi // 4096 + 1)) * 4096
+            if used + ln > half or off + ln > start + length:
+                break
+            blocks.append((off, ln, self.base + used))
+            off += ln + int(rng.integers(0, 4)) * 4096  # scattered: gaps between blocks
+            used += ln
+        self.buf[:used] = np.frombuffer(rng.bytes(used), dtype=np.uint8)
+        n = self.c.write([(file, f, ln, a) for f, ln, a in blocks])
+        with open(path, "rb") as fh:
+            for i, (f, ln, a) in enumerate(blocks):
+                if os.pread(fh.fileno(), ln, f) != self.view(a, ln).tobytes():
+                    return {"ok": False, "error": f"after WRITE, file bytes of block {i} (offset {f}) differ"}
+        # Read back through the node into the other half.
+        back = [(f, ln, a + half) for f, ln, a in blocks]
+        self.buf[half:half + used] = 0x5A
+        self.c.read([(file, f, ln, a) for f, ln, a in back])
+        for i, ((f, ln, a), (_, _, b)) in enumerate(zip(blocks, back)):
+            if not np.array_equal(self.view(a, ln), self.view(b, ln)):
+                return {"ok": False, "error": f"read-back of block {i} (offset {f}) differs"}
+        return {"ok": True, "bytes": n, "blocks": len(blocks)}
+
+    def big_read(self, file, path, total, block=1 * MiB, timeout=60.0):
+        """One long READ (blocks cycle over the file and the buffer); reports how it ended."""
+        size = os.path.getsize(path)
+        nb = total // block
+        blocks = [(file, (i * block) % (size - block + 1) // 4096 * 4096, block,
+                   self.base + (i * block) % (BUF - block + 1) // 4096 * 4096) for i in range(nb)]
+        t0 = time.monotonic()
+        p = self.c.submit("READ", blocks, timeout=timeout)
+        say({"event": "submitted", "id": p.req_id})
+        try:
+            n = p.wait()
+            return {"ok": True, "bytes": n, "elapsed": time.monotonic() - t0}
+        except StorageError as e:
+            return {"ok": False, "type": type(e).__name__, "error": str(e), "elapsed": time.monotonic() - t0}
+
+    def retry_read_verify(self, file, path, seed, within=60.0, **kw):
+        """read_verify until it succeeds (a node being restarted); reports the failures seen."""
+        deadline = time.monotonic() + within
+        failures = []
+        while True:
+            try:
+                r = self.read_verify(file, path, seed, **kw)
+                r["failures_before"] = failures
+                return r
+            except StorageError as e:
+                failures.append(f"{type(e).__name__}: {e}")
+                if time.monotonic() > deadline:
+                    return {"ok": False, "error": f"no successful read within {within:.0f} s", "failures": failures[-5:]}
+                time.sleep(0.5)
+
+    def stats(self):
+        return self.c.stats()
+
+    def close(self):
+        if self.c:
+            self.c.close()
+            self.c = None
+        return {}
+
+
+def main():
+    w = Worker()
+    say({"event": "ready", "pid": os.getpid()})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        name = cmd.pop("cmd")
+        if name == "quit":
+            w.close()
+            say({"ok": True})
+            return
+        try:
+            r = getattr(w, name)(**cmd)
+            r.setdefault("ok", True)
+        except StorageError as e:
+            r = {"ok": False, "type": type(e).__name__, "error": str(e)}
+        except Exception as e:
+            r = {"ok": False, "type": type(e).__name__, "error": traceback.format_exc()}
+        say(r)
+
+
+if __name__ == "__main__":
+    main()
