@@ -401,6 +401,8 @@ class StorageNode:
             self._batch_failed(b, f"{stage} transfer failed when posted ({st})", None)
 
     def _poll(self, b: Batch) -> bool:
+        if b.handle is None or b not in b.req.inflight:
+            return False  # parked by a failure of another batch of its request in this turn
         if b.stage == "draining":
             return self._poll_draining(b)
         try:

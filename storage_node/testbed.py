@@ -95,7 +95,8 @@ class Testbed:
                         pass
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             self._up = False
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if not os.environ.get("IUD_KEEP_TESTBED"):
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self):
         return self.up()
