@@ -93,7 +93,7 @@ class StorageClient:
         api = nixlenv.import_nixl()
         import nixl._bindings as b
 
-        nixl_agent, nixl_agent_config, nixl_thread_sync_t = api.nixl_agent, api.nixl_agent_config, api.nixl_thread_sync_t
+        nixl_agent_config, nixl_thread_sync_t = api.nixl_agent_config, api.nixl_thread_sync_t
 
         self._errors = tuple(getattr(b, n) for n in dir(b) if n.startswith("nixl") and n.endswith("Error"))
         # The socket exchange runs on NIXL's listener thread, so a p2p client has one too (port 0:
@@ -101,7 +101,7 @@ class StorageClient:
         cfg = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=node_addr is not None,
                                 listen_port=listen_port, backends=["UCX"],
                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self.agent = nixl_agent(self.name, cfg)
+        self.agent = nixlenv.make_agent(self.name, cfg, nixlenv.progress_delay_us())
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX plugin did not load (NIXL_LOG_LEVEL=INFO says why)")
         self._lock = threading.RLock()       # NIXL calls and shared state
@@ -295,6 +295,7 @@ class StorageClient:
                 w[0].set()
 
     def _progress(self) -> None:
+        idle = 0.0
         while not self._stop.is_set():
             try:
                 with self._lock:
@@ -326,7 +327,9 @@ class StorageClient:
                                 self._send(P.encode(P.PING, {}))
                     except NodeUnreachable as e:
                         self._drop(f"node {self.node} disconnected ({e})")
-                time.sleep(0.0005 if busy else 0.01)
+                got = any(notifs.values())
+                idle = 0.0 if got else min(0.002 if busy else 0.01, idle * 2 if idle else 0.0001)
+                time.sleep(idle)
             except Exception as e:  # keep the thread alive; every failure is reported once
                 print(f"iuds-client: progress thread: {e!r}", flush=True)
                 time.sleep(0.1)

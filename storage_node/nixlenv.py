@@ -41,6 +41,11 @@ def use_project_plugins() -> str | None:
     return None
 
 
+def progress_delay_us() -> int:
+    """Sleep bound of NIXL's UCX progress thread (see make_agent); IUDS_PROGRESS_DELAY_US overrides."""
+    return int(os.environ.get("IUDS_PROGRESS_DELAY_US", "1000"))
+
+
 def etcd_configured() -> bool:
     return bool(os.environ.get("NIXL_ETCD_ENDPOINTS", "").strip())
 
@@ -63,3 +68,30 @@ def import_nixl():
         if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
             h.setStream(sys.stderr)
     return _api
+
+
+def make_agent(name: str, conf, progress_delay_us: int = 1000):
+    """nixl_agent(name, conf) with a sleeping UCX progress thread.
+
+    NIXL's UCX progress thread waits in poll() on the UCX workers' event fds, with the agent's
+    pthrDelay as the poll timeout (nixlUcxSharedThread in src/plugins/ucx/ucx_backend.cpp). The
+    Python API hard-codes pthrDelay = 0 (nixl_agent.__init__ in nixl/_api.py, 1.5.1 and
+    upstream main as of 2026-08), so the thread calls poll() with a zero timeout in a loop and
+    keeps a CPU busy even when idle (measured here: an idle agent with the progress thread used
+    a third of a CPU of this loaded 2-CPU machine, none without it). On a storage node that
+    CPU is needed for TCP and storage. The Python API has no parameter for it, so the binding's
+    agent constructor is wrapped for the duration of this call to set pthrDelay; UCX events
+    still wake the thread at once, the delay only bounds the sleep between them.
+    """
+    api = import_nixl()
+    real = api.nixlBind.nixlAgent
+
+    def with_delay(agent_name, cfg):
+        cfg.pthrDelay = int(progress_delay_us)
+        return real(agent_name, cfg)
+
+    api.nixlBind.nixlAgent = with_delay
+    try:
+        return api.nixl_agent(name, conf)
+    finally:
+        api.nixlBind.nixlAgent = real
