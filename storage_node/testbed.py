@@ -28,8 +28,9 @@ class TestbedUnavailable(RuntimeError):
 
 def find_etcd() -> str | None:
     """etcd from IUD_ETCD, PATH, or where ci/remote-setup.sh unpacks Debian's etcd-server."""
+    target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(REPO, "target")
     for c in (os.environ.get("IUD_ETCD"), shutil.which("etcd"),
-              os.path.join(REPO, "target", "remote-tools", "usr", "bin", "etcd")):
+              os.path.join(target, "remote-tools", "usr", "bin", "etcd")):
         if c and os.access(c, os.X_OK):
             return c
     return None

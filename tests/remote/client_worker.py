@@ -28,6 +28,15 @@ def say(obj) -> None:
     sys.stdout.flush()
 
 
+def file_size(path: str) -> int:
+    """Size of a file or block device (getsize says 0 for a device)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
+
+
 def random_blocks(rng, file_size: int, lo: int, hi: int, budget: int, base: int, align: int = 4096):
     """Scattered blocks of lo..hi bytes (multiples of 4 KiB) at random aligned file offsets,
     packed into [base, base + budget) of the client buffer."""
@@ -60,7 +69,7 @@ class Worker:
         return {"name": self.c.name}
 
     def read_verify(self, file, path, seed, lo=64 * KiB, hi=2 * MiB, budget=BUF, rounds=1):
-        size = os.path.getsize(path)
+        size = file_size(path)
         rng = np.random.default_rng(seed)
         total = 0
         for _ in range(rounds):
@@ -109,7 +118,7 @@ class Worker:
 
     def big_read(self, file, path, total, block=1 * MiB, timeout=60.0):
         """One long READ (blocks cycle over the file and the buffer); reports how it ended."""
-        size = os.path.getsize(path)
+        size = file_size(path)
         nb = total // block
         blocks = [(file, (i * block) % (size - block + 1) // 4096 * 4096, block,
                    self.base + (i * block) % (BUF - block + 1) // 4096 * 4096) for i in range(nb)]

@@ -27,8 +27,27 @@ WORKER = os.path.join(os.path.dirname(__file__), "client_worker.py")
 MiB = 1 << 20
 
 
+def _remote_setup() -> str:
+    """Run ci/remote-setup.sh once if iproute2 or etcd is missing; '' or why it failed."""
+    script = os.path.join(REPO, "ci", "remote-setup.sh")
+    need = subprocess.run(["bash", script, "--needs"], capture_output=True, text=True).stdout.strip()
+    if not need:
+        return ""
+    if os.geteuid() != 0:
+        return f"missing {need} and not root to install it (run ci/remote-setup.sh)"
+    r = subprocess.run(["bash", script], capture_output=True, text=True, timeout=600)
+    return "" if r.returncode == 0 else f"ci/remote-setup.sh failed: {r.stderr.strip()[-500:]}"
+
+
+@pytest.fixture(scope="session")
+def remote_setup():
+    return _remote_setup()
+
+
 @pytest.fixture
-def bed():
+def bed(remote_setup):
+    if remote_setup:
+        pytest.skip(remote_setup)
     if not testbed.plugin_dir_ready():
         pytest.skip("no plugin folder with IO_URING_DMABUF (run bash ci/build.sh; NIXL_PLUGIN_DIR="
                     f"{os.environ.get('NIXL_PLUGIN_DIR')!r})")
