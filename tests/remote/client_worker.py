@@ -51,21 +51,69 @@ def random_blocks(rng, file_size: int, lo: int, hi: int, budget: int, base: int,
     return blocks
 
 
+class HostBuf:
+    """The client's destination/source memory in DRAM (an anonymous mmap)."""
+
+    mem = "DRAM"
+
+    def __init__(self, size):
+        self.mm = mmap.mmap(-1, size)
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+        self.base = self.arr.ctypes.data
+
+    def get(self, addr, ln):
+        o = addr - self.base
+        return self.arr[o:o + ln]
+
+    def put(self, off, data):
+        self.arr[off:off + len(data)] = data
+
+    def fill(self, off, ln, byte):
+        self.arr[off:off + ln] = byte
+
+
+class CudaBuf:
+    """The same in VRAM (a torch CUDA tensor on GPU 0); reads copy back to the host to compare."""
+
+    mem = "VRAM"
+
+    def __init__(self, size):
+        import torch
+
+        self.torch = torch
+        self.t = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+        self.base = self.t.data_ptr()
+
+    def get(self, addr, ln):
+        o = addr - self.base
+        return self.t[o:o + ln].cpu().numpy()
+
+    def put(self, off, data):
+        self.t[off:off + len(data)].copy_(self.torch.from_numpy(np.ascontiguousarray(data)))
+        self.torch.cuda.synchronize()
+
+    def fill(self, off, ln, byte):
+        self.t[off:off + ln].fill_(byte)
+        self.torch.cuda.synchronize()  # the poison must land before the node's bytes do
+
+
 class Worker:
     def __init__(self):
         self.c = None
-        self.mm = mmap.mmap(-1, BUF)
-        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
-        self.base = self.buf.ctypes.data
+        self.b = None
+
+    @property
+    def base(self):
+        return self.b.base
 
     def view(self, addr, ln):
-        o = addr - self.base
-        return self.buf[o:o + ln]
+        return self.b.get(addr, ln)
 
-    def connect(self, node, addr=None, timeout=30.0, ping=0.5):
+    def connect(self, node, addr=None, timeout=30.0, ping=0.5, mem="DRAM"):
+        self.b = HostBuf(BUF) if mem == "DRAM" else CudaBuf(BUF)
         self.c = StorageClient(node, node_addr=tuple(addr) if addr else None, timeout=timeout,
                                ping_interval=ping)
-        self.c.register(self.base, BUF)
+        self.c.register(self.base, BUF, mem=self.b.mem, dev=0)
         return {"name": self.c.name}
 
     def read_verify(self, file, path, seed, lo=64 * KiB, hi=2 * MiB, budget=BUF, rounds=1):
@@ -74,8 +122,8 @@ class Worker:
         total = 0
         for _ in range(rounds):
             blocks = random_blocks(rng, size, lo, hi, budget, self.base)
-            self.buf[:budget] = 0xA5  # poison: a block that does not land shows up
-            n = self.c.read([(file, f, ln, a) for f, ln, a in blocks])
+            self.b.fill(0, budget, 0xA5)  # poison: a block that does not land shows up
+            n = self.c.read([(file, f, ln, a) for f, ln, a in blocks], mem=self.b.mem)
             with open(path, "rb") as fh:
                 for i, (f, ln, a) in enumerate(blocks):
                     want = np.frombuffer(os.pread(fh.fileno(), ln, f), dtype=np.uint8)
@@ -101,16 +149,16 @@ class Worker:
             blocks.append((off, ln, self.base + used))
             off += ln + int(rng.integers(0, 4)) * 4096  # scattered: gaps between blocks
             used += ln
-        self.buf[:used] = np.frombuffer(rng.bytes(used), dtype=np.uint8)
-        n = self.c.write([(file, f, ln, a) for f, ln, a in blocks])
+        self.b.put(0, np.frombuffer(rng.bytes(used), dtype=np.uint8))
+        n = self.c.write([(file, f, ln, a) for f, ln, a in blocks], mem=self.b.mem)
         with open(path, "rb") as fh:
             for i, (f, ln, a) in enumerate(blocks):
                 if os.pread(fh.fileno(), ln, f) != self.view(a, ln).tobytes():
                     return {"ok": False, "error": f"after WRITE, file bytes of block {i} (offset {f}) differ"}
         # Read back through the node into the other half.
         back = [(f, ln, a + half) for f, ln, a in blocks]
-        self.buf[half:half + used] = 0x5A
-        self.c.read([(file, f, ln, a) for f, ln, a in back])
+        self.b.fill(half, used, 0x5A)
+        self.c.read([(file, f, ln, a) for f, ln, a in back], mem=self.b.mem)
         for i, ((f, ln, a), (_, _, b)) in enumerate(zip(blocks, back)):
             if not np.array_equal(self.view(a, ln), self.view(b, ln)):
                 return {"ok": False, "error": f"read-back of block {i} (offset {f}) differs"}
@@ -123,7 +171,7 @@ class Worker:
         blocks = [(file, (i * block) % (size - block + 1) // 4096 * 4096, block,
                    self.base + (i * block) % (BUF - block + 1) // 4096 * 4096) for i in range(nb)]
         t0 = time.monotonic()
-        p = self.c.submit("READ", blocks, timeout=timeout)
+        p = self.c.submit("READ", blocks, mem=self.b.mem, timeout=timeout)
         say({"event": "submitted", "id": p.req_id})
         try:
             n = p.wait()
