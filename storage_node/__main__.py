@@ -40,7 +40,7 @@ def cmd_serve(a) -> int:
                        listen_port=None if a.no_listen else a.port,
                        publish_etcd=None if not a.no_etcd else False,
                        stall_timeout=a.stall_timeout, client_lease=a.client_lease,
-                       pool_mem=a.pool_mem, gpu=a.gpu)
+                       pool_mem=a.pool_mem, gpu=a.gpu, allow_net_only=a.allow_net_only)
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())
@@ -124,6 +124,9 @@ def main(argv=None) -> int:
     s.add_argument("--no-etcd", action="store_true", help="do not publish to etcd even if NIXL_ETCD_ENDPOINTS is set")
     s.add_argument("--stall-timeout", type=float, default=30.0, help="fail a request with no progress for this long (s)")
     s.add_argument("--client-lease", type=float, default=10.0, help="drop a busy client silent for this long (s)")
+    s.add_argument("--allow-net-only", action="store_true",
+                   help="benchmarks: allow READs that skip storage and send the staging buffers as they are "
+                        "(they may hold other clients' bytes: never on a shared node)")
     s.set_defaults(fn=cmd_serve)
 
     for name, fn, what in (("read", cmd_read, "read a range into memory"),

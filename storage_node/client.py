@@ -104,7 +104,11 @@ class StorageClient:
         self.agent = nixlenv.make_agent(self.name, cfg, nixlenv.progress_delay_us())
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX plugin did not load (NIXL_LOG_LEVEL=INFO says why)")
-        self._lock = threading.RLock()       # NIXL calls and shared state
+        # NIXL's STRICT sync mode makes the agent itself thread safe; _lock guards this object's
+        # state (pending requests, connection flag), _conn_lock serializes (re)connects so that a
+        # slow connect never holds up the progress thread.
+        self._lock = threading.RLock()
+        self._conn_lock = threading.Lock()
         self._regs = []
         self._dirty = True                   # registrations not yet published
         self._connected = False
@@ -139,7 +143,7 @@ class StorageClient:
             self.agent.send_local_metadata()
 
     def _connect(self) -> None:
-        """Make sure the node has our metadata and we have its (caller holds the lock)."""
+        """Make sure the node has our metadata and we have its (caller holds _conn_lock)."""
         if self._connected and not self.agent.check_remote_metadata(self.node):
             # NIXL dropped it: the node removed its etcd keys (clean shutdown) and the watch fired.
             self._connected = False
@@ -222,8 +226,9 @@ class StorageClient:
     def submit_array(self, op: str, files: list[str], arr: np.ndarray, *, mem: str = "DRAM",
                      timeout: float | None = None, net_only: bool = False) -> Pending:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        with self._lock:
+        with self._conn_lock:
             self._connect()
+        with self._lock:
             rid = next(self._ids)
             req = P.Request(rid, op, mem, files, arr, net_only, self.instance, {"md": self.md})
             msg = P.encode_request(req)
@@ -252,8 +257,9 @@ class StorageClient:
         return self._run("WRITE", blocks, mem, timeout)
 
     def stats(self, timeout: float = 10.0) -> dict:
-        with self._lock:
+        with self._conn_lock:
             self._connect()
+        with self._lock:
             sid = next(self._ids)
             ev, box = threading.Event(), []
             self._stats[sid] = (ev, box)

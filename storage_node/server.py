@@ -87,7 +87,8 @@ class StorageNode:
                  backend_params: dict | None = None, buffers: int = 16, buffer_size: int = 4 * MiB,
                  listen_port: int | None = None, publish_etcd: bool | None = None,
                  stall_timeout: float = 30.0, client_lease: float = 10.0, md_timeout: float = 10.0,
-                 pool_mem: str = "DRAM", gpu: int = 0, progress_delay_us: int | None = None):
+                 pool_mem: str = "DRAM", gpu: int = 0, progress_delay_us: int | None = None,
+                 allow_net_only: bool = False):
         self.name = name
         self.instance = secrets.token_hex(6)
         self.exports = {e.name: e for e in exports}
@@ -97,6 +98,7 @@ class StorageNode:
         self.listen_port = listen_port
         self.publish_etcd = nixlenv.etcd_configured() if publish_etcd is None else publish_etcd
         self.stall_timeout, self.client_lease, self.md_timeout = stall_timeout, client_lease, md_timeout
+        self.allow_net_only = allow_net_only
         self.progress_delay_us = nixlenv.progress_delay_us() if progress_delay_us is None else progress_delay_us
         self.agent = None
         self.pool: BufferPool | None = None
@@ -257,8 +259,9 @@ class StorageNode:
         log(f"ignoring a {m.kind!r} message from {client}: only clients' messages are accepted")
 
     def _validate(self, req: P.Request) -> str:
-        if req.op == "WRITE" and req.net_only:
-            return "net_only is a READ benchmark mode"
+        if req.net_only and not (self.allow_net_only and req.op == "READ"):
+            # It sends staging buffers as they are, which may hold other clients' bytes.
+            return "net_only is a READ benchmark mode the node must allow (--allow-net-only)"
         exps = []
         for f in req.files:
             e = self.exports.get(f)

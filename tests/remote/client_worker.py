@@ -116,6 +116,14 @@ class Worker:
         self.c.register(self.base, BUF, mem=self.b.mem, dev=0)
         return {"name": self.c.name}
 
+    def new_buffer(self, size=BUF):
+        """Register another buffer after the first requests (the node must learn it: republished
+        metadata) and use it from now on."""
+        self.old = getattr(self, "old", []) + [self.b]
+        self.b = HostBuf(size) if self.b.mem == "DRAM" else CudaBuf(size)
+        self.c.register(self.base, size, mem=self.b.mem, dev=0)
+        return {}
+
     def read_verify(self, file, path, seed, lo=64 * KiB, hi=2 * MiB, budget=BUF, rounds=1):
         size = file_size(path)
         rng = np.random.default_rng(seed)

@@ -61,9 +61,14 @@ def test_two_clients_read_and_write_concurrently(bed, etcd, data_file, worker, m
     for w in (w1, w2):
         r = w.answer()
         assert r["ok"], r
+    # Memory registered after the first requests: the node fetches (etcd) or receives (socket)
+    # the client's metadata again.
+    assert w2.call(cmd="new_buffer")["ok"]
+    r = w2.call(cmd="read_verify", file="kv", path=data_file, seed=30, budget=16 * MiB)
+    assert r["ok"], r
     s = w1.call(cmd="stats")
     assert s["requests_failed"] == 0 and s["free_buffers"] == BUFFERS, s
-    assert s["requests_ok"] >= 8 and len(s["clients"]) == 2, s
+    assert s["requests_ok"] >= 9 and len(s["clients"]) == 2, s
     for w in (w1, w2):
         assert w.call(cmd="quit")["ok"]
     assert node.poll() is None, open(log).read()
