@@ -27,16 +27,23 @@ WORKER = os.path.join(os.path.dirname(__file__), "client_worker.py")
 MiB = 1 << 20
 
 
-def _remote_setup() -> str:
-    """Run ci/remote-setup.sh once if iproute2 or etcd is missing; '' or why it failed."""
+def _remote_setup() -> dict:
+    """Run ci/remote-setup.sh once if iproute2 or etcd is missing (apt; a machine without
+    network access keeps what it has). Returns {package: why it is still missing}."""
     script = os.path.join(REPO, "ci", "remote-setup.sh")
-    need = subprocess.run(["bash", script, "--needs"], capture_output=True, text=True).stdout.strip()
-    if not need:
-        return ""
+
+    def needs():
+        r = subprocess.run(["bash", script, "--needs"], capture_output=True, text=True)
+        return r.stdout.split()
+
+    missing = needs()
+    if not missing:
+        return {}
     if os.geteuid() != 0:
-        return f"missing {need} and not root to install it (run ci/remote-setup.sh)"
+        return {p: "not installed, and not root to install it (run ci/remote-setup.sh)" for p in missing}
     r = subprocess.run(["bash", script], capture_output=True, text=True, timeout=600)
-    return "" if r.returncode == 0 else f"ci/remote-setup.sh failed: {r.stderr.strip()[-500:]}"
+    why = f"ci/remote-setup.sh failed: {r.stderr.strip()[-300:]}" if r.returncode else "not installed"
+    return {p: why for p in needs()}
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +53,8 @@ def remote_setup():
 
 @pytest.fixture
 def bed(remote_setup):
-    if remote_setup:
-        pytest.skip(remote_setup)
+    if "iproute2" in remote_setup:
+        pytest.skip(f"iproute2: {remote_setup['iproute2']}")
     if not testbed.plugin_dir_ready():
         pytest.skip("no plugin folder with IO_URING_DMABUF (run bash ci/build.sh; NIXL_PLUGIN_DIR="
                     f"{os.environ.get('NIXL_PLUGIN_DIR')!r})")
@@ -63,7 +70,9 @@ def bed(remote_setup):
 
 
 @pytest.fixture
-def etcd(bed):
+def etcd(bed, remote_setup):
+    if "etcd-server" in remote_setup:
+        pytest.skip(f"etcd: {remote_setup['etcd-server']}")
     try:
         return bed.start_etcd()
     except testbed.TestbedUnavailable as e:

@@ -41,10 +41,10 @@ def wait_stats(w, pred, within=60.0):
 
 
 @pytest.mark.parametrize("md", ["etcd", "p2p"])
-def test_two_clients_read_and_write_concurrently(bed, etcd, data_file, worker, md):
+def test_two_clients_read_and_write_concurrently(bed, request, data_file, worker, md):
     rw = os.path.join(bed.tmp, "rw.bin")
-    node, log = node_ready(bed, etcd if md == "etcd" else None, data_file, rw=rw)
-    env_etcd = etcd if md == "etcd" else None
+    env_etcd = request.getfixturevalue("etcd") if md == "etcd" else None
+    node, log = node_ready(bed, env_etcd, data_file, rw=rw)
     w1, w2 = worker(env_etcd, "c1"), worker(env_etcd, "c2")
     for w in (w1, w2):
         assert w.call(cmd="connect", **connect_args(md))["ok"]
@@ -116,8 +116,8 @@ def test_client_that_disappears_mid_request_frees_its_buffers(bed, etcd, data_fi
 
 @pytest.mark.parametrize("md", ["etcd", "p2p"])
 @pytest.mark.parametrize("how", ["killed", "stopped"])
-def test_node_that_dies_mid_request_fails_the_client_then_serves_again(bed, etcd, data_file, worker, md, how):
-    env_etcd = etcd if md == "etcd" else None
+def test_node_that_dies_mid_request_fails_the_client_then_serves_again(bed, request, data_file, worker, md, how):
+    env_etcd = request.getfixturevalue("etcd") if md == "etcd" else None
     node, log = node_ready(bed, env_etcd, data_file)
     w = worker(env_etcd)
     assert w.call(cmd="connect", **connect_args(md), timeout=8)["ok"]

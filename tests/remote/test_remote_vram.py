@@ -33,14 +33,8 @@ UCX_TLS = os.environ.get("IUDS_VRAM_UCX_TLS", "tcp,cuda_copy,cuda_ipc")
 
 @pytest.mark.parametrize("pool", ["DRAM", "VRAM"])
 @pytest.mark.parametrize("md", ["p2p", "etcd"])
-def test_client_vram_read_and_write(bed, data_file, worker, md, pool, monkeypatch):
-    etcd = None
-    if md == "etcd":
-        from storage_node import testbed
-
-        if not testbed.find_etcd():
-            pytest.skip("etcd not found (IUD_ETCD, PATH or target/remote-tools)")
-        etcd = bed.start_etcd()
+def test_client_vram_read_and_write(bed, request, data_file, worker, md, pool, monkeypatch):
+    etcd = request.getfixturevalue("etcd") if md == "etcd" else None
     monkeypatch.setenv("UCX_TLS", UCX_TLS)
     real_env = bed.env
 
