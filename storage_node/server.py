@@ -463,16 +463,13 @@ class StorageNode:
     def _batch_failed(self, b: Batch, why: str, exc) -> None:
         a = b.req
         disconnected = exc is not None and type(exc).__name__ == "nixlRemoteDisconnectError"
-        msg = f"request {a.req.req_id} of {a.client}: {why}"
-        if b.stage == "net" and disconnected:
-            a.disconnected = True
-            log(f"{msg}; the client is gone")
-        else:
-            log(msg)
+        log(f"request {a.req.req_id} of {a.client}: {why}")
         self._park(b)
-        self._fail(a, why)
-        if a.disconnected:
-            self._forget_client(a.client, "UCX reported the client disconnected", disconnect=True)
+        if disconnected and b.stage == "net":
+            # The client is gone: all its requests end here, and its metadata goes.
+            self._forget_client(a.client, "UCX reported it disconnected", disconnect=True)
+        else:
+            self._fail(a, why)
 
     def _park(self, b: Batch) -> None:
         """Stop a batch of a failed request. Its buffer returns to the pool at once if NIXL
