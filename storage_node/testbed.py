@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -44,7 +45,7 @@ def _run(*argv: str) -> None:
 
 class Testbed:
     def __init__(self, tag: str | None = None, mtu: int = 1500):
-        tag = tag or f"{os.getpid() % 100000}"
+        tag = tag or str(os.getpid())
         self.ns_a, self.ns_b = f"iuds-{tag}-a", f"iuds-{tag}-b"
         self.veth_a, self.veth_b = f"iuds{tag}a"[:15], f"iuds{tag}b"[:15]
         self.mtu = mtu
@@ -54,11 +55,29 @@ class Testbed:
 
     # ---- namespaces ----------------------------------------------------------------------------
 
+    @staticmethod
+    def sweep_stale() -> None:
+        """Delete namespace pairs left by a testbed whose process was killed (SIGKILL skips
+        down()): names iuds-<pid>-a/b whose pid no longer exists."""
+        r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+        for line in r.stdout.splitlines():
+            m = re.match(r"(iuds-(\d+)-[ab])\b", line)
+            if not m or os.path.exists(f"/proc/{m[2]}"):
+                continue
+            pids = subprocess.run(["ip", "netns", "pids", m[1]], capture_output=True, text=True).stdout
+            for pid in pids.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", m[1]], capture_output=True)
+
     def up(self) -> "Testbed":
         if os.geteuid() != 0:
             raise TestbedUnavailable("needs root to create network namespaces")
         if not shutil.which("ip"):
             raise TestbedUnavailable("iproute2 ('ip') is not installed; run ci/remote-setup.sh")
+        self.sweep_stale()
         try:
             _run("ip", "netns", "add", self.ns_a)
             self._up = True
