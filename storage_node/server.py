@@ -73,6 +73,7 @@ class Active:
     md_fetched: float = 0.0
     disconnected: bool = False
     forced: bool = False
+    rdescs: object = None               # the request's client-side descriptors, for admission
 
 
 @dataclass
@@ -308,11 +309,9 @@ class StorageNode:
         return last
 
     def _admit(self, a: Active, now: float) -> bool:
-        if a.error:
-            descs = None
-        else:
-            descs = self._remote_descs(a, a.req.blocks)
-        if self._have_md(a.client, descs):
+        if a.rdescs is None and not a.error:
+            a.rdescs = self._remote_descs(a, a.req.blocks)
+        if self._have_md(a.client, None if a.error else a.rdescs):
             a.admitted = True
             a.last_progress = now
             if a.error:
