@@ -127,6 +127,7 @@ def main() -> int:
     ap.add_argument("--buffer-size", type=size_arg, default=4 * MiB)
     ap.add_argument("--mtu", type=int, default=1500, help="MTU of the veth pair (default 1500)")
     ap.add_argument("--posix-params", default="use_uring=true")
+    ap.add_argument("--iud-params", default="", help="IO_URING_DMABUF params k=v,k=v (default: none)")
     ap.add_argument("--out", default="", help="append the markdown table to this file")
     ap.add_argument("--client", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -149,7 +150,8 @@ def main() -> int:
             while f.read(64 * MiB):
                 pass
         common = ["--buffers", str(a.buffers), "--buffer-size", str(a.buffer_size), "--allow-net-only"]
-        pi, _ = bed.start_node("iud", [f"kv={path}"], "--port", "8888", *common)
+        iud = [x for kv in a.iud_params.split(",") if kv for x in ("--param", kv)]
+        pi, _ = bed.start_node("iud", [f"kv={path}"], "--port", "8888", *common, *iud)
         posix = ["--backend", "POSIX"] + [x for kv in a.posix_params.split(",") if kv for x in ("--param", kv)]
         pp, _ = bed.start_node("posix", [f"kv={path}"], "--port", "8889", *common, *posix)
         cfg = dict(total=a.total, path=path, file_size=os.path.getsize(path), blocks=blocks,
@@ -184,7 +186,7 @@ def main() -> int:
         f"- date: {started}; machine: {machine()}; load average before/after: "
         f"{load0[0]:.2f}/{load1[0]:.2f} (shared machine: other jobs were running)",
         f"- command: `{' '.join(['.venv/bin/python', 'bench/remote_bench.py'] + sys.argv[1:])}`",
-        f"- nodes: {a.buffers} x {fmt_size(a.buffer_size)} DRAM staging buffers each; POSIX params `{a.posix_params}`; "
+        f"- nodes: {a.buffers} x {fmt_size(a.buffer_size)} DRAM staging buffers each; IO_URING_DMABUF params `{a.iud_params or 'defaults'}`; POSIX params `{a.posix_params}`; "
         f"UCX_TLS=tcp over a veth pair between two network namespaces; {a.rounds} rounds; "
         f"GB/s = median (min-max) over rounds; 'of UCX-only' = median (min-max) over rounds of "
         f"read GB/s / UCX-only GB/s of the same node in the same round",
