@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# What the remote-storage tests (tests/remote) and bench/remote_bench.py need besides ci/setup.sh:
+# iproute2 (`ip netns`, veth) from apt, and an etcd binary. etcd comes from Debian's etcd-server
+# package, unpacked into target/remote-tools with `apt-get download` + `dpkg-deb -x` rather than
+# installed: installing it would also enable and start a system etcd service on machines with
+# systemd. An etcd already on PATH (or named by IUD_ETCD) is used as it is. Idempotent and quiet
+# when everything is there. `ci/remote-setup.sh --needs` prints what is missing and exits.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+
+tools="$IUD_TARGET/remote-tools"
+etcd_bin=""
+for c in "${IUD_ETCD:-}" "$(command -v etcd || true)" "$tools/usr/bin/etcd"; do
+    if [ -n "$c" ] && [ -x "$c" ]; then etcd_bin="$c"; break; fi
+done
+need=()
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+[ -n "$etcd_bin" ] || need+=(etcd-server)
+if [ "${1:-}" = --needs ]; then
+    echo "${need[*]}"
+    exit 0
+fi
+[ ${#need[@]} -gt 0 ] || exit 0
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+updated=0
+apt_update() { [ "$updated" = 1 ] || { $SUDO apt-get update -qq; updated=1; }; }
+if ! command -v ip >/dev/null 2>&1; then
+    echo "ci/remote-setup.sh: installing iproute2 (apt-get)"
+    apt_update
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq iproute2 >/dev/null
+fi
+if [ -z "$etcd_bin" ]; then
+    echo "ci/remote-setup.sh: unpacking Debian's etcd-server into $tools (apt-get download)"
+    mkdir -p "$tools/debs"
+    if ! (cd "$tools/debs" && apt-get download -qq etcd-server 2>/dev/null); then
+        apt_update
+        (cd "$tools/debs" && apt-get download -qq etcd-server)
+    fi
+    dpkg-deb -x "$(ls -t "$tools"/debs/etcd-server_*.deb | head -n 1)" "$tools"
+    "$tools/usr/bin/etcd" --version | head -n 1
+fi
