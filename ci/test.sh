@@ -10,6 +10,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$IUD_ROOT"
 
 bash ci/setup.sh
+bash ci/remote-setup.sh  # iproute2 (apt) and an unpacked etcd for tests/remote (storage node over UCX)
 source ci/env.sh  # again: IUD_PLUGIN_DIR is known only once the wheel is installed
 bash ci/build.sh
 
@@ -45,9 +46,9 @@ if [ "${IUD_SKIP_ROCM_FEATURE:-0}" != 1 ]; then
     if [ "$rocm_rc" -eq 0 ]; then rocm_feature=ok; else rocm_feature="FAILED (exit $rocm_rc)"; status=1; fi
 fi
 
-echo "== pytest tests/python tests/gpu (backend ${IUD_TEST_BACKEND:-IO_URING_DMABUF}; GPU tests skip without a CUDA GPU)"
+echo "== pytest tests/python tests/gpu tests/remote (backend ${IUD_TEST_BACKEND:-IO_URING_DMABUF}; GPU tests skip without a CUDA GPU)"
 py_rc=0
-"$IUD_PY" -m pytest -rs tests/python tests/gpu "$@" 2>&1 | tee "$logs/pytest.log" || py_rc=${PIPESTATUS[0]}
+"$IUD_PY" -m pytest -rs tests/python tests/gpu tests/remote "$@" 2>&1 | tee "$logs/pytest.log" || py_rc=${PIPESTATUS[0]}
 [ "$py_rc" -eq 0 ] || status=1
 
 # The NVMe lab: a Debian kernel in QEMU with an emulated NVMe disk (ci/vm/README.md). Set
