@@ -101,6 +101,7 @@ def test_install_as_alias_into_default_folder_round_trip_and_uninstall(env, alia
     res, log = round_trip(env, ["IO_URING_DMABUF", alias])
     for name in ("IO_URING_DMABUF", alias):
         assert res[name]["ok"], (name, res[name]["detail"])
+    assert log.count(f"IO_URING_DMABUF serving as {alias} ") == 1, log
     assert {"DRAM_SEG", "FILE_SEG"} <= set(res[alias]["mems"])
 
     doc = cli(env, "doctor")
