@@ -31,9 +31,20 @@ def wheel_module() -> tuple[str, str]:
     raise RuntimeError("no nixl_cu12/nixl_cu13 wheel in the test venv (run ci/setup.sh)")
 
 
-def copy_nixl(dest: str) -> str:
-    """A private copy of the NIXL wheel's files in `dest`; returns its plugins/ folder."""
-    mod, site = wheel_module()
+def wheel_module_of(python: str) -> tuple[str, str]:
+    """(module, site-packages) of the NIXL wheel that `import nixl` picks in another venv."""
+    code = ("import nixl, os, sys; m = nixl._pkg.__name__; "
+            "print(m, os.path.dirname(os.path.dirname(sys.modules[m].__file__)))")
+    p = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True,
+                       env=child_env([]))
+    mod, site = p.stdout.strip().splitlines()[-1].split(" ", 1)
+    return mod, site
+
+
+def copy_nixl(dest: str, wheel: tuple[str, str] | None = None) -> str:
+    """A private copy of the NIXL wheel's files in `dest` (the test venv's wheel, or `wheel` =
+    (module, site-packages)); returns its plugins/ folder."""
+    mod, site = wheel or wheel_module()
     os.makedirs(dest, exist_ok=True)
     for name in ("nixl", mod, "nixl_meta_utils.py"):
         src = os.path.join(site, name)
@@ -97,3 +108,15 @@ def snapshot(folder: str) -> dict:
                     snap[rel] = ("file", hashlib.sha256(f.read()).hexdigest(), st.st_mode,
                                  st.st_mtime_ns)
     return snap
+
+
+def clients_python() -> str:
+    """The clients venv's interpreter (ci/clients-setup.sh); skips the calling test without it."""
+    import pytest
+
+    venv = os.environ.get("IUD_CLIENTS_VENV") or os.path.join(REPO, ".venv-clients")
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        pytest.skip(f"no clients venv at {venv}: run bash ci/clients-setup.sh (torch, "
+                    "lmcache==0.5.6, vllm==0.33.0, nixl-cu13 from PyPI)")
+    return py
