@@ -25,19 +25,6 @@ DRIVER = os.path.join(os.path.dirname(__file__), "lmcache_driver.py")
 GEOMETRY = {"layers": 4, "tokens": 256, "heads": 8, "head_dim": 64}  # 2 MiB chunks (bf16)
 
 
-@pytest.fixture(scope="module")
-def clients(tmp_path_factory):
-    py = E.clients_python()
-    tmp = tmp_path_factory.mktemp("lmcache")
-    pkgs = E.pip_target(E.build_wheel(str(tmp / "wheel")), str(tmp / "pkgs"))
-    site = str(tmp / "site")
-    E.copy_nixl(site, E.wheel_module_of(py))
-    p = E.run([py, "-m", "nixl_io_uring_dmabuf", "install", "--as", "POSIX"],
-              E.child_env([site, pkgs]))
-    assert p.returncode == 0, p.stderr
-    return {"py": py, "pkgs": pkgs, "site": site, "tmp": tmp}
-
-
 COMBOS = [(pool, direct) for pool in (8, 0) for direct in (False, True)]
 
 
