@@ -31,12 +31,13 @@ def wheel_module() -> tuple[str, str]:
     raise RuntimeError("no nixl_cu12/nixl_cu13 wheel in the test venv (run ci/setup.sh)")
 
 
-def wheel_module_of(python: str) -> tuple[str, str]:
-    """(module, site-packages) of the NIXL wheel that `import nixl` picks in another venv."""
+def wheel_module_of(python: str, path: list[str] = ()) -> tuple[str, str]:
+    """(module, site-packages) of the NIXL wheel that `import nixl` picks in another venv (with
+    `path` as its PYTHONPATH)."""
     code = ("import nixl, os, sys; m = nixl._pkg.__name__; "
             "print(m, os.path.dirname(os.path.dirname(sys.modules[m].__file__)))")
     p = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True,
-                       env=child_env([]))
+                       env=child_env(list(path)))
     mod, site = p.stdout.strip().splitlines()[-1].split(" ", 1)
     return mod, site
 
