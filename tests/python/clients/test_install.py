@@ -183,3 +183,30 @@ def test_refusals_name_the_cause(env):
     p = E.run([sys.executable, "-S", "-m", "nixl_io_uring_dmabuf", "install"],
               E.child_env(env["path"][1:]))
     assert p.returncode == 1 and "no NIXL wheel found" in p.stderr
+
+
+def test_dynamo_recipe_install_as_gds_mt_and_posix(env):
+    """The Dynamo recipe: `install --as GDS_MT,POSIX` into the default folder, then Dynamo KVBM's
+    disk-tier calls (build_agent() creates GDS_MT and POSIX with get_plugin_params defaults;
+    the replay in tests/python/replay/test_replay_dynamo.py) with no NIXL_PLUGIN_DIR."""
+    p = cli(env, "install", "--as", "GDS_MT,POSIX")
+    assert p.returncode == 0, p.stderr
+    replay = os.path.join(E.REPO, "tests", "python", "replay")
+    work = env["tmp"] / "dynamo"
+    work.mkdir()
+    p = E.run([sys.executable, "-c", DYNAMO_CHILD, str(work), replay,
+               os.path.join(E.REPO, "tests", "python")], E.child_env(env["path"]))
+    assert p.returncode == 0 and "CHILD OK" in p.stdout, p.stderr[-3000:]
+    assert p.stderr.count("IO_URING_DMABUF serving as GDS_MT ") == 1
+    assert p.stderr.count("IO_URING_DMABUF serving as POSIX ") == 1
+
+
+DYNAMO_CHILD = r"""
+import sys
+import numpy as np
+sys.path[:0] = sys.argv[2:]
+import test_replay_dynamo as D
+chosen = D.replay(["GDS_MT", "POSIX"], "DRAM", True, sys.argv[1], np.random.default_rng(11))
+print("CHOSEN", sorted(chosen))
+print("CHILD OK")
+"""
