@@ -210,3 +210,12 @@ chosen = D.replay(["GDS_MT", "POSIX"], "DRAM", True, sys.argv[1], np.random.defa
 print("CHOSEN", sorted(chosen))
 print("CHILD OK")
 """
+
+
+def test_bench_command_round_trips(env):
+    assert cli(env, "install").returncode == 0
+    p = cli(env, "bench", "--size", "4M", "--block", "1M", "--iters", "1", "--dir", str(env["tmp"]),
+            "--backends", "IO_URING_DMABUF,POSIX")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [ln for ln in p.stdout.splitlines() if ln.startswith(("IO_URING_DMABUF ", "POSIX "))]
+    assert len(rows) == 2 and all(r.endswith("OK") for r in rows), p.stdout
