@@ -18,7 +18,7 @@ NODEPS=(lmcache==0.5.6 vllm==0.33.0 nixl==1.5.1 nixl-cu13==1.5.1)
 # LMCache 0.5.6's storage path (config, StorageManager, LocalCPUBackend, NixlStorageBackend):
 LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers "prometheus_client<=0.24.1" py-cpuinfo
               psutil aiohttp aiofile aiofiles msgspec "pyzmq>=25" "transformers>=5.4" cryptography
-              "numpy<=2.2.6" pytest)
+              "numpy<=2.2.6" numba pytest)
 # vLLM 0.33's kv_offload tiering modules (factory, base, manager, cpu shared region):
 VLLM_DEPS=(cbor2 openai openai-harmony pillow pybase64 cloudpickle uvloop xgrammar fastapi
            partial-json-parser llguidance)

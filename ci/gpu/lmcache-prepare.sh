@@ -17,6 +17,6 @@ P=(--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
    -q --disable-pip-version-check -d "$out/wheels")
 python3 -m pip download "${P[@]}" --no-deps lmcache==0.5.6
 python3 -m pip download "${P[@]}" pyyaml requests cachetools sortedcontainers "prometheus_client<=0.24.1" \
-    py-cpuinfo psutil aiohttp aiofile aiofiles msgspec "pyzmq>=25" "transformers>=5.4" cryptography
+    py-cpuinfo psutil aiohttp aiofile aiofiles msgspec "pyzmq>=25" "transformers>=5.4" cryptography numba
 rm -f "$out"/wheels/numpy-*.whl "$out"/wheels/hf_xet-*.whl
 du -sh "$out/wheels"
