@@ -14,6 +14,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod alias;
 pub mod bridge;
 pub mod engine;
 pub mod error;

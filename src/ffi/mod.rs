@@ -15,11 +15,11 @@ use std::ptr;
 
 use once_cell::sync::Lazy;
 
-use crate::bridge::{iud_desc_list, iud_engine_config, iud_param_default, iud_reg_desc, iud_rust_api, iud_shim_plugin, iud_str};
+use crate::bridge::{iud_desc_list, iud_engine_config, iud_file_info, iud_param_default, iud_reg_desc, iud_rust_api, iud_shim_plugin, iud_str};
 use crate::engine::{Engine, Request};
 use crate::error::{status, Result};
 use crate::uring::Progress;
-use crate::{log, manifest};
+use crate::{alias, log, manifest};
 
 /// Runs `body`, turning errors and panics into a status and one log line.
 fn boundary(what: &str, body: impl FnOnce() -> Result<i32>) -> i32 {
@@ -77,6 +77,10 @@ unsafe extern "C" fn engine_create(config: *const iud_engine_config, engine_out:
                 .collect()
         };
         tracing::debug!(sync_mode = cfg.sync_mode, enable_prog_thread = cfg.enable_prog_thread, "create_backend");
+        // SAFETY: the type string lives for the duration of this call.
+        let served = unsafe { cfg.backend_type.as_string() };
+        alias::announce(&served);
+        let pairs = alias::translate(&served, pairs);
         let engine = Engine::new(&agent, pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
         // SAFETY: engine_out is a valid out-pointer from the shim.
         unsafe { *engine_out = Box::into_raw(Box::new(engine)).cast() };
@@ -183,6 +187,32 @@ unsafe extern "C" fn log_error(message: *const c_char) {
     tracing::error!("{text}");
 }
 
+unsafe extern "C" fn engine_mems(backend_type: iud_str, mems_out: *mut *const i32) -> u32 {
+    catch_unwind(|| {
+        // SAFETY: the shim passes a view valid for the call and a valid out-pointer.
+        let mems = alias::mems_for(&unsafe { backend_type.as_string() });
+        // SAFETY: as above; the slice is 'static.
+        unsafe { *mems_out = mems.as_ptr() };
+        mems.len() as u32
+    })
+    .unwrap_or(0)
+}
+
+unsafe extern "C" fn query_file(meta_info: iud_str, info_out: *mut iud_file_info) -> i32 {
+    boundary("queryMem", || {
+        // SAFETY: the view is valid for the call.
+        let meta = unsafe { meta_info.as_string() };
+        Ok(match crate::mem::file_query::query(&meta) {
+            Some(i) => {
+                // SAFETY: info_out is a valid out-pointer from the shim.
+                unsafe { *info_out = iud_file_info { size: i.size, mode: i.mode, mtime: i.mtime } };
+                1
+            }
+            None => 0,
+        })
+    })
+}
+
 /// The function table and the static data it points to.
 struct ApiTable {
     api: iud_rust_api,
@@ -203,8 +233,10 @@ static API: Lazy<ApiTable> = Lazy::new(|| {
     let api = iud_rust_api {
         plugin_name: manifest::PLUGIN_NAME_C.as_ptr(),
         plugin_version: manifest::PLUGIN_VERSION_C.as_ptr(),
-        mems: manifest::MEMS.as_ptr(),
-        mem_count: manifest::MEMS.len() as u32,
+        // Before any engine exists, NIXL asks the library (get_plugin_mems): answer for the name
+        // its file has (src/alias.rs).
+        mems: alias::mems_for(alias::library_name()).as_ptr(),
+        mem_count: alias::mems_for(alias::library_name()).len() as u32,
         params: params.as_ptr(),
         param_count: params.len() as u32,
         engine_create: Some(engine_create),
@@ -216,6 +248,8 @@ static API: Lazy<ApiTable> = Lazy::new(|| {
         check_xfer: Some(check_xfer),
         release_req: Some(release_req),
         log_error: Some(log_error),
+        engine_mems: Some(engine_mems),
+        query_file: Some(query_file),
     };
     ApiTable { api, _params: params }
 });

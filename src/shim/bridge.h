@@ -57,6 +57,7 @@ typedef struct iud_reg_desc {
 
 typedef struct iud_engine_config {
     iud_str local_agent;
+    iud_str backend_type; /* the name create_backend used (the plugin file's name); src/alias.rs */
     const iud_kv *params;
     uint32_t param_count;
     int32_t sync_mode; /* nixl_thread_sync_t */
@@ -68,6 +69,13 @@ typedef struct iud_param_default {
     const char *name;
     const char *default_value;
 } iud_param_default;
+
+/* What stat() says about the file a FILE descriptor's metaInfo names (queryMem). */
+typedef struct iud_file_info {
+    uint64_t size;
+    uint32_t mode;
+    int64_t mtime;
+} iud_file_info;
 
 /* Everything the shim calls in Rust. Every function is panic-safe: a panic becomes
  * NIXL_ERR_BACKEND (or a no-op for void functions) and one log line. `engine` is the pointer
@@ -99,6 +107,11 @@ typedef struct iud_rust_api {
     int32_t (*release_req)(void *engine, void *req);
     /* Logs one line at error level from the C++ side (caught exceptions). */
     void (*log_error)(const char *message);
+    /* The memory kinds an engine created as `backend_type` reports (*mems_out: static array). */
+    uint32_t (*engine_mems)(iud_str backend_type, const int32_t **mems_out);
+    /* queryMem for one descriptor: 1 with *info_out filled when metaInfo names an existing file,
+     * 0 when it names none. */
+    int32_t (*query_file)(iud_str meta_info, iud_file_info *info_out);
 } iud_rust_api;
 
 /* Implemented by the shim: returns the process-wide nixlBackendPlugin (as void*), built on the

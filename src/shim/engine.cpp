@@ -11,6 +11,7 @@
 
 #include <exception>
 #include <string>
+#include <vector>
 
 // The shim hands NIXL's descriptor vector to Rust as iud_desc[] without copying.
 #pragma GCC diagnostic push
@@ -74,6 +75,7 @@ public:
             kvs.reserve(init->customParams->size());
             for (const auto &[k, v] : *init->customParams) kvs.push_back(iud_kv{view(k), view(v)});
             iud_engine_config cfg{view(init->localAgent),
+                                  view(init->type),
                                   kvs.data(),
                                   static_cast<uint32_t>(kvs.size()),
                                   static_cast<int32_t>(init->syncMode),
@@ -81,6 +83,9 @@ public:
             return static_cast<nixl_status_t>(g_api->engine_create(&cfg, &rust));
         });
         if (st != NIXL_SUCCESS) initErr = true;
+        const int32_t *mems = nullptr;
+        uint32_t n = g_api->engine_mems(view(init->type), &mems);
+        for (uint32_t i = 0; i < n; ++i) mems_.push_back(static_cast<nixl_mem_t>(mems[i]));
     }
 
     ~ShimEngine() override {
@@ -91,7 +96,8 @@ public:
     bool supportsLocal() const override { return true; }
     bool supportsNotif() const override { return false; }
 
-    nixl_mem_list_t getSupportedMems() const override { return supportedMems(); }
+    // The kinds of the name this engine serves (src/alias.rs), not necessarily all of ours.
+    nixl_mem_list_t getSupportedMems() const override { return mems_; }
 
     nixl_status_t
     registerMem(const nixlBlobDesc &mem, const nixl_mem_t &kind, nixlBackendMD *&out) override {
@@ -183,6 +189,29 @@ public:
         });
     }
 
+    // As NIXL's file backends answer it: one entry per descriptor, the file's size, mode and
+    // mtime when its metaInfo names an existing file, else std::nullopt (src/mem/file_query.rs).
+    nixl_status_t queryMem(const nixl_reg_dlist_t &descs,
+                           std::vector<nixl_query_resp_t> &resp) const override {
+        return guarded("queryMem", [&] {
+            resp.clear();
+            resp.reserve(descs.descs.size());
+            for (const auto &d : descs.descs) {
+                iud_file_info info{};
+                if (g_api->query_file(view(d.metaInfo), &info) == 1) {
+                    nixl_b_params_t answer;
+                    answer["size"] = std::to_string(info.size);
+                    answer["mode"] = std::to_string(info.mode);
+                    answer["mtime"] = std::to_string(info.mtime);
+                    resp.emplace_back(std::move(answer));
+                } else {
+                    resp.emplace_back(std::nullopt);
+                }
+            }
+            return NIXL_SUCCESS;
+        });
+    }
+
     static nixl_mem_list_t supportedMems() {
         nixl_mem_list_t mems;
         for (uint32_t i = 0; i < g_api->mem_count; ++i)
@@ -192,6 +221,7 @@ public:
 
 private:
     void *rust = nullptr;
+    nixl_mem_list_t mems_;
 };
 
 nixlBackendEngine *createEngine(const nixlBackendInitParams *init) {

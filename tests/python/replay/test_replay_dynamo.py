@@ -282,8 +282,9 @@ sys.path[:0] = sys.argv[3:]
 import test_replay_dynamo as D
 from nixl._api import nixl_agent, nixl_agent_config
 probe = nixl_agent("probe", nixl_agent_config(backends=[]))
-for name in ("GDS_MT", "POSIX"):
-    assert "VRAM_SEG" in probe.get_plugin_mem_types(name) and \
+# Each name reports the kinds of NIXL's own backend of that name (src/alias.rs) and our params.
+for name, mems in (("GDS_MT", ["DRAM_SEG", "VRAM_SEG", "FILE_SEG"]), ("POSIX", ["DRAM_SEG", "FILE_SEG"])):
+    assert probe.get_plugin_mem_types(name) == mems and \
         "ring_entries" in probe.get_plugin_params(name), name + " is not IO_URING_DMABUF"
 chosen = D.replay(["GDS_MT", "POSIX"], "DRAM", sys.argv[2] == "1", sys.argv[1],
                   np.random.default_rng(7))
