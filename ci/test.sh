@@ -13,6 +13,7 @@ bash ci/setup.sh
 bash ci/remote-setup.sh  # iproute2 (apt) and an unpacked etcd for tests/remote (storage node over UCX)
 source ci/env.sh  # again: IUD_PLUGIN_DIR is known only once the wheel is installed
 bash ci/build.sh
+bash ci/clients-setup.sh  # torch (CPU use), lmcache==0.5.6 and vllm==0.33.0 for tests/python/clients
 
 # The wheel's libraries: libnixl_capi.so for the nixl-sys integration tests.
 libs="$(iud_nixl_libs)"
