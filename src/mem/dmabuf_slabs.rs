@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 
+use crate::gpu::DmabufExport;
 use crate::uring::{FileKey, MAX_FIXED_BUFFER};
 
 /// Host page size assumed for DMA-BUF export alignment.
@@ -26,19 +27,6 @@ impl Slab {
     /// The I/O address of `addr` (inside this slab) as an offset into the slab's DMA-BUF.
     pub fn dmabuf_offset_of(&self, addr: u64) -> u64 {
         self.export_offset + (addr - self.start)
-    }
-}
-
-/// A DMA-BUF exported for one slab: the fd and where the slab starts inside it.
-pub struct DmabufExport {
-    pub fd: OwnedFd,
-    pub offset: u64,
-}
-
-impl From<OwnedFd> for DmabufExport {
-    /// An export of exactly the requested range (offset 0).
-    fn from(fd: OwnedFd) -> DmabufExport {
-        DmabufExport { fd, offset: 0 }
     }
 }
 
@@ -82,7 +70,15 @@ impl DmabufSlabs {
     pub fn export_all(&mut self, mut export: impl FnMut(u64, u64) -> Result<DmabufExport, String>) -> Option<String> {
         for i in 0..self.slabs.len() {
             let (start, len) = (self.slabs[i].start, self.slabs[i].len);
-            match export(start, len) {
+            let export = export(start, len).and_then(|e| match e.whole_size {
+                // One DMA-BUF is one io_uring buffer, at most MAX_FIXED_BUFFER bytes.
+                Some(size) if size > MAX_FIXED_BUFFER => Err(format!(
+                    "the provider exports a DMA-BUF of the whole allocation ({size} bytes), over io_uring's {MAX_FIXED_BUFFER} byte limit for one DMA-BUF buffer; \
+                     allocate at most 1 GiB per allocation (per iud_vulkan_alloc) for the dmabuf path"
+                )),
+                _ => Ok(e),
+            });
+            match export {
                 Ok(e) => {
                     self.slabs[i].dmabuf = Some(e.fd);
                     self.slabs[i].export_offset = e.offset;
@@ -217,7 +213,7 @@ mod tests {
             // SAFETY: a fresh fd from dup that the export now owns.
             let fd = unsafe { OwnedFd::from_raw_fd(libc::dup(0).max(libc::dup(2))) };
             // An allocation-wide export: the slab sits (start - base) + 64 KiB into the DMA-BUF.
-            Ok(DmabufExport { fd, offset: start - base + 65536 })
+            Ok(DmabufExport { fd, offset: start - base + 65536, whole_size: None })
         });
         assert!(why.is_none());
         assert_eq!(d.slabs[0].dmabuf_offset_of(base + 4096), 65536 + 4096);
