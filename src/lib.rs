@@ -23,7 +23,7 @@ pub mod log;
 pub mod manifest;
 pub mod mem;
 pub mod params;
+pub mod path;
 pub mod record;
 pub mod uring;
-pub mod verify_dma;
 pub mod xfer;

@@ -1,13 +1,12 @@
 //! The DMA-BUF side of a memory registration (GPU memory exported by a GPU provider, or host
-//! memory exported through udmabuf): ≤1 GiB page-aligned slabs, each with its DMA-BUF fd, the
-//! route chosen per storage target, and the io_uring slots to release with the registration.
+//! memory exported through udmabuf): ≤1 GiB page-aligned slabs, each with its DMA-BUF fd, and the
+//! io_uring slots bound for them, released with the registration.
 
-use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 
 use crate::gpu::DmabufExport;
-use crate::uring::{FileKey, MAX_FIXED_BUFFER};
+use crate::uring::MAX_FIXED_BUFFER;
 
 /// Host page size assumed for DMA-BUF export alignment.
 pub const PAGE: u64 = 4096;
@@ -30,26 +29,11 @@ impl Slab {
     }
 }
 
-/// How a (registration, target) pair moves bytes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Route {
-    /// Registered with io_uring as DMA-BUF buffers bound to the target; one slot per slab.
-    Dmabuf { slots: Vec<u16> },
-    /// VRAM through the pinned host staging pool.
-    Staging,
-    /// VRAM through cuFile (GPUDirect Storage).
-    Cufile,
-    /// Host memory addressed directly (fixed buffers or plain pointers).
-    Host,
-}
-
-/// Slabs, their DMA-BUFs, and the per-target routes of one registration.
+/// Slabs and their DMA-BUFs of one registration.
 pub struct DmabufSlabs {
     pub slabs: Vec<Slab>,
     /// Why the slabs have no DMA-BUFs (export failed or was not attempted).
     pub export_note: Option<String>,
-    /// Decided routes per target file, with the reason logged when decided.
-    pub routes: Mutex<HashMap<FileKey, Route>>,
     /// Releases the DMA-BUF slots bound for this registration when it is dropped.
     pub on_drop: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
 }
@@ -60,7 +44,6 @@ impl DmabufSlabs {
         DmabufSlabs {
             slabs: ranges.into_iter().map(|(start, len)| Slab { start, len, dmabuf: None, export_offset: 0 }).collect(),
             export_note: Some(note.to_owned()),
-            routes: Mutex::new(HashMap::new()),
             on_drop: Mutex::new(Vec::new()),
         }
     }
@@ -104,14 +87,6 @@ impl DmabufSlabs {
         // them smaller.
         let i = self.slabs.partition_point(|s| s.start + s.len <= addr);
         self.slabs.get(i).filter(|s| addr >= s.start).map(|s| (i, s.start + s.len))
-    }
-
-    pub fn cached_route(&self, key: &FileKey) -> Option<Route> {
-        self.routes.lock().unwrap_or_else(|p| p.into_inner()).get(key).cloned()
-    }
-
-    pub fn remember_route(&self, key: FileKey, route: Route) {
-        self.routes.lock().unwrap_or_else(|p| p.into_inner()).insert(key, route);
     }
 }
 
