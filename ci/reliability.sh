@@ -15,7 +15,9 @@
 #   valgrind the same driver without sanitizers under memcheck, against the release plugin
 #   tsan     tests/reliability/tsan (8-thread engine stress) with -Zsanitizer=thread (nightly)
 #   fuzz     fuzz/ targets params, path_meta, plan (cargo-fuzz, nightly)
-# Tools that are missing (nightly, cargo-fuzz, valgrind) make their stage report SKIP, not pass.
+# Where nightly Rust exists, the nightly's rust-src (tsan) and cargo-fuzz (fuzz) are installed by the
+# stage itself; a tool still missing (nightly, valgrind, or an install that failed) makes its stage
+# print "SKIP: <reason>" and report SKIP with that reason, never pass.
 # Environment: IUD_REL_STAGES="pytest soak ..." selects stages; IUD_REL_FUZZ_S overrides the
 # seconds per fuzz target; IUD_REL_OUT (default
 # target/reliability) receives the JSON figures.
@@ -53,18 +55,40 @@ bash ci/build.sh >/dev/null
 export NIXL_PLUGIN_DIR="$IUD_PLUGIN_DIR"
 
 declare -A result
+skip_reason=""
 run_stage() {  # name, command...
     local name="$1"; shift
     echo "== $name: $*"
     local t0=$SECONDS
+    skip_reason=""
     "$@"
     local rc=$?
     if [ "$rc" -eq 0 ]; then result[$name]="pass ($((SECONDS - t0)) s)"
-    elif [ "$rc" -eq 77 ]; then result[$name]="SKIP"
-    else result[$name]="FAIL (exit $rc, $((SECONDS - t0)) s)"; fi
+    elif [ "$rc" -eq 77 ]; then result[$name]="SKIP (${skip_reason:-no reason given})"
+    else result[$name]="FAIL (exit $rc, $((SECONDS - t0)) s; log in $IUD_REL_OUT)"; fi
 }
 
+# A stage that cannot run here says why on the console and returns 77 (counted as SKIP).
+skip_stage() { skip_reason="$1"; echo "SKIP: $1"; return 77; }
+
 have_nightly() { rustup run nightly rustc --version >/dev/null 2>&1; }
+
+# -Zbuild-std (tsan) needs the nightly's rust-src component: installed here when rustup can.
+have_rust_src() {
+    local sysroot
+    sysroot="$(rustup run nightly rustc --print sysroot 2>/dev/null)" || return 1
+    [ -f "$sysroot/lib/rustlib/src/rust/library/Cargo.lock" ] && return 0
+    echo "installing rust-src for the nightly toolchain (rustup component add rust-src --toolchain nightly)"
+    rustup component add rust-src --toolchain nightly >/dev/null 2>&1 &&
+        [ -f "$sysroot/lib/rustlib/src/rust/library/Cargo.lock" ]
+}
+
+# cargo-fuzz from crates.io (a few minutes to build, once per machine) when nightly is there.
+have_cargo_fuzz() {
+    cargo fuzz --version >/dev/null 2>&1 && return 0
+    echo "installing cargo-fuzz (cargo install --locked cargo-fuzz; once per machine)"
+    cargo install -q --locked cargo-fuzz >/dev/null 2>&1 && cargo fuzz --version >/dev/null 2>&1
+}
 
 stage_pytest() {
     "$IUD_PY" -m pytest -p no:cacheprovider -q -rs tests/reliability \
@@ -105,7 +129,7 @@ stage_asan() {
 }
 
 stage_valgrind() {
-    command -v valgrind >/dev/null || { echo "valgrind not installed"; return 77; }
+    command -v valgrind >/dev/null || { skip_stage "valgrind not installed (apt-get install valgrind)"; return; }
     local d="$IUD_TARGET/asan"
     mkdir -p "$d" "$work/vg"
     build_driver "$d/driver-plain" || return 1
@@ -118,19 +142,21 @@ stage_valgrind() {
 }
 
 stage_tsan() {
-    have_nightly || { echo "no nightly toolchain"; return 77; }
+    have_nightly || { skip_stage "no nightly Rust toolchain (-Zsanitizer=thread needs nightly: rustup toolchain install nightly)"; return; }
+    have_rust_src || { skip_stage "the nightly toolchain lacks rust-src and rustup could not add it (-Zbuild-std needs it)"; return; }
     ( cd tests/reliability/tsan &&
       RUSTFLAGS="-Zsanitizer=thread" TSAN_OPTIONS="halt_on_error=1" \
         cargo +nightly run -q -Zbuild-std --release --target x86_64-unknown-linux-gnu \
         -- "$work" "$TSAN_ITERS" ) > "$IUD_REL_OUT/tsan.log" 2>&1
     local rc=$?
     grep -E "^stress:|WARNING: ThreadSanitizer|SUMMARY" "$IUD_REL_OUT/tsan.log" | head -20
+    [ "$rc" -eq 0 ] || { echo "tsan failed (exit $rc); last lines of $IUD_REL_OUT/tsan.log:"; tail -n 15 "$IUD_REL_OUT/tsan.log"; }
     return $rc
 }
 
 stage_fuzz() {
-    have_nightly || { echo "no nightly toolchain"; return 77; }
-    cargo fuzz --version >/dev/null 2>&1 || { echo "cargo-fuzz not installed (cargo install cargo-fuzz)"; return 77; }
+    have_nightly || { skip_stage "no nightly Rust toolchain (cargo-fuzz needs nightly: rustup toolchain install nightly)"; return; }
+    have_cargo_fuzz || { skip_stage "cargo-fuzz is not installed and cargo install cargo-fuzz failed"; return; }
     local rc=0 t
     for t in params path_meta plan; do
         # fuzz into a scratch copy of the committed corpus (the corpus stays as committed)

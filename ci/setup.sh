@@ -34,7 +34,9 @@ SUDO=""
 if [ ${#need[@]} -gt 0 ]; then
     echo "ci/setup.sh: installing ${need[*]} (apt-get)"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+    # apt's notice about apt-utils is noise on a machine without it; real errors still show.
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null \
+        2> >(grep -v '^debconf: delaying package configuration' >&2)
 fi
 
 if [ ! -x "$IUD_PY" ]; then

@@ -26,6 +26,10 @@ mkdir -p "$logs"
 status=0
 
 echo "== cargo test --release --workspace"
+# Rust tests that cannot run here call test_support::skip, which appends "SKIP <test>: <reason>"
+# to this file; they count as skipped below, not as passed.
+export IUD_TEST_SKIP_LOG="$logs/cargo-skips.txt"
+: > "$IUD_TEST_SKIP_LOG"
 cargo_rc=0
 cargo test --release --workspace 2>&1 | tee "$logs/cargo-test.log" || cargo_rc=${PIPESTATUS[0]}
 [ "$cargo_rc" -eq 0 ] || status=1
@@ -87,7 +91,10 @@ read -r c_pass c_fail c_ign < <({ grep -E '^test result: ' "$logs/cargo-test.log
     awk '{p+=$4; f+=$6; i+=$8} END {printf "%d %d %d\n", p, f, i}')
 # a stage that failed without a counted test failure (build error, crash) counts as one failure
 [ "$cargo_rc" -eq 0 ] || [ "$c_fail" -gt 0 ] || c_fail=1
-echo "cargo test: exit $cargo_rc, $c_pass passed, $c_fail failed, $c_ign ignored"
+c_skip=$(wc -l < "$IUD_TEST_SKIP_LOG")
+c_pass=$((c_pass - c_skip))  # the harness counted each skipped test as passed
+echo "cargo test: exit $cargo_rc, $c_pass passed, $c_fail failed, $c_skip skipped, $c_ign ignored"
+sed 's/^/  /' "$IUD_TEST_SKIP_LOG"
 py_line="$(grep -E '^=+ .*(passed|failed|error|skipped|xfailed|no tests ran).* =+$' "$logs/pytest.log" | tail -n 1 || true)"
 count() { { grep -oE "[0-9]+ $1" <<<"$py_line" || true; } | awk '{s+=$1} END {print s+0}'; }
 p_pass=$(count passed); p_fail=$(( $(count failed) + $(count error) )); p_skip=$(count skipped)
@@ -95,8 +102,11 @@ p_pass=$(count passed); p_fail=$(( $(count failed) + $(count error) )); p_skip=$
 echo "pytest: exit $py_rc, ${py_line:-(no summary line)}"
 echo "rocm feature: $rocm_feature"
 echo "NVMe lab: ${lab_line:-not run}"
-echo "reliability: $([ "$rel_fail" -eq 0 ] && echo ok || echo FAILED) (stage lines above; figures in target/reliability)"
+echo "reliability: $([ "$rel_fail" -eq 0 ] && echo ok || echo FAILED) (figures in target/reliability)"
+[ -f "$logs/reliability.log" ] && sed -n '/^== reliability summary/,$p' "$logs/reliability.log" | tail -n +2 | sed 's/^/  /'
+rel_skip=0
+[ -f "$logs/reliability.log" ] && rel_skip=$(sed -n '/^== reliability summary/,$p' "$logs/reliability.log" | grep -c ': SKIP' || true)
 rocm_fail=0
 case "$rocm_feature" in FAILED*) rocm_fail=1 ;; esac
-echo "total: $((c_pass + p_pass + lab_pass)) passed, $((c_fail + p_fail + lab_fail + rel_fail + rocm_fail)) failed, $((p_skip + lab_skip)) skipped"
+echo "total: $((c_pass + p_pass + lab_pass)) passed, $((c_fail + p_fail + lab_fail + rel_fail + rocm_fail)) failed, $((c_skip + p_skip + lab_skip + rel_skip)) skipped"
 exit "$status"

@@ -25,5 +25,7 @@ pub mod mem;
 pub mod params;
 pub mod path;
 pub mod record;
+#[doc(hidden)]
+pub mod test_support;
 pub mod uring;
 pub mod xfer;

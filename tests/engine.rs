@@ -339,8 +339,7 @@ fn eight_threads_post_on_one_engine() {
 #[test]
 fn vram_without_a_gpu_driver_is_refused_with_the_reason() {
     if std::path::Path::new("/dev/nvidiactl").exists() {
-        println!("SKIP vram_without_a_gpu_driver: this machine has an NVIDIA driver (the GPU tests cover VRAM)");
-        return;
+        return io_uring_dmabuf::test_support::skip("this machine has an NVIDIA driver (the GPU tests cover VRAM)");
     }
     let e = engine(&[]);
     let err = e.register(1, 0x7000_0000, 1 << 20, 0, "").unwrap_err();

@@ -1,6 +1,6 @@
 //! BLK_SEG through the engine on loop devices (losetup --direct-io=on, 512 B and 4 KiB logical
 //! blocks): round trips in path and fd mode, the capacity edge, and every alignment and bounds
-//! refusal. Needs root and loop devices; without them each test prints one SKIP line and returns.
+//! refusal. Needs root and loop devices; without them each test records a skip (test_support) and returns.
 
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
@@ -10,6 +10,7 @@ use std::process::Command;
 use io_uring_dmabuf::bridge::iud_desc;
 use io_uring_dmabuf::engine::Engine;
 use io_uring_dmabuf::error::{Error, ErrorKind};
+use io_uring_dmabuf::test_support::skip;
 
 mod common;
 use common::*;
@@ -53,17 +54,17 @@ fn rand_u64() -> u64 {
     x
 }
 
-/// A loop device, or None after printing why the test is skipped.
-fn loop_device(test: &str, sector: u32) -> Option<Loop> {
+/// A loop device, or None after recording why the test is skipped.
+fn loop_device(sector: u32) -> Option<Loop> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        println!("SKIP {test}: needs root for losetup");
+        skip("needs root for losetup");
         return None;
     }
     match Loop::new(sector) {
         Ok(l) => Some(l),
         Err(e) => {
-            println!("SKIP {test}: no loop device ({e})");
+            skip(&format!("no loop device ({e})"));
             None
         }
     }
@@ -82,7 +83,7 @@ fn prep_err(e: &Engine, local: &[iud_desc], remote: &[iud_desc]) -> Error {
 /// WRITE then READ of mixed-size blocks over the whole device, verified against the device.
 fn round_trip(sector: u32, path_mode: bool) {
     let name = format!("blk_round_trip_{sector}_{}", if path_mode { "path" } else { "fd" });
-    let Some(lo) = loop_device(&name, sector) else { return };
+    let Some(lo) = loop_device(sector) else { return };
     let e = Engine::new(AGENT, [("max_io_size", "262144")]).unwrap();
     let src = Buf::random(DEVICE_BYTES as usize);
     let dst = Buf::random(DEVICE_BYTES as usize);
@@ -137,7 +138,7 @@ fn blk_round_trip_4096_fd_mode() {
 
 #[test]
 fn blk_refuses_misalignment_and_ranges_past_the_end() {
-    let Some(lo) = loop_device("blk_refusals", 4096) else { return };
+    let Some(lo) = loop_device(4096) else { return };
     let e = Engine::new(AGENT, std::iter::empty()).unwrap();
     let buf = Buf::random(1 << 20);
     let m = e.register(DRAM, buf.addr(), 1 << 20, 0, "").unwrap();
@@ -179,8 +180,7 @@ fn blk_refuses_misalignment_and_ranges_past_the_end() {
 fn dram_dmabuf_on_is_refused_with_the_reason_when_the_kernel_lacks_the_uapi() {
     use io_uring_dmabuf::engine::dmabuf_support;
     if dmabuf_support().is_available() {
-        println!("SKIP dram_dmabuf_refusal: this kernel has the io_uring DMA-BUF uAPI (the NVMe lab covers it)");
-        return;
+        return skip("this kernel has the io_uring DMA-BUF uAPI (the NVMe lab covers it)");
     }
     let e = Engine::new(AGENT, [("dram_dmabuf", "on")]).unwrap();
     let buf = Buf::random(1 << 16);
@@ -188,7 +188,7 @@ fn dram_dmabuf_on_is_refused_with_the_reason_when_the_kernel_lacks_the_uapi() {
     assert_eq!(err.kind, ErrorKind::NotSupported);
     assert!(err.message.contains("dram_dmabuf=on") && err.message.contains("7.4"), "{}", err.message);
     // auto falls back to fixed buffers and moves data.
-    let Some(lo) = loop_device("dram_dmabuf_auto", 4096) else { return };
+    let Some(lo) = loop_device(4096) else { return };
     let auto = Engine::new(AGENT, [("dram_dmabuf", "auto")]).unwrap();
     let m = auto.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
     let mb = auto.register(BLK, 0, 1 << 16, 9, &format!("rw,direct:{}", lo.dev)).unwrap();

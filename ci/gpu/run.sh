@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/iud-gpu-out}
 mkdir -p "$OUT" "$LIBS/iud-plugins"
 for p in "$LIBS"/plugins/libplugin_*.so; do ln -sf "../plugins/$(basename "$p")" "$LIBS/iud-plugins/"; done
 cp -f "$G/libplugin_IO_URING_DMABUF.so" "$LIBS/iud-plugins/"
-export NIXL_PLUGIN_DIR=$LIBS/iud-plugins PYTHONPATH=$SITE PYTHONUNBUFFERED=1
+export NIXL_PLUGIN_DIR=$LIBS/iud-plugins PYTHONPATH=$SITE PYTHONUNBUFFERED=1 IUD_DOCTOR=$G/iud-doctor
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export IO_URING_DMABUF_LOG=${IO_URING_DMABUF_LOG:-info}
 # Vulkan (gpu_provider=vulkan): the loader debs carried in .device/gpu/vk, unpacked into a

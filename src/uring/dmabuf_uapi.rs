@@ -176,13 +176,21 @@ mod tests {
     }
 
     #[test]
-    fn the_live_probe_answers_without_crashing() {
-        // On kernels before 7.4 this is Absent(EINVAL); on 7.4+ Available. Either is fine here;
-        // what matters is a definite answer with a reason.
-        let s = probe();
-        println!("DMA-BUF uAPI probe on this kernel: {s:?}");
-        if let DmabufSupport::Absent(r) = s {
-            assert!(!r.is_empty());
+    fn the_live_probe_is_stable_and_matches_what_the_machine_is_expected_to_have() {
+        // Two probes on fresh rings give the same answer, an absence always carries its reason,
+        // and where the environment says what this kernel has (IUD_EXPECT_DMABUF_UAPI=0|1, set
+        // by the NVMe lab and by anyone who knows the kernel) the probe must agree with it.
+        let first = probe();
+        let second = probe();
+        println!("DMA-BUF uAPI probe on this kernel: {first:?}");
+        assert_eq!(first, second, "the probe changed its answer");
+        if let DmabufSupport::Absent(r) = &first {
+            assert!(!r.is_empty(), "an absence without a reason");
+        }
+        match std::env::var("IUD_EXPECT_DMABUF_UAPI").as_deref() {
+            Ok("1") => assert!(first.is_available(), "expected the uAPI, probe says {first:?}"),
+            Ok("0") => assert!(!first.is_available(), "expected no uAPI, probe says {first:?}"),
+            _ => {}
         }
     }
 

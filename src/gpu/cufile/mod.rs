@@ -341,8 +341,7 @@ mod tests {
             !h.is_null()
         });
         if present {
-            println!("SKIP missing-libcufile: this machine has libcufile (the GPU tests cover cuFile)");
-            return;
+            return crate::test_support::skip("this machine has libcufile (the GPU tests cover cuFile)");
         }
         let err = CuFile::load().err().expect("no libcufile here");
         assert_eq!(err.kind, ErrorKind::NotSupported);

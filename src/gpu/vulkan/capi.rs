@@ -71,8 +71,15 @@ fn boundary(what: &str, body: impl FnOnce() -> Result<()>) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn iud_vulkan_alloc(device: c_int, size: u64, out_addr: *mut u64) -> c_int {
     boundary("iud_vulkan_alloc", || {
+        // Arguments first: a bad call is EINVAL on every machine, with or without a driver.
         if out_addr.is_null() {
             return Err(Error::invalid("iud_vulkan_alloc: out_addr is NULL"));
+        }
+        if size == 0 {
+            return Err(Error::invalid("iud_vulkan_alloc: size 0"));
+        }
+        if device < 0 {
+            return Err(Error::invalid(format!("iud_vulkan_alloc: device {device} is negative")));
         }
         let a = VulkanProvider::get()?.allocate(device, size)?;
         // SAFETY: checked non-NULL; the caller guarantees it is writable.

@@ -4,6 +4,7 @@
 use ash::vk;
 
 use super::capi::*;
+use crate::test_support::skip;
 use super::driver::{HandleSupport, PhysicalDevice, DMA_BUF, OPAQUE_FD};
 use super::*;
 
@@ -89,6 +90,20 @@ fn c_api_refuses_a_null_out_pointer_with_a_message() {
 }
 
 #[test]
+fn c_api_checks_size_and_device_before_looking_for_a_driver() {
+    // With or without libvulkan.so.1 and a driver: EINVAL, and the out-parameter untouched.
+    for (device, size, what) in [(0, 0, "size 0"), (-1, 4096, "negative")] {
+        let mut addr = 0u64;
+        // SAFETY: addr is a valid out-pointer.
+        assert_eq!(unsafe { iud_vulkan_alloc(device, size, &mut addr) }, IUD_VK_EINVAL, "{what}");
+        assert_eq!(addr, 0);
+        // SAFETY: the API returns a NUL-terminated thread-local string.
+        let msg = unsafe { std::ffi::CStr::from_ptr(iud_vulkan_last_error()) }.to_string_lossy().into_owned();
+        assert!(msg.contains(what), "{msg}");
+    }
+}
+
+#[test]
 fn c_api_refuses_to_free_an_unknown_address_and_knows_no_variant_for_it() {
     assert_eq!(iud_vulkan_free(0x1234_5000), IUD_VK_EINVAL);
     assert!(iud_vulkan_variant(0x1234_5000).is_null());
@@ -99,12 +114,12 @@ fn c_api_refuses_to_free_an_unknown_address_and_knows_no_variant_for_it() {
 fn host_mapped_allocation_round_trips_through_the_provider_where_a_driver_exists() {
     let p = match VulkanProvider::get() {
         Ok(p) if p.cuda.is_none() => p,
-        Ok(_) => return eprintln!("skipped: CUDA is present (the GPU tests cover the CUDA variants)"),
-        Err(e) => return eprintln!("skipped: {}", e.message),
+        Ok(_) => return skip("CUDA is present (the GPU tests cover the CUDA variants)"),
+        Err(e) => return skip(&e.message),
     };
     let (variant, _) = match p.plan_for(0) {
         Ok(v) => v,
-        Err(e) => return eprintln!("skipped: {}", e.message),
+        Err(e) => return skip(&e.message),
     };
     let mut addr = 0u64;
     // SAFETY: addr is a valid out-pointer.
