@@ -4,7 +4,7 @@
 //! lock, and everything that touches io_uring goes through the ring's lock, so NIXL may call the
 //! data path from many threads at once (sync modes NONE and RW).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,16 +13,17 @@ use once_cell::sync::OnceCell;
 
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
-use crate::gpu::{self, GpuProvider};
-use crate::mem::dmabuf_slabs::{DmabufSlabs, Route};
-use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
-use crate::params::{CufileApiChoice, DramDmabuf, EngineParams, FixedBuffers, VramPath};
 use crate::gpu::cufile::CuFile;
-use crate::verify_dma::CopyFn;
-use crate::xfer::cufile_exec::{CufileApi, CufileExecutor, CufileProgress, Job};
+use crate::gpu::{self, GpuProvider};
+use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
+use crate::params::{DramDmabuf, EngineParams, FixedBuffers, VramPath};
+use crate::path::cufile_exec::{CufileExecutor, CufileProgress};
+use crate::path::select::Selector;
+use crate::path::{self, Route};
 use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
-use crate::uring::{Progress, RequestKey, Ring};
+use crate::uring::{FileKey, Progress, Ring};
+use crate::xfer::driver::{Driver, RequestKey};
 use crate::xfer::plan::PlanContext;
 use crate::xfer::{plan, Plan, XferOp};
 
@@ -31,6 +32,11 @@ pub struct Engine {
     local_agent: String,
     params: EngineParams,
     ring: Arc<Ring>,
+    /// Requests and their progress through the ring.
+    driver: Driver,
+    /// The route of each bound (memory registration, target file) pair, decided on first use;
+    /// keyed by the registration's MD and dropped when NIXL deregisters it.
+    routes: Mutex<HashMap<(usize, FileKey), Route>>,
     /// devIds of live path-mode FILE registrations (they must be unique per file).
     path_dev_ids: Mutex<HashSet<u64>>,
     fixed_buffer_fallback_logged: AtomicBool,
@@ -79,7 +85,9 @@ impl Engine {
         Ok(Engine {
             local_agent: local_agent.to_owned(),
             params,
+            driver: Driver::new(Arc::clone(&ring)),
             ring,
+            routes: Mutex::new(HashMap::new()),
             path_dev_ids: Mutex::new(HashSet::new()),
             fixed_buffer_fallback_logged: AtomicBool::new(false),
             gpu: OnceCell::new(),
@@ -178,201 +186,41 @@ impl Engine {
         VramRegion::register(provider, addr, len, device, export, required)
     }
 
-    /// How a memory registration reaches `file`: decided on first use of the pair, cached,
-    /// logged once with the reason.
+    /// How a memory registration reaches `file`: decided and bound on first use of the pair,
+    /// cached, logged once with the reason.
     fn route(&self, mem: &Registration, file: &FileRegion) -> Result<Route> {
-        let (slabs, what) = match mem {
-            Registration::Vram(v) => (&v.dmabuf, format!("VRAM 0x{:x}+{} (GPU {})", v.addr, v.len, v.device)),
-            Registration::Dram(d) => match &d.dmabuf {
-                Some(slabs) => (slabs, format!("DRAM 0x{:x}+{}", d.addr, d.len)),
-                None => return Ok(Route::Host),
-            },
+        if let Registration::Dram(d) = mem {
+            if d.dmabuf.is_none() {
+                return Ok(Route::Host);
+            }
+        }
+        let key = (mem as *const Registration as usize, file.key());
+        if let Some(r) = self.routes.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(r.clone());
+        }
+        let what = match mem {
+            Registration::Vram(v) => format!("VRAM 0x{:x}+{} (GPU {})", v.addr, v.len, v.device),
+            Registration::Dram(d) => format!("DRAM 0x{:x}+{}", d.addr, d.len),
             Registration::Storage(_) => return Err(Error::invalid("a storage registration on the memory side")),
         };
-        let key = file.key();
-        if let Some(r) = slabs.cached_route(&key) {
-            return Ok(r);
+        let selector = Selector { ring: &self.ring, params: &self.params, dmabuf_support: dmabuf_support() };
+        let (route, reason) = selector.choose(mem, file)?;
+        match (&route, mem) {
+            (Route::Staging, Registration::Vram(v)) => {
+                self.driver.enable_staging(Arc::clone(&v.provider), self.params.staging_buffer_size, self.params.staging_buffers)?
+            }
+            (Route::Cufile, _) => {
+                self.cufile_executor();
+            }
+            _ => {}
         }
-        let (route, reason) = match mem {
-            Registration::Vram(v) => self.choose_vram_route(v, file)?,
-            Registration::Dram(d) => self.choose_dram_route(d, slabs, file)?,
-            Registration::Storage(_) => unreachable!("refused above"),
-        };
-        if let (Route::Staging, Registration::Vram(v)) = (&route, mem) {
-            self.ring.enable_staging(Arc::clone(&v.provider), self.params.staging_buffer_size, self.params.staging_buffers)?;
-        }
-        let how = match route {
-            Route::Dmabuf { .. } => "io_uring DMA-BUF",
-            Route::Staging => "pinned host staging",
-            Route::Cufile => "cuFile",
-            Route::Host => "host buffers",
-        };
-        tracing::info!("{what} <-> fd {}: {how} ({reason})", file.fd);
-        slabs.remember_route(key, route.clone());
+        tracing::info!("{what} <-> fd {}: {} ({reason})", file.fd, route.describe());
+        self.routes.lock().unwrap_or_else(|p| p.into_inner()).insert(key, route.clone());
         Ok(route)
     }
 
-    fn choose_vram_route(&self, vram: &VramRegion, file: &FileRegion) -> Result<(Route, String)> {
-        let copy = |to_host: bool, dst: u64, src: u64, len: u64| -> std::result::Result<(), String> {
-            // SAFETY: the self-test copies one block between its own host buffer and the first
-            // block of a registered slab.
-            let ticket = unsafe {
-                if to_host {
-                    vram.provider.copy_to_host(vram.device, dst, src, len)
-                } else {
-                    vram.provider.copy_to_device(vram.device, dst, src, len)
-                }
-            };
-            ticket.and_then(|t| t.wait()).map_err(|e| e.message)
-        };
-        match self.params.vram_path {
-            VramPath::Staging => Ok((Route::Staging, "vram_path=staging".into())),
-            VramPath::Dmabuf => self.bind_dmabuf(&vram.dmabuf, file, &copy).map(|r| (r, "vram_path=dmabuf".into())).map_err(|why| {
-                Error::new(ErrorKind::NotSupported, format!("vram_path=dmabuf cannot reach fd {}: {why}", file.fd))
-            }),
-            VramPath::Cufile => {
-                let mode = crate::gpu::cufile::mode().1;
-                self.bind_cufile(vram, file).map(|()| (Route::Cufile, format!("vram_path=cufile, mode {mode}"))).map_err(|why| {
-                    Error::new(ErrorKind::NotSupported, format!("vram_path=cufile cannot reach fd {}: {why}", file.fd))
-                })
-            }
-            VramPath::Auto => match self.bind_dmabuf(&vram.dmabuf, file, &copy) {
-                Ok(r) => Ok((r, "auto: DMA-BUF registration and self-test passed".into())),
-                Err(dmabuf_why) => match crate::gpu::cufile::mode() {
-                    (true, mode) => match self.bind_cufile(vram, file) {
-                        Ok(()) => Ok((Route::Cufile, format!("auto: dmabuf unavailable ({dmabuf_why}); cuFile in mode {mode}"))),
-                        Err(why) => Ok((Route::Staging, format!("auto: dmabuf unavailable ({dmabuf_why}); cuFile failed ({why}); staging"))),
-                    },
-                    (false, mode) => Ok((
-                        Route::Staging,
-                        format!("auto: dmabuf unavailable ({dmabuf_why}); cuFile not direct here ({mode}); staging"),
-                    )),
-                },
-            },
-        }
-    }
-
-    fn choose_dram_route(&self, dram: &DramRegion, slabs: &DmabufSlabs, file: &FileRegion) -> Result<(Route, String)> {
-        let copy = |_to_host: bool, dst: u64, src: u64, len: u64| -> std::result::Result<(), String> {
-            // SAFETY: the self-test copies one block between its own buffer and the first block
-            // of the registered host memory; the ranges do not overlap.
-            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize) };
-            Ok(())
-        };
-        match (self.bind_dmabuf(slabs, file, &copy), self.params.dram_dmabuf) {
-            (Ok(r), _) => Ok((r, format!("dram_dmabuf: udmabuf registered, self-test {}", if self.params.verify_dma { "passed" } else { "off" }))),
-            (Err(why), DramDmabuf::On) => Err(Error::new(
-                ErrorKind::NotSupported,
-                format!("dram_dmabuf=on cannot reach fd {} from DRAM 0x{:x}+{}: {why}", file.fd, dram.addr, dram.len),
-            )),
-            (Err(why), _) => Ok((Route::Host, format!("dram_dmabuf=auto: {why}; fixed buffers"))),
-        }
-    }
-
-    /// Prepares the cuFile sub-path for the pair: driver, file handle, buffer registration.
-    fn bind_cufile(&self, vram: &VramRegion, file: &FileRegion) -> std::result::Result<(), String> {
-        let lib = CuFile::load().map_err(|e| e.message)?;
-        if self.params.cufile_api == CufileApiChoice::Batch && lib.batch.is_none() {
-            return Err(format!("cufile_api=batch: {} has no batch API (cuFileBatchIO*)", lib.path));
-        }
-        if file.cufile.get().is_none() {
-            let h = lib.register_handle(file.fd).map_err(|e| e.message)?;
-            let _ = file.cufile.set(Arc::new(h));
-        }
-        vram.cufile.get_or_init(|| {
-            vram.provider.make_current(vram.device).ok()?;
-            lib.register_buffer(vram.addr, vram.len)
-                .inspect_err(|e| tracing::info!("{}; cuFile moves this VRAM without a buffer registration", e.message))
-                .ok()
-        });
-        self.cufile_executor();
-        Ok(())
-    }
-
     fn cufile_executor(&self) -> &CufileExecutor {
-        self.cufile_exec.get_or_init(|| {
-            let lib = CuFile::load().ok();
-            let direct = crate::gpu::cufile::mode().0;
-            let batch = lib.and_then(|l| l.batch.map(|f| (f, l.props.as_ref().map_or(128, |p| p.max_batch_io_size.max(1) as usize))));
-            let wants_batch = match self.params.cufile_api {
-                CufileApiChoice::Batch => true,
-                CufileApiChoice::Auto => direct,
-                CufileApiChoice::Threads => false,
-            };
-            // bind_cufile refused cufile_api=batch already when the library lacks the batch API.
-            let api = match batch.filter(|_| wants_batch) {
-                Some((f, max)) => {
-                    tracing::info!("cuFile sub-path: batch API, up to {max} pieces per batch");
-                    CufileApi::Batch(f, max)
-                }
-                None => {
-                    tracing::info!("cuFile sub-path: {} worker threads{}", self.params.cufile_threads,
-                        if direct { "" } else { " (compatibility mode: the batch API is used only when cuFile is direct)" });
-                    CufileApi::Threads
-                }
-            };
-            CufileExecutor::new(self.params.cufile_threads as usize, api)
-        })
-    }
-
-    /// The worker jobs of a cuFile request: each op with its file handle and buffer base.
-    fn cufile_jobs(&self, req: &Request, progress: &Arc<CufileProgress>) -> Result<Vec<Job>> {
-        let mut jobs = Vec::with_capacity(req.plan.ops.ops.len());
-        for op in &req.plan.ops.ops {
-            let file = req.plan.registrations.iter().find_map(|r| match &**r {
-                Registration::Storage(f) if f.fd == op.fd => f.cufile.get().cloned(),
-                _ => None,
-            });
-            let vram = req.plan.registrations.iter().find_map(|r| match &**r {
-                Registration::Vram(v) if v.addr <= op.addr && op.addr < v.addr + v.len => Some(v),
-                _ => None,
-            });
-            let (Some(handle), Some(vram)) = (file, vram) else {
-                return Err(Error::backend("cuFile request without its file handle or VRAM registration"));
-            };
-            let base = if matches!(vram.cufile.get(), Some(Some(_))) { vram.addr } else { op.addr };
-            jobs.push(Job { progress: Arc::clone(progress), op: *op, write: req.plan.ops.write, handle, base, provider: Arc::clone(&vram.provider) });
-        }
-        Ok(jobs)
-    }
-
-    /// Binds every slab to `file` as io_uring DMA-BUF buffers (and runs the self-test), or says
-    /// why not.
-    fn bind_dmabuf(&self, slabs: &DmabufSlabs, file: &FileRegion, copy: CopyFn<'_>) -> std::result::Result<Route, String> {
-        if let DmabufSupport::Absent(why) = dmabuf_support() {
-            return Err(why.clone());
-        }
-        if file.kind != MemKind::Blk || file.direct.is_none() {
-            return Err("the target is not a raw block device opened with O_DIRECT (the kernel supports DMA-BUF I/O only there)".into());
-        }
-        if let Some(note) = &slabs.export_note {
-            return Err(note.clone());
-        }
-        let mut slots = Vec::with_capacity(slabs.slabs.len());
-        for slab in &slabs.slabs {
-            use std::os::fd::AsRawFd;
-            let fd = slab.dmabuf.as_ref().map(|f| f.as_raw_fd()).ok_or("slab has no DMA-BUF")?;
-            match self.ring.register_dmabuf(fd, file.fd) {
-                Ok(slot) => slots.push(slot),
-                Err(e) => {
-                    for s in slots {
-                        self.ring.release_buffer(s);
-                    }
-                    return Err(format!("io_uring refused the DMA-BUF for fd {}: {}", file.fd, crate::error::describe_os_error(&e)));
-                }
-            }
-        }
-        let ring = Arc::clone(&self.ring);
-        let owned = slots.clone();
-        slabs.on_drop.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(move || {
-            for s in owned {
-                ring.release_buffer(s);
-            }
-        }));
-        if self.params.verify_dma {
-            crate::verify_dma::dmabuf_read(&self.ring, slabs, file, slots[0], copy)?;
-        }
-        Ok(Route::Dmabuf { slots })
+        self.cufile_exec.get_or_init(|| path::cufile::executor(self.params.cufile_api, self.params.cufile_threads))
     }
 
     fn register_storage(&self, kind: MemKind, offset: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<FileRegion> {
@@ -403,6 +251,8 @@ impl Engine {
         // SAFETY: per the contract, md came from Arc::into_raw in register() and NIXL's
         // reference is still counted.
         let reg = unsafe { Arc::from_raw(md.cast::<Registration>()) };
+        // A later registration may reuse the address once this one is gone.
+        self.routes.lock().unwrap_or_else(|p| p.into_inner()).retain(|(m, _), _| *m != md as usize);
         if let Registration::Storage(f) = &*reg {
             if f.owned_path.is_some() {
                 self.path_dev_ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&f.dev_id);
@@ -447,7 +297,7 @@ impl Engine {
                 f.check_still_open()?;
             }
         }
-        let key = self.ring.add_request(Arc::clone(&plan.ops));
+        let key = self.driver.add_request(Arc::clone(&plan.ops));
         let cufile = plan.cufile.then(|| Arc::new(CufileProgress::default()));
         let req = Box::new(Request { key, plan, cufile });
         if let Some(r) = &self.recorder {
@@ -476,8 +326,9 @@ impl Engine {
         }
         self.fence_app_work(req)?;
         let result = match &req.cufile {
-            Some(progress) => self.cufile_jobs(req, progress).and_then(|jobs| self.cufile_executor().post(progress, jobs)),
-            None => self.ring.post(req.key, self.params.inline_write_max),
+            Some(progress) => path::cufile::jobs(&req.plan.ops.ops, req.plan.ops.write, &req.plan.registrations, progress)
+                .and_then(|jobs| self.cufile_executor().post(progress, jobs)),
+            None => self.driver.post(req.key, self.params.inline_write_max),
         };
         if let Some(r) = &self.recorder {
             r.post(req.id(), match &result {
@@ -508,7 +359,7 @@ impl Engine {
     pub fn check(&self, req: &Request) -> Result<Progress> {
         match &req.cufile {
             Some(progress) => progress.status(),
-            None => self.ring.check(req.key, self.params.inline_write_max),
+            None => self.driver.check(req.key, self.params.inline_write_max),
         }
     }
 
@@ -523,7 +374,7 @@ impl Engine {
                 return Err((req, e));
             }
         }
-        match self.ring.remove_request(req.key) {
+        match self.driver.remove_request(req.key) {
             Ok(()) => Ok(()),
             Err(e) => Err((req, e)),
         }

@@ -1,14 +1,16 @@
 //! IO_URING_DMABUF: a NIXL transfer-backend plugin that moves bytes between memory and storage
 //! through io_uring.
 //!
-//! Layers, outermost first:
+//! Layers, outermost first (docs/ARCHITECTURE.md; tests/architecture.rs keeps them acyclic):
 //! - `shim/` (C++): owns NIXL's vtable and std:: objects, forwards every call through the flat C
 //!   bridge (`shim/bridge.h`, seen from Rust as [`bridge`]).
-//! - [`ffi`]: the only `extern "C"` code: the two NIXL entry points and the bridge's function
-//!   table, each body behind one panic boundary.
-//! - [`engine`]: registrations, transfer planning and the request state machine.
-//! - [`uring`]: the io_uring ring shared by all requests of an engine.
-//! - [`mem`]: one module per NIXL memory kind.
+//! - [`ffi`]: the only `extern "C"` code of the NIXL plugin: the two NIXL entry points and the
+//!   bridge's function table, each body behind one panic boundary.
+//! - [`engine`]: registrations, prepared requests, the route cache.
+//! - [`xfer`]: validation and cutting of descriptor lists, a request's state machine, the driver.
+//! - [`path`]: the data paths (direct, dmabuf, staging, cufile) behind one trait.
+//! - [`mem`]: one module per NIXL memory kind; [`uring`]: the ring core; [`gpu`]: vendor
+//!   providers, a leaf.
 //!
 //! One error type ([`error::Error`]) is mapped to `nixl_status_t` in one place.
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -24,9 +26,9 @@ pub mod log;
 pub mod manifest;
 pub mod mem;
 pub mod params;
+pub mod path;
 pub mod record;
 #[doc(hidden)]
 pub mod test_support;
 pub mod uring;
-pub mod verify_dma;
 pub mod xfer;

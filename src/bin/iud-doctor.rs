@@ -110,7 +110,7 @@ fn report_gpu() -> Option<Result<(), String>> {
     if provider.device_count() == 0 {
         return Some(Err("no devices".into()));
     }
-    let r = gpu::cuda::export_probe(&cuda, 0, 5 << 29);
+    let r = gpu::cuda::export_probe(&cuda, 0, 5 << 29, io_uring_dmabuf::uring::MAX_FIXED_BUFFER);
     match &r {
         Ok(slabs) => println!("  DMA-BUF export of a 2.5 GiB allocation as {slabs} slabs: ok"),
         Err(e) => println!("  DMA-BUF export: {}", e.message),

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
-use super::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
+use crate::gpu::provider::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Runs a driver call, turning a loader panic (missing symbol) into an error.
@@ -365,19 +365,22 @@ impl GpuProvider for Cuda {
     }
 }
 
-/// Allocates `bytes` on `device`, exports it as DMA-BUFs in ≤1 GiB slabs, closes them and frees
-/// the memory. Returns the number of slabs. Used by the doctor and the GPU tests.
-pub fn export_probe(cuda: &Cuda, device: i32, bytes: u64) -> Result<usize> {
+/// Allocates `bytes` on `device`, exports it as DMA-BUFs in slabs of at most `max_slab` bytes,
+/// closes them and frees the memory. Returns the number of slabs. Used by the doctor.
+pub fn export_probe(cuda: &Cuda, device: i32, bytes: u64, max_slab: u64) -> Result<usize> {
     cuda.device(device)?;
     let mut ptr: sys::CUdeviceptr = 0;
     // SAFETY: writes the allocation's address into ptr.
     check("cuMemAlloc", || unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes as usize) })?;
     let result = (|| {
-        let slabs = crate::mem::dmabuf_slabs::slab_ranges(ptr, bytes, ptr, ptr + bytes);
-        for &(start, len) in &slabs {
+        let (mut start, mut slabs) = (ptr, 0);
+        while start < ptr + bytes {
+            let len = (ptr + bytes - start).min(max_slab.max(1));
             drop(cuda.export_dmabuf(device, start, len)?);
+            start += len;
+            slabs += 1;
         }
-        Ok(slabs.len())
+        Ok(slabs)
     })();
     // SAFETY: frees the allocation made above.
     let _ = check("cuMemFree", || unsafe { sys::cuMemFree_v2(ptr) });

@@ -1,13 +1,12 @@
 //! The DMA-BUF side of a memory registration (GPU memory exported by a GPU provider, or host
-//! memory exported through udmabuf): ≤1 GiB page-aligned slabs, each with its DMA-BUF fd, the
-//! route chosen per storage target, and the io_uring slots to release with the registration.
+//! memory exported through udmabuf): ≤1 GiB page-aligned slabs, each with its DMA-BUF fd, and the
+//! io_uring slots bound for them, released with the registration.
 
-use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 
+use crate::gpu::DmabufExport;
 use crate::uring::dmabuf_uapi::MAX_DMABUF_SLAB;
-use crate::uring::FileKey;
 
 /// Host page size assumed for DMA-BUF export alignment.
 pub const PAGE: u64 = 4096;
@@ -30,39 +29,11 @@ impl Slab {
     }
 }
 
-/// A DMA-BUF exported for one slab: the fd and where the slab starts inside it.
-pub struct DmabufExport {
-    pub fd: OwnedFd,
-    pub offset: u64,
-}
-
-impl From<OwnedFd> for DmabufExport {
-    /// An export of exactly the requested range (offset 0).
-    fn from(fd: OwnedFd) -> DmabufExport {
-        DmabufExport { fd, offset: 0 }
-    }
-}
-
-/// How a (registration, target) pair moves bytes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Route {
-    /// Registered with io_uring as DMA-BUF buffers bound to the target; one slot per slab.
-    Dmabuf { slots: Vec<u16> },
-    /// VRAM through the pinned host staging pool.
-    Staging,
-    /// VRAM through cuFile (GPUDirect Storage).
-    Cufile,
-    /// Host memory addressed directly (fixed buffers or plain pointers).
-    Host,
-}
-
-/// Slabs, their DMA-BUFs, and the per-target routes of one registration.
+/// Slabs and their DMA-BUFs of one registration.
 pub struct DmabufSlabs {
     pub slabs: Vec<Slab>,
     /// Why the slabs have no DMA-BUFs (export failed or was not attempted).
     pub export_note: Option<String>,
-    /// Decided routes per target file, with the reason logged when decided.
-    pub routes: Mutex<HashMap<FileKey, Route>>,
     /// Releases the DMA-BUF slots bound for this registration when it is dropped.
     pub on_drop: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
 }
@@ -73,7 +44,6 @@ impl DmabufSlabs {
         DmabufSlabs {
             slabs: ranges.into_iter().map(|(start, len)| Slab { start, len, dmabuf: None, export_offset: 0 }).collect(),
             export_note: Some(note.to_owned()),
-            routes: Mutex::new(HashMap::new()),
             on_drop: Mutex::new(Vec::new()),
         }
     }
@@ -83,7 +53,16 @@ impl DmabufSlabs {
     pub fn export_all(&mut self, mut export: impl FnMut(u64, u64) -> Result<DmabufExport, String>) -> Option<String> {
         for i in 0..self.slabs.len() {
             let (start, len) = (self.slabs[i].start, self.slabs[i].len);
-            match export(start, len) {
+            let export = export(start, len).and_then(|e| match e.whole_size {
+                // One DMA-BUF is one io_uring buffer, at most MAX_DMABUF_SLAB bytes.
+                Some(size) if size > MAX_DMABUF_SLAB => Err(format!(
+                    "the provider exports a DMA-BUF of the whole allocation ({size} bytes), over the {MAX_DMABUF_SLAB} byte limit for one io_uring DMA-BUF buffer \
+                     (v3 of the kernel series; later versions relax it to a value not known here); \
+                     allocate at most 1 GiB per allocation (per iud_vulkan_alloc) for the dmabuf path"
+                )),
+                _ => Ok(e),
+            });
+            match export {
                 Ok(e) => {
                     self.slabs[i].dmabuf = Some(e.fd);
                     self.slabs[i].export_offset = e.offset;
@@ -109,14 +88,6 @@ impl DmabufSlabs {
         // them smaller.
         let i = self.slabs.partition_point(|s| s.start + s.len <= addr);
         self.slabs.get(i).filter(|s| addr >= s.start).map(|s| (i, s.start + s.len))
-    }
-
-    pub fn cached_route(&self, key: &FileKey) -> Option<Route> {
-        self.routes.lock().unwrap_or_else(|p| p.into_inner()).get(key).cloned()
-    }
-
-    pub fn remember_route(&self, key: FileKey, route: Route) {
-        self.routes.lock().unwrap_or_else(|p| p.into_inner()).insert(key, route);
     }
 }
 
@@ -218,7 +189,7 @@ mod tests {
             // SAFETY: a fresh fd from dup that the export now owns.
             let fd = unsafe { OwnedFd::from_raw_fd(libc::dup(0).max(libc::dup(2))) };
             // An allocation-wide export: the slab sits (start - base) + 64 KiB into the DMA-BUF.
-            Ok(DmabufExport { fd, offset: start - base + 65536 })
+            Ok(DmabufExport { fd, offset: start - base + 65536, whole_size: None })
         });
         assert!(why.is_none());
         assert_eq!(d.slabs[0].dmabuf_offset_of(base + 4096), 65536 + 4096);

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::path_meta::PathMeta;
-use crate::mem::MemKind;
+use crate::mem::kind::MemKind;
 use crate::uring::{FileKey, FileRef, Ring};
 
 /// O_DIRECT alignment of a file: memory address and file offset/length granularity.

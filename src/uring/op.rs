@@ -9,6 +9,13 @@ use io_uring::{opcode, squeue, types};
 
 use crate::error::Error;
 
+/// Outcome of a post or check that did not fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    InFlight,
+    Done,
+}
+
 /// How the target file is named in the SQE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileRef {
@@ -32,8 +39,9 @@ pub struct IoOp {
     pub buf_index: Option<u16>,
     /// Set when `addr` is GPU memory of this device that moves through the staging pool.
     pub device: Option<i32>,
-    /// Hand the op straight to io_uring's worker pool (IOSQE_ASYNC) instead of running it in
-    /// the submitting thread: large page-cache copies of one request then use several cores.
+    /// Page-cache I/O to run on the ring's page-cache workers (uring/workers.rs) instead of in
+    /// the submitting thread, so large copies of one request use several cores; when the
+    /// workers cannot start, the SQE carries IOSQE_ASYNC (io_uring's own workers) instead.
     pub punt: bool,
     /// Index of the transfer descriptor this op belongs to, for error messages.
     pub desc_index: u32,

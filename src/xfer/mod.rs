@@ -1,6 +1,8 @@
-//! Transfers: validation and planning of descriptor lists (prepXfer) into ring ops.
+//! Transfers: validation and cutting of descriptor lists (prepXfer) into ring ops, each
+//! request's state machine, and the driver that moves requests through the ring.
 
-pub mod cufile_exec;
+pub mod driver;
 pub mod plan;
+pub mod request;
 
 pub use plan::{plan, Plan, XferOp};

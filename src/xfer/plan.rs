@@ -13,9 +13,10 @@ use std::sync::Arc;
 
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::dmabuf_slabs::Route;
+use super::request::RequestOps;
 use crate::mem::{FileRegion, MemKind, Registration};
-use crate::uring::{IoOp, RequestOps, MAX_FIXED_BUFFER};
+use crate::path::{direct, dmabuf, staging, Route};
+use crate::uring::{page_cache_threads, IoOp, MAX_FIXED_BUFFER};
 
 /// NIXL's transfer direction: READ = storage -> memory, WRITE = memory -> storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,11 +46,6 @@ pub struct Plan {
     pub remote_count: usize,
     /// Bytes moved by the request.
     pub total_bytes: u64,
-    /// No file of the request is open with O_DIRECT.
-    pub all_buffered: bool,
-    /// Every memory side is addressed directly by pointer (host buffers, no staging, cuFile
-    /// or DMA-BUF offsets), so the I/O can also be done with plain pwrite.
-    pub all_host: bool,
     /// The ops run on the cuFile sub-path (all of them: a request does not mix paths).
     pub cufile: bool,
     /// Some VRAM piece is reached outside the plugin's device streams (cuFile or DMA-BUF I/O),
@@ -149,7 +145,7 @@ fn staged_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
 /// became two 4 MiB reads), but never below `punt_buffered_min` (smaller ones are not punted).
 fn worker_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
     let request: u64 = local.iter().map(|l| l.len).sum();
-    let share = (request / crate::uring::page_cache_threads() as u64).div_ceil(4096) * 4096;
+    let share = (request / page_cache_threads() as u64).div_ceil(4096) * 4096;
     share.max(ctx.punt_buffered_min)
 }
 
@@ -181,178 +177,209 @@ pub unsafe fn plan(
             format!("local list has {} descriptors but remote list has {}", local.len(), remote.len()),
         ));
     }
-    let max_piece = if ctx.max_io_size == 0 { MAX_FIXED_BUFFER } else { ctx.max_io_size.min(MAX_FIXED_BUFFER) };
-    let staged_limit = max_piece.min(staged_piece(ctx, local));
-    let worker_limit = if ctx.punt_buffered_min > 0 { max_piece.min(worker_piece(ctx, local)) } else { max_piece };
+    // 1. Validate every descriptor against its registrations; no side effects yet.
     let mut regs = RegistrationSet::default();
-    let mut ops = Vec::with_capacity(local.len());
-    let (mut total_bytes, mut all_buffered, mut all_host) = (0u64, true, true);
-    let mut cufile_ops = 0usize;
-    let mut vram_outside_streams = false;
+    let mut pairs = Vec::with_capacity(local.len());
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
-        if l.len != r.len {
-            return Err(Error::new(
-                ErrorKind::Mismatch,
-                format!("descriptor {i}: local length {} differs from remote length {}", l.len, r.len),
-            ));
-        }
-        if l.len == 0 {
-            return Err(Error::invalid(format!("descriptor {i}: zero length")));
-        }
-        // SAFETY: the caller guarantees the MDs are live registrations.
-        let Some(mi) = (unsafe { regs.get(l.md, 0) }) else {
-            return Err(Error::not_found(format!("descriptor {i}: local memory 0x{:x}+{} is not registered with this backend", l.addr, l.len)));
-        };
-        // SAFETY: as above.
-        let Some(fi) = (unsafe { regs.get(r.md, 1) }) else {
-            return Err(Error::not_found(format!("descriptor {i}: file range devId {} offset {}+{} is not registered with this backend", r.dev_id, r.addr, r.len)));
-        };
-        let (mem, file_reg) = (&*regs.list[mi], &*regs.list[fi]);
-        if Some(mem.kind()) != lk {
-            return Err(Error::invalid(format!(
-                "descriptor {i}: local list is {} but the descriptor's registration is {}",
-                lk.map_or("unknown", |k| k.name()),
-                mem.kind().name()
-            )));
-        }
-        let Registration::Storage(file) = file_reg else {
-            return Err(Error::invalid(format!("descriptor {i}: remote descriptor's registration is {}, not storage", file_reg.kind().name())));
-        };
-        if Some(file.kind) != rk {
-            return Err(Error::invalid(format!(
-                "descriptor {i}: remote list is {} but the descriptor's registration is {}",
-                rk.map_or("unknown", |k| k.name()),
-                file.kind.name()
-            )));
-        }
-        check_covered(i, "local memory", l, mem)?;
-        check_covered(i, "file range", r, file_reg)?;
-        match op {
-            XferOp::Write if !file.writable => {
-                return Err(Error::invalid(format!("descriptor {i}: WRITE to fd {} which is open read-only", file.fd)))
-            }
-            XferOp::Read if !file.readable => {
-                return Err(Error::invalid(format!("descriptor {i}: READ from fd {} which is open write-only", file.fd)))
-            }
-            _ => {}
-        }
-        // Where the memory side of each piece lives, and where pieces must be cut.
-        let route = (ctx.route)(mem, file)?;
-        let slabs = match (mem, &route) {
-            (Registration::Vram(v), _) => Some(&v.dmabuf),
-            (Registration::Dram(d), Route::Dmabuf { .. }) => d.dmabuf.as_ref(),
-            _ => None,
-        };
-        let staged = route == Route::Staging;
-        vram_outside_streams |= matches!(mem, Registration::Vram(_)) && !staged;
-        if let Some(a) = file.direct {
-            // Staged VRAM goes through page-aligned staging buffers; DMA-BUF memory is addressed
-            // by offset into its slab.
-            let mem_addr = match (&route, slabs) {
-                (Route::Dmabuf { .. }, Some(sl)) => sl.slab_at(l.addr).map_or(l.addr, |(s, _)| sl.slabs[s].dmabuf_offset_of(l.addr)),
-                (Route::Staging, _) => 0,
-                _ => l.addr,
-            };
-            if r.addr % a.offset != 0 || r.len % a.offset != 0 || mem_addr % a.mem != 0 {
-                return Err(Error::invalid(format!(
-                    "descriptor {i}: O_DIRECT on fd {} needs offset and length multiples of {} and memory aligned to {}; got offset {}, length {}, memory 0x{:x}",
-                    file.fd, a.offset, a.mem, r.addr, r.len, l.addr
-                )));
-            }
-        }
-        // Cut into pieces that fit max_io_size (and the staging buffers) and never straddle a
-        // fixed-buffer slot or a slab; merge pieces that continue each other.
-        let mut limit = if staged { staged_limit } else { max_piece };
-        if staged && op_kind == XferOp::Write && file.direct.is_none() {
-            limit = limit.min(STAGED_WRITE_PIECE_MAX);
-        }
-        if !staged && op_kind == XferOp::Read && file.direct.is_none() && ctx.punt_buffered_min > 0 {
-            // Page-cache reads go to the workers: cut so that every worker gets a share.
-            limit = worker_limit;
-        }
-        if let Some(dev_max) = file.max_direct_io {
-            // One device request per I/O keeps O_DIRECT on io_uring's non-blocking path.
-            limit = limit.min(dev_max);
-        }
-        let mut done = 0u64;
-        while done < l.len {
-            let addr = l.addr + done;
-            let mut piece = (l.len - done).min(limit);
-            let (mem_addr, buf_index, device) = match (mem, &route, slabs) {
-                (Registration::Dram(dram), Route::Host, _) => match dram.fixed_slot(addr) {
-                    Some((slot, slot_end)) => {
-                        piece = piece.min(slot_end - addr);
-                        (addr, Some(slot), None)
-                    }
-                    None => (addr, None, None),
-                },
-                (_, Route::Dmabuf { slots }, Some(sl)) => {
-                    let (slab, slab_end) = sl.slab_at(addr).ok_or_else(|| {
-                        Error::not_found(format!("descriptor {i}: address 0x{addr:x} is outside the registration's slabs"))
-                    })?;
-                    piece = piece.min(slab_end - addr);
-                    (sl.slabs[slab].dmabuf_offset_of(addr), Some(slots[slab]), None)
-                }
-                // Both move VRAM by its address; pieces still stop at slab ends.
-                (Registration::Vram(vram), Route::Staging | Route::Cufile, _) => {
-                    let (_, slab_end) = vram.dmabuf.slab_at(addr).ok_or_else(|| {
-                        Error::not_found(format!("descriptor {i}: VRAM address 0x{addr:x} is outside the registration's slabs"))
-                    })?;
-                    piece = piece.min(slab_end - addr);
-                    (addr, None, Some(vram.device))
-                }
-                _ => return Err(Error::backend(format!("descriptor {i}: no way to address this memory for the chosen route {route:?}"))),
-            };
-            total_bytes += piece;
-            push_coalesced(
-                &mut ops,
-                IoOp {
-                    file: file.file_ref(),
-                    fd: file.fd,
-                    file_offset: r.addr + done,
-                    addr: mem_addr,
-                    len: piece as u32,
-                    buf_index,
-                    device,
-                    // Marks buffered I/O for now; the size rule is applied after merging.
-                    punt: file.direct.is_none(),
-                    desc_index: i as u32,
-                },
-                limit,
-            );
-            done += piece;
-        }
-        all_buffered &= file.direct.is_none();
-        if route == Route::Cufile {
-            cufile_ops += 1;
-        }
-        // Inline pwrite needs real addresses: only memory addressed directly qualifies.
-        all_host &= route == Route::Host;
+        pairs.push(validate(i, op, lk, rk, l, r, &mut regs)?);
     }
+    // 2. Bind each distinct (memory, target) pair to its path (cached by the engine: DMA-BUF
+    //    registration and self-test, cuFile handles, the staging pool happen on first use).
+    let mut routes: HashMap<(usize, usize), Route> = HashMap::new();
+    for &pair in &pairs {
+        if let std::collections::hash_map::Entry::Vacant(v) = routes.entry(pair) {
+            let Registration::Storage(file) = &*regs.list[pair.1] else { unreachable!("validated as storage") };
+            v.insert((ctx.route)(&regs.list[pair.0], file)?);
+        }
+    }
+    let route_of = |pair: (usize, usize)| &routes[&pair];
+    let cufile_ops = pairs.iter().filter(|&&p| *route_of(p) == Route::Cufile).count();
     if cufile_ops > 0 && cufile_ops < local.len() {
         return Err(Error::invalid(
             "descriptors of one request take different paths (cuFile for some, io_uring for others); split the request by memory region",
         ));
     }
+    // 3. Check O_DIRECT alignment on each path's addresses and cut the descriptors into ops.
+    let max_piece = if ctx.max_io_size == 0 { MAX_FIXED_BUFFER } else { ctx.max_io_size.min(MAX_FIXED_BUFFER) };
+    let limits = Limits {
+        max_piece,
+        staged: max_piece.min(staged_piece(ctx, local)),
+        worker: if ctx.punt_buffered_min > 0 { max_piece.min(worker_piece(ctx, local)) } else { max_piece },
+        punt_buffered_min: ctx.punt_buffered_min,
+    };
+    let mut ops = Vec::with_capacity(local.len());
+    let (mut total_bytes, mut all_buffered, mut all_host) = (0u64, true, true);
+    let mut vram_outside_streams = false;
+    for (i, ((l, r), &pair)) in local.iter().zip(remote).zip(&pairs).enumerate() {
+        let (mem, route) = (&*regs.list[pair.0], route_of(pair));
+        let Registration::Storage(file) = &*regs.list[pair.1] else { unreachable!("validated as storage") };
+        check_alignment(i, l, r, mem, file, route)?;
+        total_bytes += cut(i, op, l, r, mem, file, route, &limits, &mut ops)?;
+        vram_outside_streams |= matches!(mem, Registration::Vram(_)) && *route != Route::Staging;
+        all_buffered &= file.direct.is_none();
+        // Inline pwrite needs real addresses: only memory addressed directly qualifies.
+        all_host &= *route == Route::Host;
+    }
     // Decided after merging, on the final sizes; punted ops run on the page-cache workers
     // (uring/workers.rs). Reads, and the writes of staged VRAM: their device copies overlap the
     // workers' writes, while DRAM writes are written by the calling threads (`inline_writes`).
-    for op in &mut ops {
-        let kind_ok = op_kind == XferOp::Read || op.device.is_some();
-        op.punt &= kind_ok && ctx.punt_buffered_min > 0 && op.len as u64 >= ctx.punt_buffered_min;
+    for o in &mut ops {
+        let kind_ok = op == XferOp::Read || o.device.is_some();
+        o.punt &= kind_ok && ctx.punt_buffered_min > 0 && o.len as u64 >= ctx.punt_buffered_min;
     }
+    let write = op == XferOp::Write;
     Ok(Plan {
         op,
-        ops: Arc::new(RequestOps { write: op == XferOp::Write, inline_writes: op == XferOp::Write && all_buffered && all_host, inline_reads: op == XferOp::Read && all_buffered && all_host, ops }),
+        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host, ops }),
         registrations: regs.list,
         local_count: local.len(),
         remote_count: remote.len(),
         total_bytes,
-        all_buffered,
-        all_host,
         cufile: cufile_ops > 0,
         vram_outside_streams,
     })
+}
+
+/// Checks one descriptor pair: equal non-zero lengths, registrations of the right kinds that
+/// cover it, the file's access mode. Returns (memory, storage) indices into `regs`.
+fn validate(
+    i: usize,
+    op: XferOp,
+    lk: Option<MemKind>,
+    rk: Option<MemKind>,
+    l: &iud_desc,
+    r: &iud_desc,
+    regs: &mut RegistrationSet,
+) -> Result<(usize, usize)> {
+    if l.len != r.len {
+        return Err(Error::new(ErrorKind::Mismatch, format!("descriptor {i}: local length {} differs from remote length {}", l.len, r.len)));
+    }
+    if l.len == 0 {
+        return Err(Error::invalid(format!("descriptor {i}: zero length")));
+    }
+    // SAFETY: the caller of plan() guarantees the MDs are live registrations.
+    let Some(mi) = (unsafe { regs.get(l.md, 0) }) else {
+        return Err(Error::not_found(format!("descriptor {i}: local memory 0x{:x}+{} is not registered with this backend", l.addr, l.len)));
+    };
+    // SAFETY: as above.
+    let Some(fi) = (unsafe { regs.get(r.md, 1) }) else {
+        return Err(Error::not_found(format!("descriptor {i}: file range devId {} offset {}+{} is not registered with this backend", r.dev_id, r.addr, r.len)));
+    };
+    let (mem, file_reg) = (&*regs.list[mi], &*regs.list[fi]);
+    if Some(mem.kind()) != lk {
+        return Err(Error::invalid(format!(
+            "descriptor {i}: local list is {} but the descriptor's registration is {}",
+            lk.map_or("unknown", |k| k.name()),
+            mem.kind().name()
+        )));
+    }
+    let Registration::Storage(file) = file_reg else {
+        return Err(Error::invalid(format!("descriptor {i}: remote descriptor's registration is {}, not storage", file_reg.kind().name())));
+    };
+    if Some(file.kind) != rk {
+        return Err(Error::invalid(format!(
+            "descriptor {i}: remote list is {} but the descriptor's registration is {}",
+            rk.map_or("unknown", |k| k.name()),
+            file.kind.name()
+        )));
+    }
+    check_covered(i, "local memory", l, mem)?;
+    check_covered(i, "file range", r, file_reg)?;
+    match op {
+        XferOp::Write if !file.writable => return Err(Error::invalid(format!("descriptor {i}: WRITE to fd {} which is open read-only", file.fd))),
+        XferOp::Read if !file.readable => return Err(Error::invalid(format!("descriptor {i}: READ from fd {} which is open write-only", file.fd))),
+        _ => {}
+    }
+    Ok((mi, fi))
+}
+
+/// O_DIRECT needs offset, length and memory aligned; the memory address is the one the path
+/// hands to storage (an offset into the DMA-BUF; staged VRAM goes through page-aligned buffers).
+fn check_alignment(i: usize, l: &iud_desc, r: &iud_desc, mem: &Registration, file: &FileRegion, route: &Route) -> Result<()> {
+    let Some(a) = file.direct else { return Ok(()) };
+    let mem_addr = match (route, dmabuf::slabs_of(mem)) {
+        (Route::Dmabuf { .. }, Some(slabs)) => dmabuf::aligned_address(slabs, l.addr),
+        (Route::Staging, _) => 0,
+        _ => l.addr,
+    };
+    if r.addr % a.offset != 0 || r.len % a.offset != 0 || mem_addr % a.mem != 0 {
+        return Err(Error::invalid(format!(
+            "descriptor {i}: O_DIRECT on fd {} needs offset and length multiples of {} and memory aligned to {}; got offset {}, length {}, memory 0x{:x}",
+            file.fd, a.offset, a.mem, r.addr, r.len, l.addr
+        )));
+    }
+    Ok(())
+}
+
+/// Piece-size limits of one request.
+struct Limits {
+    max_piece: u64,
+    staged: u64,
+    worker: u64,
+    punt_buffered_min: u64,
+}
+
+/// Cuts one descriptor into ops that fit the limits and never straddle a fixed-buffer slot or a
+/// slab, merging pieces that continue each other; returns its bytes.
+#[allow(clippy::too_many_arguments)]
+fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, file: &FileRegion, route: &Route, lim: &Limits, ops: &mut Vec<IoOp>) -> Result<u64> {
+    let staged = *route == Route::Staging;
+    let mut limit = if staged { lim.staged } else { lim.max_piece };
+    if staged && op == XferOp::Write && file.direct.is_none() {
+        limit = limit.min(STAGED_WRITE_PIECE_MAX);
+    }
+    if !staged && op == XferOp::Read && file.direct.is_none() && lim.punt_buffered_min > 0 {
+        // Page-cache reads go to the workers: cut so that every worker gets a share.
+        limit = lim.worker;
+    }
+    if let Some(dev_max) = file.max_direct_io {
+        // One device request per I/O keeps O_DIRECT on io_uring's non-blocking path.
+        limit = limit.min(dev_max);
+    }
+    let outside = |what: &str, addr: u64| Error::not_found(format!("descriptor {i}: {what}address 0x{addr:x} is outside the registration's slabs"));
+    let mut done = 0u64;
+    while done < l.len {
+        let addr = l.addr + done;
+        let mut piece = (l.len - done).min(limit);
+        let (mem_addr, buf_index, device, end) = match (mem, route) {
+            (Registration::Dram(dram), Route::Host) => {
+                let (a, slot, end) = direct::address(dram, addr);
+                (a, slot, None, end)
+            }
+            (_, Route::Dmabuf { slots }) => {
+                let slabs = dmabuf::slabs_of(mem).ok_or_else(|| outside("", addr))?;
+                let (a, slot, end) = dmabuf::address(slabs, slots, addr).ok_or_else(|| outside("", addr))?;
+                (a, Some(slot), None, Some(end))
+            }
+            // Both move VRAM by its address; pieces still stop at slab ends.
+            (Registration::Vram(vram), Route::Staging | Route::Cufile) => {
+                let (a, device, end) = staging::address(vram, addr).ok_or_else(|| outside("VRAM ", addr))?;
+                (a, None, Some(device), Some(end))
+            }
+            _ => return Err(Error::backend(format!("descriptor {i}: no way to address this memory for the chosen route {route:?}"))),
+        };
+        if let Some(end) = end {
+            piece = piece.min(end - addr);
+        }
+        push_coalesced(
+            ops,
+            IoOp {
+                file: file.file_ref(),
+                fd: file.fd,
+                file_offset: r.addr + done,
+                addr: mem_addr,
+                len: piece as u32,
+                buf_index,
+                device,
+                // Marks buffered I/O for now; the size rule is applied after merging.
+                punt: file.direct.is_none(),
+                desc_index: i as u32,
+            },
+            limit,
+        );
+        done += piece;
+    }
+    Ok(l.len)
 }
 
 /// Appends `op`, or extends the previous op when `op` continues it in both memory and file (same

@@ -8,9 +8,9 @@
 
 use super::status::HsaStatus;
 use super::sys::{self, Lib, Signal};
-use super::Rocm;
+use super::runtime::Rocm;
 use crate::error::{Error, Result};
-use crate::gpu::CopyTicket;
+use crate::gpu::provider::CopyTicket;
 
 /// Pins `[addr, addr+len)` for all agents and remembers the agents' address of it.
 ///

@@ -5,9 +5,9 @@ use std::ffi::c_int;
 use std::os::fd::{FromRawFd, OwnedFd};
 
 use super::sys::{self, PointerInfo};
-use super::{not_supported, DmabufQuery, Rocm};
+use super::runtime::{not_supported, DmabufQuery, Rocm};
 use crate::error::{Error, Result};
-use crate::gpu::{DeviceRange, DmabufExport};
+use crate::gpu::provider::{DeviceRange, DmabufExport};
 
 /// What `hsa_amd_pointer_info` says about `addr`.
 fn pointer_info(rocm: &Rocm, addr: u64) -> Result<PointerInfo> {
@@ -100,7 +100,7 @@ pub fn export(rocm: &Rocm, device: i32, addr: u64, len: u64) -> Result<DmabufExp
     }
     // SAFETY: `ours` is a fresh fd owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(ours) };
-    Ok(DmabufExport { fd, offset })
+    Ok(DmabufExport { fd, offset, whole_size: None })
 }
 
 /// Gives an exported fd back to HSA (or closes it where the runtime has no close call).

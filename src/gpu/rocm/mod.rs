@@ -21,6 +21,7 @@ mod copy;
 mod device;
 #[cfg(feature = "rocm")]
 mod hip;
+mod runtime;
 pub mod status;
 pub mod sys;
 
@@ -29,43 +30,11 @@ use std::sync::{Arc, Mutex};
 
 use once_cell::sync::OnceCell;
 
-use super::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
-use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::provider::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
+use crate::error::{Error, Result};
 use status::check;
+pub use runtime::{DmabufQuery, GpuAgent, Rocm};
 use sys::{Agent, Lib};
-
-/// What `HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED` said.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DmabufQuery {
-    Supported,
-    /// The runtime answered false: the kernel driver (KFD) predates its DMA-BUF interface (1.12).
-    NotSupported,
-    /// The runtime does not know the attribute (ROCm before 5.x) or the query failed.
-    Unknown(String),
-}
-
-/// One GPU agent.
-#[derive(Debug, Clone)]
-pub struct GpuAgent {
-    pub agent: Agent,
-    /// `HSA_AGENT_INFO_NAME` (the ISA, e.g. gfx90a) and the marketing name when known.
-    pub name: String,
-}
-
-/// The loaded HSA runtime with its agents.
-pub struct Rocm {
-    lib: &'static Lib,
-    gpus: Vec<GpuAgent>,
-    /// The agent for the host side of copies (system memory); HSA always lists one.
-    cpu: Option<Agent>,
-    dmabuf: DmabufQuery,
-    version: (u16, u16),
-    build: Option<String>,
-    /// Host ranges pinned by `pin_host`: (start, len, the address agents use for it).
-    locked: Mutex<Vec<(u64, u64, u64)>>,
-    #[cfg(feature = "rocm")]
-    hip: hip::HipView,
-}
 
 static ROCM: OnceCell<std::result::Result<Arc<Rocm>, Error>> = OnceCell::new();
 /// The process-wide HSA library: it stays loaded for the process (the runtime is never shut
@@ -323,7 +292,3 @@ pub fn doctor_report() -> Vec<String> {
     out
 }
 
-/// Why a caller gets `NotSupported` from the provider in this state, for messages.
-fn not_supported(what: impl Into<String>) -> Error {
-    Error::new(ErrorKind::NotSupported, what)
-}

@@ -1,5 +1,6 @@
-//! Buffered I/O done by the threads that post and poll: writes, and small reads whose data is
-//! already in the page cache.
+//! The direct path: host memory addressed by pointer (in a fixed-buffer slot when registered),
+//! moved by the ring, or by the threads that post and poll: buffered writes, and small reads
+//! whose data is already in the page cache.
 //!
 //! Page-cache writes are memory copies. io_uring runs them inline only on file systems that
 //! support non-blocking buffered writes; elsewhere (ext4 among them) every write is punted to an
@@ -10,8 +11,35 @@
 
 use std::io;
 
+use super::route::{Path, Route};
 use crate::error::Result;
+use crate::mem::{DramRegion, FileRegion, Registration};
 use crate::uring::IoOp;
+
+/// Host memory by pointer: every DRAM registration can take it.
+pub struct Direct;
+
+impl Path for Direct {
+    fn check(&self, mem: &Registration, _file: &FileRegion) -> std::result::Result<(), String> {
+        match mem {
+            Registration::Dram(_) => Ok(()),
+            other => Err(format!("{} is not host memory", other.kind().name())),
+        }
+    }
+
+    fn bind(&self, mem: &Registration, file: &FileRegion) -> std::result::Result<Route, String> {
+        self.check(mem, file).map(|()| Route::Host)
+    }
+}
+
+/// The piece of host memory at `addr`: its address, its fixed-buffer slot when the memory is
+/// registered with the ring, and where the piece must end (the slot's end).
+pub fn address(dram: &DramRegion, addr: u64) -> (u64, Option<u16>, Option<u64>) {
+    match dram.fixed_slot(addr) {
+        Some((slot, slot_end)) => (addr, Some(slot), Some(slot_end)),
+        None => (addr, None, None),
+    }
+}
 
 /// Writes every op completely, resuming short writes; stops at the first error.
 pub fn write_all(ops: &[IoOp]) -> Result<()> {

@@ -6,11 +6,9 @@
 //! The test is read-only for the device and leaves the registered memory as it found it: the
 //! block it reads into is saved first and restored afterwards.
 
-use std::sync::Arc;
-
 use crate::mem::dmabuf_slabs::DmabufSlabs;
 use crate::mem::FileRegion;
-use crate::uring::{FileRef, IoOp, Progress, RequestOps, Ring};
+use crate::uring::{FileRef, IoOp, Ring};
 
 /// Copies between the registered memory and a host buffer: (to_host, dst, src, len).
 pub type CopyFn<'a> = &'a dyn Fn(bool, u64, u64, u64) -> Result<(), String>;
@@ -47,14 +45,12 @@ pub fn dmabuf_read(ring: &Ring, slabs: &DmabufSlabs, file: &FileRegion, slot: u1
 
 /// Runs one READ op through the ring and waits for it.
 fn run_one(ring: &Ring, op: IoOp) -> Result<(), String> {
-    let key = ring.add_request(Arc::new(RequestOps { write: false, ops: vec![op], inline_writes: false, inline_reads: false }));
-    let mut r = ring.post(key, 0);
-    while let Ok(Progress::InFlight) = r {
-        std::thread::yield_now();
-        r = ring.check(key, 0);
+    match ring.lock().run_one(op, false) {
+        Ok(n) if n == op.len as i32 => Ok(()),
+        Ok(n) if n < 0 => Err(format!("self-test read through the DMA-BUF failed: {}", op.failed(false, -n).message)),
+        Ok(n) => Err(format!("self-test read through the DMA-BUF moved {n} of {} bytes", op.len)),
+        Err(e) => Err(format!("self-test read through the DMA-BUF failed: {}", e.message)),
     }
-    let _ = ring.remove_request(key);
-    r.map(drop).map_err(|e| format!("self-test read through the DMA-BUF failed: {}", e.message))
 }
 
 struct AlignedBuf {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::gpu::cufile::CuFileHandle;
-use crate::gpu::cufile_batch::{event_status_name, Batch, BatchFns, Piece, STATUS_COMPLETE};
+use crate::gpu::cufile::batch::{event_status_name, Batch, BatchFns, Piece, STATUS_COMPLETE};
 use crate::gpu::GpuProvider;
 use crate::uring::{IoOp, Progress};
 
@@ -167,7 +167,7 @@ impl CufileExecutor {
             let chunk: Vec<Job> = jobs.by_ref().take(max.max(1)).collect();
             let pieces: Vec<Piece<'_>> = chunk
                 .iter()
-                .map(|j| Piece { file: &j.handle, base: j.base, buf_offset: j.op.addr - j.base, file_offset: j.op.file_offset, len: j.op.len as u64 })
+                .map(|j| Piece { file: j.handle.raw(), base: j.base, buf_offset: j.op.addr - j.base, file_offset: j.op.file_offset, len: j.op.len as u64 })
                 .collect();
             match Batch::submit(fns, chunk[0].write, &pieces) {
                 Ok(b) => batches.push((b, chunk)),

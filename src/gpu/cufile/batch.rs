@@ -4,7 +4,17 @@
 
 use std::ffi::c_void;
 
-use super::cufile::{status_name, CuFileHandle};
+use super::status::status_name;
+
+/// A registered cuFile file handle, borrowed for as long as the `CuFileHandle` it came from.
+#[derive(Clone, Copy)]
+pub struct RawHandle<'a>(*mut c_void, std::marker::PhantomData<&'a ()>);
+
+impl RawHandle<'_> {
+    pub(super) fn new(handle: *mut c_void) -> Self {
+        RawHandle(handle, std::marker::PhantomData)
+    }
+}
 
 /// `CUfileError_t` (cuFile status, CUDA status), returned by value.
 #[repr(C)]
@@ -107,7 +117,7 @@ impl BatchFns {
 /// One piece of a batch: its file, registered buffer base, offset into it, file offset, length.
 #[derive(Clone, Copy)]
 pub struct Piece<'a> {
-    pub file: &'a CuFileHandle,
+    pub file: RawHandle<'a>,
     pub base: u64,
     pub buf_offset: u64,
     pub file_offset: u64,
@@ -147,7 +157,7 @@ impl Batch {
                 file_offset: p.file_offset as i64,
                 buf_offset: p.buf_offset as i64,
                 size: p.len as usize,
-                fh: p.file.raw(),
+                fh: p.file.0,
                 opcode: if write { OPCODE_WRITE } else { OPCODE_READ },
                 // The cookie is the piece's index (plus one, so it is never null).
                 cookie: (i + 1) as *mut c_void,

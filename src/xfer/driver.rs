@@ -1,0 +1,448 @@
+//! Drives prepared requests through the ring: the queue of requests with ops still to hand out,
+//! the ops in flight by token, retries, the staging pipeline, and the inline I/O of the threads
+//! that post and poll.
+//!
+//! Invariants:
+//! - The driver's lock is taken before the ring's core lock, never after, so NIXL may call
+//!   post/check/release from any number of threads (sync modes NONE/RW).
+//! - An op handed to the ring is owned by `owners` (its token is the slab key) until its result
+//!   is reaped; a request is removed only when none of its ops is in flight.
+//! - Ops are described once (at prepXfer) and handed to the ring only when it has room
+//!   ("describe, then fill"), so a request of any size never needs more SQ entries than exist.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use slab::Slab;
+
+use super::request::{Next, Outcome, RequestOps, RequestProgress};
+use crate::error::{describe_os_error, Error, Result};
+use crate::gpu::GpuProvider;
+use crate::path::direct;
+use crate::path::staging::{CopyDone, Stage, Staging, StagingPool};
+use crate::uring::{IoOp, Progress, Ring, RingCore, Submission};
+
+/// How long release and teardown wait for in-flight I/O before giving up on it.
+const TEARDOWN_WAIT: Duration = Duration::from_secs(30);
+
+/// A read request this small is first tried from the page cache by the posting thread: one
+/// preadv2 per op beats a ring round trip (SQE, io_uring_enter, CQE, and NIXL's second call to
+/// see the completion). Larger requests gain more from one batched io_uring_enter.
+const INLINE_READ_MAX_OPS: usize = 4;
+const INLINE_READ_MAX_BYTES: u64 = 64 << 10;
+
+/// Key of a request in the driver's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestKey(usize);
+
+/// A storage I/O the driver owns until its result (or a retry of one).
+struct InFlight {
+    req: usize,
+    /// The storage I/O as submitted (on a staging buffer when `stage` is set).
+    op: IoOp,
+    stage: Option<Stage>,
+}
+
+/// What the driver's lock guards.
+#[derive(Default)]
+struct Table {
+    requests: Slab<RequestProgress>,
+    /// Requests that still have ops not yet handed out, oldest first.
+    queue: VecDeque<usize>,
+    /// Remainders of short I/O, ops the kernel asked to retry, staged writes whose copy ended;
+    /// they go first.
+    retry: VecDeque<InFlight>,
+    /// Ops in the ring, by token.
+    owners: Slab<InFlight>,
+    staging: Option<Staging>,
+    /// Scratch lists, reused.
+    completed: Vec<(u64, i32)>,
+    copies_done: Vec<CopyDone>,
+}
+
+/// The request driver of one engine.
+pub struct Driver {
+    ring: Arc<Ring>,
+    table: Mutex<Table>,
+}
+
+impl Driver {
+    pub fn new(ring: Arc<Ring>) -> Driver {
+        Driver { ring, table: Mutex::default() }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Creates the staging pool on first use (later calls do nothing).
+    pub fn enable_staging(&self, provider: Arc<dyn GpuProvider>, buffer_size: u64, count: u32) -> Result<()> {
+        let mut t = self.lock();
+        if t.staging.is_some() {
+            return Ok(());
+        }
+        let pool = StagingPool::new(provider, buffer_size, count, |addr, len| {
+            // SAFETY: the staging mapping lives as long as the pool, which the driver drops only
+            // after every op using it has completed (or leaks, see Drop).
+            match unsafe { self.ring.register_buffer(addr, len) } {
+                Ok(slot) => Some(slot),
+                Err(e) => {
+                    tracing::info!("staging buffer not registered as a fixed buffer ({}); using plain I/O", describe_os_error(&e));
+                    None
+                }
+            }
+        })?;
+        t.staging = Some(Staging::new(pool));
+        Ok(())
+    }
+
+    /// Adds a prepared request; it starts idle.
+    pub fn add_request(&self, ops: Arc<RequestOps>) -> RequestKey {
+        RequestKey(self.lock().requests.insert(RequestProgress::new(ops)))
+    }
+
+    /// Starts (or restarts) a request. Returns Done when everything completed during the call.
+    /// `inline_budget`: bytes of buffered writes this thread may write itself (0 = none).
+    pub fn post(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
+        let mut t = self.lock();
+        let req = t.requests.get_mut(key.0).ok_or_else(|| Error::backend("postXfer: unknown request handle"))?;
+        if let Some(done) = req.start()? {
+            return Ok(done);
+        }
+        let mut t = self.read_inline_if_cached(t, key.0);
+        if let Ok(Progress::Done) = t.status(key.0) {
+            return Ok(Progress::Done);
+        }
+        t.queue.push_back(key.0);
+        let mut t = self.help_with_writes(t, key.0, inline_budget);
+        t.progress(&self.ring)?;
+        t.status(key.0)
+    }
+
+    /// Reaps completions (for every request) without blocking and reports this request's state.
+    pub fn check(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
+        let mut t = self.lock();
+        t.progress(&self.ring)?;
+        let mut t = self.help_with_writes(t, key.0, inline_budget);
+        t.progress(&self.ring)?;
+        t.status(key.0)
+    }
+
+    /// Writes up to `budget` bytes of the request's not-yet-started buffered writes with
+    /// pwrite(2) in this thread, without holding the lock while writing. Page-cache writes are
+    /// memory copies: done here they avoid a hand-off to io_uring's worker per I/O (which is what
+    /// makes libaio fast on buffered files), while the ring keeps a few in flight meanwhile.
+    fn help_with_writes<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize, budget: u64) -> MutexGuard<'a, Table> {
+        let Some(req) = t.requests.get_mut(key) else { return t };
+        let Some((start, end)) = req.take_inline_writes(budget) else { return t };
+        let ops = Arc::clone(&req.ops);
+        drop(t);
+        let result = direct::write_all(&ops.ops[start..end]);
+        let mut t = self.lock();
+        // The request still exists: release waits until no op is outstanding.
+        if let Some(req) = t.requests.get_mut(key) {
+            req.inline_writes_done(end - start, result);
+        }
+        t
+    }
+
+    /// Serves a small buffered read request from the page cache in this thread, without holding
+    /// the lock while copying; what it could not serve stays for the ring.
+    fn read_inline_if_cached<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize) -> MutexGuard<'a, Table> {
+        let Some(req) = t.requests.get_mut(key) else { return t };
+        let ops = Arc::clone(&req.ops);
+        if !ops.inline_reads || ops.ops.len() > INLINE_READ_MAX_OPS || ops.ops.iter().map(|o| o.len as u64).sum::<u64>() > INLINE_READ_MAX_BYTES {
+            return t;
+        }
+        let Some(n) = req.take_inline_read() else { return t };
+        drop(t);
+        let done = direct::read_cached_prefix(&ops.ops);
+        let mut t = self.lock();
+        // The request still exists: release waits until no op is outstanding.
+        if let Some(req) = t.requests.get_mut(key) {
+            req.inline_read_done(n, done);
+        }
+        t
+    }
+
+    /// Removes a request. One still in flight is aborted: its queued ops are dropped, its
+    /// in-flight ops cancelled, and the call waits until the kernel has let go of all of them.
+    pub fn remove_request(&self, key: RequestKey) -> Result<()> {
+        let deadline = Instant::now() + TEARDOWN_WAIT;
+        let mut aborted = false;
+        loop {
+            // Re-locked every round so that threads writing this request's ops inline can
+            // report back.
+            let mut t = self.lock();
+            let running = t.requests.get(key.0).is_some_and(RequestProgress::is_running);
+            if !running {
+                if t.requests.contains(key.0) {
+                    t.requests.remove(key.0);
+                }
+                return Ok(());
+            }
+            if !aborted {
+                t.abort(&self.ring, key.0);
+                aborted = true;
+                continue;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::backend(format!(
+                    "releaseReqH: in-flight I/O did not finish within {}s after cancellation; the request is kept",
+                    TEARDOWN_WAIT.as_secs()
+                )));
+            }
+            t.wait_one(&self.ring, Duration::from_millis(10))?;
+        }
+    }
+}
+
+impl Drop for Driver {
+    /// Never unmap staging buffers while the kernel, a page-cache worker or a device copy may
+    /// still write into them: cancel and wait (bounded) for every op first; device copies are
+    /// always waited for; what is still in flight after the wait keeps its staging memory,
+    /// leaked on purpose.
+    fn drop(&mut self) {
+        let ring = Arc::clone(&self.ring);
+        let t = self.table.get_mut().unwrap_or_else(|p| p.into_inner());
+        let copying = t.staging.as_ref().is_some_and(Staging::copying);
+        if t.owners.is_empty() && !copying {
+            return;
+        }
+        let keys: Vec<usize> = t.requests.iter().map(|(k, _)| k).collect();
+        for k in keys {
+            t.abort(&ring, k);
+        }
+        let deadline = Instant::now() + TEARDOWN_WAIT;
+        while !(t.owners.is_empty() && !t.staging.as_ref().is_some_and(Staging::copying)) && Instant::now() < deadline {
+            if t.wait_one(&ring, Duration::from_millis(100)).is_err() {
+                break;
+            }
+        }
+        if let Some(s) = t.staging.as_mut() {
+            s.wait_all();
+        }
+        if !t.owners.is_empty() {
+            tracing::error!(ops = t.owners.len(), "engine destroyed with I/O still in flight after cancellation");
+            if let Some(s) = t.staging.take() {
+                tracing::error!("staging buffers left mapped on purpose: in-flight I/O may still write them");
+                std::mem::forget(s);
+            }
+        }
+    }
+}
+
+impl Table {
+    /// This request's state as a post/check result.
+    fn status(&self, key: usize) -> Result<Progress> {
+        self.requests.get(key).ok_or_else(|| Error::backend("unknown request handle"))?.status()
+    }
+
+    /// Polls device copies, fills the ring, submits, reaps; repeats while that made progress.
+    fn progress(&mut self, ring: &Ring) -> Result<()> {
+        let mut core = ring.lock();
+        loop {
+            let copied = self.poll_copies();
+            self.fill(&mut core);
+            core.submit()?;
+            let reaped = self.reap(&mut core);
+            if reaped == 0 && copied == 0 {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Hands one op to the ring; false (the op is handed back) when there is no room.
+    fn push(core: &mut RingCore, owners: &mut Slab<InFlight>, entry: InFlight, write: bool) -> std::result::Result<(), InFlight> {
+        let token = owners.vacant_key() as u64;
+        if core.push(&Submission { op: entry.op, write, token }) {
+            owners.insert(entry);
+            Ok(())
+        } else {
+            Err(entry)
+        }
+    }
+
+    /// Moves waiting ops into the ring (or, for staged WRITEs, onto a device stream) as far as
+    /// the ring's room and the staging pool allow.
+    fn fill(&mut self, core: &mut RingCore) {
+        let mut throttled = 0;
+        while core.has_room() {
+            // Retries first: remainders of short I/O, EAGAIN, and staged writes whose copy ended.
+            if let Some(entry) = self.retry.pop_front() {
+                let Some(req) = self.requests.get_mut(entry.req) else { continue };
+                if !req.is_healthy() {
+                    drop_op(req, entry.stage, &mut self.staging);
+                    continue;
+                }
+                if let Err(entry) = Table::push(core, &mut self.owners, entry, req.ops.write) {
+                    self.retry.push_front(entry);
+                    break;
+                }
+                continue;
+            }
+            let Some(&key) = self.queue.front() else { break };
+            let Some(req) = self.requests.get_mut(key) else {
+                self.queue.pop_front();
+                continue;
+            };
+            let op = match req.peek_next() {
+                Next::Nothing => {
+                    self.queue.pop_front();
+                    continue;
+                }
+                Next::Throttled => {
+                    // Enough of this request's writes are in the ring: let the next request go.
+                    self.queue.rotate_left(1);
+                    throttled += 1;
+                    if throttled >= self.queue.len() {
+                        break;
+                    }
+                    continue;
+                }
+                Next::Op(op) => op,
+            };
+            let stage = match op.device {
+                None => None,
+                Some(_) => {
+                    let Some(pool) = self.staging.as_mut() else {
+                        req.fail(Error::backend("internal error: a VRAM op reached the ring before its staging pool existed"));
+                        req.settle();
+                        continue;
+                    };
+                    // All buffers busy: wait for completions to free one.
+                    let Some(stage) = pool.take(op) else { break };
+                    Some(stage)
+                }
+            };
+            if req.advance() {
+                self.queue.pop_front();
+            }
+            let write = req.ops.write;
+            let entry = match (stage, self.staging.as_mut()) {
+                (Some(stage), Some(staging)) if write => {
+                    // GPU -> staging buffer first; the storage write follows in poll_copies.
+                    if let Err(e) = staging.start_to_host(key, stage) {
+                        req.fail(e);
+                        drop_op(req, Some(stage), &mut self.staging);
+                    }
+                    continue;
+                }
+                (Some(stage), Some(staging)) => InFlight { req: key, op: staging.host_op(&stage), stage: Some(stage) },
+                _ => InFlight { req: key, op, stage: None },
+            };
+            if let Err(entry) = Table::push(core, &mut self.owners, entry, write) {
+                self.retry.push_front(entry);
+                break;
+            }
+        }
+    }
+
+    /// Finishes device copies that completed; returns how many did.
+    fn poll_copies(&mut self) -> usize {
+        let Some(staging) = self.staging.as_mut() else { return 0 };
+        if !staging.copying() {
+            return 0;
+        }
+        let mut done = std::mem::take(&mut self.copies_done);
+        let n = staging.poll(&mut done);
+        for c in done.drain(..) {
+            let Some(req) = self.requests.get_mut(c.owner) else {
+                if let Some(s) = self.staging.as_mut() {
+                    s.put(c.stage);
+                }
+                continue;
+            };
+            match c.result {
+                Err(e) => {
+                    req.fail(e);
+                    drop_op(req, Some(c.stage), &mut self.staging);
+                }
+                Ok(()) if c.then_write && req.is_healthy() => {
+                    let Some(staging) = self.staging.as_ref() else { continue };
+                    let op = staging.host_op(&c.stage);
+                    self.retry.push_back(InFlight { req: c.owner, op, stage: Some(c.stage) });
+                }
+                // The H2D copy of a READ ended (or the request is failing): the op is done.
+                Ok(()) => drop_op(req, Some(c.stage), &mut self.staging),
+            }
+        }
+        self.copies_done = done;
+        n
+    }
+
+    /// Processes every available completion; returns how many there were.
+    fn reap(&mut self, core: &mut RingCore) -> usize {
+        let mut done = std::mem::take(&mut self.completed);
+        done.clear();
+        let n = core.reap(&mut done);
+        for &(token, res) in &done {
+            self.complete(token, res);
+        }
+        self.completed = done;
+        n
+    }
+
+    /// One storage I/O ended with `res` (bytes moved or -errno).
+    fn complete(&mut self, token: u64, res: i32) {
+        let Some(entry) = self.owners.try_remove(token as usize) else {
+            tracing::error!(user_data = token, "io_uring completion for an unknown op; ignored");
+            return;
+        };
+        let Some(req) = self.requests.get_mut(entry.req).filter(|r| r.is_running()) else {
+            tracing::error!("io_uring completion for a request that is not running; ignored");
+            return;
+        };
+        match req.on_result(&entry.op, res) {
+            Outcome::Complete => match (entry.stage, self.staging.as_mut()) {
+                // A staged READ landed in its buffer: copy it up to the GPU.
+                (Some(stage), Some(staging)) if !req.ops.write && req.is_healthy() => {
+                    if let Err(e) = staging.start_to_device(entry.req, stage) {
+                        req.fail(e);
+                        drop_op(req, Some(stage), &mut self.staging);
+                    }
+                }
+                (stage, _) => drop_op(req, stage, &mut self.staging),
+            },
+            Outcome::Retry(op) => self.retry.push_back(InFlight { req: entry.req, op, stage: entry.stage }),
+            Outcome::Over => drop_op(req, entry.stage, &mut self.staging),
+        }
+        req.settle();
+    }
+
+    /// Marks a request aborted and asks the ring to cancel its in-flight ops.
+    fn abort(&mut self, ring: &Ring, key: usize) {
+        let Some(req) = self.requests.get_mut(key) else { return };
+        req.abort();
+        let targets: Vec<u64> = self.owners.iter().filter(|(_, f)| f.req == key).map(|(k, _)| k as u64).collect();
+        ring.lock().cancel(&targets);
+    }
+
+    /// Waits (bounded) for at least one completion, storage or device copy, and processes what
+    /// arrived.
+    fn wait_one(&mut self, ring: &Ring, timeout: Duration) -> Result<()> {
+        let copying = self.staging.as_ref().is_some_and(Staging::copying);
+        {
+            let mut core = ring.lock();
+            if core.in_flight() == 0 && copying {
+                // Only device copies are pending: block on the oldest.
+                if let Some(s) = &self.staging {
+                    s.wait_oldest();
+                }
+            } else {
+                core.wait(timeout, copying)?;
+            }
+        }
+        self.progress(ring)
+    }
+}
+
+/// One op of the request is over (done, failed or dropped): release its staging buffer and
+/// count it.
+fn drop_op(req: &mut RequestProgress, stage: Option<Stage>, staging: &mut Option<Staging>) {
+    if let (Some(stage), Some(pool)) = (stage, staging.as_mut()) {
+        pool.put(stage);
+    }
+    req.op_over();
+}
