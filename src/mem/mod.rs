@@ -8,6 +8,7 @@
 pub mod dmabuf_slabs;
 pub mod dram;
 pub mod file;
+pub mod live;
 pub mod path_meta;
 pub mod udmabuf;
 pub mod vram;
