@@ -13,7 +13,8 @@
 //   plugin     : name, version, mems, parameters
 //   params     : a bad parameter fails engine creation (initErr), the engine is destroyed cleanly
 //   roundtrip  : 1000 mixed descriptors WRITE + READ, buffered and O_DIRECT, byte-exact
-//   errors     : exact plugin statuses for bad inputs (null MD, mismatched lengths, zero length,
+//   errors     : exact plugin statuses for bad inputs (null or deregistered MD, deregisterMem
+//                twice, mismatched lengths, zero length,
 //                O_DIRECT misalignment, WRITE to a read-only fd, read past EOF, repost while
 //                active, VRAM without libcuda, dram_dmabuf=on without the uAPI, closed fd)
 //   inflight   : release of in-flight requests; deregisterMem while a request is in flight
@@ -397,6 +398,17 @@ void phase_errors() {
         expect("OBJ_SEG registration", eng.reg(buf.a(), 4096, 0, OBJ_SEG, x), NIXL_ERR_NOT_SUPPORTED);
         expect("deregisterMem(nullptr)", eng->deregisterMem(nullptr), NIXL_ERR_INVALID_PARAM);
         expect("releaseReqH(nullptr)", eng->releaseReqH(nullptr), NIXL_SUCCESS);
+    }
+    {
+        // An MD handed back after its deregistration (what NIXL's unlocked lists do in sync mode
+        // NONE, issue 16) is refused, never dereferenced or released a second time.
+        nixlBackendMD *gone = nullptr;
+        CHECK(eng.reg(buf.a(), n, 0, DRAM_SEG, gone) == NIXL_SUCCESS, "reg");
+        CHECK(eng->deregisterMem(gone) == NIXL_SUCCESS, "dereg");
+        Lists l;
+        l.add(buf.a(), gone, 0, 4096, fd, mf);
+        expect("deregistered local MD", run(eng, NIXL_READ, l), NIXL_ERR_NOT_FOUND);
+        expect("deregisterMem twice", eng->deregisterMem(gone), NIXL_ERR_NOT_FOUND);
     }
     for (auto *m : {mb, mf, md, mr}) CHECK(eng->deregisterMem(m) == NIXL_SUCCESS, "dereg");
     ::close(fd);

@@ -3,8 +3,11 @@ opening its own file, registering a 16 MiB DRAM buffer and the file, doing ROUND
 trips of 64 descriptors x 64 KiB (odd rounds prepped: prep_xfer_dlist + make_prepped_xfer, even
 rounds initialize_xfer), every byte checked, then deregistering both.
 
-    python concurrent_reg_child.py BACKEND SYNC DIR [THREADS] [ROUNDS]
+    python concurrent_reg_child.py BACKEND SYNC DIR [THREADS] [ROUNDS] [upfront]
 SYNC: none (the default agent: no listen thread, NIXL_THREAD_SYNC_NONE), rw or strict.
+upfront: the main thread registers every buffer and file before the threads start and
+deregisters them after they joined (the sequence that is safe in sync mode NONE); the threads
+only prepare, post and release requests.
 Exit 0 when every thread finished and every byte matched; 1 with a message otherwise. A crash
 of the process (heap corruption) shows as a signal to the parent."""
 
@@ -28,15 +31,35 @@ DESC = 64 * H.KiB
 JITTER_MS = float(os.environ.get("CONCREG_JITTER_MS", "0"))
 
 
-def worker(agent, backend: str, t: int, d: str, rounds: int, errors: list) -> None:
+class Slot:
+    """One thread's file and buffer, and their registrations."""
+
+    def __init__(self, d: str, t: int):
+        self.fd = os.open(os.path.join(d, f"t{t}.bin"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.buf = H.Buf(BUF)
+        self.mem = self.fil = None
+
+    def register(self, agent) -> None:
+        self.mem = agent.register_memory([(self.buf.addr, BUF, 0, "")], "DRAM")
+        self.fil = agent.register_memory([(0, BUF, self.fd, "")], "FILE")
+
+    def deregister(self, agent) -> None:
+        agent.deregister_memory(self.fil)
+        agent.deregister_memory(self.mem)
+        os.close(self.fd)
+
+
+def worker(agent, backend: str, t: int, d: str, slot: Slot | None, rounds: int,
+           errors: list) -> None:
     try:
         rng = np.random.default_rng([os.getpid(), t])
         if JITTER_MS:
             time.sleep(float(rng.uniform(0, JITTER_MS)) / 1000)
-        fd = os.open(os.path.join(d, f"t{t}.bin"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        buf = H.Buf(BUF)
-        mem = agent.register_memory([(buf.addr, BUF, 0, "")], "DRAM")
-        fil = agent.register_memory([(0, BUF, fd, "")], "FILE")
+        upfront = slot is not None
+        if not upfront:
+            slot = Slot(d, t)
+            slot.register(agent)
+        fd, buf = slot.fd, slot.buf
         half = BUF // 2
         for r in range(rounds):
             # descriptors: a random permutation of 64 KiB slots, source in the lower half of the
@@ -76,9 +99,8 @@ def worker(agent, backend: str, t: int, d: str, rounds: int, errors: list) -> No
                 if not np.array_equal(buf.arr[a:a + DESC], buf.arr[b:b + DESC]):
                     raise AssertionError(f"thread {t} round {r} descriptor {i}: "
                                          + H.first_diff(buf.arr[b:b + DESC], buf.arr[a:a + DESC]))
-        agent.deregister_memory(fil)
-        agent.deregister_memory(mem)
-        os.close(fd)
+        if not upfront:
+            slot.deregister(agent)
     except BaseException as e:  # noqa: BLE001 - reported by the main thread
         errors.append(f"thread {t}: {e!r}\n{traceback.format_exc()}")
 
@@ -87,22 +109,31 @@ def main() -> int:
     backend, sync, d = sys.argv[1], sys.argv[2], sys.argv[3]
     threads = int(sys.argv[4]) if len(sys.argv) > 4 else 4
     rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+    upfront = len(sys.argv) > 6 and sys.argv[6] == "upfront"
     from nixl._api import nixl_thread_sync_t
 
     mode = {"none": None, "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
             "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT}[sync]
     agent = H.make_agent(backend, sync_mode=mode, name="concreg")
     errors: list = []
-    ts = [threading.Thread(target=worker, args=(agent, backend, t, d, rounds, errors))
+    slots = [Slot(d, t) for t in range(threads)] if upfront else [None] * threads
+    for s in slots:
+        if s is not None:
+            s.register(agent)
+    ts = [threading.Thread(target=worker, args=(agent, backend, t, d, slots[t], rounds, errors))
           for t in range(threads)]
     for th in ts:
         th.start()
     for th in ts:
         th.join()
+    for s in slots:
+        if s is not None:
+            s.deregister(agent)
     if errors:
         print("\n".join(errors), file=sys.stderr)
         return 1
-    print(f"ok: {threads} threads x {rounds} round trips, {backend}, sync {sync}")
+    print(f"ok: {threads} threads x {rounds} round trips, {backend}, sync {sync}"
+          + (", registered up front" if upfront else ", registering in the threads"))
     return 0
 
 
