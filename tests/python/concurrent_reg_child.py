@@ -27,6 +27,8 @@ import iud_helpers as H  # noqa: E402
 BUF = 16 * H.MiB
 DESCS = 64
 DESC = 64 * H.KiB
+# A transfer still PROC after this many seconds fails the run (a run takes a few seconds).
+POLL_S = 60
 # Random start delay per thread (ms), to vary how the threads' calls overlap.
 JITTER_MS = float(os.environ.get("CONCREG_JITTER_MS", "0"))
 
@@ -85,7 +87,11 @@ def worker(agent, backend: str, t: int, d: str, slot: Slot | None, rounds: int,
                                            agent.name, backends=[backend])
             for h, op in ((w, "WRITE"), (rd, "READ")):
                 st = agent.transfer(h)
+                deadline = time.monotonic() + POLL_S
                 while st == "PROC":
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"thread {t} round {r} {op} still PROC after "
+                                             f"{POLL_S} s")
                     st = agent.check_xfer_state(h)
                 if st != "DONE":
                     raise AssertionError(f"thread {t} round {r} {op} ended {st}")
