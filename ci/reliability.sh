@@ -11,7 +11,8 @@
 #   pytest   tests/reliability (fault matrix, leak cycles, 8-thread stress in sync NONE and RW)
 #   soak     tests/reliability/soak.py through real NIXL, every byte verified
 #   asan     tests/asan/driver.cpp (ASan+UBSan) against the release plugin and against a plugin
-#            whose C++ shim is built with ASan (target/asan-plugin)
+#            whose C++ shim is built with ASan (target/asan-plugin); its concreg phase is issue
+#            16's pattern (4 threads registering and transferring at once) on the engine itself
 #   valgrind the same driver without sanitizers under memcheck, against the release plugin
 #   tsan     tests/reliability/tsan (8-thread engine stress) with -Zsanitizer=thread (nightly)
 #   fuzz     fuzz/ targets params, path_meta, plan (cargo-fuzz, nightly)
@@ -36,9 +37,11 @@ esac
 if [ "$mode" = soak ]; then
     SOAK_ARGS="--gib 100 --descs 1000000"; LEAK_CYCLES=100000; STRESS_S=600
     FUZZ_S=600; DRIVER_CYCLES=100000; DRIVER_ITERS=400; TSAN_ITERS=2000; VG_CYCLES=2000
+    CONCREG_REPS=1000
 else
     SOAK_ARGS="--gib 2 --descs 20000 --file-mib 512 --mem-mib 128"; LEAK_CYCLES=10000; STRESS_S=5
     FUZZ_S=60; DRIVER_CYCLES=10000; DRIVER_ITERS=40; TSAN_ITERS=100; VG_CYCLES=200
+    CONCREG_REPS=20
 fi
 FUZZ_S="${IUD_REL_FUZZ_S:-$FUZZ_S}"
 default_stages="pytest soak asan valgrind tsan fuzz"
@@ -120,7 +123,7 @@ stage_asan() {
         mkdir -p "$work/asan"
         ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1 \
             UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-            "$d/driver-asan" "$so" "$work/asan" "$DRIVER_CYCLES" "$DRIVER_ITERS" \
+            "$d/driver-asan" "$so" "$work/asan" "$DRIVER_CYCLES" "$DRIVER_ITERS" "$CONCREG_REPS" \
             > "$IUD_REL_OUT/asan-$(basename "$(dirname "$(dirname "$so")")").log" 2>&1 || rc=1
         grep -E "^(phase|driver:|FAIL)|ERROR: (Address|Leak)Sanitizer|runtime error" \
             "$IUD_REL_OUT/asan-$(basename "$(dirname "$(dirname "$so")")").log"
@@ -134,7 +137,7 @@ stage_valgrind() {
     mkdir -p "$d" "$work/vg"
     build_driver "$d/driver-plain" || return 1
     valgrind --error-exitcode=3 --leak-check=full --errors-for-leak-kinds=definite \
-        --show-leak-kinds=definite "$d/driver-plain" "$IUD_PLUGIN_SO" "$work/vg" "$VG_CYCLES" 4 \
+        --show-leak-kinds=definite "$d/driver-plain" "$IUD_PLUGIN_SO" "$work/vg" "$VG_CYCLES" 4 2 \
         > "$IUD_REL_OUT/valgrind.log" 2>&1
     local rc=$?
     grep -E "^(phase|driver:|FAIL)|ERROR SUMMARY|definitely lost" "$IUD_REL_OUT/valgrind.log"

@@ -15,6 +15,7 @@ use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
 use crate::gpu::cufile::CuFile;
 use crate::gpu::{self, GpuProvider};
+use crate::mem::live::LiveMds;
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
 use crate::params::{DramDmabuf, EngineParams, FixedBuffers, VramPath};
 use crate::path::cufile_exec::{CufileExecutor, CufileProgress};
@@ -37,6 +38,8 @@ pub struct Engine {
     /// The route of each bound (memory registration, target file) pair, decided on first use;
     /// keyed by the registration's MD and dropped when NIXL deregisters it.
     routes: Mutex<HashMap<(usize, FileKey), Route>>,
+    /// MDs NIXL holds; an MD coming back is looked up here before it is dereferenced.
+    live: LiveMds,
     /// devIds of live path-mode FILE registrations (they must be unique per file).
     path_dev_ids: Mutex<HashSet<u64>>,
     fixed_buffer_fallback_logged: AtomicBool,
@@ -88,6 +91,7 @@ impl Engine {
             driver: Driver::new(Arc::clone(&ring)),
             ring,
             routes: Mutex::new(HashMap::new()),
+            live: LiveMds::default(),
             path_dev_ids: Mutex::new(HashSet::new()),
             fixed_buffer_fallback_logged: AtomicBool::new(false),
             gpu: OnceCell::new(),
@@ -115,6 +119,7 @@ impl Engine {
             }
         };
         let md: *const c_void = Arc::into_raw(Arc::new(reg)).cast();
+        self.live.insert(md);
         if let Some(r) = &self.recorder {
             r.register(md as usize, kind.to_nixl(), addr, len, dev_id, meta_info);
         }
@@ -245,6 +250,11 @@ impl Engine {
         if md.is_null() {
             return Err(Error::invalid("deregisterMem: null metadata"));
         }
+        if !self.live.remove(md) {
+            return Err(Error::not_found(format!(
+                "deregisterMem: MD {md:p} is not a live registration of this engine (deregistered already?); NIXL's registration lists can hand an MD back twice when several threads use an agent in sync mode NONE, which takes no locks: create the agent with sync mode RW"
+            )));
+        }
         if let Some(r) = &self.recorder {
             r.deregister(md as usize);
         }
@@ -290,6 +300,13 @@ impl Engine {
             staging_buffers: self.params.staging_buffers,
             route: &|mem, file| self.route(mem, file),
         };
+        // MDs that NIXL hands back are checked, and held while the planner uses them.
+        let _held = self.live.hold(local.iter().chain(remote).map(|d| d.md)).map_err(|(i, md)| {
+            let (side, i) = if i < local.len() { ("local", i) } else { ("remote", i - local.len()) };
+            Error::not_found(format!(
+                "prepXfer: {side} descriptor {i}: MD {md:p} is not a live registration of this engine; NIXL handed back a deregistered registration, which happens when several threads use an agent in sync mode NONE (NIXL takes no locks there): create the agent with sync mode RW"
+            ))
+        })?;
         // SAFETY: forwarded from the caller.
         let plan = unsafe { plan(op, local_kind, local, remote_kind, remote, &ctx) }?;
         for reg in &plan.registrations {

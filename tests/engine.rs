@@ -336,6 +336,53 @@ fn eight_threads_post_on_one_engine() {
     }
 }
 
+/// NIXL's lists can hand back an MD after its deregistration (several threads on an agent in sync
+/// mode NONE, issue 16). The engine looks every MD up before touching it: prepXfer and a second
+/// deregisterMem fail with NOT_FOUND, and the live registrations keep working.
+#[test]
+fn an_md_handed_back_after_deregistration_is_refused() {
+    let e = engine(&[]);
+    let buf = Buf::new(1 << 16, 13);
+    let (_d, f) = temp_file(false);
+    let fd = f.as_raw_fd() as u64;
+    let gone = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
+    let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
+    let mf = e.register(FILE, 0, 1 << 16, fd, "").unwrap();
+    // A request holds `gone` across its deregistration; new requests may not use it.
+    let held = [desc(buf.addr(), 1 << 16, 0, gone)];
+    let r = [desc(0, 1 << 16, fd, mf)];
+    // SAFETY: live registrations.
+    let req = unsafe { e.prep(WRITE, DRAM, &held, FILE, &r, AGENT) }.unwrap();
+    // SAFETY: registered above, deregistered once here.
+    unsafe { e.deregister(gone).unwrap() };
+    // SAFETY: `gone` is not dereferenced: the engine refuses it before.
+    let err = unsafe { e.prep(WRITE, DRAM, &held, FILE, &r, AGENT) }.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound);
+    assert!(err.message.contains("local descriptor 0") && err.message.contains("not a live registration"), "{}", err.message);
+    // SAFETY: as above.
+    let err = unsafe { e.prep(READ, DRAM, &[desc(buf.addr(), 1 << 16, 0, m)], FILE, &[desc(0, 1 << 16, fd, gone)], AGENT) }.unwrap_err();
+    assert!(err.message.contains("remote descriptor 0"), "{}", err.message);
+    // SAFETY: as above: a second deregistration is refused, not a second release.
+    let err = unsafe { e.deregister(gone) }.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound);
+    assert!(err.message.contains("not a live registration"), "{}", err.message);
+    let mut p = e.post(&req, WRITE, 1, 1).unwrap();
+    while p == Progress::InFlight {
+        p = e.check(&req).unwrap();
+    }
+    e.release(req).unwrap();
+    let back = Buf::new(1 << 16, 14);
+    let mb = e.register(DRAM, back.addr(), 1 << 16, 0, "").unwrap();
+    run(&e, READ, &[desc(back.addr(), 1 << 16, 0, mb)], &r).unwrap();
+    assert!(back.bytes() == buf.bytes());
+    // SAFETY: registered above, deregistered once.
+    unsafe {
+        e.deregister(m).unwrap();
+        e.deregister(mb).unwrap();
+        e.deregister(mf).unwrap();
+    }
+}
+
 #[test]
 fn vram_without_a_gpu_driver_is_refused_with_the_reason() {
     if std::path::Path::new("/dev/nvidiactl").exists() {

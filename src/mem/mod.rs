@@ -10,6 +10,7 @@ pub mod dram;
 pub mod file;
 pub mod file_query;
 mod kind;
+pub mod live;
 pub mod path_meta;
 pub mod udmabuf;
 pub mod vram;

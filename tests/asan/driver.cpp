@@ -6,19 +6,22 @@
 // deregisterMem / destroy_engine through the engine's vtable (nixl-headers/nixl_abi.h), with
 // NIXL's own C++ objects (std::string, unordered_map, descriptor vectors) built here.
 //
-//   driver PLUGIN_SO WORKDIR [cycles]
+//   driver PLUGIN_SO WORKDIR [cycles] [thread-iterations] [concreg-reps]
 //
 // Phases (each prints one "phase ... ok" line; any failed check prints "FAIL ..." and the exit
 // status is 1):
 //   plugin     : name, version, mems, parameters
 //   params     : a bad parameter fails engine creation (initErr), the engine is destroyed cleanly
 //   roundtrip  : 1000 mixed descriptors WRITE + READ, buffered and O_DIRECT, byte-exact
-//   errors     : exact plugin statuses for bad inputs (null MD, mismatched lengths, zero length,
+//   errors     : exact plugin statuses for bad inputs (null or deregistered MD, deregisterMem
+//                twice, mismatched lengths, zero length,
 //                O_DIRECT misalignment, WRITE to a read-only fd, read past EOF, repost while
 //                active, VRAM without libcuda, dram_dmabuf=on without the uAPI, closed fd)
 //   inflight   : release of in-flight requests; deregisterMem while a request is in flight
 //   threads    : 8 threads x mixed requests on one engine (round trips, release in flight racing
 //                other threads' checkXfer, reposts, register/deregister cycles)
+//   concreg    : issue 16's pattern: 4 threads registering a 16 MiB buffer and their own file at
+//                once, 3 round trips of 64 x 64 KiB each, deregistering (sync mode NONE), M times
 //   cycles     : N register -> transfer -> deregister cycles (default 10000)
 // LeakSanitizer (ASan build) then checks the whole process at exit.
 
@@ -29,6 +32,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -395,6 +399,17 @@ void phase_errors() {
         expect("deregisterMem(nullptr)", eng->deregisterMem(nullptr), NIXL_ERR_INVALID_PARAM);
         expect("releaseReqH(nullptr)", eng->releaseReqH(nullptr), NIXL_SUCCESS);
     }
+    {
+        // An MD handed back after its deregistration (what NIXL's unlocked lists do in sync mode
+        // NONE, issue 16) is refused, never dereferenced or released a second time.
+        nixlBackendMD *gone = nullptr;
+        CHECK(eng.reg(buf.a(), n, 0, DRAM_SEG, gone) == NIXL_SUCCESS, "reg");
+        CHECK(eng->deregisterMem(gone) == NIXL_SUCCESS, "dereg");
+        Lists l;
+        l.add(buf.a(), gone, 0, 4096, fd, mf);
+        expect("deregistered local MD", run(eng, NIXL_READ, l), NIXL_ERR_NOT_FOUND);
+        expect("deregisterMem twice", eng->deregisterMem(gone), NIXL_ERR_NOT_FOUND);
+    }
     for (auto *m : {mb, mf, md, mr}) CHECK(eng->deregisterMem(m) == NIXL_SUCCESS, "dereg");
     ::close(fd);
     ::close(dfd);
@@ -557,6 +572,64 @@ void phase_cycles(long cycles) {
     std::printf("phase cycles ok: %ld register/transfer/deregister cycles\n", cycles);
 }
 
+// Issue 16's pattern straight on the engine, without NIXL's agent maps in between: T threads
+// released at once, each opening its own file, registering a 16 MiB DRAM buffer and the file,
+// running 3 WRITE/READ round trips of 64 x 64 KiB descriptors (random 64 KiB slots, source in the
+// lower half of the buffer, destination in the upper half, bytes compared), deregistering both.
+// `reps` repetitions on one engine created in sync mode NONE (the plugin takes its own locks in
+// every mode). Through NIXL's agent this pattern corrupts NIXL's unlocked section maps in sync
+// mode NONE; here ASan/valgrind see only the plugin's side.
+void phase_concreg(int reps) {
+    Engine eng;
+    const int T = 4, rounds = 3, descs = 64;
+    const size_t buf = 16 << 20, half = buf / 2, desc = 64 << 10;
+    long transfers = 0;
+    for (int rep = 0; rep < reps; ++rep) {
+        std::atomic<int> ready{0};
+        std::atomic<long> done{0};
+        std::vector<std::thread> th;
+        for (int t = 0; t < T; ++t) {
+            th.emplace_back([&, t] {
+                std::mt19937_64 g(1000 * rep + t);
+                Buf b(buf);
+                int fd = open_file("concreg-" + std::to_string(t) + ".bin", O_RDWR | O_TRUNC, 0);
+                ready++;
+                while (ready.load() < T) std::this_thread::yield();
+                nixlBackendMD *mm = nullptr, *mf = nullptr;
+                CHECK(eng.reg(b.a(), buf, 0, DRAM_SEG, mm) == NIXL_SUCCESS, "concreg reg DRAM");
+                CHECK(eng.reg(0, buf, fd, FILE_SEG, mf) == NIXL_SUCCESS, "concreg reg FILE");
+                for (int r = 0; r < rounds && mm && mf; ++r) {
+                    b.fill(g());
+                    std::vector<size_t> slots(half / desc);
+                    for (size_t i = 0; i < slots.size(); ++i) slots[i] = i;
+                    std::shuffle(slots.begin(), slots.end(), g);
+                    Lists w, rd;
+                    for (int i = 0; i < descs; ++i) {
+                        w.add(b.a(slots[i] * desc), mm, i * desc, desc, fd, mf);
+                        rd.add(b.a(half + slots[i] * desc), mm, i * desc, desc, fd, mf);
+                    }
+                    nixl_status_t s = run(eng, NIXL_WRITE, w);
+                    CHECK(s == NIXL_SUCCESS, "concreg WRITE %s", st(s));
+                    s = run(eng, NIXL_READ, rd);
+                    CHECK(s == NIXL_SUCCESS, "concreg READ %s", st(s));
+                    int bad = 0;
+                    for (int i = 0; i < descs; ++i)
+                        bad += std::memcmp(b.p + slots[i] * desc, b.p + half + slots[i] * desc, desc) != 0;
+                    CHECK(bad == 0, "concreg rep %d thread %d round %d: %d descriptors differ", rep, t, r, bad);
+                    done += 2;
+                }
+                if (mf) CHECK(eng->deregisterMem(mf) == NIXL_SUCCESS, "concreg dereg FILE");
+                if (mm) CHECK(eng->deregisterMem(mm) == NIXL_SUCCESS, "concreg dereg DRAM");
+                ::close(fd);
+            });
+        }
+        for (auto &x : th) x.join();
+        transfers += done.load();
+    }
+    std::printf("phase concreg ok: %d x %d threads registering at once, %ld transfers of %d x 64 KiB\n",
+                reps, T, transfers, descs);
+}
+
 int count_fds() {
     int n = 0;
     for (int fd = 0; fd < 4096; ++fd) n += fcntl(fd, F_GETFD) != -1;
@@ -567,12 +640,14 @@ int count_fds() {
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        std::fprintf(stderr, "usage: %s PLUGIN_SO WORKDIR [cycles] [thread-iterations]\n", argv[0]);
+        std::fprintf(stderr, "usage: %s PLUGIN_SO WORKDIR [cycles] [thread-iterations] [concreg-reps]\n",
+                     argv[0]);
         return 2;
     }
     g_dir = argv[2];
     long cycles = argc > 3 ? std::atol(argv[3]) : 10000;
     int iters = argc > 4 ? std::atoi(argv[4]) : 40;
+    int concreg = argc > 5 ? std::atoi(argv[5]) : 20;
     void *so = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
     if (!so) {
         std::fprintf(stderr, "dlopen: %s\n", dlerror());
@@ -603,6 +678,7 @@ int main(int argc, char **argv) {
     phase_errors();
     phase_inflight();
     phase_threads(iters);
+    phase_concreg(concreg);
     phase_cycles(cycles);
     int fds1 = count_fds();
     CHECK(fds1 == fds0, "fds %d before the phases, %d after", fds0, fds1);
