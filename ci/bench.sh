@@ -1,22 +1,94 @@
 #!/usr/bin/env bash
 # The project's main benchmark job: IO_URING_DMABUF against NIXL's own POSIX backend (io_uring and
-# libaio queues), DRAM <-> FILE, READ and WRITE, 4 KiB .. 16 MiB blocks, 1 and 64 descriptors per
-# request, buffered, on a temporary 1 GiB file in /tmp, every point verified (--check_consistency,
-# outside the timed loop). The file blocks of a request are shuffled
-# (--randomize_location_mode blockaligned), so ops/s counts real I/Os and no backend gains from
-# merging neighbouring descriptors; pass --randomize_location_mode none for nixlbench's contiguous
-# layout. Runs setup and the plugin build first, then the bench crate
-# (bench/, binary iud-bench) over the real NIXL runtime of the wheel.
+# libaio queues), DRAM <-> FILE, READ and WRITE, through the real NIXL runtime of the wheel, on a
+# temporary 1 GiB file in /tmp (buffered), every point verified outside the timed loop:
+#   1. the KV-cache pattern: 4 KiB .. 2 MiB blocks at random slots of two registered 256 MiB DRAM
+#      regions against random, pairwise non-adjacent file offsets (nothing can merge), up to
+#      64 MiB (at most 8192 blocks) per request; all backends alive at once, 3 rounds with the
+#      backend order rotated, medians;
+#   2. the nixlbench-style sweep: 4 KiB .. 16 MiB blocks, 1 and 64 descriptors per request, file
+#      blocks of a request shuffled (--randomize_location_mode blockaligned), one run per point.
+# Every row has GB/s and CPU seconds per GB (getrusage of the benchmark process over the timed
+# loop). Runs setup, the plugin build and the bench crate (bench/, binary iud-bench) first, and
+# installs matplotlib into .venv for the plot (the test suite does not need it).
 #
-# Extra arguments go to iud-bench and override the defaults (later flags win), e.g.
+# Results go to target/bench-results/<UTC time>-<host>/ (results.md, results.csv, results.png,
+# stdout.txt); the last line printed names that folder. target/ because it is git-ignored build
+# output: a run never dirties the work tree and is not mistaken for the curated, committed records
+# in bench/results/; the time stamp keeps runs apart and the host name keeps machines apart.
+# `--out_dir DIR` picks another folder.
+#
+# Extra arguments go to iud-bench and override the defaults below (later flags win), e.g.
+#   bash ci/bench.sh --background_load 2          # a busy machine: 2 busy-loop processes
 #   bash ci/bench.sh --storage_enable_direct --filepath /var/tmp
-#   bash ci/bench.sh --backend IO_URING_DMABUF,POSIX:use_uring=true --op_type READ --max_block_size 64K
-# See `target/release/iud-bench --help`. Takes a few minutes on the 2-core machine.
+#   bash ci/bench.sh --workload kv --op_type READ --kv_max_block_size 256K
+# `bash ci/bench.sh --help` prints this job's defaults and iud-bench's flags (bench/src/usage.txt,
+# the text the binary prints) without setup or a build. Takes about 5 minutes on the 2-core machine.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+# The defaults this job passes to iud-bench (printed by --help from this same list).
+defaults=(
+    --backend 'IO_URING_DMABUF,POSIX:use_uring=true,POSIX:use_aio=true'
+    --op_type BOTH
+    --workload kv,contig
+    --total_buffer_size 1G
+    --kv_start_block_size 4K --kv_max_block_size 2M --kv_request_size 64M
+    --kv_regions 2 --kv_region_size 256M --kv_rounds 3
+    --start_block_size 4096 --max_block_size 16M
+    --batch_sizes 1,64 --randomize_location_mode blockaligned
+    --num_iter 0 --duration_ms 500 --warmup_iter 10
+    --check_consistency
+)
+MATPLOTLIB=matplotlib==3.11.2
+
+for a in "$@"; do
+    case "$a" in
+    --help | -help | -h | --help=true | -help=true)
+        cat <<EOF
+bash ci/bench.sh [iud-bench flags...]
+
+The main benchmark job: sets up (ci/setup.sh, plus $MATPLOTLIB in .venv), builds the plugin
+and iud-bench, runs iud-bench through the real NIXL runtime, and writes results.md, results.csv,
+results.png and stdout.txt into target/bench-results/<UTC time>-<host>/ (or --out_dir DIR). The
+last line printed names that folder.
+
+Defaults passed to iud-bench (extra flags come after them, so they win):
+  ${defaults[*]}
+
+EOF
+        cat "$here/../bench/src/usage.txt"
+        exit 0
+        ;;
+    esac
+done
+
+source "$here/env.sh"
 cd "$IUD_ROOT"
 
+# The results folder: --out_dir from the arguments (the last one wins, as in iud-bench), else a
+# new folder under target/bench-results.
+out=""
+prev=""
+for a in "$@"; do
+    case "$a" in
+    --out_dir=* | -out_dir=*) out="${a#*=}" ;;
+    esac
+    if [ "$prev" = --out_dir ] || [ "$prev" = -out_dir ]; then out="$a"; fi
+    prev="$a"
+done
+if [ -z "$out" ]; then
+    out="$IUD_TARGET/bench-results/$(date -u +%Y%m%dT%H%M%SZ)-$(hostname -s 2>/dev/null || echo host)"
+fi
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+
 bash ci/setup.sh
+source ci/env.sh  # again: the plugin dir is known only once the wheel is installed
+if ! "$IUD_PY" -c 'import matplotlib' 2>/dev/null; then
+    echo "ci/bench.sh: installing $MATPLOTLIB into $IUD_VENV (for results.png)"
+    "$IUD_PY" -m pip install -q --disable-pip-version-check "$MATPLOTLIB"
+fi
 bash ci/build.sh
 cargo build --release -p iud-bench
 
@@ -28,16 +100,17 @@ measured=(src build.rs Cargo.toml Cargo.lock plugin-manifest nixl-headers bench/
 if [ -n "$(git status --porcelain -- "${measured[@]}" 2>/dev/null)" ]; then
     rev="$rev+uncommitted changes in: $(git status --porcelain -- "${measured[@]}" | awk '{print $2}' | tr '\n' ' ')"
 fi
-echo "# ci/bench.sh at git $rev"
+echo "# ci/bench.sh at git $rev" | tee "$out/stdout.txt"
 
 export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NIXL_PLUGIN_DIR="$IUD_PLUGIN_DIR"
-exec "$IUD_TARGET/release/iud-bench" \
-    --backend 'IO_URING_DMABUF,POSIX:use_uring=true,POSIX:use_aio=true' \
-    --op_type BOTH \
-    --total_buffer_size 1G \
-    --start_block_size 4096 --max_block_size 16M \
-    --batch_sizes 1,64 --randomize_location_mode blockaligned \
-    --num_iter 0 --duration_ms 500 --warmup_iter 10 \
-    --check_consistency \
-    "$@"
+export IUD_BENCH_GIT="$rev"
+rc=0
+"$IUD_TARGET/release/iud-bench" "${defaults[@]}" --out_dir "$out" "$@" 2>&1 | tee -a "$out/stdout.txt" || rc=${PIPESTATUS[0]}
+if [ -s "$out/results.csv" ]; then
+    "$IUD_PY" bench/plot_results.py "$out" || rc=1
+else
+    echo "ci/bench.sh: no results.csv, so no plot (iud-bench exit $rc)"
+fi
+echo "results: $out"
+exit "$rc"

@@ -3,67 +3,8 @@
 
 use std::fmt;
 
-pub const USAGE: &str = "\
-iud-bench: nixlbench-style storage benchmark (DRAM <-> FILE or BLOCK) over the NIXL runtime (nixl-sys).
-
-Run with LD_LIBRARY_PATH=<wheel>/.nixl_cu12.mesonpy.libs and NIXL_PLUGIN_DIR=<plugin dir>
-(ci/bench.sh does this). Flags (nixlbench names; sizes are bytes, K/M/G suffixes = KiB/MiB/GiB):
-
-  --backend LIST            comma-separated backend specs, run one after another, each in its own
-                            agent: NAME or NAME:key=value;key=value
-                            e.g. IO_URING_DMABUF,POSIX:use_uring=true,POSIX:use_aio=true
-                            (default IO_URING_DMABUF). Params start from the plugin's
-                            get_plugin_params() defaults, like nixlbench.
-  --posix_api_type T        AIO|URING|POSIXAIO: for POSIX specs that set none of
-                            use_aio/use_uring/use_posix_aio themselves
-  --posix_ios_pool_size N   POSIX ios_pool_size (only if given)
-  --posix_kernel_queue_size N  POSIX kernel_queue_size (only if given)
-  --filepath PATH           file to use (kept); a directory = temp file in it (removed at exit);
-                            default: temp file in /tmp, removed at exit. A block device
-                            (e.g. /dev/loop0) is used in place: not prefilled, its first
-                            --total_buffer_size bytes are OVERWRITTEN by WRITE points
-  --storage_seg_type T      FILE|BLOCK|auto (default auto: BLOCK when --filepath is a block
-                            device, else FILE). BLOCK registers the target as BLK_SEG (fd mode,
-                            O_DIRECT fd, addr = device byte offset) and needs
-                            --storage_enable_direct
-  --op_type OP              READ|WRITE|BOTH (default WRITE; BOTH runs WRITE then READ)
-  --total_buffer_size N     DRAM buffer = file region size (default 1G), split across threads
-  --start_block_size N      default 4096
-  --max_block_size N        default 16M; block sizes double from start to max
-  --start_batch_size N      descriptors per request, doubling to --max_batch_size (default 1)
-  --max_batch_size N        default 1
-  --batch_sizes LIST        explicit batch sizes, e.g. 1,64 (overrides start/max batch size)
-  --num_iter N              timed iterations per point, divided by --large_blk_iter_ftr for
-                            blocks > 1 MiB, split across threads; 0 (default) = time-based:
-                            each point runs for --duration_ms (at least 3 iterations)
-  --duration_ms N           time per point when --num_iter 0 (default 500)
-  --warmup_iter N           warmup iterations per point (default 10; time-capped at
-                            duration/5 when --num_iter 0)
-  --large_blk_iter_ftr N    default 16
-  --num_threads N           threads posting concurrently (agent sync mode RW when > 1)
-  --storage_enable_direct   open the file with O_DIRECT
-  --check_consistency       verify data after every point (random pattern)
-  --recreate_xfer           create and release the request every iteration (timed as prep)
-  --prepared_xfer           prepXferDlist once per point + makeXferReq (else createXferReq)
-  --enable_pt               agent progress thread on (default off, like nixlbench)
-  --initiator_seg_type T    DRAM only
-  --randomize_location_mode M  none (default): descriptor j of a request is block j of the
-                            thread's region in DRAM and in the file, so a request is one contiguous
-                            range that a backend may merge into few large I/Os; blockaligned: the
-                            file blocks are shuffled, so every descriptor stays a separate I/O
-  --seed N                  random pattern/shuffle seed (default 1)
-  --poll_mode M             spin (default, like nixlbench: getXferStatus in a busy loop) or
-                            yield (sched_yield between polls: leaves the CPU to I/O threads such
-                            as the loop driver's worker on small machines)
-  --csv PATH                append one CSV line per measured point to PATH (header when the
-                            file is empty): backend,op,layout,block,batch,requests,ios,bytes,
-                            elapsed_s,gbps,iops,avg_lat_us (layout: seq = none, rand = blockaligned)
-  --help
-
-Columns: B/W = bytes / wall time of the timed loop / 1e9; Avg Lat = wall time / iterations per
-thread; Prep = createXferReq/makeXferReq; Post = postXferReq call; Tx = post return until
-getXferStatus (spun) reports done; IOPS = descriptors completed per second.
-";
+/// The flag list, shared with `ci/bench.sh --help` (which prints this file without building).
+pub const USAGE: &str = include_str!("usage.txt");
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
@@ -137,6 +78,54 @@ pub struct Config {
     pub csv: Option<String>,
     /// --poll_mode yield: sched_yield between getXferStatus polls.
     pub poll_yield: bool,
+    /// --workload: run the nixlbench-style contiguous sweep.
+    pub contig: bool,
+    /// --workload: run the KV-cache pattern.
+    pub run_kv: bool,
+    pub kv: KvConfig,
+    pub background_load: usize,
+    pub out_dir: Option<String>,
+}
+
+/// The KV-cache workload's shape (see usage.txt).
+#[derive(Clone, Debug)]
+pub struct KvConfig {
+    pub start_block_size: u64,
+    pub max_block_size: u64,
+    /// 0 = request_size / block, at most MAX_KV_BLOCKS.
+    pub blocks: u64,
+    pub request_size: u64,
+    pub regions: usize,
+    pub region_size: u64,
+    pub rounds: usize,
+}
+
+/// Upper bound of the automatic KV block count (the largest count in issue 13's table).
+pub const MAX_KV_BLOCKS: u64 = 8192;
+
+impl KvConfig {
+    pub fn block_sizes(&self) -> Vec<u64> {
+        doubling(self.start_block_size, self.max_block_size)
+    }
+
+    /// Descriptors per request at `block` before the fit checks of kv::layout.
+    pub fn blocks_for(&self, block: u64) -> u64 {
+        if self.blocks > 0 {
+            self.blocks
+        } else {
+            (self.request_size / block).clamp(1, MAX_KV_BLOCKS)
+        }
+    }
+}
+
+fn doubling(start: u64, max: u64) -> Vec<u64> {
+    let mut v = Vec::new();
+    let mut b = start;
+    while b <= max && b > 0 {
+        v.push(b);
+        b *= 2;
+    }
+    v
 }
 
 impl Default for Config {
@@ -169,19 +158,26 @@ impl Default for Config {
             storage_seg_type: SegType::Auto,
             csv: None,
             poll_yield: false,
+            contig: true,
+            run_kv: false,
+            kv: KvConfig {
+                start_block_size: 4096,
+                max_block_size: 2 << 20,
+                blocks: 0,
+                request_size: 64 << 20,
+                regions: 2,
+                region_size: 256 << 20,
+                rounds: 3,
+            },
+            background_load: 0,
+            out_dir: None,
         }
     }
 }
 
 impl Config {
     pub fn block_sizes(&self) -> Vec<u64> {
-        let mut v = Vec::new();
-        let mut b = self.start_block_size;
-        while b <= self.max_block_size {
-            v.push(b);
-            b *= 2;
-        }
-        v
+        doubling(self.start_block_size, self.max_block_size)
     }
 
     pub fn batches(&self) -> Vec<u64> {
@@ -307,6 +303,16 @@ const VALUE_FLAGS: &[&str] = &[
     "storage_seg_type",
     "csv",
     "poll_mode",
+    "workload",
+    "kv_start_block_size",
+    "kv_max_block_size",
+    "kv_blocks",
+    "kv_request_size",
+    "kv_regions",
+    "kv_region_size",
+    "kv_rounds",
+    "background_load",
+    "out_dir",
 ];
 
 pub fn parse(args: &[String]) -> Result<Parsed, String> {
@@ -429,6 +435,27 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                     _ => return Err(format!("--poll_mode: spin|yield, got '{val}'")),
                 }
             }
+            "workload" => {
+                c.contig = false;
+                c.run_kv = false;
+                for w in val.split(',').map(|w| w.trim().to_ascii_lowercase()) {
+                    match w.as_str() {
+                        "contig" => c.contig = true,
+                        "kv" => c.run_kv = true,
+                        "" => {}
+                        _ => return Err(format!("--workload: contig|kv|contig,kv, got '{val}'")),
+                    }
+                }
+            }
+            "kv_start_block_size" => c.kv.start_block_size = parse_size(&val)?,
+            "kv_max_block_size" => c.kv.max_block_size = parse_size(&val)?,
+            "kv_blocks" => c.kv.blocks = num(&val)?,
+            "kv_request_size" => c.kv.request_size = parse_size(&val)?,
+            "kv_regions" => c.kv.regions = num(&val)? as usize,
+            "kv_region_size" => c.kv.region_size = parse_size(&val)?,
+            "kv_rounds" => c.kv.rounds = num(&val)? as usize,
+            "background_load" => c.background_load = num(&val)? as usize,
+            "out_dir" => c.out_dir = Some(val),
             "worker_type" => {
                 if val != "nixl" {
                     return Err(format!("--worker_type {val}: only nixl is supported"));
@@ -463,6 +490,24 @@ fn validate(c: &Config) -> Result<(), String> {
     }
     if c.num_iter == 0 && c.duration_ms == 0 {
         return Err("--num_iter 0 needs --duration_ms > 0".into());
+    }
+    if !c.contig && !c.run_kv {
+        return Err("--workload names no workload".into());
+    }
+    if c.run_kv {
+        let k = &c.kv;
+        if k.start_block_size == 0 || k.start_block_size > k.max_block_size || k.start_block_size % 512 != 0 {
+            return Err("need 0 < --kv_start_block_size <= --kv_max_block_size, a multiple of 512".into());
+        }
+        if k.regions == 0 || k.rounds == 0 {
+            return Err("--kv_regions and --kv_rounds must be >= 1".into());
+        }
+        if k.region_size < k.max_block_size || k.region_size % 4096 != 0 {
+            return Err("--kv_region_size must be a multiple of 4096 and >= --kv_max_block_size".into());
+        }
+        if c.total_buffer_size < k.max_block_size {
+            return Err("--total_buffer_size (the file region) must be >= --kv_max_block_size".into());
+        }
     }
     Ok(())
 }
@@ -517,5 +562,40 @@ mod tests {
         assert_eq!(c.storage_seg_type, SegType::Block);
         assert_eq!(c.csv.as_deref(), Some("/tmp/x.csv"));
         assert!(parse(&s(&["--storage_seg_type", "VRAM"])).is_err());
+        let Parsed::Run(c) = parse(&s(&[
+            "--workload=kv,contig",
+            "--kv_max_block_size",
+            "64K",
+            "--kv_regions=3",
+            "--background_load",
+            "2",
+            "--out_dir=/tmp/o",
+        ]))
+        .unwrap() else {
+            panic!()
+        };
+        assert!(c.contig && c.run_kv);
+        assert_eq!(c.kv.block_sizes(), vec![4096, 8192, 16384, 32768, 65536]);
+        assert_eq!(c.kv.blocks_for(4096), MAX_KV_BLOCKS);
+        assert_eq!(c.kv.blocks_for(2 << 20), 32);
+        assert_eq!((c.kv.regions, c.background_load, c.out_dir.as_deref()), (3, 2, Some("/tmp/o")));
+        assert!(parse(&s(&["--workload", "fast"])).is_err());
+    }
+
+    /// usage.txt (also printed by `ci/bench.sh --help`) lists exactly the flags the parser takes.
+    #[test]
+    fn usage_lists_every_flag() {
+        let listed: Vec<&str> = USAGE
+            .lines()
+            .filter_map(|l| l.strip_prefix("  --"))
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        let known: Vec<&str> = BOOL_FLAGS.iter().chain(VALUE_FLAGS).copied().collect();
+        for f in &known {
+            assert!(listed.contains(f), "--{f} is parsed but missing from usage.txt");
+        }
+        for f in &listed {
+            assert!(known.contains(f), "usage.txt lists --{f}, which the parser does not take");
+        }
     }
 }

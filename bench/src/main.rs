@@ -3,8 +3,12 @@
 //! See `iud-bench --help` and ci/bench.sh.
 
 mod cli;
+mod cpu;
+mod kv;
+mod load;
 mod mem;
 mod report;
+mod results;
 mod runner;
 mod sysinfo;
 
@@ -152,9 +156,9 @@ fn setup_file(cfg: &Config, total: u64) -> Result<FileSetup, String> {
 /// _IOR(0x12, 114, size_t)
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 
-fn print_config(cfg: &Config) {
+fn config_rows(cfg: &Config) -> Vec<(&'static str, String)> {
     let b: Vec<String> = cfg.backends.iter().map(|b| b.label()).collect();
-    let rows: Vec<(&str, String)> = vec![
+    let mut rows: Vec<(&'static str, String)> = vec![
         ("backend", b.join(",")),
         ("posix_api_type", cfg.posix_api_type.clone().unwrap_or_else(|| "(spec params)".into())),
         ("filepath", cfg.filepath.clone().unwrap_or_else(|| "(temp file in /tmp)".into())),
@@ -191,10 +195,37 @@ fn print_config(cfg: &Config) {
         ),
         ("poll_mode", if cfg.poll_yield { "yield (sched_yield between polls)".into() } else { "spin".into() }),
         ("csv", cfg.csv.clone().unwrap_or_else(|| "(none)".into())),
+        (
+            "workload",
+            match (cfg.run_kv, cfg.contig) {
+                (true, true) => "kv,contig (KV-cache pattern first, then the contiguous sweep)".into(),
+                (true, false) => "kv".into(),
+                _ => "contig".into(),
+            },
+        ),
     ];
-    for (k, v) in rows {
-        println!("  {k:<24}: {v}");
+    if cfg.run_kv {
+        let k = &cfg.kv;
+        rows.push((
+            "kv",
+            format!(
+                "blocks {}..{}, {} per request ({}), {} region(s) x {} bytes, {} rounds",
+                k.start_block_size,
+                k.max_block_size,
+                if k.blocks > 0 { k.blocks.to_string() } else { "auto".into() },
+                if k.blocks > 0 {
+                    "fixed".to_string()
+                } else {
+                    format!("{} bytes / block, at most {}", k.request_size, cli::MAX_KV_BLOCKS)
+                },
+                k.regions,
+                k.region_size,
+                k.rounds
+            ),
+        ));
     }
+    rows.push(("out_dir", cfg.out_dir.clone().unwrap_or_else(|| "(none)".into())));
+    rows
 }
 
 fn main() {
@@ -210,17 +241,41 @@ fn main() {
             std::process::exit(2);
         }
     };
-    std::process::exit(run(&cfg));
+    // Forked before any thread exists; killed when `load` is dropped at the end of main.
+    let load = match load::BackgroundLoad::start(cfg.background_load) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("iud-bench: {e}");
+            std::process::exit(1);
+        }
+    };
+    let rc = run(&cfg, &load);
+    drop(load);
+    std::process::exit(rc);
 }
 
-fn run(cfg: &Config) -> i32 {
+/// Prints `key: value` and keeps it for results.md.
+fn info(rows: &mut Vec<(String, String)>, key: &str, value: String) {
+    println!("{:<9} {value}", format!("{key}:"));
+    rows.push((key.to_string(), value));
+}
+
+fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
     println!("# iud-bench (nixlbench-style storage benchmark over NIXL via nixl-sys 1.5.2)");
-    println!("date:     {}", sysinfo::utc_now());
-    println!("command:  {}", sysinfo::command_line());
+    let mut inf: Vec<(String, String)> = Vec::new();
+    info(&mut inf, "date", sysinfo::utc_now());
+    info(&mut inf, "host", sysinfo::hostname());
+    info(&mut inf, "command", sysinfo::command_line());
+    if let Ok(rev) = std::env::var("IUD_BENCH_GIT") {
+        // Set by ci/bench.sh: the commit measured, with any uncommitted changes named.
+        info(&mut inf, "git", rev);
+    }
     let (listed, usable) = sysinfo::cpu_count();
-    println!("cpu:      {} ({listed} logical CPUs, {usable} usable by this process)", sysinfo::cpu_model());
-    println!("memory:   {}", sysinfo::mem_total());
-    println!("kernel:   {}", sysinfo::kernel());
+    info(&mut inf, "cpu", format!("{} ({listed} logical CPUs, {usable} usable by this process)", sysinfo::cpu_model()));
+    info(&mut inf, "memory", sysinfo::mem_total());
+    info(&mut inf, "kernel", sysinfo::kernel());
+    info(&mut inf, "background load", load.describe());
+    info(&mut inf, "loadavg at start", load::loadavg());
     let capi = match sysinfo::locate_capi() {
         Ok(p) => p,
         Err(e) => {
@@ -228,7 +283,7 @@ fn run(cfg: &Config) -> i32 {
             return 1;
         }
     };
-    println!("nixl:     {capi}");
+    info(&mut inf, "nixl", capi);
     match std::env::var("NIXL_PLUGIN_DIR") {
         Ok(d) => {
             println!("NIXL_PLUGIN_DIR: {d}");
@@ -237,14 +292,19 @@ fn run(cfg: &Config) -> i32 {
                 if !seen.contains(&b.name.as_str()) {
                     seen.push(&b.name);
                     let p = Path::new(&d).join(format!("libplugin_{}.so", b.name));
-                    println!("  plugin {}: {}", b.name, sysinfo::file_desc(&p));
+                    let desc = sysinfo::file_desc(&p);
+                    println!("  plugin {}: {desc}", b.name);
+                    inf.push((format!("plugin {}", b.name), desc));
                 }
             }
         }
         Err(_) => println!("NIXL_PLUGIN_DIR: (unset: NIXL's default plugin dir)"),
     }
     println!("config:");
-    print_config(cfg);
+    for (k, v) in config_rows(cfg) {
+        println!("  {k:<24}: {v}");
+        inf.push((format!("config {k}"), v));
+    }
 
     let total = cfg.region_per_thread() * cfg.num_threads as u64;
     let files = match setup_file(cfg, total) {
@@ -254,12 +314,16 @@ fn run(cfg: &Config) -> i32 {
             return 1;
         }
     };
-    println!(
-        "file:     {}{} (fd {}{})",
-        files.path.display(),
-        if files.temp { " (temporary, removed at exit)" } else { "" },
-        files.fd,
-        if cfg.storage_enable_direct { ", O_DIRECT" } else { ", buffered" }
+    info(
+        &mut inf,
+        "file",
+        format!(
+            "{}{} (fd {}{})",
+            files.path.display(),
+            if files.temp { " (temporary, removed at exit)" } else { "" },
+            files.fd,
+            if cfg.storage_enable_direct { ", O_DIRECT" } else { ", buffered" }
+        ),
     );
     let storage_kind = match (cfg.storage_seg_type, files.block_dev.is_some()) {
         (SegType::Block, _) | (SegType::Auto, true) => nixl_sys::MemType::Block,
@@ -270,8 +334,12 @@ fn run(cfg: &Config) -> i32 {
         return 1;
     }
     match files.block_dev {
-        Some(bytes) => println!("block device: {bytes} bytes; {}", sysinfo::block_queue_info(&files.path)),
-        None => println!("filesystem: {}", sysinfo::filesystem_of(&files.path)),
+        Some(bytes) => info(
+            &mut inf,
+            "block device",
+            format!("{bytes} bytes; {}", sysinfo::block_queue_info(&files.path)),
+        ),
+        None => info(&mut inf, "filesystem", sysinfo::filesystem_of(&files.path)),
     }
     println!("registered as: {}", if storage_kind == nixl_sys::MemType::Block { "BLOCK (BLK_SEG)" } else { "FILE (FILE_SEG)" });
     let csv = match &cfg.csv {
@@ -289,22 +357,6 @@ fn run(cfg: &Config) -> i32 {
             }
         },
     };
-
-    let t = Instant::now();
-    let dram = match AlignedBuf::new(total as usize, 4096) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("iud-bench: {e}");
-            return 1;
-        }
-    };
-    // SAFETY: nothing else uses the buffer yet.
-    SplitMix64::new(cfg.seed).fill(unsafe { dram.slice_mut(0, dram.len()) });
-    println!(
-        "setup: DRAM buffer {} bytes (posix_memalign 4096) filled with random data in {:.2} s",
-        dram.len(),
-        t.elapsed().as_secs_f64()
-    );
 
     let direct = cfg.storage_enable_direct;
     let verify_fd = files.verify_fd;
@@ -328,56 +380,139 @@ fn run(cfg: &Config) -> i32 {
             (Op::Write, true) => "note: O_DIRECT WRITE: data goes to the device (no fsync)".into(),
         })
     };
-    let ctx = runner::Ctx {
-        cfg,
-        dram: &dram,
-        fd: files.fd,
-        verify_fd: files.verify_fd,
-        page_cache_note: &note,
-        storage_kind,
-        csv: csv.as_ref(),
-    };
-
-    let mut labels = Vec::new();
-    let mut all = Vec::new();
-    let mut failed = Vec::new();
+    let labels: Vec<String> = cfg.backends.iter().map(|b| b.label()).collect();
+    let mut failed: Vec<String> = Vec::new();
     let mut consistency_failures = 0;
-    for (i, spec) in cfg.backends.iter().enumerate() {
+    let mut rows = Vec::new();
+    let mut notes = vec![
+        "GB/s = bytes moved in the timed loop / its wall time / 1e9.".to_string(),
+        "CPU s/GB = user+sys CPU seconds of the whole benchmark process (getrusage RUSAGE_SELF: every \
+         thread, including NIXL's, the plugin's and io_uring's workers, and the polling loop) over the \
+         timed loop, per GB moved; the background load's processes are not counted."
+            .to_string(),
+        format!(
+            "Polling: {}.",
+            if cfg.poll_yield {
+                "sched_yield between getXferStatus calls"
+            } else {
+                "getXferStatus in a busy loop (spin), so the posting thread's CPU time is counted while it waits"
+            }
+        ),
+    ];
+
+    if cfg.run_kv {
         println!();
-        println!("########## backend {}/{}: {} ##########", i + 1, cfg.backends.len(), spec.label());
-        let _ = std::io::stdout().flush();
-        let o = runner::run_spec(i, spec, &ctx);
-        if let Some(e) = &o.error {
-            println!("ERROR: {e}");
-            eprintln!("iud-bench: backend {}: {e}", spec.label());
-            failed.push(spec.label());
+        println!("########## KV-cache workload ##########");
+        let kctx = kv::Ctx {
+            cfg,
+            fd: files.fd,
+            verify_fd: files.verify_fd,
+            storage_kind,
+            file_len: total,
+            page_cache_note: &note,
+        };
+        let o = kv::run(&kctx);
+        for (b, e) in &o.errors {
+            let l = labels.get(*b).cloned().unwrap_or_default();
+            if !failed.contains(&l) {
+                failed.push(l);
+            }
+            println!("KV ERROR: {e}");
         }
         consistency_failures += o.consistency_failures;
-        labels.push(spec.label());
-        all.push(o.results);
+        println!("KV consistency: {} measurement(s) failed", o.consistency_failures);
+        rows.extend(results::kv_rows(&o.points));
+        notes.push(format!(
+            "KV-cache: one request of N descriptors per block size, blocks at random slots of {} separately \
+             registered DRAM region(s) of {} bytes, file offsets random with no two blocks adjacent; every \
+             measurement (round x backend) verified byte for byte after its timed loop; backend order \
+             rotated each round; medians of {} rounds.",
+            cfg.kv.regions, cfg.kv.region_size, cfg.kv.rounds
+        ));
     }
 
-    println!();
-    println!("########## summary ##########");
-    print!("{}", report::summary(&labels, &all, &cfg.ops));
-    println!(
-        "descriptor layout: {}; {}",
-        if cfg.randomize_blockaligned {
-            "blockaligned (file blocks of a request shuffled: every descriptor is its own I/O)"
-        } else {
-            "none (a request is one contiguous range in DRAM and file: backends may merge descriptors)"
-        },
-        if cfg.storage_enable_direct { "O_DIRECT" } else { "buffered (page cache)" }
-    );
+    if cfg.contig {
+        let t = Instant::now();
+        let dram = match AlignedBuf::new(total as usize, 4096) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("iud-bench: {e}");
+                return 1;
+            }
+        };
+        // SAFETY: nothing else uses the buffer yet.
+        SplitMix64::new(cfg.seed).fill(unsafe { dram.slice_mut(0, dram.len()) });
+        println!();
+        println!(
+            "setup: DRAM buffer {} bytes (posix_memalign 4096) filled with random data in {:.2} s",
+            dram.len(),
+            t.elapsed().as_secs_f64()
+        );
+        let ctx = runner::Ctx {
+            cfg,
+            dram: &dram,
+            fd: files.fd,
+            verify_fd: files.verify_fd,
+            page_cache_note: &note,
+            storage_kind,
+            csv: csv.as_ref(),
+        };
+        let mut all = Vec::new();
+        for (i, spec) in cfg.backends.iter().enumerate() {
+            println!();
+            println!("########## backend {}/{}: {} ##########", i + 1, cfg.backends.len(), spec.label());
+            let _ = std::io::stdout().flush();
+            let o = runner::run_spec(i, spec, &ctx);
+            if let Some(e) = &o.error {
+                println!("ERROR: {e}");
+                eprintln!("iud-bench: backend {}: {e}", spec.label());
+                if !failed.contains(&spec.label()) {
+                    failed.push(spec.label());
+                }
+            }
+            consistency_failures += o.consistency_failures;
+            all.push(o.results);
+        }
+        println!();
+        println!("########## summary: contiguous sweep ##########");
+        print!("{}", report::summary(&labels, &all, &cfg.ops));
+        let layout = format!(
+            "descriptor layout: {}; {}",
+            if cfg.randomize_blockaligned {
+                "blockaligned (file blocks of a request shuffled: every descriptor is its own I/O)"
+            } else {
+                "none (a request is one contiguous range in DRAM and file: backends may merge descriptors)"
+            },
+            if cfg.storage_enable_direct { "O_DIRECT" } else { "buffered (page cache)" }
+        );
+        println!("{layout}");
+        notes.push(format!("nixlbench-style sweep: {layout}; one run per point, backends one after another."));
+        rows.extend(results::contig_rows(&all, cfg.randomize_blockaligned));
+    }
+    info(&mut inf, "loadavg at end", load::loadavg());
+
     let mut rc = 0;
     if !failed.is_empty() {
         println!("FAILED backends: {}", failed.join(", "));
+        notes.push(format!("FAILED backends: {}", failed.join(", ")));
         rc = 1;
     }
-    if cfg.check_consistency {
+    if cfg.check_consistency || cfg.run_kv {
         println!("consistency: {consistency_failures} point(s) failed in total");
+        notes.push(format!("consistency: {consistency_failures} point(s) failed in total"));
         if consistency_failures > 0 {
             rc = 1;
+        }
+    }
+    if let Some(dir) = &cfg.out_dir {
+        let md = results::markdown(&inf, &labels, &rows, &notes);
+        let csv = results::csv(&labels, &rows, cfg.background_load);
+        match results::write(Path::new(dir), &md, &csv) {
+            Ok(()) => println!("results written: {dir}/results.md, {dir}/results.csv"),
+            Err(e) => {
+                eprintln!("iud-bench: {e}");
+                rc = 1;
+            }
         }
     }
     drop(files);

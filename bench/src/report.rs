@@ -15,6 +15,8 @@ pub struct PointResult {
     pub prep_us: Vec<f64>,
     pub post_us: Vec<f64>,
     pub tx_us: Vec<f64>,
+    /// User+sys CPU seconds of the whole process over the timed loop (cpu::process_cpu_s).
+    pub cpu_s: f64,
     /// None: not checked; Some(Ok): verified; Some(Err): mismatch description.
     pub consistency: Option<Result<(), String>>,
 }
@@ -31,6 +33,11 @@ impl PointResult {
     /// Descriptors (I/Os of `block` bytes) completed per second.
     pub fn iops(&self) -> f64 {
         self.iters as f64 * self.batch as f64 / self.elapsed_s
+    }
+
+    /// CPU seconds per GB moved.
+    pub fn cpu_s_per_gb(&self) -> f64 {
+        crate::cpu::per_gb(self.cpu_s, self.bytes())
     }
 
     pub fn avg_lat_us(&self) -> f64 {
@@ -58,12 +65,13 @@ pub fn p99(v: &[f64]) -> f64 {
     s[rank - 1]
 }
 
-pub const CSV_HEADER: &str = "backend,op,layout,block,batch,requests,ios,bytes,elapsed_s,gbps,iops,avg_lat_us";
+pub const CSV_HEADER: &str =
+    "backend,op,layout,block,batch,requests,ios,bytes,elapsed_s,gbps,iops,avg_lat_us,cpu_s_per_gb";
 
 /// One `--csv` line (see CSV_HEADER); the backend label is quoted (it may hold ';' and ',').
 pub fn csv_row(backend: &str, layout: &str, r: &PointResult) -> String {
     format!(
-        "\"{}\",{},{layout},{},{},{},{},{:.0},{:.6},{:.6},{:.1},{:.3}",
+        "\"{}\",{},{layout},{},{},{},{},{:.0},{:.6},{:.6},{:.1},{:.3},{:.4}",
         backend.replace('"', "'"),
         r.op,
         r.block,
@@ -74,7 +82,8 @@ pub fn csv_row(backend: &str, layout: &str, r: &PointResult) -> String {
         r.elapsed_s,
         r.gbps(),
         r.iops(),
-        r.avg_lat_us()
+        r.avg_lat_us(),
+        r.cpu_s_per_gb()
     )
 }
 
@@ -93,6 +102,7 @@ pub fn table_header() -> String {
         "Avg Tx (us)",
         "P99 Tx (us)",
         "IOPS",
+        "CPU s/GB",
     ];
     let mut s = format!("{:<W0$}", "Block Size (B)");
     for c in cols {
@@ -104,7 +114,7 @@ pub fn table_header() -> String {
 
 pub fn table_row(r: &PointResult) -> String {
     let s = format!(
-        "{:<W0$}{:<W$}{:<W$.6}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.0}",
+        "{:<W0$}{:<W$}{:<W$.6}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.3}{:<W$.0}{:<W$.4}",
         r.block,
         r.batch,
         r.gbps(),
@@ -116,11 +126,12 @@ pub fn table_row(r: &PointResult) -> String {
         avg(&r.tx_us),
         p99(&r.tx_us),
         r.iops(),
+        r.cpu_s_per_gb(),
     );
     s.trim_end().to_string()
 }
 
-fn human_size(b: u64) -> String {
+pub fn human_size(b: u64) -> String {
     if b >= 1 << 30 && b % (1 << 30) == 0 {
         format!("{}G", b >> 30)
     } else if b >= 1 << 20 && b % (1 << 20) == 0 {
@@ -144,9 +155,12 @@ fn si(v: f64) -> String {
 
 /// Block size x op (x batch) table with GB/s and ops/s per backend and the ratio of the first
 /// backend's ops/s to each other backend's.
+pub fn letter(i: usize) -> String {
+    ((b'A' + (i % 26) as u8) as char).to_string()
+}
+
 pub fn summary(labels: &[String], results: &[Vec<PointResult>], ops: &[Op]) -> String {
     let mut out = String::new();
-    let letter = |i: usize| ((b'A' + (i % 26) as u8) as char).to_string();
     out.push_str("Backends: ");
     out.push_str(
         &labels
@@ -159,11 +173,17 @@ pub fn summary(labels: &[String], results: &[Vec<PointResult>], ops: &[Op]) -> S
     out.push('\n');
     out.push_str(
         "GB/s decimal; ops/s = descriptors (I/Os of one block) completed per second; \
+         cpu = CPU s/GB (user+sys of the process over the timed loop, per GB moved); \
          A/X = ops/s of [A] / ops/s of [X] (>1: [A] faster)\n\n",
     );
     let mut hdr = format!("{:<6}{:>10}{:>7}", "Op", "Block", "Batch");
     for i in 0..labels.len() {
-        hdr.push_str(&format!("{:>10}{:>10}", format!("{} GB/s", letter(i)), format!("{} ops/s", letter(i))));
+        hdr.push_str(&format!(
+            "{:>10}{:>10}{:>8}",
+            format!("{} GB/s", letter(i)),
+            format!("{} ops/s", letter(i)),
+            format!("{} cpu", letter(i))
+        ));
     }
     for i in 1..labels.len() {
         hdr.push_str(&format!("{:>8}", format!("A/{}", letter(i))));
@@ -192,8 +212,8 @@ pub fn summary(labels: &[String], results: &[Vec<PointResult>], ops: &[Op]) -> S
         let mut row = format!("{:<6}{:>10}{:>7}", op.to_string(), human_size(block), batch);
         for i in 0..labels.len() {
             match find(i) {
-                Some(r) => row.push_str(&format!("{:>10.3}{:>10}", r.gbps(), si(r.iops()))),
-                None => row.push_str(&format!("{:>10}{:>10}", "-", "-")),
+                Some(r) => row.push_str(&format!("{:>10.3}{:>10}{:>8.3}", r.gbps(), si(r.iops()), r.cpu_s_per_gb())),
+                None => row.push_str(&format!("{:>10}{:>10}{:>8}", "-", "-", "-")),
             }
         }
         for i in 1..labels.len() {
@@ -234,6 +254,7 @@ mod tests {
             prep_us: vec![10.0],
             post_us: vec![1.0; 1000],
             tx_us: vec![2.0; 1000],
+            cpu_s: 0.004096,
             consistency: None,
         };
         assert!((r.iops() - 4000.0).abs() < 1e-9);
@@ -242,6 +263,6 @@ mod tests {
         assert!(table_row(&r).starts_with("4096"));
         let s = summary(&["X".into(), "Y".into()], &[vec![r.clone()], vec![r.clone()]], &[Op::Read]);
         assert!(s.contains("1.00"), "{s}");
-        assert_eq!(csv_row("A:x=1", "rand", &r), "\"A:x=1\",READ,rand,4096,2,1000,2000,8192000,0.500000,0.016384,4000.0,500.000");
+        assert_eq!(csv_row("A:x=1", "rand", &r), "\"A:x=1\",READ,rand,4096,2,1000,2000,8192000,0.500000,0.016384,4000.0,500.000,0.5000");
     }
 }

@@ -7,11 +7,12 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use nixl_sys::{
-    Agent, AgentConfig, Backend, MemType, NixlError, OptArgs, Params, ThreadSync, XferDescList,
-    XferDlistHandle, XferOp, XferRequest, XferStatus,
+    Agent, AgentConfig, Backend, MemType, NixlError, OptArgs, Params, RegistrationHandle, ThreadSync,
+    XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
 use crate::cli::{BackendSpec, Config, Op};
+use crate::cpu::process_cpu_s;
 use crate::mem::{pread_full, AlignedBuf, Region, SplitMix64};
 use std::io::Write as _;
 
@@ -43,7 +44,7 @@ pub struct SpecOutcome {
     pub consistency_failures: usize,
 }
 
-fn nerr(what: &str, e: NixlError) -> String {
+pub fn nerr(what: &str, e: NixlError) -> String {
     format!("{what}: {e} ({e:?})")
 }
 
@@ -121,15 +122,11 @@ pub fn run_spec(idx: usize, spec: &BackendSpec, ctx: &Ctx) -> SpecOutcome {
     outcome
 }
 
-fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutcome) -> Result<(), String> {
-    let cfg = ctx.cfg;
-    let agent_name = format!("iud-bench-{idx}");
-    let acfg = AgentConfig {
-        enable_prog_thread: cfg.enable_pt,
-        thread_sync: if cfg.num_threads > 1 { ThreadSync::Rw } else { ThreadSync::Default },
-        ..AgentConfig::default()
-    };
-    let agent = Agent::new_configured(&agent_name, &acfg).map_err(|e| nerr("creating agent", e))?;
+/// Creates agent `agent_name` and backend `spec` in it (params: the plugin's defaults, then the
+/// POSIX flags, then the spec's own), printing what was asked and what the backend reports.
+pub fn open_backend(agent_name: &str, spec: &BackendSpec, cfg: &Config, sync: ThreadSync) -> Result<(Agent, Backend), String> {
+    let acfg = AgentConfig { enable_prog_thread: cfg.enable_pt, thread_sync: sync, ..AgentConfig::default() };
+    let agent = Agent::new_configured(agent_name, &acfg).map_err(|e| nerr("creating agent", e))?;
     let (plugin_mems, defaults) = agent.get_plugin_params(&spec.name).map_err(|e| {
         nerr(
             &format!(
@@ -156,20 +153,29 @@ fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutco
         Ok((m, p)) => println!("backend params after init: mems [{}], {}", mems_str(&m), fmt_map(&p)),
         Err(e) => println!("get_backend_params failed: {e}"),
     }
+    Ok((agent, backend))
+}
 
+/// Registers `r` with `backend` only.
+pub fn register(agent: &Agent, backend: &Backend, r: &Region, what: &str) -> Result<RegistrationHandle, String> {
     let mut reg_args = OptArgs::new().map_err(|e| nerr("OptArgs", e))?;
-    reg_args.add_backend(&backend).map_err(|e| nerr("OptArgs::add_backend", e))?;
+    reg_args.add_backend(backend).map_err(|e| nerr("OptArgs::add_backend", e))?;
+    agent.register_memory(r, Some(&reg_args)).map_err(|e| nerr(&format!("register_memory({what})"), e))
+}
+
+fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutcome) -> Result<(), String> {
+    let cfg = ctx.cfg;
+    let agent_name = format!("iud-bench-{idx}");
+    let sync = if cfg.num_threads > 1 { ThreadSync::Rw } else { ThreadSync::Default };
+    let (agent, backend) = open_backend(&agent_name, spec, cfg, sync)?;
+
     let total = cfg.region_per_thread() as usize * cfg.num_threads;
     let dram = Region { addr: ctx.dram.addr(), len: total, dev_id: 0, kind: MemType::Dram };
     let file = Region { addr: 0, len: total, dev_id: ctx.fd as u64, kind: ctx.storage_kind };
     let kind_name = if ctx.storage_kind == MemType::Block { "BLOCK" } else { "FILE" };
     let t = Instant::now();
-    let _dram_reg = agent
-        .register_memory(&dram, Some(&reg_args))
-        .map_err(|e| nerr("register_memory(DRAM)", e))?;
-    let _file_reg = agent
-        .register_memory(&file, Some(&reg_args))
-        .map_err(|e| nerr(&format!("register_memory({kind_name}, fd mode)"), e))?;
+    let _dram_reg = register(&agent, &backend, &dram, "DRAM")?;
+    let _file_reg = register(&agent, &backend, &file, &format!("{kind_name}, fd mode"))?;
     println!(
         "registered DRAM (0x{:x}, {total}, 0) and {kind_name} (0, {total}, fd {}) in {:.1} ms",
         dram.addr,
@@ -227,6 +233,9 @@ struct ThreadStats {
     iters: u64,
     start: Instant,
     end: Instant,
+    /// Process CPU seconds (cpu::process_cpu_s) when this thread's timed loop began and ended.
+    cpu_start: f64,
+    cpu_end: f64,
     prep: Vec<f64>,
     post: Vec<f64>,
     tx: Vec<f64>,
@@ -340,6 +349,9 @@ fn run_point(
         prep_us: stats.iter().flat_map(|s| s.prep.iter().copied()).collect(),
         post_us: stats.iter().flat_map(|s| s.post.iter().copied()).collect(),
         tx_us: stats.iter().flat_map(|s| s.tx.iter().copied()).collect(),
+        // The process-wide counter: from the earliest start sample to the latest end sample.
+        cpu_s: stats.iter().map(|s| s.cpu_end).fold(f64::MIN, f64::max)
+            - stats.iter().map(|s| s.cpu_start).fold(f64::MAX, f64::min),
         consistency: None,
     };
     if cfg.check_consistency {
@@ -369,8 +381,8 @@ fn verify(ctx: &Ctx, block: u64, batch: u64) -> Result<(), String> {
     Ok(())
 }
 
-/// The descriptor lists, opt args and (with --prepared_xfer) prepped dlist handles of one thread.
-struct ThreadXfer<'a> {
+/// The descriptor lists, opt args and (with --prepared_xfer) prepped dlist handles of one request.
+pub struct ThreadXfer<'a> {
     xop: XferOp,
     local: XferDescList<'a>,
     remote: XferDescList<'a>,
@@ -391,15 +403,36 @@ impl ThreadXfer<'_> {
         batch: u64,
         t: usize,
     ) -> Result<Self, String> {
+        let pairs: Vec<(usize, u64)> = desc_pairs(ctx.cfg, block, batch, t)
+            .into_iter()
+            .map(|(mem, file)| (ctx.dram.addr() + mem as usize, file))
+            .collect();
+        Self::from_pairs(agent, agent_name, backend, ctx.cfg.prepared_xfer, ctx.storage_kind, ctx.fd, op, block, &pairs)
+    }
+
+    /// One DRAM descriptor (absolute address) and one storage descriptor (offset in `fd`) of
+    /// `block` bytes per pair, in order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_pairs(
+        agent: &Agent,
+        agent_name: &str,
+        backend: &Backend,
+        prepared: bool,
+        storage_kind: MemType,
+        fd: i32,
+        op: Op,
+        block: u64,
+        pairs: &[(usize, u64)],
+    ) -> Result<Self, String> {
         let mut local = XferDescList::new(MemType::Dram).map_err(|e| nerr("XferDescList(DRAM)", e))?;
-        let mut remote = XferDescList::new(ctx.storage_kind).map_err(|e| nerr("XferDescList(storage)", e))?;
-        for (mem, file) in desc_pairs(ctx.cfg, block, batch, t) {
-            local.add_desc(ctx.dram.addr() + mem as usize, block as usize, 0);
-            remote.add_desc(file as usize, block as usize, ctx.fd as u64);
+        let mut remote = XferDescList::new(storage_kind).map_err(|e| nerr("XferDescList(storage)", e))?;
+        for &(addr, file) in pairs {
+            local.add_desc(addr, block as usize, 0);
+            remote.add_desc(file as usize, block as usize, fd as u64);
         }
         let mut opt = OptArgs::new().map_err(|e| nerr("OptArgs", e))?;
         opt.add_backend(backend).map_err(|e| nerr("OptArgs::add_backend", e))?;
-        let prepped = if ctx.cfg.prepared_xfer {
+        let prepped = if prepared {
             // NIXL_INIT_AGENT ("") for the local side, our own name for the loopback FILE side.
             let lh = agent
                 .prepare_xfer_dlist("", &local, Some(&opt))
@@ -415,11 +448,11 @@ impl ThreadXfer<'_> {
             Op::Read => XferOp::Read,
             Op::Write => XferOp::Write,
         };
-        Ok(Self { xop, local, remote, opt, idx: (0..batch as i32).collect(), prepped })
+        Ok(Self { xop, local, remote, opt, idx: (0..pairs.len() as i32).collect(), prepped })
     }
 
     /// createXferReq (or makeXferReq from the prepped lists); the time goes to `prep` if given.
-    fn create(&self, agent: &Agent, agent_name: &str, prep: Option<&mut Vec<f64>>) -> Result<XferRequest, String> {
+    pub fn create(&self, agent: &Agent, agent_name: &str, prep: Option<&mut Vec<f64>>) -> Result<XferRequest, String> {
         let t0 = Instant::now();
         let r = match &self.prepped {
             Some((lh, rh)) => agent
@@ -485,6 +518,7 @@ fn thread_run(
         return Err(ABORTED.into());
     }
 
+    st.cpu_start = process_cpu_s();
     st.start = Instant::now();
     let mut n = 0u64;
     let result = loop {
@@ -513,6 +547,7 @@ fn thread_run(
         }
     };
     st.end = Instant::now();
+    st.cpu_end = process_cpu_s();
     st.iters = n;
     drop(req);
     drop(x);
@@ -522,13 +557,22 @@ fn thread_run(
 impl ThreadStats {
     fn new() -> Self {
         let now = Instant::now();
-        Self { iters: 0, start: now, end: now, prep: Vec::new(), post: Vec::new(), tx: Vec::new() }
+        Self {
+            iters: 0,
+            start: now,
+            end: now,
+            cpu_start: 0.0,
+            cpu_end: 0.0,
+            prep: Vec::new(),
+            post: Vec::new(),
+            tx: Vec::new(),
+        }
     }
 }
 
 /// Posts and spins on get_xfer_status until done (as nixlbench does; with `yield_cpu`,
 /// sched_yield between polls). Returns (post µs, tx µs).
-fn post_and_wait(agent: &Agent, req: &XferRequest, yield_cpu: bool) -> Result<(f64, f64), String> {
+pub fn post_and_wait(agent: &Agent, req: &XferRequest, yield_cpu: bool) -> Result<(f64, f64), String> {
     let t0 = Instant::now();
     let in_prog = agent.post_xfer_req(req, None).map_err(|e| nerr("post_xfer_req", e))?;
     let t1 = Instant::now();

@@ -257,3 +257,15 @@ pub fn block_queue_info(path: &Path) -> String {
     }
     parts.join(", ")
 }
+
+/// The machine's host name (uname nodename).
+pub fn hostname() -> String {
+    // SAFETY: utsname is plain old data; uname fills it.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out pointer.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return "unknown".into();
+    }
+    // SAFETY: uname NUL-terminates every field.
+    unsafe { CStr::from_ptr(u.nodename.as_ptr()) }.to_string_lossy().into_owned()
+}

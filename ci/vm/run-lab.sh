@@ -15,6 +15,10 @@
 #   LAB_SMP, LAB_MEM    VM CPUs and memory (default 2, 1G)
 #   LAB_DISK_MB         size of the NVMe disk image (default 256, at least 192)
 #   LAB_APPEND          extra kernel command line (e.g. "loglevel=7" to drop the quiet boot)
+#   LAB_UAPI            present|absent: what test c1 must find of the io_uring DMA-BUF uAPI
+#                       (passed as iud_lab.uapi=). Default: absent for Debian kernels (none has
+#                       it), unset for KERNEL= (c1 then reports without an expectation). Set
+#                       LAB_UAPI=present for a kernel built with the patch series.
 #   LAB_LINK            static (default: glibc static-pie) or dynamic (copies ldd's libraries)
 #   LAB_STRICT=1        also fail when a test was skipped
 #   LAB_NO_BUILD=1      reuse the last built binary
@@ -46,6 +50,7 @@ t_start=$(now)
 if [ -n "${KERNEL:-}" ]; then
     "$here/fetch-kernel.sh" --tools-only
     [ -f "$KERNEL" ] || die "KERNEL=$KERNEL does not exist"
+    KERNEL_GIVEN=1
     KVER="(given)"
     MODULES="${MODULES:-}"
 else
@@ -57,6 +62,14 @@ else
     MODULES="${MODULES:-}"
 fi
 log "kernel: $KERNEL ($KVER)${MODULES:+, modules: $MODULES}"
+# No released or Debian kernel has the uAPI (docs/kernel-dmabuf-series.md), so a fetched Debian
+# kernel must lack it; a given KERNEL may be a patched build, so only LAB_UAPI says.
+[ -n "${KERNEL_GIVEN:-}" ] || [ -n "${LAB_UAPI:-}" ] || LAB_UAPI=absent
+case "${LAB_UAPI:-}" in
+    ""|present|absent) ;;
+    *) die "LAB_UAPI must be present or absent" ;;
+esac
+log "io_uring DMA-BUF uAPI expected: ${LAB_UAPI:-not stated (c1 reports only)}"
 
 # --- the in-VM binary -----------------------------------------------------------------------
 target=x86_64-unknown-linux-gnu
@@ -177,7 +190,7 @@ timeout -k 10 "$timeout_s" qemu-system-x86_64 \
     -accel tcg,thread=single -m "${LAB_MEM:-1G}" -smp "${LAB_SMP:-2}" \
     -nographic -no-reboot -nic none \
     -kernel "$KERNEL" -initrd "$initrd" \
-    -append "console=ttyS0 panic=-1 quiet ${LAB_APPEND:-}" \
+    -append "console=ttyS0 panic=-1 quiet${LAB_UAPI:+ iud_lab.uapi=$LAB_UAPI} ${LAB_APPEND:-}" \
     -drive "file=$img,if=none,id=nv,format=raw" -device nvme,serial=iudlab1,drive=nv \
     </dev/null 2>&1 | tee "$vmlog"
 qemu_rc=${PIPESTATUS[0]}

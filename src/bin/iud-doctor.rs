@@ -17,6 +17,8 @@ fn main() {
         DmabufSupport::Available => "available".to_owned(),
         DmabufSupport::Absent(why) => format!("absent: {why}"),
     });
+    // No released kernel has it: say where its status is kept rather than a version.
+    println!("  (the uAPI comes from an unmerged patch series; status and sources: docs/kernel-dmabuf-series.md)");
     let udmabuf = std::path::Path::new("/dev/udmabuf").exists();
     println!("udmabuf (/dev/udmabuf): {}", if udmabuf { "present" } else { "absent" });
     let p2pdma = std::fs::read_to_string("/proc/kallsyms").map(|k| k.contains("p2pdma_pgmap_ops")).unwrap_or(false);

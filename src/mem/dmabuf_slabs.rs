@@ -5,8 +5,13 @@
 use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 
+<<<<<<< HEAD
 use crate::gpu::DmabufExport;
 use crate::uring::MAX_FIXED_BUFFER;
+=======
+use crate::uring::dmabuf_uapi::MAX_DMABUF_SLAB;
+use crate::uring::FileKey;
+>>>>>>> main
 
 /// Host page size assumed for DMA-BUF export alignment.
 pub const PAGE: u64 = 4096;
@@ -99,14 +104,14 @@ impl Drop for DmabufSlabs {
 }
 
 /// The page-aligned cover of `[addr, addr+len)` inside `[alloc_start, alloc_end)`, cut into
-/// ≤1 GiB slabs.
+/// ≤1 GiB slabs (`MAX_DMABUF_SLAB`: the DMA-BUF size every posting of the series accepts).
 pub fn slab_ranges(addr: u64, len: u64, alloc_start: u64, alloc_end: u64) -> Vec<(u64, u64)> {
-    slab_ranges_of(addr, len, alloc_start, alloc_end, MAX_FIXED_BUFFER)
+    slab_ranges_of(addr, len, alloc_start, alloc_end, MAX_DMABUF_SLAB)
 }
 
 /// As [`slab_ranges`], with slabs of at most `max_slab` bytes (a page multiple).
 pub fn slab_ranges_of(addr: u64, len: u64, alloc_start: u64, alloc_end: u64, max_slab: u64) -> Vec<(u64, u64)> {
-    let max_slab = (max_slab / PAGE * PAGE).clamp(PAGE, MAX_FIXED_BUFFER);
+    let max_slab = (max_slab / PAGE * PAGE).clamp(PAGE, MAX_DMABUF_SLAB);
     let start = (addr / PAGE * PAGE).max(alloc_start);
     let end = (addr + len).div_ceil(PAGE).saturating_mul(PAGE).min(alloc_end);
     let mut out = Vec::new();

@@ -223,6 +223,12 @@ impl Ring {
         use std::os::fd::AsRawFd;
         let mut core = self.lock();
         let core = &mut *core;
+        // v3 accepts DMA-BUFs on IOPOLL rings, later versions are reported to refuse them
+        // (docs/kernel-dmabuf-series.md): never rely on it. This ring is never IOPOLL; the check
+        // keeps it that way if the setup flags ever change.
+        if core.uring.params().is_setup_iopoll() {
+            return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+        }
         let pool = core.buffer_slots.as_mut().ok_or_else(|| io::Error::from_raw_os_error(libc::ENXIO))?;
         let slot = pool.take().ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
         match dmabuf_uapi::register_dmabuf(core.uring.as_raw_fd(), slot, dmabuf_fd, target_fd) {

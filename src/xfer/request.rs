@@ -173,6 +173,8 @@ impl RequestProgress {
             Outcome::Over
         } else {
             let errno = -res;
+            // EAGAIN includes the spurious ones of DMA-BUF slots (mapping invalidated by the
+            // exporter), which the series asks users to reissue (v3 10/10, checked up to v7).
             let retryable = errno == libc::EAGAIN || errno == libc::EINTR || (errno == libc::ECANCELED && !*abort);
             if retryable && error.is_none() && !*abort {
                 Outcome::Retry(*op)

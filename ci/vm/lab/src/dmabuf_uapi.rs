@@ -1,5 +1,12 @@
-//! The io_uring DMA-BUF registered-buffer uAPI (merged for Linux 7.4), by raw syscall: the
-//! io-uring crate cannot set the EXTENDED flag of a buffer update.
+//! The io_uring DMA-BUF registered-buffer uAPI, by raw syscall: the io-uring crate cannot set
+//! the EXTENDED flag of a buffer update.
+//!
+//! The uAPI is in no released kernel: it comes from the unmerged series "Add dmabuf read/write
+//! via io_uring" (docs/kernel-dmabuf-series.md). Checked against the v3 patches (2026-04-29,
+//! https://lore.kernel.org/io-uring/cover.1777475843.git.asml.silence@gmail.com/), the newest
+//! whose patches could be read; the later changes known from the v7 cover letter (2026-09-28,
+//! https://lore.kernel.org/linux-block/cover.1790602223.git.asml.silence@gmail.com/) are kept
+//! too: `flags` 0 in every descriptor, no IOPOLL ring for real registrations, -EAGAIN reissued.
 //!
 //! There is no new register opcode: `IORING_REGISTER_BUFFERS_UPDATE` (16) takes a
 //! `struct io_uring_rsrc_update2` whose former `resv` field carries `IORING_RSRC_UPDATE_EXTENDED`,
@@ -21,7 +28,8 @@ pub const IORING_REGISTER_BUFFERS_UPDATE: libc::c_uint = 16;
 /// `io_uring_rsrc_update2.flags`: `data` points at `io_uring_regbuf_desc`s, not iovecs.
 pub const IORING_RSRC_UPDATE_EXTENDED: u32 = 1 << 1;
 
-/// `enum io_uring_regbuf_type`.
+/// `enum io_uring_regbuf_type` (v3). DMABUF = 2 is unverified for v7: a July 2026 RFC gives 2
+/// to IO_REGBUF_TYPE_ZCRX (docs/kernel-dmabuf-series.md).
 pub const IO_REGBUF_TYPE_EMPTY: u32 = 0;
 #[allow(dead_code)] // ordinary user memory through the extended update; unused by the lab
 pub const IO_REGBUF_TYPE_UADDR: u32 = 1;
@@ -32,7 +40,7 @@ pub const IO_REGBUF_TYPE_DMABUF: u32 = 2;
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RsrcUpdate2 {
     pub offset: u32,
-    /// `resv` before Linux 7.4: must be 0 there.
+    /// `resv` in kernels without the series: must be 0 there.
     pub flags: u32,
     pub data: u64,
     pub tags: u64,
@@ -45,6 +53,7 @@ pub struct RsrcUpdate2 {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct RegbufDesc {
     pub kind: u32,
+    /// Must be 0: v3 ignores it, later versions answer -EINVAL to anything else.
     pub flags: u32,
     /// UADDR: length; DMABUF: 0.
     pub size: u64,
@@ -64,10 +73,10 @@ const _: () = assert!(std::mem::offset_of!(RsrcUpdate2, nr) == 24);
 
 impl RegbufDesc {
     pub fn empty() -> RegbufDesc {
-        RegbufDesc { kind: IO_REGBUF_TYPE_EMPTY, ..Default::default() }
+        RegbufDesc { kind: IO_REGBUF_TYPE_EMPTY, flags: 0, size: 0, uaddr: 0, dmabuf_fd: 0, target_fd: 0, resv: [0; 6] }
     }
     pub fn dmabuf(dmabuf_fd: RawFd, target_fd: RawFd) -> RegbufDesc {
-        RegbufDesc { kind: IO_REGBUF_TYPE_DMABUF, dmabuf_fd, target_fd, ..Default::default() }
+        RegbufDesc { kind: IO_REGBUF_TYPE_DMABUF, flags: 0, size: 0, uaddr: 0, dmabuf_fd, target_fd, resv: [0; 6] }
     }
 }
 
@@ -114,7 +123,8 @@ pub fn update_plain(ring_fd: RawFd, slot: u32, iovs: &[libc::iovec]) -> i64 {
 }
 
 /// Registers `dmabuf_fd` into buffer slot `slot`, bound to `target_fd` (an O_DIRECT NVMe block
-/// device fd). The ring must not be IOPOLL and must have a buffer table (sparse is fine).
+/// device fd). The ring must have a buffer table (sparse is fine) and should not be IOPOLL: v3
+/// accepts that, later versions are reported to refuse it (d4 records which).
 pub fn register_dmabuf(ring_fd: RawFd, slot: u32, dmabuf_fd: RawFd, target_fd: RawFd) -> Result<(), i32> {
     match update_extended(ring_fd, slot, &[RegbufDesc::dmabuf(dmabuf_fd, target_fd)]) {
         1 => Ok(()),

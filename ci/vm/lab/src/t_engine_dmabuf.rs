@@ -112,7 +112,7 @@ fn round_trip(device: &str, probe: Option<Probe>, region: usize, mem_start: usiz
     let ms = match e.register(DRAM, src.ptr as u64, region as u64, 0, "") {
         Ok(md) => md,
         Err(err) if !supported && err.kind == ErrorKind::NotSupported => {
-            return Ok(Outcome::Pass(format!("kernel lacks the uAPI: registerMem(DRAM memfd, dram_dmabuf=on) -> NotSupported \"{}\"", err.message)));
+            return Ok(Outcome::Pass(format!("kernel without the io_uring DMA-BUF uAPI: registerMem(DRAM memfd, dram_dmabuf=on) -> NotSupported \"{}\"", err.message)));
         }
         Err(err) => return Err(format!("registerMem(DRAM memfd {}, dram_dmabuf=on): {:?}: {}", size_str(region as u64), err.kind, err.message)),
     };

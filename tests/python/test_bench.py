@@ -1,0 +1,202 @@
+"""The benchmarks as tools: iud-bench's KV-cache workload (real NIXL, real plugin, POSIX side by
+side, every block verified) writes its results folder; ci/bench.sh answers --help without setup
+or a build, with the binary's own flag list, and names its results folder on its last line;
+bench/gpu_vram_bench.py stops at once without a GPU and runs its KV logic on host memory.
+No timing thresholds: only what ran, what was written and whether the bytes matched."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+BACKENDS = "IO_URING_DMABUF,POSIX:use_uring=true,POSIX:use_aio=true"
+# A tiny KV sweep and contiguous sweep: 3 KV block sizes x 2 ops x 3 rounds x 3 backends.
+TINY = ["--backend", BACKENDS, "--op_type", "BOTH", "--workload", "kv,contig",
+        "--total_buffer_size", "8M", "--kv_region_size", "4M", "--kv_request_size", "512K",
+        "--kv_start_block_size", "4K", "--kv_max_block_size", "16K",
+        "--start_block_size", "4K", "--max_block_size", "16K", "--batch_sizes", "1,4",
+        "--randomize_location_mode", "blockaligned",
+        "--duration_ms", "20", "--warmup_iter", "2", "--check_consistency"]
+
+
+def _cargo():
+    c = shutil.which("cargo") or os.path.expanduser("~/.cargo/bin/cargo")
+    if not os.path.exists(c):
+        pytest.fail("cargo is not installed (the project builds with Rust)")
+    return c
+
+
+@pytest.fixture(scope="module")
+def iud_bench():
+    """target/release/iud-bench, built if needed (a no-op when ci/bench.sh or cargo test built it)."""
+    r = subprocess.run([_cargo(), "build", "--release", "-q", "-p", "iud-bench"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(REPO, "target"))
+    return os.path.join(target, "release", "iud-bench")
+
+
+def _env():
+    """Our environment plus the wheel's library folder (libnixl_capi.so, which iud-bench loads)."""
+    env = dict(os.environ)
+    libs = next((os.path.join(os.path.dirname(os.path.dirname(s.origin)), f".{m}.mesonpy.libs")
+                 for m in ("nixl_cu12", "nixl_cu13") if (s := importlib.util.find_spec(m)) and s.origin), None)
+    assert libs and os.path.isdir(libs), "no nixl_cu12/nixl_cu13 wheel in this Python"
+    env["LD_LIBRARY_PATH"] = libs + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def kv_run(iud_bench, tmp_path_factory, request):
+    """One tiny iud-bench run with a background load, its stdout and results folder."""
+    request.getfixturevalue("plugin_so")  # IO_URING_DMABUF must be in NIXL_PLUGIN_DIR
+    d = tmp_path_factory.mktemp("bench")
+    out = d / "results"
+    r = subprocess.run([iud_bench, *TINY, "--filepath", str(d), "--background_load", "1",
+                        "--out_dir", str(out)], env=_env(), capture_output=True, text=True, timeout=600)
+    return r, out
+
+
+def test_kv_workload_writes_verified_results_folder(kv_run):
+    r, out = kv_run
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr
+    assert sorted(os.listdir(out)) == ["results.csv", "results.md"]
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    kv = [x for x in rows if x["workload"] == "kv"]
+    contig = [x for x in rows if x["workload"] == "contig"]
+    # Every backend at every KV point, three rounds each, verified byte for byte.
+    assert sorted({(x["op"], int(x["block"]), x["backend"]) for x in kv}) == sorted(
+        (op, b, be) for op in ("READ", "WRITE") for b in (4096, 8192, 16384) for be in BACKENDS.split(","))
+    for x in kv:
+        assert x["verified"] == "yes", x
+        assert x["rounds"] == "3" and len(x["gbps_rounds"].split(";")) == 3, x
+        # 512 KiB per request, and never more blocks than 8 MiB of file holds with gaps.
+        assert int(x["descs"]) == min(512 * 1024 // int(x["block"]), 8 * 1024 * 1024 // int(x["block"]) // 2), x
+    assert len(contig) == 2 * 3 * 2 * 3 and all(x["verified"] == "yes" for x in contig)
+    for x in rows:
+        assert float(x["gbps"]) > 0 and math.isfinite(float(x["cpu_s_per_gb"])) and float(x["cpu_s_per_gb"]) >= 0, x
+        assert x["background_load"] == "1", x
+        if x["backend_index"] == "1":
+            assert float(x["ratio_vs_baseline"]) == 1.0, x
+    assert sum(float(x["cpu_s_per_gb"]) for x in rows) > 0, "no point used any CPU time"
+    md = open(out / "results.md").read()
+    assert "- background load: 1 CPU-bound busy-loop process" in md
+    assert md.index("## KV-cache pattern") < md.index("## nixlbench-style sweep")
+    assert re.search(r"^\| READ \| 16K \| 32 \|( [0-9.]+ \|){6} [0-9.]+x \| [0-9.]+x \| yes \|$", md, re.M), md
+    assert "consistency: 0 point(s) failed in total" in r.stdout
+    # The busy processes were killed and reaped with the run.
+    pids = re.search(r"background load: 1 CPU-bound busy-loop process\(es\) \(pids (\d+)", r.stdout).group(1)
+    assert not os.path.exists(f"/proc/{pids}"), f"background load process {pids} outlived the run"
+
+
+def test_results_plot(kv_run):
+    pytest.importorskip("matplotlib", reason="matplotlib is not in this venv: ci/bench.sh installs it, "
+                                             "the test command does not")
+    r, out = kv_run
+    assert r.returncode == 0, r.stdout[-4000:]
+    p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "plot_results.py"), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    png = open(out / "results.png", "rb").read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    w, h = struct.unpack(">II", png[16:24])
+    # 3 columns (GB/s, ratio, CPU); one row per KV op and per contiguous (op, batch): 6 rows.
+    assert w > h / 2 > 0, (w, h)
+
+
+def _copy_without_setup(tmp_path):
+    """ci/bench.sh and the flag list alone: --help must not need env.sh, setup or a build."""
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "bench" / "src").mkdir(parents=True)
+    shutil.copy(os.path.join(REPO, "ci", "bench.sh"), tmp_path / "ci" / "bench.sh")
+    shutil.copy(os.path.join(REPO, "bench", "src", "usage.txt"), tmp_path / "bench" / "src" / "usage.txt")
+    return tmp_path / "ci" / "bench.sh"
+
+
+def test_bench_sh_help_needs_no_setup_and_is_the_binary_flag_list(iud_bench, tmp_path):
+    script = _copy_without_setup(tmp_path)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no cargo on PATH either
+    r = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["bench", "ci"], "--help created files"
+    binary = subprocess.run([iud_bench, "--help"], capture_output=True, text=True, timeout=60)
+    assert binary.returncode == 0 and binary.stdout == open(os.path.join(REPO, "bench", "src", "usage.txt")).read()
+    assert r.stdout.endswith(binary.stdout), "ci/bench.sh --help does not end with iud-bench --help"
+    # The job's defaults are flags the binary lists, and the binary accepts them all.
+    defaults = r.stdout.split("so they win):\n", 1)[1].split("\n", 1)[0].split()
+    flags = set(re.findall(r"^  --(\w+)", binary.stdout, re.M))
+    used = [a[2:] for a in defaults if a.startswith("--")]
+    assert used and set(used) <= flags, set(used) - flags
+    bad = subprocess.run([iud_bench, *defaults, "--bogus_flag", "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown flag --bogus_flag" in bad.stderr, bad.stderr
+
+
+def test_bench_sh_names_its_results_folder_on_the_last_line(tmp_path, plugin_so):
+    py = os.path.join(REPO, ".venv", "bin", "python")
+    if not os.path.exists(py) or subprocess.run([py, "-c", "import matplotlib"]).returncode != 0:
+        pytest.skip("matplotlib is not in .venv: ci/bench.sh would install it, the test command does not")
+    out = tmp_path / "out"
+    args = [a for a in TINY if a not in ("--check_consistency",)]
+    r = subprocess.run(["bash", os.path.join(REPO, "ci", "bench.sh"), *args, "--workload", "kv",
+                        "--kv_rounds", "1", "--filepath", str(tmp_path), "--out_dir", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    last = r.stdout.rstrip("\n").splitlines()[-1]
+    assert last == f"results: {out}", last
+    assert sorted(os.listdir(out)) == ["results.csv", "results.md", "results.png", "stdout.txt"]
+    assert "- git: " in open(out / "results.md").read()
+    assert "# ci/bench.sh at git" in open(out / "stdout.txt").read()
+
+
+def _has_cuda():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def test_gpu_bench_stops_at_once_without_a_gpu(tmp_path):
+    if _has_cuda():
+        pytest.skip("a CUDA GPU is here: the benchmark would run (tests/gpu and ci/gpu/run.sh cover it)")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_vram_bench.py"), "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "needs torch with CUDA" in r.stderr or "torch.cuda.is_available() is False" in r.stderr, r.stderr
+    assert "ci/gpu/run.sh" in r.stderr and not r.stdout
+    assert os.listdir(tmp_path) == [], "it created files before stopping"
+
+
+def test_gpu_bench_kv_logic_on_host_memory(tmp_path, plugin_so):
+    """The KV table's code path (layout, child per backend and round, verification, medians)
+    with numpy host memory instead of VRAM: IO_URING_DMABUF against POSIX, 2 rounds."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_vram_bench.py"), "--memory", "dram",
+                        "--tables", "kv", "--kv_backends", "IO_URING_DMABUF,POSIX+copy", "--kv_sizes", "4K,64K",
+                        "--kv_region_mib", "4", "--kv_file_mib", "4", "--kv_blocks", "48", "--kv_seconds", "0.02",
+                        "--kv_rounds", "2",
+                        "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    lines = r.stdout.splitlines()
+    first = next(i for i, l in enumerate(lines) if l.startswith("## "))
+    assert lines[first].startswith("## Table 1: KV-cache pattern")
+    rows = [l for l in lines if re.match(r"^\| (READ|WRITE) \|", l)]
+    assert len(rows) == 4, r.stdout
+    for row in rows:
+        assert row.endswith("| yes |") and "n/a" not in row, row
+    # 48 blocks asked; a 4 MiB file holds only 32 blocks of 64 KiB with a gap between any two.
+    assert re.search(r"^\| READ \| 4 KiB \| 48 \|", r.stdout, re.M), r.stdout
+    assert re.search(r"^\| READ \| 64 KiB \| 32 \|", r.stdout, re.M), r.stdout
+    assert r.stderr.count(" round 0 ") == 8 and r.stderr.count(" round 1 ") == 8, r.stderr[-3000:]
+    assert os.listdir(tmp_path) == [], "the KV file was left behind"
