@@ -5,13 +5,8 @@
 use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 
-<<<<<<< HEAD
 use crate::gpu::DmabufExport;
-use crate::uring::MAX_FIXED_BUFFER;
-=======
 use crate::uring::dmabuf_uapi::MAX_DMABUF_SLAB;
-use crate::uring::FileKey;
->>>>>>> main
 
 /// Host page size assumed for DMA-BUF export alignment.
 pub const PAGE: u64 = 4096;
@@ -59,9 +54,10 @@ impl DmabufSlabs {
         for i in 0..self.slabs.len() {
             let (start, len) = (self.slabs[i].start, self.slabs[i].len);
             let export = export(start, len).and_then(|e| match e.whole_size {
-                // One DMA-BUF is one io_uring buffer, at most MAX_FIXED_BUFFER bytes.
-                Some(size) if size > MAX_FIXED_BUFFER => Err(format!(
-                    "the provider exports a DMA-BUF of the whole allocation ({size} bytes), over io_uring's {MAX_FIXED_BUFFER} byte limit for one DMA-BUF buffer; \
+                // One DMA-BUF is one io_uring buffer, at most MAX_DMABUF_SLAB bytes.
+                Some(size) if size > MAX_DMABUF_SLAB => Err(format!(
+                    "the provider exports a DMA-BUF of the whole allocation ({size} bytes), over the {MAX_DMABUF_SLAB} byte limit for one io_uring DMA-BUF buffer \
+                     (v3 of the kernel series; later versions relax it to a value not known here); \
                      allocate at most 1 GiB per allocation (per iud_vulkan_alloc) for the dmabuf path"
                 )),
                 _ => Ok(e),

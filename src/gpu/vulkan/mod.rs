@@ -33,14 +33,9 @@ use once_cell::sync::{Lazy, OnceCell};
 use super::cuda::{Cuda, ImportedMemory};
 use crate::gpu::provider::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 use crate::error::{Error, ErrorKind, Result};
-<<<<<<< HEAD
 
 /// Allocation sizes are rounded up to host pages (the DMA-BUF export and mmap granule).
 const PAGE: u64 = 4096;
-=======
-use crate::mem::dmabuf_slabs::PAGE;
-use crate::uring::dmabuf_uapi::MAX_DMABUF_SLAB;
->>>>>>> main
 use driver::{AllocSpec, HandleSupport, PhysicalDevice, VkAllocation, Vulkan, DMA_BUF, OPAQUE_FD};
 
 /// How an allocation is made, addressed and exported (see the module table).
@@ -301,20 +296,6 @@ impl GpuProvider for VulkanProvider {
         let a = self.registered(addr, len)?;
         match a.variant {
             Variant::DmabufCuda | Variant::DmabufHost => {
-<<<<<<< HEAD
-=======
-                if a.vk.alloc_size > MAX_DMABUF_SLAB {
-                    return Err(Error::new(
-                        ErrorKind::NotSupported,
-                        format!(
-                            "Vulkan exports a DMA-BUF of the whole allocation ({} bytes), over the {} byte limit for one io_uring DMA-BUF buffer \
-                             (v3 of the kernel series; later versions relax it to a value not known here); \
-                             allocate at most 1 GiB per iud_vulkan_alloc for the dmabuf path",
-                            a.vk.alloc_size, MAX_DMABUF_SLAB
-                        ),
-                    ));
-                }
->>>>>>> main
                 let fd = a.vk.export_fd(DMA_BUF)?;
                 Ok(DmabufExport { fd, offset: addr - a.addr, whole_size: Some(a.vk.alloc_size) })
             }
