@@ -117,7 +117,7 @@ impl Driver {
             return Ok(done);
         }
         t.profiles.start(key.0);
-        let mut t = self.read_inline_if_cached(t, key.0);
+        let mut t = self.read_inline_if_cached(t, key.0, inline_budget == u64::MAX);
         if let Ok(Progress::Done) = t.status(key.0) {
             return Ok(Progress::Done);
         }
@@ -155,11 +155,14 @@ impl Driver {
     }
 
     /// Serves a small buffered read request from the page cache in this thread, without holding
-    /// the lock while copying; what it could not serve stays for the ring.
-    fn read_inline_if_cached<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize) -> MutexGuard<'a, Table> {
+    /// the lock while copying; what it could not serve stays for the ring. With `any_size` (few
+    /// CPUs: `inline_write_max=auto` below 8) requests of any size are tried, as buffered writes
+    /// are: copying in the calling thread beats a ring round trip when cores are few and busy.
+    fn read_inline_if_cached<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize, any_size: bool) -> MutexGuard<'a, Table> {
         let Some(req) = t.requests.get_mut(key) else { return t };
         let ops = Arc::clone(&req.ops);
-        if !ops.inline_reads || ops.ops.len() > INLINE_READ_MAX_OPS || ops.ops.iter().map(|o| o.len as u64).sum::<u64>() > INLINE_READ_MAX_BYTES {
+        let small = ops.ops.len() <= INLINE_READ_MAX_OPS && ops.ops.iter().map(|o| o.len as u64).sum::<u64>() <= INLINE_READ_MAX_BYTES;
+        if !ops.inline_reads || !(small || any_size) {
             return t;
         }
         let Some(n) = req.take_inline_read() else { return t };
