@@ -231,9 +231,10 @@ pub unsafe fn plan(
         o.punt &= kind_ok && ctx.punt_buffered_min > 0 && big_enough;
     }
     let write = op == XferOp::Write;
+    // Reads meant for the page-cache workers are not served by the posting thread.
     Ok(Plan {
         op,
-        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host, ops }),
+        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host && !ops.iter().any(|o| o.punt), ops }),
         registrations: regs.list,
         local_count: local.len(),
         remote_count: remote.len(),
