@@ -102,7 +102,19 @@ impl EngineParams {
                 "backend parameter max_io_size={max_io_size} must be 0 (no split) or at least 4096"
             )));
         }
-        let inline_write_max = parse_u64("inline_write_max", get("inline_write_max"))?;
+        let inline_write_max = match get("inline_write_max") {
+            // With few CPUs, and those often busy, a hand-off to io_uring's workers loses to
+            // copying in the calling thread (POSIX AIO's buffered io_submit copies synchronously):
+            // the posting thread writes the whole request (bench/results/2026-12-01-cpu-kv-cache.md).
+            "auto" => {
+                if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 8 {
+                    1 << 20
+                } else {
+                    u64::MAX
+                }
+            }
+            v => parse_u64("inline_write_max", v)?,
+        };
         let punt_buffered_min = match get("punt_buffered_min") {
             // Worth it only with cores to spare for io_uring's workers: on 2 cores the hand-off
             // costs more than the parallel copies gain (measured: 256 KiB page-cache reads

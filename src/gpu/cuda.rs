@@ -16,8 +16,9 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
-use crate::gpu::provider::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
+use crate::gpu::provider::{CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 use crate::error::{Error, ErrorKind, Result};
+use super::cuda_batch as batch;
 
 /// Runs a driver call, turning a loader panic (missing symbol) into an error.
 fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
@@ -321,6 +322,23 @@ impl GpuProvider for Cuda {
         // SAFETY: the caller keeps both ranges valid until the ticket completes.
         check("cuMemcpyDtoHAsync", || unsafe { sys::cuMemcpyDtoHAsync_v2(host as *mut c_void, dev, len as usize, d.to_host) })?;
         self.record(&d, d.to_host)
+    }
+
+    unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool) -> Result<Box<dyn CopyTicket>> {
+        let d = self.device(device)?;
+        let stream = if to_host { d.to_host } else { d.to_device };
+        // SAFETY: the caller keeps every range valid until the ticket completes.
+        if !unsafe { batch::copy(device, pieces, to_host, stream) } {
+            for p in pieces {
+                // SAFETY: as above; one copy per piece on the same stream, one event for all.
+                if to_host {
+                    check("cuMemcpyDtoHAsync", || unsafe { sys::cuMemcpyDtoHAsync_v2(p.host as *mut c_void, p.dev, p.len as usize, stream) })?;
+                } else {
+                    check("cuMemcpyHtoDAsync", || unsafe { sys::cuMemcpyHtoDAsync_v2(p.dev, p.host as *const c_void, p.len as usize, stream) })?;
+                }
+            }
+        }
+        self.record(&d, stream)
     }
 
     unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {

@@ -6,6 +6,7 @@
 //! an absent capability with a message, never a crash or a link dependency.
 
 pub mod cuda;
+mod cuda_batch;
 pub mod cufile;
 pub mod rocm;
 pub mod provider;
@@ -14,7 +15,7 @@ pub mod vulkan;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-pub use provider::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
+pub use provider::{CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 
 /// Which provider the parameter asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -28,6 +28,31 @@ pub trait CopyTicket: Send {
     fn wait(&self) -> Result<()>;
 }
 
+/// One piece of a batched copy: device address, host address, length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyPiece {
+    pub dev: u64,
+    pub host: u64,
+    pub len: u64,
+}
+
+/// Several copies that complete together: done when every one is.
+struct AllTickets(Vec<Box<dyn CopyTicket>>);
+
+impl CopyTicket for AllTickets {
+    fn is_done(&self) -> Result<bool> {
+        for t in &self.0 {
+            if !t.is_done()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+    fn wait(&self) -> Result<()> {
+        self.0.iter().try_for_each(|t| t.wait())
+    }
+}
+
 /// The device memory of one allocation, as the provider sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceRange {
@@ -61,6 +86,26 @@ pub trait GpuProvider: Send + Sync {
     /// # Safety
     /// Both ranges must stay valid until the ticket reports completion.
     unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>>;
+    /// Starts the copies of several pieces in one direction (`to_host`: device -> host) on one
+    /// device, with one ticket for all. The default issues one copy per piece; providers with a
+    /// batched copy call (CUDA's cuMemcpyBatchAsync) or one stream override it.
+    ///
+    /// # Safety
+    /// Every range must stay valid until the ticket reports completion.
+    unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool) -> Result<Box<dyn CopyTicket>> {
+        let mut tickets = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            // SAFETY: forwarded from the caller.
+            tickets.push(unsafe {
+                if to_host {
+                    self.copy_to_host(device, p.host, p.dev, p.len)
+                } else {
+                    self.copy_to_device(device, p.dev, p.host, p.len)
+                }
+            }?);
+        }
+        Ok(Box::new(AllTickets(tickets)))
+    }
     /// Makes the device's context current on the calling thread (for vendor libraries such as
     /// cuFile that use the thread's context).
     fn make_current(&self, device: i32) -> Result<()>;

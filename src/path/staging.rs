@@ -4,12 +4,14 @@
 //!
 //! READ: storage -> buffer (io_uring) then buffer -> GPU (async copy). WRITE: GPU -> buffer
 //! (async copy) then buffer -> storage (io_uring). With several buffers the copy of one piece
-//! overlaps the storage I/O of others. The pool is created on first VRAM use.
+//! overlaps the storage I/O of others. The pool is created on first VRAM use. Small pieces
+//! (KV-cache blocks) are packed several to a buffer (a group), each with its own file offset and
+//! device address: their storage I/O runs piece by piece, their device copy is one batched call.
 
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::gpu::{CopyTicket, GpuProvider};
+use crate::gpu::{CopyPiece, CopyTicket, GpuProvider};
 use crate::mem::VramRegion;
 use crate::uring::IoOp;
 
@@ -83,79 +85,157 @@ impl StagingPool {
     }
 }
 
-/// The staging side of one op on GPU memory: its buffer for the op's whole life (copy, storage
-/// I/O, and the copy back), so the pool size bounds the VRAM bytes in flight.
-#[derive(Debug, Clone, Copy)]
+/// Pieces up to this size are packed several to a staging buffer (KV-cache blocks of 16-64 KiB at
+/// scattered VRAM addresses and file offsets): one batched device copy per buffer instead of one
+/// copy call each, whose few microseconds dominate at these sizes. Larger pieces keep a buffer each.
+pub const PACK_PIECE_MAX: u64 = 256 << 10;
+/// Most pieces in one buffer (one batched copy call).
+const PACK_PIECES_MAX: usize = 256;
+/// Packed pieces start on this alignment in the buffer (O_DIRECT memory alignment).
+const PACK_ALIGN: u64 = 4096;
+
+/// One staged piece: its group (a staging buffer and the pieces packed into it) and its index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stage {
-    pub buf: usize,
-    /// The op as planned, on device memory.
-    pub device_op: IoOp,
+    pub group: usize,
+    pub piece: u32,
 }
 
-/// A device copy that ended (or failed to run).
+/// The pieces of one staging buffer and how far their storage I/O got.
+struct Group {
+    owner: usize,
+    buf: usize,
+    write: bool,
+    /// The ops as planned, on device memory, and where each sits in the buffer.
+    pieces: Vec<(IoOp, u64)>,
+    used: u64,
+    /// Pieces whose storage I/O has not ended.
+    io_left: usize,
+    /// Pieces whose storage I/O completed (READ: they wait for the group's copy).
+    io_ok: usize,
+}
+
+/// How a group's storage I/O ended, once every piece's did.
+#[derive(Debug, PartialEq, Eq)]
+pub struct IoEnd {
+    pub group: usize,
+    /// Pieces that completed.
+    pub ok: usize,
+    /// Pieces that did not.
+    pub failed: usize,
+}
+
+/// A group's device copy ended (or failed to run).
 pub struct CopyDone {
     /// The caller's token (its request).
     pub owner: usize,
-    pub stage: Stage,
+    pub group: usize,
+    pub pieces: usize,
     pub result: Result<()>,
-    /// Device -> host copy of a WRITE: the storage write follows.
+    /// Device -> host copy of a WRITE: the storage writes follow.
     pub then_write: bool,
+    /// When the copy was started (for the profile).
+    pub started: std::time::Instant,
 }
 
 struct PendingCopy {
-    owner: usize,
-    stage: Stage,
+    group: usize,
     ticket: Box<dyn CopyTicket>,
-    then_write: bool,
+    started: std::time::Instant,
 }
 
-/// The pool and the device copies in flight on it. Copies are polled, never waited for, on
-/// the data path.
+/// The pool, the groups using its buffers, and the device copies in flight on it. Copies are
+/// polled, never waited for, on the data path.
 pub struct Staging {
     pool: StagingPool,
+    groups: slab::Slab<Group>,
     copies: Vec<PendingCopy>,
 }
 
 impl Staging {
     pub fn new(pool: StagingPool) -> Staging {
-        Staging { pool, copies: Vec::new() }
+        Staging { pool, groups: slab::Slab::new(), copies: Vec::new() }
     }
 
-    /// A buffer for `device_op`, or None while all are busy.
-    pub fn take(&mut self, device_op: IoOp) -> Option<Stage> {
-        self.pool.take().map(|buf| Stage { buf, device_op })
+    /// A buffer for `first`, the group's first piece, or None while all are busy.
+    pub fn open(&mut self, owner: usize, write: bool, first: IoOp) -> Option<usize> {
+        let buf = self.pool.take()?;
+        let g = self.groups.insert(Group { owner, buf, write, pieces: Vec::new(), used: 0, io_left: 0, io_ok: 0 });
+        let added = self.try_add(g, first);
+        debug_assert!(added, "a planned staged piece fits an empty buffer");
+        Some(g)
     }
 
-    /// Gives the op's buffer back.
-    pub fn put(&mut self, stage: Stage) {
-        self.pool.put(stage.buf);
+    /// Packs `op` into the group if both are small and it fits; false otherwise.
+    pub fn try_add(&mut self, g: usize, op: IoOp) -> bool {
+        let size = self.pool.buffer_size;
+        let grp = &mut self.groups[g];
+        let at = grp.used.div_ceil(PACK_ALIGN) * PACK_ALIGN;
+        if let Some((first, _)) = grp.pieces.first() {
+            let small = |o: &IoOp| u64::from(o.len) <= PACK_PIECE_MAX;
+            if !small(first) || !small(&op) || first.device != op.device || grp.pieces.len() >= PACK_PIECES_MAX || at + u64::from(op.len) > size {
+                return false;
+            }
+        } else if u64::from(op.len) > size {
+            return false;
+        }
+        grp.pieces.push((op, at));
+        grp.used = at + u64::from(op.len);
+        grp.io_left += 1;
+        true
     }
 
-    /// The storage I/O of a staged op: the same file range on its host buffer.
-    pub fn host_op(&self, stage: &Stage) -> IoOp {
-        let host = &self.pool.bufs[stage.buf];
-        stage.device_op.on_host(host.addr, host.buf_index)
+    /// The request a group belongs to.
+    pub fn owner(&self, g: usize) -> usize {
+        self.groups[g].owner
     }
 
-    /// Starts the device -> buffer copy of a WRITE (the storage write follows in `poll`).
-    pub fn start_to_host(&mut self, owner: usize, stage: Stage) -> Result<()> {
-        let d = stage.device_op;
-        let host = self.pool.bufs[stage.buf].addr;
-        // SAFETY: the staging buffer is ours until `put`; the device range is registered VRAM
-        // kept alive by the request's plan.
-        let ticket = unsafe { self.pool.provider.copy_to_host(d.device.unwrap_or(0), host, d.addr, d.len as u64) }?;
-        self.copies.push(PendingCopy { owner, stage, ticket, then_write: true });
+    pub fn pieces(&self, g: usize) -> usize {
+        self.groups[g].pieces.len()
+    }
+
+    /// The storage I/O of a staged piece: its file range on its place in the buffer.
+    pub fn host_op(&self, s: Stage) -> IoOp {
+        let grp = &self.groups[s.group];
+        let (op, at) = grp.pieces[s.piece as usize];
+        let host = &self.pool.bufs[grp.buf];
+        op.on_host(host.addr + at, host.buf_index)
+    }
+
+    /// One piece's storage I/O ended; `Some` when it was the group's last.
+    pub fn io_over(&mut self, s: Stage, ok: bool) -> Option<IoEnd> {
+        let grp = &mut self.groups[s.group];
+        grp.io_left -= 1;
+        grp.io_ok += usize::from(ok);
+        (grp.io_left == 0).then(|| IoEnd { group: s.group, ok: grp.io_ok, failed: grp.pieces.len() - grp.io_ok })
+    }
+
+    /// Starts the group's device copy: device -> buffer for a WRITE (the storage writes follow),
+    /// buffer -> device for a READ whose storage reads all landed. One batched call per buffer.
+    pub fn start_copy(&mut self, g: usize) -> Result<()> {
+        let grp = &self.groups[g];
+        let host = self.pool.bufs[grp.buf].addr;
+        let pieces: Vec<CopyPiece> = grp.pieces.iter().map(|(op, at)| CopyPiece { dev: op.addr, host: host + at, len: u64::from(op.len) }).collect();
+        let device = grp.pieces[0].0.device.unwrap_or(0);
+        // SAFETY: the staging buffer is the group's until `close`; the device ranges are
+        // registered VRAM kept alive by the request's plan.
+        let ticket = match pieces.as_slice() {
+            [one] if grp.write => unsafe { self.pool.provider.copy_to_host(device, one.host, one.dev, one.len) },
+            [one] => unsafe { self.pool.provider.copy_to_device(device, one.dev, one.host, one.len) },
+            _ => unsafe { self.pool.provider.copy_batch(device, &pieces, grp.write) },
+        }?;
+        if grp.write {
+            self.groups[g].io_left = pieces.len();
+        }
+        self.copies.push(PendingCopy { group: g, ticket, started: std::time::Instant::now() });
         Ok(())
     }
 
-    /// Starts the buffer -> device copy of a READ whose storage I/O landed in the buffer.
-    pub fn start_to_device(&mut self, owner: usize, stage: Stage) -> Result<()> {
-        let d = stage.device_op;
-        let host = self.pool.bufs[stage.buf].addr;
-        // SAFETY: as in start_to_host.
-        let ticket = unsafe { self.pool.provider.copy_to_device(d.device.unwrap_or(0), d.addr, host, d.len as u64) }?;
-        self.copies.push(PendingCopy { owner, stage, ticket, then_write: false });
-        Ok(())
+    /// Frees the group's buffer.
+    pub fn close(&mut self, g: usize) {
+        if let Some(grp) = self.groups.try_remove(g) {
+            self.pool.put(grp.buf);
+        }
     }
 
     /// Moves the copies that ended into `out`; returns how many did.
@@ -170,7 +250,8 @@ impl Staging {
             }
             let c = self.copies.swap_remove(i);
             done += 1;
-            out.push(CopyDone { owner: c.owner, stage: c.stage, result: finished.map(drop), then_write: c.then_write });
+            let grp = &self.groups[c.group];
+            out.push(CopyDone { owner: grp.owner, group: c.group, pieces: grp.pieces.len(), result: finished.map(drop), then_write: grp.write, started: c.started });
         }
         done
     }

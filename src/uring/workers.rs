@@ -31,7 +31,9 @@ pub struct Job {
 
 #[derive(Default)]
 struct Queues {
-    jobs: VecDeque<Job>,
+    /// Batches of jobs; one thread runs a batch's jobs one after another (small pieces packed
+    /// together cost one hand-off, not one each).
+    jobs: VecDeque<Vec<Job>>,
     /// (token, result): bytes moved, or -errno, as in a CQE.
     done: Vec<(u64, i32)>,
 }
@@ -84,7 +86,15 @@ impl PageCacheWorkers {
 
     /// Queues a job. The memory and the fd must stay valid until its result is taken.
     pub fn submit(&self, job: Job) {
-        self.lock().jobs.push_back(job);
+        self.submit_batch(vec![job]);
+    }
+
+    /// Queues jobs that one thread runs in order, each with its own result.
+    pub fn submit_batch(&self, jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        self.lock().jobs.push_back(jobs);
         self.shared.job_ready.notify_one();
     }
 
@@ -94,13 +104,16 @@ impl PageCacheWorkers {
         let mut q = self.lock();
         let Queues { jobs, done } = &mut *q;
         let before = done.len();
-        jobs.retain(|j| {
-            let hit = tokens.contains(&j.token);
-            if hit {
-                done.push((j.token, -libc::ECANCELED));
-            }
-            !hit
-        });
+        for batch in jobs.iter_mut() {
+            batch.retain(|j| {
+                let hit = tokens.contains(&j.token);
+                if hit {
+                    done.push((j.token, -libc::ECANCELED));
+                }
+                !hit
+            });
+        }
+        jobs.retain(|b| !b.is_empty());
         if done.len() != before {
             drop(q);
             self.shared.done_ready.notify_all();
@@ -137,11 +150,11 @@ impl Drop for PageCacheWorkers {
 
 fn work(s: &Shared) {
     loop {
-        let job = {
+        let batch = {
             let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
             loop {
-                if let Some(j) = q.jobs.pop_front() {
-                    break j;
+                if let Some(b) = q.jobs.pop_front() {
+                    break b;
                 }
                 if s.stop.load(Ordering::Acquire) {
                     return;
@@ -149,12 +162,12 @@ fn work(s: &Shared) {
                 q = s.job_ready.wait(q).unwrap_or_else(|p| p.into_inner());
             }
         };
-        let res = run(&job);
+        let results: Vec<(u64, i32)> = batch.iter().map(|j| (j.token, run(j))).collect();
         s.queues
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .done
-            .push((job.token, res));
+            .extend(results);
         s.done_ready.notify_all();
     }
 }

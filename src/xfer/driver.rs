@@ -21,6 +21,7 @@ use crate::error::{describe_os_error, Error, Result};
 use crate::gpu::GpuProvider;
 use crate::path::direct;
 use crate::path::staging::{CopyDone, Stage, Staging, StagingPool};
+use super::profile::Profiles;
 use crate::uring::{IoOp, Progress, Ring, RingCore, Submission};
 
 /// How long release and teardown wait for in-flight I/O before giving up on it.
@@ -42,6 +43,8 @@ struct InFlight {
     /// The storage I/O as submitted (on a staging buffer when `stage` is set).
     op: IoOp,
     stage: Option<Stage>,
+    /// When it went to the ring (only while profiling).
+    since: Option<Instant>,
 }
 
 /// What the driver's lock guards.
@@ -59,6 +62,8 @@ struct Table {
     /// Scratch lists, reused.
     completed: Vec<(u64, i32)>,
     copies_done: Vec<CopyDone>,
+    /// Per-request timing breakdown (IO_URING_DMABUF_PROFILE=1).
+    profiles: Profiles,
 }
 
 /// The request driver of one engine.
@@ -69,7 +74,8 @@ pub struct Driver {
 
 impl Driver {
     pub fn new(ring: Arc<Ring>) -> Driver {
-        Driver { ring, table: Mutex::default() }
+        let table = Table { profiles: Profiles::from_env(), ..Table::default() };
+        Driver { ring, table: Mutex::new(table) }
     }
 
     fn lock(&self) -> MutexGuard<'_, Table> {
@@ -110,14 +116,15 @@ impl Driver {
         if let Some(done) = req.start()? {
             return Ok(done);
         }
-        let mut t = self.read_inline_if_cached(t, key.0);
+        t.profiles.start(key.0);
+        let mut t = self.read_inline_if_cached(t, key.0, inline_budget == u64::MAX);
         if let Ok(Progress::Done) = t.status(key.0) {
             return Ok(Progress::Done);
         }
         t.queue.push_back(key.0);
         let mut t = self.help_with_writes(t, key.0, inline_budget);
         t.progress(&self.ring)?;
-        t.status(key.0)
+        t.finished_status(key.0)
     }
 
     /// Reaps completions (for every request) without blocking and reports this request's state.
@@ -126,7 +133,7 @@ impl Driver {
         t.progress(&self.ring)?;
         let mut t = self.help_with_writes(t, key.0, inline_budget);
         t.progress(&self.ring)?;
-        t.status(key.0)
+        t.finished_status(key.0)
     }
 
     /// Writes up to `budget` bytes of the request's not-yet-started buffered writes with
@@ -148,11 +155,14 @@ impl Driver {
     }
 
     /// Serves a small buffered read request from the page cache in this thread, without holding
-    /// the lock while copying; what it could not serve stays for the ring.
-    fn read_inline_if_cached<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize) -> MutexGuard<'a, Table> {
+    /// the lock while copying; what it could not serve stays for the ring. With `any_size` (few
+    /// CPUs: `inline_write_max=auto` below 8) requests of any size are tried, as buffered writes
+    /// are: copying in the calling thread beats a ring round trip when cores are few and busy.
+    fn read_inline_if_cached<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize, any_size: bool) -> MutexGuard<'a, Table> {
         let Some(req) = t.requests.get_mut(key) else { return t };
         let ops = Arc::clone(&req.ops);
-        if !ops.inline_reads || ops.ops.len() > INLINE_READ_MAX_OPS || ops.ops.iter().map(|o| o.len as u64).sum::<u64>() > INLINE_READ_MAX_BYTES {
+        let small = ops.ops.len() <= INLINE_READ_MAX_OPS && ops.ops.iter().map(|o| o.len as u64).sum::<u64>() <= INLINE_READ_MAX_BYTES;
+        if !ops.inline_reads || !(small || any_size) {
             return t;
         }
         let Some(n) = req.take_inline_read() else { return t };
@@ -239,6 +249,15 @@ impl Table {
         self.requests.get(key).ok_or_else(|| Error::backend("unknown request handle"))?.status()
     }
 
+    /// `status`, logging the request's profile once it is over.
+    fn finished_status(&mut self, key: usize) -> Result<Progress> {
+        let status = self.status(key);
+        if !matches!(status, Ok(Progress::InFlight)) {
+            self.profiles.finish(key, status.is_ok());
+        }
+        status
+    }
+
     /// Polls device copies, fills the ring, submits, reaps; repeats while that made progress.
     fn progress(&mut self, ring: &Ring) -> Result<()> {
         let mut core = ring.lock();
@@ -254,9 +273,12 @@ impl Table {
     }
 
     /// Hands one op to the ring; false (the op is handed back) when there is no room.
-    fn push(core: &mut RingCore, owners: &mut Slab<InFlight>, entry: InFlight, write: bool) -> std::result::Result<(), InFlight> {
+    fn push(core: &mut RingCore, owners: &mut Slab<InFlight>, mut entry: InFlight, write: bool, profiling: bool) -> std::result::Result<(), InFlight> {
         let token = owners.vacant_key() as u64;
         if core.push(&Submission { op: entry.op, write, token }) {
+            if profiling {
+                entry.since = Some(Instant::now());
+            }
             owners.insert(entry);
             Ok(())
         } else {
@@ -273,10 +295,10 @@ impl Table {
             if let Some(entry) = self.retry.pop_front() {
                 let Some(req) = self.requests.get_mut(entry.req) else { continue };
                 if !req.is_healthy() {
-                    drop_op(req, entry.stage, &mut self.staging);
+                    io_over(req, entry.stage, false, &mut self.staging, &mut self.profiles);
                     continue;
                 }
-                if let Err(entry) = Table::push(core, &mut self.owners, entry, req.ops.write) {
+                if let Err(entry) = Table::push(core, &mut self.owners, entry, req.ops.write, self.profiles.on()) {
                     self.retry.push_front(entry);
                     break;
                 }
@@ -303,38 +325,55 @@ impl Table {
                 }
                 Next::Op(op) => op,
             };
-            let stage = match op.device {
-                None => None,
-                Some(_) => {
-                    let Some(pool) = self.staging.as_mut() else {
-                        req.fail(Error::backend("internal error: a VRAM op reached the ring before its staging pool existed"));
-                        req.settle();
-                        continue;
-                    };
-                    // All buffers busy: wait for completions to free one.
-                    let Some(stage) = pool.take(op) else { break };
-                    Some(stage)
+            let write = req.ops.write;
+            if op.device.is_none() {
+                if req.advance() {
+                    self.queue.pop_front();
                 }
+                let entry = InFlight { req: key, op, stage: None, since: None };
+                if let Err(entry) = Table::push(core, &mut self.owners, entry, write, self.profiles.on()) {
+                    self.retry.push_front(entry);
+                    break;
+                }
+                continue;
+            }
+            let Some(staging) = self.staging.as_mut() else {
+                req.fail(Error::backend("internal error: a VRAM op reached the ring before its staging pool existed"));
+                req.settle();
+                continue;
             };
-            if req.advance() {
+            // All buffers busy: wait for completions to free one.
+            let Some(group) = staging.open(key, write, op) else { break };
+            // Pack the request's next small pieces into the same buffer.
+            let mut last = req.advance();
+            while !last {
+                match req.peek_next() {
+                    Next::Op(next) if next.device.is_some() && staging.try_add(group, next) => last = req.advance(),
+                    _ => break,
+                }
+            }
+            if last {
                 self.queue.pop_front();
             }
-            let write = req.ops.write;
-            let entry = match (stage, self.staging.as_mut()) {
-                (Some(stage), Some(staging)) if write => {
-                    // GPU -> staging buffer first; the storage write follows in poll_copies.
-                    if let Err(e) = staging.start_to_host(key, stage) {
-                        req.fail(e);
-                        drop_op(req, Some(stage), &mut self.staging);
-                    }
-                    continue;
+            let pieces = staging.pieces(group);
+            self.profiles.group(key, pieces);
+            if write {
+                // GPU -> staging buffer first; the storage writes follow in poll_copies.
+                let t0 = self.profiles.now();
+                let started = staging.start_copy(group);
+                self.profiles.copy_submitted(key, t0);
+                if let Err(e) = started {
+                    req.fail(e);
+                    (0..pieces).for_each(|_| req.op_over());
+                    staging.close(group);
                 }
-                (Some(stage), Some(staging)) => InFlight { req: key, op: staging.host_op(&stage), stage: Some(stage) },
-                _ => InFlight { req: key, op, stage: None },
-            };
-            if let Err(entry) = Table::push(core, &mut self.owners, entry, write) {
-                self.retry.push_front(entry);
-                break;
+                continue;
+            }
+            // READ: each piece's storage read lands at its place in the buffer; they go through
+            // the retry queue, which hands them to the ring as it has room.
+            for piece in 0..pieces as u32 {
+                let stage = Stage { group, piece };
+                self.retry.push_back(InFlight { req: key, op: staging.host_op(stage), stage: Some(stage), since: None });
             }
         }
     }
@@ -348,24 +387,28 @@ impl Table {
         let mut done = std::mem::take(&mut self.copies_done);
         let n = staging.poll(&mut done);
         for c in done.drain(..) {
+            self.profiles.copy_waited(c.owner, c.started);
+            let Some(staging) = self.staging.as_mut() else { break };
             let Some(req) = self.requests.get_mut(c.owner) else {
-                if let Some(s) = self.staging.as_mut() {
-                    s.put(c.stage);
-                }
+                staging.close(c.group);
                 continue;
             };
             match c.result {
-                Err(e) => {
-                    req.fail(e);
-                    drop_op(req, Some(c.stage), &mut self.staging);
-                }
                 Ok(()) if c.then_write && req.is_healthy() => {
-                    let Some(staging) = self.staging.as_ref() else { continue };
-                    let op = staging.host_op(&c.stage);
-                    self.retry.push_back(InFlight { req: c.owner, op, stage: Some(c.stage) });
+                    for piece in 0..c.pieces as u32 {
+                        let stage = Stage { group: c.group, piece };
+                        self.retry.push_back(InFlight { req: c.owner, op: staging.host_op(stage), stage: Some(stage), since: None });
+                    }
                 }
-                // The H2D copy of a READ ended (or the request is failing): the op is done.
-                Ok(()) => drop_op(req, Some(c.stage), &mut self.staging),
+                // The H2D copy of a READ ended, a copy failed, or the request is failing: the
+                // group's pieces are over.
+                result => {
+                    if let Err(e) = result {
+                        req.fail(e);
+                    }
+                    (0..c.pieces).for_each(|_| req.op_over());
+                    staging.close(c.group);
+                }
             }
         }
         self.copies_done = done;
@@ -394,19 +437,13 @@ impl Table {
             tracing::error!("io_uring completion for a request that is not running; ignored");
             return;
         };
+        if let Some(since) = entry.since {
+            self.profiles.io_done(entry.req, since);
+        }
         match req.on_result(&entry.op, res) {
-            Outcome::Complete => match (entry.stage, self.staging.as_mut()) {
-                // A staged READ landed in its buffer: copy it up to the GPU.
-                (Some(stage), Some(staging)) if !req.ops.write && req.is_healthy() => {
-                    if let Err(e) = staging.start_to_device(entry.req, stage) {
-                        req.fail(e);
-                        drop_op(req, Some(stage), &mut self.staging);
-                    }
-                }
-                (stage, _) => drop_op(req, stage, &mut self.staging),
-            },
-            Outcome::Retry(op) => self.retry.push_back(InFlight { req: entry.req, op, stage: entry.stage }),
-            Outcome::Over => drop_op(req, entry.stage, &mut self.staging),
+            Outcome::Complete => io_over(req, entry.stage, true, &mut self.staging, &mut self.profiles),
+            Outcome::Retry(op) => self.retry.push_back(InFlight { req: entry.req, op, stage: entry.stage, since: None }),
+            Outcome::Over => io_over(req, entry.stage, false, &mut self.staging, &mut self.profiles),
         }
         req.settle();
     }
@@ -438,11 +475,31 @@ impl Table {
     }
 }
 
-/// One op of the request is over (done, failed or dropped): release its staging buffer and
-/// count it.
-fn drop_op(req: &mut RequestProgress, stage: Option<Stage>, staging: &mut Option<Staging>) {
-    if let (Some(stage), Some(pool)) = (stage, staging.as_mut()) {
-        pool.put(stage);
+/// One storage I/O of the request ended (`ok`: every byte moved) or was dropped. A staged piece
+/// counts toward its group: a WRITE's buffer is freed after its last piece; a READ's group starts
+/// its one device copy when every piece's read landed (its pieces are over when it ends).
+fn io_over(req: &mut RequestProgress, stage: Option<Stage>, ok: bool, staging: &mut Option<Staging>, profiles: &mut Profiles) {
+    let (Some(s), Some(st)) = (stage, staging.as_mut()) else {
+        req.op_over();
+        return;
+    };
+    let write = req.ops.write;
+    if write || !ok {
+        req.op_over();
     }
-    req.op_over();
+    let Some(end) = st.io_over(s, ok) else { return };
+    if !write && end.ok > 0 && end.failed == 0 && req.is_healthy() {
+        let owner = st.owner(end.group);
+        let t0 = profiles.now();
+        let started = st.start_copy(end.group);
+        profiles.copy_submitted(owner, t0);
+        match started {
+            Ok(()) => return,
+            Err(e) => req.fail(e),
+        }
+    }
+    if !write {
+        (0..end.ok).for_each(|_| req.op_over());
+    }
+    st.close(end.group);
 }

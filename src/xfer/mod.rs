@@ -3,6 +3,7 @@
 
 pub mod driver;
 pub mod plan;
+mod profile;
 pub mod request;
 
 pub use plan::{plan, Plan, XferOp};

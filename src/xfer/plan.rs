@@ -223,14 +223,18 @@ pub unsafe fn plan(
     // Decided after merging, on the final sizes; punted ops run on the page-cache workers
     // (uring/workers.rs). Reads, and the writes of staged VRAM: their device copies overlap the
     // workers' writes, while DRAM writes are written by the calling threads (`inline_writes`).
+    // Staged pieces of any size qualify: the small ones are packed several to a staging buffer
+    // and reach the workers in groups (uring/ring.rs gathers small punted ops into one job).
     for o in &mut ops {
         let kind_ok = op == XferOp::Read || o.device.is_some();
-        o.punt &= kind_ok && ctx.punt_buffered_min > 0 && o.len as u64 >= ctx.punt_buffered_min;
+        let big_enough = o.len as u64 >= ctx.punt_buffered_min || o.device.is_some();
+        o.punt &= kind_ok && ctx.punt_buffered_min > 0 && big_enough;
     }
     let write = op == XferOp::Write;
+    // Reads meant for the page-cache workers are not served by the posting thread.
     Ok(Plan {
         op,
-        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host, ops }),
+        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host && !ops.iter().any(|o| o.punt), ops }),
         registrations: regs.list,
         local_count: local.len(),
         remote_count: remote.len(),

@@ -114,6 +114,66 @@ def test_rocm_vram_staging_round_trip_through_nixl(double, rng, tmp_path, direct
         double.fake_hsa_free_vram(dst_base)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
+def test_rocm_scattered_small_blocks_packed_through_staging(double, rng, tmp_path, direct, direct_ok):
+    """KV-cache pattern: many small blocks at random VRAM slots against random file slots, so no
+    descriptors merge and the staging path packs several pieces into each buffer (one batched copy
+    per buffer). Mixed block sizes (4-64 KiB, plus odd sizes when buffered) with a 256 KiB buffer
+    exercise packing, alignment inside a buffer and a pool that wraps around many times; a second
+    round reuses the prepared handles."""
+    if direct and not direct_ok:
+        pytest.skip("the test directory's filesystem does not support O_DIRECT")
+    slot = 64 * 1024
+    nslots = 192
+    alloc = nslots * slot + H.MiB
+    src_base, src = vram(double, alloc)
+    dst_base, dst = vram(double, alloc)
+    src[:] = H.rand_bytes(rng, alloc)
+    dst[:] = H.rand_bytes(rng, alloc)
+    background = dst.copy()
+    choices = [4096, 16384, 65536, 8192, 40960] if direct else [16384, 65536, 4096, 1000, 16385, 65535]
+    sizes = [int(rng.choice(choices)) for _ in range(nslots)]
+    mem_slots = rng.permutation(nslots).tolist()
+    file_slots = rng.permutation(nslots).tolist()
+    file_size = nslots * slot
+    params = {"gpu_provider": "rocm", "vram_path": "staging", "staging_buffer_size": "262144",
+              "staging_buffers": "4"}
+    agent = H.make_agent(H.PLUGIN, params, name="rocm-kv")
+    rig = H.Rig(agent, H.PLUGIN)
+    path = str(tmp_path / "rocm-kv.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        os.ftruncate(fd, file_size)
+        for base in (src_base, dst_base):
+            rig.regs.append(agent.register_memory([(base, nslots * slot, 0, "")], "VRAM"))
+        rig.reg_fd(fd, file_size)
+        files = [(f * slot, s, fd) for f, s in zip(file_slots, sizes)]
+        w = rig.xfer("WRITE", [(src_base + m * slot, s, 0) for m, s in zip(mem_slots, sizes)], files,
+                     mem_kind="VRAM")
+        r = rig.xfer("READ", [(dst_base + m * slot, s, 0) for m, s in zip(mem_slots, sizes)], files,
+                     mem_kind="VRAM")
+        for round_ in range(2):
+            if round_:
+                src[:] = H.rand_bytes(rng, alloc)
+            rig.run(w, what=f"scattered VRAM WRITE round {round_} (rocm, staging)")
+            on_disk = H.read_file(fd, file_size)
+            for m, f, s in zip(mem_slots, file_slots, sizes):
+                got, want = on_disk[f * slot:f * slot + s], src[m * slot:m * slot + s]
+                assert np.array_equal(got, want), f"file slot {f} ({s} B) after WRITE: " + H.first_diff(got, want)
+            rig.run(r, what=f"scattered VRAM READ round {round_} (rocm, staging)")
+            want = background.copy()
+            for m, s in zip(mem_slots, sizes):
+                want[m * slot:m * slot + s] = src[m * slot:m * slot + s]
+            assert np.array_equal(dst, want), "VRAM after READ: " + H.first_diff(dst, want)
+            background = want
+    finally:
+        rig.close()
+        del rig, agent
+        os.close(fd)
+        double.fake_hsa_free_vram(src_base)
+        double.fake_hsa_free_vram(dst_base)
+
+
 def test_rocm_host_memory_registered_as_vram_is_refused_by_name(double, stderr_log):
     agent = H.make_agent(H.PLUGIN, {"gpu_provider": "rocm", "vram_path": "staging"}, name="rocm-refuse")
     host = H.Buf(1 << 16)

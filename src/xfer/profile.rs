@@ -1,0 +1,106 @@
+//! Opt-in per-request timing breakdown (IO_URING_DMABUF_PROFILE=1): time in storage I/O, in
+//! starting device copies and in waiting for them, with counts, logged once per request at INFO.
+//!
+//! Storage time is the sum of each I/O's time from hand-over to reaped result (queueing on the
+//! workers included, so it exceeds the wall time when I/Os overlap); copy wait is the sum of each
+//! copy's time from start to the poll that saw it end. Off by default: nothing is timed.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+#[derive(Default)]
+struct Profile {
+    start: Option<Instant>,
+    io: Duration,
+    ios: u64,
+    copy_submit: Duration,
+    copy_wait: Duration,
+    copies: u64,
+    groups: u64,
+    pieces: u64,
+}
+
+/// The profiles of running requests, by driver key; empty and inert unless enabled.
+#[derive(Default)]
+pub struct Profiles {
+    on: bool,
+    running: HashMap<usize, Profile>,
+}
+
+impl Profiles {
+    pub fn from_env() -> Profiles {
+        let on = std::env::var("IO_URING_DMABUF_PROFILE").is_ok_and(|v| v == "1");
+        Profiles { on, running: HashMap::new() }
+    }
+
+    pub fn on(&self) -> bool {
+        self.on
+    }
+
+    /// Now, when profiling (a cheap None otherwise).
+    pub fn now(&self) -> Option<Instant> {
+        self.on.then(Instant::now)
+    }
+
+    fn get(&mut self, key: usize) -> Option<&mut Profile> {
+        if !self.on {
+            return None;
+        }
+        Some(self.running.entry(key).or_default())
+    }
+
+    pub fn start(&mut self, key: usize) {
+        if let Some(p) = self.get(key) {
+            *p = Profile { start: Some(Instant::now()), ..Profile::default() };
+        }
+    }
+
+    pub fn io_done(&mut self, key: usize, since: Instant) {
+        if let Some(p) = self.get(key) {
+            p.io += since.elapsed();
+            p.ios += 1;
+        }
+    }
+
+    /// A staging buffer was filled with `pieces` pieces.
+    pub fn group(&mut self, key: usize, pieces: usize) {
+        if let Some(p) = self.get(key) {
+            p.groups += 1;
+            p.pieces += pieces as u64;
+        }
+    }
+
+    pub fn copy_submitted(&mut self, key: usize, t0: Option<Instant>) {
+        if let (Some(t0), Some(p)) = (t0, self.get(key)) {
+            p.copy_submit += t0.elapsed();
+            p.copies += 1;
+        }
+    }
+
+    pub fn copy_waited(&mut self, key: usize, started: Instant) {
+        if let Some(p) = self.get(key) {
+            p.copy_wait += started.elapsed();
+        }
+    }
+
+    /// Logs and forgets the request's profile.
+    pub fn finish(&mut self, key: usize, ok: bool) {
+        if !self.on {
+            return;
+        }
+        let Some(p) = self.running.remove(&key) else { return };
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        tracing::info!(
+            "profile: request {} in {:.3} ms: storage I/O {:.3} ms summed over {} I/Os; device copies: {} started in {:.3} ms, waited {:.3} ms summed; {} staging buffers holding {} pieces",
+            if ok { "done" } else { "failed" },
+            p.start.map_or(0.0, |s| ms(s.elapsed())),
+            ms(p.io),
+            p.ios,
+            p.copies,
+            ms(p.copy_submit),
+            ms(p.copy_wait),
+            p.groups,
+            p.pieces
+        );
+    }
+}
