@@ -87,8 +87,10 @@ impl StagingPool {
 
 /// Pieces up to this size are packed several to a staging buffer (KV-cache blocks of 16-64 KiB at
 /// scattered VRAM addresses and file offsets): one batched device copy per buffer instead of one
-/// copy call each, whose few microseconds dominate at these sizes. Larger pieces keep a buffer each.
-pub const PACK_PIECE_MAX: u64 = 256 << 10;
+/// copy call each, whose few microseconds dominate at these sizes. Larger pieces keep a buffer each:
+/// on the H200, 2048 scattered 256 KiB reads ran at 18.4 GB/s packed 8 to a buffer and at 28.3
+/// GB/s a buffer each (bench/results/2026-12-01-gpu-h200-calls2-3.md).
+pub const PACK_PIECE_MAX: u64 = 128 << 10;
 /// Most pieces in one buffer (one batched copy call).
 const PACK_PIECES_MAX: usize = 256;
 /// Packed pieces start on this alignment in the buffer (O_DIRECT memory alignment).
