@@ -6,18 +6,20 @@
 use std::fmt;
 use std::io;
 
-/// NIXL status numbers (`nixl_status_t`, nixl-headers/nixl_abi.h).
+/// NIXL status numbers (`nixl_status_t`), taken from the bridge's `iud_status` (bindgen), which
+/// `src/shim/engine.cpp` static_asserts against nixl-headers/nixl_abi.h: a drift fails the build.
 pub mod status {
-    pub const IN_PROG: i32 = 1;
-    pub const SUCCESS: i32 = 0;
-    pub const ERR_INVALID_PARAM: i32 = -2;
-    pub const ERR_BACKEND: i32 = -3;
-    pub const ERR_NOT_FOUND: i32 = -4;
-    pub const ERR_MISMATCH: i32 = -5;
-    pub const ERR_NOT_ALLOWED: i32 = -6;
-    pub const ERR_REPOST_ACTIVE: i32 = -7;
-    pub const ERR_NOT_SUPPORTED: i32 = -9;
-    pub const ERR_CANCELED: i32 = -11;
+    use crate::bridge as b;
+    pub const IN_PROG: i32 = b::iud_status_IUD_IN_PROG as i32;
+    pub const SUCCESS: i32 = b::iud_status_IUD_SUCCESS as i32;
+    pub const ERR_INVALID_PARAM: i32 = b::iud_status_IUD_ERR_INVALID_PARAM as i32;
+    pub const ERR_BACKEND: i32 = b::iud_status_IUD_ERR_BACKEND as i32;
+    pub const ERR_NOT_FOUND: i32 = b::iud_status_IUD_ERR_NOT_FOUND as i32;
+    pub const ERR_MISMATCH: i32 = b::iud_status_IUD_ERR_MISMATCH as i32;
+    pub const ERR_NOT_ALLOWED: i32 = b::iud_status_IUD_ERR_NOT_ALLOWED as i32;
+    pub const ERR_REPOST_ACTIVE: i32 = b::iud_status_IUD_ERR_REPOST_ACTIVE as i32;
+    pub const ERR_NOT_SUPPORTED: i32 = b::iud_status_IUD_ERR_NOT_SUPPORTED as i32;
+    pub const ERR_CANCELED: i32 = b::iud_status_IUD_ERR_CANCELED as i32;
 }
 
 /// What went wrong, at the granularity NIXL's status codes can express.
