@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use once_cell::sync::OnceCell;
 
 use crate::bridge::iud_desc;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::cufile::CuFile;
 use crate::gpu::{self, GpuProvider};
 use crate::mem::live::LiveMds;
@@ -43,6 +43,8 @@ pub struct Engine {
     /// devIds of live path-mode FILE registrations (they must be unique per file).
     path_dev_ids: Mutex<HashSet<u64>>,
     fixed_buffer_fallback_logged: AtomicBool,
+    /// Set when a lock is found poisoned; every entry point checks it first.
+    failure: Arc<Failure>,
     /// The GPU provider, loaded on the first VRAM registration.
     gpu: OnceCell<std::result::Result<Arc<dyn GpuProvider>, Error>>,
     recorder: Option<Recorder>,
@@ -85,15 +87,17 @@ impl Engine {
         };
         let recorder = if record_path.is_empty() { None } else { Some(Recorder::open(&record_path)?) };
         tracing::debug!(agent = local_agent, ?params, "IO_URING_DMABUF engine created");
+        let failure = Arc::new(Failure::default());
         Ok(Engine {
             local_agent: local_agent.to_owned(),
             params,
-            driver: Driver::new(Arc::clone(&ring)),
+            driver: Driver::new(Arc::clone(&ring), Arc::clone(&failure)),
             ring,
             routes: Mutex::new(HashMap::new()),
             live: LiveMds::default(),
             path_dev_ids: Mutex::new(HashSet::new()),
             fixed_buffer_fallback_logged: AtomicBool::new(false),
+            failure,
             gpu: OnceCell::new(),
             recorder,
             cufile_exec: OnceCell::new(),
@@ -102,6 +106,7 @@ impl Engine {
 
     /// Registers one descriptor; returns the MD pointer handed to NIXL.
     pub fn register(&self, kind: i32, addr: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<*const c_void> {
+        self.failure.check()?;
         let kind = MemKind::from_nixl(kind)
             .ok_or_else(|| Error::invalid(format!("registerMem: unknown memory kind {kind}")))?;
         if len == 0 {
@@ -200,7 +205,7 @@ impl Engine {
             }
         }
         let key = (mem as *const Registration as usize, file.key());
-        if let Some(r) = self.routes.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+        if let Some(r) = self.failure.lock(&self.routes, "route cache")?.get(&key) {
             return Ok(r.clone());
         }
         let what = match mem {
@@ -220,7 +225,7 @@ impl Engine {
             _ => {}
         }
         tracing::info!("{what} <-> fd {}: {} ({reason})", file.fd, route.describe());
-        self.routes.lock().unwrap_or_else(|p| p.into_inner()).insert(key, route.clone());
+        self.failure.lock(&self.routes, "route cache")?.insert(key, route.clone());
         Ok(route)
     }
 
@@ -231,7 +236,7 @@ impl Engine {
     fn register_storage(&self, kind: MemKind, offset: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<FileRegion> {
         let region = FileRegion::register(Arc::clone(&self.ring), kind, offset, len, dev_id, meta_info, self.params.fixed_files)?;
         if region.owned_path.is_some() {
-            let mut ids = self.path_dev_ids.lock().unwrap_or_else(|p| p.into_inner());
+            let mut ids = self.failure.lock(&self.path_dev_ids, "path-mode devIds")?;
             if !ids.insert(dev_id) {
                 return Err(Error::invalid(format!(
                     "registerMem: path-mode devId {dev_id} is already registered for another file; path-mode devIds must be unique per file"
@@ -247,6 +252,7 @@ impl Engine {
     /// `md` must be a pointer returned by [`Engine::register`] of this engine, not yet
     /// deregistered.
     pub unsafe fn deregister(&self, md: *const c_void) -> Result<()> {
+        self.failure.check()?;
         if md.is_null() {
             return Err(Error::invalid("deregisterMem: null metadata"));
         }
@@ -262,10 +268,10 @@ impl Engine {
         // reference is still counted.
         let reg = unsafe { Arc::from_raw(md.cast::<Registration>()) };
         // A later registration may reuse the address once this one is gone.
-        self.routes.lock().unwrap_or_else(|p| p.into_inner()).retain(|(m, _), _| *m != md as usize);
+        self.failure.lock(&self.routes, "route cache")?.retain(|(m, _), _| *m != md as usize);
         if let Registration::Storage(f) = &*reg {
             if f.owned_path.is_some() {
-                self.path_dev_ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&f.dev_id);
+                self.failure.lock(&self.path_dev_ids, "path-mode devIds")?.remove(&f.dev_id);
             }
         }
         drop(reg);
@@ -286,6 +292,7 @@ impl Engine {
         remote: &[iud_desc],
         remote_agent: &str,
     ) -> Result<Box<Request>> {
+        self.failure.check()?;
         let op = XferOp::from_nixl(op)?;
         if remote_agent != self.local_agent {
             return Err(Error::invalid(format!(
@@ -314,7 +321,7 @@ impl Engine {
                 f.check_still_open()?;
             }
         }
-        let key = self.driver.add_request(Arc::clone(&plan.ops));
+        let key = self.driver.add_request(Arc::clone(&plan.ops))?;
         let cufile = plan.cufile.then(|| Arc::new(CufileProgress::default()));
         let req = Box::new(Request { key, plan, cufile });
         if let Some(r) = &self.recorder {
@@ -325,6 +332,7 @@ impl Engine {
 
     /// Starts a prepared request; Ok(Done) when it completed during the call.
     pub fn post(&self, req: &Request, op: i32, local_count: usize, remote_count: usize) -> Result<Progress> {
+        self.failure.check()?;
         let op = XferOp::from_nixl(op)?;
         if op != req.plan.op || local_count != req.plan.local_count || remote_count != req.plan.remote_count {
             return Err(Error::new(
@@ -374,6 +382,7 @@ impl Engine {
 
     /// Reaps completions without blocking; Ok(Done) once the request finished.
     pub fn check(&self, req: &Request) -> Result<Progress> {
+        self.failure.check()?;
         match &req.cufile {
             Some(progress) => progress.status(),
             None => self.driver.check(req.key, self.params.inline_write_max),
@@ -383,6 +392,9 @@ impl Engine {
     /// Releases a request, aborting it if it is in flight. On error the request is handed back
     /// (NIXL keeps it and may try again).
     pub fn release(&self, req: Box<Request>) -> std::result::Result<(), (Box<Request>, Error)> {
+        if let Err(e) = self.failure.check() {
+            return Err((req, e));
+        }
         if let Some(r) = &self.recorder {
             r.release(req.id());
         }
@@ -395,5 +407,32 @@ impl Engine {
             Ok(()) => Ok(()),
             Err(e) => Err((req, e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::status;
+
+    #[test]
+    fn a_poisoned_lock_makes_every_later_call_an_error_not_a_panic() {
+        let e = Engine::new("agent", []).expect("engine");
+        let buf = vec![0u8; 4096];
+        let md = e.register(0, buf.as_ptr() as u64, buf.len() as u64, 0, "").expect("register DRAM");
+        std::thread::scope(|s| {
+            let poisoner = s.spawn(|| {
+                let _g = e.routes.lock().unwrap();
+                panic!("panic while holding the route cache lock (on purpose)");
+            });
+            assert!(poisoner.join().is_err());
+        });
+        // SAFETY: md came from register() above and is deregistered once.
+        let err = unsafe { e.deregister(md) }.unwrap_err();
+        assert_eq!(err.to_status(), status::ERR_BACKEND);
+        assert!(err.message.contains("route cache is poisoned"), "{}", err.message);
+        let err = e.register(0, buf.as_ptr() as u64, buf.len() as u64, 0, "").unwrap_err();
+        assert_eq!(err.to_status(), status::ERR_BACKEND);
+        assert!(err.message.contains("failed earlier"), "{}", err.message);
     }
 }

@@ -5,19 +5,25 @@
 
 use std::fmt;
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
-/// NIXL status numbers (`nixl_status_t`, nixl-headers/nixl_abi.h).
+use once_cell::sync::OnceCell;
+
+/// NIXL status numbers (`nixl_status_t`), taken from the bridge's `iud_status` (bindgen), which
+/// `src/shim/engine.cpp` static_asserts against nixl-headers/nixl_abi.h: a drift fails the build.
 pub mod status {
-    pub const IN_PROG: i32 = 1;
-    pub const SUCCESS: i32 = 0;
-    pub const ERR_INVALID_PARAM: i32 = -2;
-    pub const ERR_BACKEND: i32 = -3;
-    pub const ERR_NOT_FOUND: i32 = -4;
-    pub const ERR_MISMATCH: i32 = -5;
-    pub const ERR_NOT_ALLOWED: i32 = -6;
-    pub const ERR_REPOST_ACTIVE: i32 = -7;
-    pub const ERR_NOT_SUPPORTED: i32 = -9;
-    pub const ERR_CANCELED: i32 = -11;
+    use crate::bridge as b;
+    pub const IN_PROG: i32 = b::iud_status_IUD_IN_PROG as i32;
+    pub const SUCCESS: i32 = b::iud_status_IUD_SUCCESS as i32;
+    pub const ERR_INVALID_PARAM: i32 = b::iud_status_IUD_ERR_INVALID_PARAM as i32;
+    pub const ERR_BACKEND: i32 = b::iud_status_IUD_ERR_BACKEND as i32;
+    pub const ERR_NOT_FOUND: i32 = b::iud_status_IUD_ERR_NOT_FOUND as i32;
+    pub const ERR_MISMATCH: i32 = b::iud_status_IUD_ERR_MISMATCH as i32;
+    pub const ERR_NOT_ALLOWED: i32 = b::iud_status_IUD_ERR_NOT_ALLOWED as i32;
+    pub const ERR_REPOST_ACTIVE: i32 = b::iud_status_IUD_ERR_REPOST_ACTIVE as i32;
+    pub const ERR_NOT_SUPPORTED: i32 = b::iud_status_IUD_ERR_NOT_SUPPORTED as i32;
+    pub const ERR_CANCELED: i32 = b::iud_status_IUD_ERR_CANCELED as i32;
 }
 
 /// What went wrong, at the granularity NIXL's status codes can express.
@@ -91,6 +97,36 @@ impl fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+/// An engine's failed state. A lock found poisoned (a thread panicked while holding it) sets it;
+/// from then on every engine call answers an error naming the cause instead of panicking or
+/// carrying on with state a panic left half-updated.
+#[derive(Debug, Default)]
+pub struct Failure {
+    failed: AtomicBool,
+    cause: OnceCell<String>,
+}
+
+impl Failure {
+    /// Err once the engine has failed; checked at the top of every engine entry point.
+    pub fn check(&self) -> Result<()> {
+        if !self.failed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let cause = self.cause.get().map_or("unknown cause", String::as_str);
+        Err(Error::backend(format!("the engine failed earlier and answers every call with an error: {cause}")))
+    }
+
+    /// Locks `m`; a poisoned lock marks the engine failed and becomes an error naming `what`.
+    pub fn lock<'a, T>(&self, m: &'a Mutex<T>, what: &str) -> Result<MutexGuard<'a, T>> {
+        m.lock().map_err(|_| {
+            let cause = format!("internal lock {what} is poisoned (a thread panicked while holding it)");
+            let _ = self.cause.set(cause.clone());
+            self.failed.store(true, Ordering::Release);
+            Error::backend(format!("{cause}; the engine is now failed and answers every call with an error"))
+        })
+    }
+}
 
 /// "EIO (Input/output error)" style text for an OS error.
 pub fn describe_os_error(err: &io::Error) -> String {
@@ -166,5 +202,24 @@ mod tests {
         let e = Error::os("pwrite fd 7", &io::Error::from_raw_os_error(libc::ENOSPC));
         assert_eq!(e.message, "pwrite fd 7: ENOSPC (No space left on device)");
         assert_eq!(e.to_status(), status::ERR_BACKEND);
+    }
+
+    #[test]
+    fn a_poisoned_lock_fails_the_engine_instead_of_panicking() {
+        let failure = Failure::default();
+        let m = std::sync::Arc::new(Mutex::new(0u32));
+        let m2 = std::sync::Arc::clone(&m);
+        let _ = std::thread::spawn(move || {
+            let _g = m2.lock().unwrap();
+            panic!("panic while holding the lock (on purpose)");
+        })
+        .join();
+        assert!(failure.check().is_ok());
+        let e = failure.lock(&m, "test").unwrap_err();
+        assert_eq!(e.to_status(), status::ERR_BACKEND);
+        assert!(e.message.contains("internal lock test is poisoned"), "{}", e.message);
+        let e = failure.check().unwrap_err();
+        assert_eq!(e.to_status(), status::ERR_BACKEND);
+        assert!(e.message.contains("failed earlier") && e.message.contains("lock test"), "{}", e.message);
     }
 }

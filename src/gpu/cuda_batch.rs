@@ -9,7 +9,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use once_cell::sync::OnceCell;
 
 use cudarc::driver::sys;
 
@@ -51,7 +51,7 @@ static DISABLED: AtomicBool = AtomicBool::new(false);
 static LOGGED: AtomicBool = AtomicBool::new(false);
 
 fn entry() -> Option<Entry> {
-    static ENTRY: OnceLock<Option<Entry>> = OnceLock::new();
+    static ENTRY: OnceCell<Option<Entry>> = OnceCell::new();
     *ENTRY.get_or_init(|| {
         let found = catch_unwind(AssertUnwindSafe(|| {
             // SAFETY: culib() opens the driver library Cuda::load already found; the symbols are

@@ -7,7 +7,8 @@
  * Rust hands the shim one table of function pointers (iud_rust_api) when nixl_plugin_init runs;
  * no Rust symbol besides the two NIXL entry points is exported from the plugin.
  *
- * Status values are NIXL's nixl_status_t numbers.
+ * Status values are NIXL's nixl_status_t numbers: iud_status names the ones the engine returns;
+ * engine.cpp static_asserts each against nixl_abi.h, and Rust takes them from here (bindgen).
  */
 #ifndef IUD_BRIDGE_H
 #define IUD_BRIDGE_H
@@ -19,6 +20,20 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* The nixl_status_t numbers the engine returns (checked against nixl_abi.h in engine.cpp). */
+typedef enum iud_status {
+    IUD_IN_PROG = 1,
+    IUD_SUCCESS = 0,
+    IUD_ERR_INVALID_PARAM = -2,
+    IUD_ERR_BACKEND = -3,
+    IUD_ERR_NOT_FOUND = -4,
+    IUD_ERR_MISMATCH = -5,
+    IUD_ERR_NOT_ALLOWED = -6,
+    IUD_ERR_REPOST_ACTIVE = -7,
+    IUD_ERR_NOT_SUPPORTED = -9,
+    IUD_ERR_CANCELED = -11,
+} iud_status;
 
 /* One transfer descriptor. Same layout as NIXL's nixlMetaDesc (addr, len, devId, MD pointer), so
  * the shim passes the agent's descriptor vector straight through without copying. `md` is the

@@ -13,6 +13,18 @@
 #include <string>
 #include <vector>
 
+// The Rust engine's status numbers come from iud_status (bindgen); a drift from nixl_abi.h fails here.
+static_assert(IUD_IN_PROG == static_cast<int>(NIXL_IN_PROG));
+static_assert(IUD_SUCCESS == static_cast<int>(NIXL_SUCCESS));
+static_assert(IUD_ERR_INVALID_PARAM == static_cast<int>(NIXL_ERR_INVALID_PARAM));
+static_assert(IUD_ERR_BACKEND == static_cast<int>(NIXL_ERR_BACKEND));
+static_assert(IUD_ERR_NOT_FOUND == static_cast<int>(NIXL_ERR_NOT_FOUND));
+static_assert(IUD_ERR_MISMATCH == static_cast<int>(NIXL_ERR_MISMATCH));
+static_assert(IUD_ERR_NOT_ALLOWED == static_cast<int>(NIXL_ERR_NOT_ALLOWED));
+static_assert(IUD_ERR_REPOST_ACTIVE == static_cast<int>(NIXL_ERR_REPOST_ACTIVE));
+static_assert(IUD_ERR_NOT_SUPPORTED == static_cast<int>(NIXL_ERR_NOT_SUPPORTED));
+static_assert(IUD_ERR_CANCELED == static_cast<int>(NIXL_ERR_CANCELED));
+
 // The shim hands NIXL's descriptor vector to Rust as iud_desc[] without copying.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Winvalid-offsetof"

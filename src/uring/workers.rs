@@ -308,6 +308,6 @@ const PAGE_CACHE_WORKERS_MAX: usize = 8;
 /// How many page-cache worker threads an engine starts: half the CPUs, 2 to 8. Asked once per
 /// process (the planner uses it per request; the answer reads cgroup files).
 pub fn page_cache_threads() -> usize {
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    static THREADS: once_cell::sync::OnceCell<usize> = once_cell::sync::OnceCell::new();
     *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get() / 2).clamp(2, PAGE_CACHE_WORKERS_MAX))
 }

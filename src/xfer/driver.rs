@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use slab::Slab;
 
 use super::request::{Next, Outcome, RequestOps, RequestProgress};
-use crate::error::{describe_os_error, Error, Result};
+use crate::error::{describe_os_error, Error, Failure, Result};
 use crate::gpu::GpuProvider;
 use crate::path::direct;
 use crate::path::staging::{CopyDone, Stage, Staging, StagingPool};
@@ -70,21 +70,23 @@ struct Table {
 pub struct Driver {
     ring: Arc<Ring>,
     table: Mutex<Table>,
+    /// The engine's failed state, set when the table's lock is found poisoned.
+    failure: Arc<Failure>,
 }
 
 impl Driver {
-    pub fn new(ring: Arc<Ring>) -> Driver {
+    pub fn new(ring: Arc<Ring>, failure: Arc<Failure>) -> Driver {
         let table = Table { profiles: Profiles::from_env(), ..Table::default() };
-        Driver { ring, table: Mutex::new(table) }
+        Driver { ring, table: Mutex::new(table), failure }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Table> {
-        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> Result<MutexGuard<'_, Table>> {
+        self.failure.lock(&self.table, "request table")
     }
 
     /// Creates the staging pool on first use (later calls do nothing).
     pub fn enable_staging(&self, provider: Arc<dyn GpuProvider>, buffer_size: u64, count: u32) -> Result<()> {
-        let mut t = self.lock();
+        let mut t = self.lock()?;
         if t.staging.is_some() {
             return Ok(());
         }
@@ -104,34 +106,34 @@ impl Driver {
     }
 
     /// Adds a prepared request; it starts idle.
-    pub fn add_request(&self, ops: Arc<RequestOps>) -> RequestKey {
-        RequestKey(self.lock().requests.insert(RequestProgress::new(ops)))
+    pub fn add_request(&self, ops: Arc<RequestOps>) -> Result<RequestKey> {
+        Ok(RequestKey(self.lock()?.requests.insert(RequestProgress::new(ops))))
     }
 
     /// Starts (or restarts) a request. Returns Done when everything completed during the call.
     /// `inline_budget`: bytes of buffered writes this thread may write itself (0 = none).
     pub fn post(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
-        let mut t = self.lock();
+        let mut t = self.lock()?;
         let req = t.requests.get_mut(key.0).ok_or_else(|| Error::backend("postXfer: unknown request handle"))?;
         if let Some(done) = req.start()? {
             return Ok(done);
         }
         t.profiles.start(key.0);
-        let mut t = self.read_inline_if_cached(t, key.0, inline_budget == u64::MAX);
+        let mut t = self.read_inline_if_cached(t, key.0, inline_budget == u64::MAX)?;
         if let Ok(Progress::Done) = t.status(key.0) {
             return Ok(Progress::Done);
         }
         t.queue.push_back(key.0);
-        let mut t = self.help_with_writes(t, key.0, inline_budget);
+        let mut t = self.help_with_writes(t, key.0, inline_budget)?;
         t.progress(&self.ring)?;
         t.finished_status(key.0)
     }
 
     /// Reaps completions (for every request) without blocking and reports this request's state.
     pub fn check(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
-        let mut t = self.lock();
+        let mut t = self.lock()?;
         t.progress(&self.ring)?;
-        let mut t = self.help_with_writes(t, key.0, inline_budget);
+        let mut t = self.help_with_writes(t, key.0, inline_budget)?;
         t.progress(&self.ring)?;
         t.finished_status(key.0)
     }
@@ -140,40 +142,40 @@ impl Driver {
     /// pwrite(2) in this thread, without holding the lock while writing. Page-cache writes are
     /// memory copies: done here they avoid a hand-off to io_uring's worker per I/O (which is what
     /// makes libaio fast on buffered files), while the ring keeps a few in flight meanwhile.
-    fn help_with_writes<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize, budget: u64) -> MutexGuard<'a, Table> {
-        let Some(req) = t.requests.get_mut(key) else { return t };
-        let Some((start, end)) = req.take_inline_writes(budget) else { return t };
+    fn help_with_writes<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize, budget: u64) -> Result<MutexGuard<'a, Table>> {
+        let Some(req) = t.requests.get_mut(key) else { return Ok(t) };
+        let Some((start, end)) = req.take_inline_writes(budget) else { return Ok(t) };
         let ops = Arc::clone(&req.ops);
         drop(t);
         let result = direct::write_all(&ops.ops[start..end]);
-        let mut t = self.lock();
+        let mut t = self.lock()?;
         // The request still exists: release waits until no op is outstanding.
         if let Some(req) = t.requests.get_mut(key) {
             req.inline_writes_done(end - start, result);
         }
-        t
+        Ok(t)
     }
 
     /// Serves a small buffered read request from the page cache in this thread, without holding
     /// the lock while copying; what it could not serve stays for the ring. With `any_size` (few
     /// CPUs: `inline_write_max=auto` below 8) requests of any size are tried, as buffered writes
     /// are: copying in the calling thread beats a ring round trip when cores are few and busy.
-    fn read_inline_if_cached<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize, any_size: bool) -> MutexGuard<'a, Table> {
-        let Some(req) = t.requests.get_mut(key) else { return t };
+    fn read_inline_if_cached<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize, any_size: bool) -> Result<MutexGuard<'a, Table>> {
+        let Some(req) = t.requests.get_mut(key) else { return Ok(t) };
         let ops = Arc::clone(&req.ops);
         let small = ops.ops.len() <= INLINE_READ_MAX_OPS && ops.ops.iter().map(|o| o.len as u64).sum::<u64>() <= INLINE_READ_MAX_BYTES;
         if !ops.inline_reads || !(small || any_size) {
-            return t;
+            return Ok(t);
         }
-        let Some(n) = req.take_inline_read() else { return t };
+        let Some(n) = req.take_inline_read() else { return Ok(t) };
         drop(t);
         let done = direct::read_cached_prefix(&ops.ops);
-        let mut t = self.lock();
+        let mut t = self.lock()?;
         // The request still exists: release waits until no op is outstanding.
         if let Some(req) = t.requests.get_mut(key) {
             req.inline_read_done(n, done);
         }
-        t
+        Ok(t)
     }
 
     /// Removes a request. One still in flight is aborted: its queued ops are dropped, its
@@ -184,7 +186,7 @@ impl Driver {
         loop {
             // Re-locked every round so that threads writing this request's ops inline can
             // report back.
-            let mut t = self.lock();
+            let mut t = self.lock()?;
             let running = t.requests.get(key.0).is_some_and(RequestProgress::is_running);
             if !running {
                 if t.requests.contains(key.0) {
