@@ -15,13 +15,17 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 (cd "$out/site" && for w in ../wheels/*.whl; do unzip -q -o "$w"; done)
 python3 - "$out/site" <<'PY'
 # Keep the Python packages and the shared-library closure of libnixl, the bindings and the
-# plugins the GPU runs compare against; drop the rest (UCX, object stores, EP kernels).
+# plugins the GPU runs compare against, and UCX; drop the rest (object stores, EP kernels).
 import os, shutil, subprocess, sys
 site = sys.argv[1]
 os.chdir(site)
 roots = [".nixl_cu13.mesonpy.libs/libnixl.so", ".nixl_cu13.mesonpy.libs/libnixl_capi.so",
          "nixl_cu13/_bindings.cpython-312-x86_64-linux-gnu.so", "nixl_cu13/_utils.cpython-312-x86_64-linux-gnu.so"]
-roots += [f".nixl_cu13.mesonpy.libs/plugins/libplugin_{p}.so" for p in ("POSIX", "GDS", "GDS_MT")]
+roots += [f".nixl_cu13.mesonpy.libs/plugins/libplugin_{p}.so" for p in ("POSIX", "GDS", "GDS_MT", "UCX")]
+# UCX loads its transports with dlopen (no NEEDED entry): keep them, less the perftest modules (7 MB),
+# for tests/remote (the storage node over UCX, client VRAM through UCX's CUDA transports).
+roots += [os.path.join("nixl_cu13.libs/ucx", f) for f in os.listdir("nixl_cu13.libs/ucx")
+          if ".so" in f and "perftest" not in f] if os.path.isdir("nixl_cu13.libs/ucx") else []
 index = {}
 for d in (".nixl_cu13.mesonpy.libs", "nixl_cu13.libs"):
     for f in os.listdir(d):
