@@ -6,7 +6,7 @@
 use std::fmt;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use once_cell::sync::OnceCell;
 
@@ -48,18 +48,66 @@ pub enum ErrorKind {
     Canceled,
 }
 
-/// An engine error: a kind plus the full message for the log line.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// An engine error: a kind, the full message for the log line, the structured context a caller
+/// or test can inspect without parsing text, and the lower-level error that caused it.
+#[derive(Debug, Clone)]
 pub struct Error {
     pub kind: ErrorKind,
     pub message: String,
+    pub context: Context,
+    /// The lower-level error (an OS error, a vendor error), shared so `Error` stays `Clone`.
+    pub source: Option<Arc<dyn std::error::Error + Send + Sync>>,
 }
+
+/// Where an error happened, as far as the code that raised it knows.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Context {
+    /// Index of the descriptor in the request's (or registration's) list.
+    pub descriptor: Option<usize>,
+    pub fd: Option<i32>,
+    pub offset: Option<u64>,
+    pub errno: Option<i32>,
+    /// A vendor library's status: (library, status code), e.g. ("cuda", 700).
+    pub vendor: Option<(&'static str, i64)>,
+}
+
+impl PartialEq for Error {
+    /// Errors compare by what they say; the source is the cause of the message, not a second value.
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.message == other.message && self.context == other.context
+    }
+}
+impl Eq for Error {}
 
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into() }
+        Error { kind, message: message.into(), context: Context::default(), source: None }
+    }
+    pub fn with_descriptor(mut self, index: usize) -> Self {
+        self.context.descriptor = Some(index);
+        self
+    }
+    pub fn with_fd(mut self, fd: i32) -> Self {
+        self.context.fd = Some(fd);
+        self
+    }
+    pub fn with_offset(mut self, offset: u64) -> Self {
+        self.context.offset = Some(offset);
+        self
+    }
+    pub fn with_errno(mut self, errno: i32) -> Self {
+        self.context.errno = Some(errno);
+        self
+    }
+    pub fn with_vendor(mut self, library: &'static str, status: i64) -> Self {
+        self.context.vendor = Some((library, status));
+        self
+    }
+    pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.source = Some(Arc::new(source));
+        self
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidParam, message)
@@ -72,7 +120,12 @@ impl Error {
     }
     /// A failed system call: the message names the call's context and the errno.
     pub fn os(context: impl fmt::Display, err: &io::Error) -> Self {
-        Self::backend(format!("{context}: {}", describe_os_error(err)))
+        let e = Self::backend(format!("{context}: {}", describe_os_error(err)));
+        let e = match err.raw_os_error() {
+            Some(code) => e.with_errno(code),
+            None => e,
+        };
+        e.with_source(io::Error::new(err.kind(), err.to_string()))
     }
 
     /// The one mapping from engine errors to NIXL status numbers.
@@ -96,7 +149,11 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
 
 /// An engine's failed state. A lock found poisoned (a thread panicked while holding it) sets it;
 /// from then on every engine call answers an error naming the cause instead of panicking or
@@ -202,6 +259,8 @@ mod tests {
         let e = Error::os("pwrite fd 7", &io::Error::from_raw_os_error(libc::ENOSPC));
         assert_eq!(e.message, "pwrite fd 7: ENOSPC (No space left on device)");
         assert_eq!(e.to_status(), status::ERR_BACKEND);
+        assert_eq!(e.context.errno, Some(libc::ENOSPC));
+        assert!(std::error::Error::source(&e).is_some());
     }
 
     #[test]
