@@ -9,5 +9,5 @@ mod slots;
 mod workers;
 
 pub use op::{FileRef, IoOp, Progress};
-pub use ring::{CoreGuard, FileKey, Ring, RingCore, Submission, MAX_FIXED_BUFFER};
+pub use ring::{CoreGuard, FileKey, Ring, RingCore, Submission, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
 pub use workers::page_cache_threads;

@@ -22,7 +22,7 @@ use io_uring::{opcode, types, IoUring};
 use super::dmabuf_uapi;
 use super::op::IoOp;
 use super::slots::SlotPool;
-use super::workers::{page_cache_threads, Job, PageCacheWorkers};
+use super::workers::{page_cache_threads, Job, PageCacheWorkers, QueueHelper};
 use crate::error::{describe_os_error, Error, Result};
 
 /// user_data of SQEs whose completions carry no information (cancellations).
@@ -62,7 +62,7 @@ enum Retired {
 /// thread hand-off costs a few microseconds, as much as copying 16 KiB from the page cache, so
 /// KV-cache blocks of 16-64 KiB go to the workers in groups (larger ops stay one job each, so a
 /// request's big pieces still spread over all threads).
-const WORKER_BATCH_BYTES: u64 = 256 << 10;
+pub const WORKER_JOB_BYTES: u64 = 256 << 10;
 
 /// The ring of one engine.
 pub struct Ring {
@@ -86,7 +86,7 @@ pub struct RingCore {
     on_workers: usize,
     /// Threads for page-cache I/O (`IoOp::punt`), started on first use.
     workers: Option<PageCacheWorkers>,
-    /// Small punted ops gathered into one worker job (see `WORKER_BATCH_BYTES`), handed over at
+    /// Small punted ops gathered into one worker job (see `WORKER_JOB_BYTES`), handed over at
     /// the next `submit` or when full.
     batch: Vec<Job>,
     batch_bytes: u64,
@@ -317,6 +317,11 @@ impl RingCore {
         self.on_workers > 0
     }
 
+    /// The workers' queue, for a caller that runs queued reads itself while ops are on it.
+    pub fn page_cache_helper(&self) -> Option<QueueHelper> {
+        self.workers.as_ref().filter(|_| self.on_workers > 0).map(PageCacheWorkers::helper)
+    }
+
     /// Queues one op: a punted op goes to the page-cache workers (started on first use), any
     /// other into the SQ, submitting first when the SQ is full. False when there is still no
     /// room (the caller keeps the op for later).
@@ -359,13 +364,13 @@ impl RingCore {
         let op = s.op;
         let job = Job { token: s.token, fd: op.fd, offset: op.file_offset, addr: op.addr, len: op.len, write: s.write };
         self.on_workers += 1;
-        if u64::from(op.len) >= WORKER_BATCH_BYTES {
+        if u64::from(op.len) >= WORKER_JOB_BYTES {
             w.submit(job);
             return true;
         }
         self.batch.push(job);
         self.batch_bytes += u64::from(op.len);
-        if self.batch_bytes >= WORKER_BATCH_BYTES {
+        if self.batch_bytes >= WORKER_JOB_BYTES {
             self.flush_batch();
         }
         true

@@ -10,6 +10,12 @@
 //! so one request's copies really run on several cores.
 //!
 //! Completions are collected by the core under its lock (`take_done`), exactly like CQEs.
+//!
+//! The thread that posts or polls a request helps (`QueueHelper::run_queued_reads`): it takes
+//! queued read jobs off the same queue and runs them with RWF_NOWAIT, so the thread that would
+//! otherwise spin in checkXfer copies too. On a quiet machine that adds a core; on a busy one,
+//! where the workers may not get a core soon, the caller does the work itself instead of
+//! waiting for them (what made hand-offs lose on a loaded 2-core machine).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -84,6 +90,11 @@ impl PageCacheWorkers {
         self.threads.len()
     }
 
+    /// A handle with which a posting or polling thread runs queued reads itself.
+    pub fn helper(&self) -> QueueHelper {
+        QueueHelper { shared: Arc::clone(&self.shared) }
+    }
+
     /// Queues a job. The memory and the fd must stay valid until its result is taken.
     pub fn submit(&self, job: Job) {
         self.submit_batch(vec![job]);
@@ -144,6 +155,73 @@ impl Drop for PageCacheWorkers {
         self.shared.job_ready.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+    }
+}
+
+/// The workers' queue as seen by a thread that would otherwise wait for them.
+pub struct QueueHelper {
+    shared: Arc<Shared>,
+}
+
+impl QueueHelper {
+    /// Runs queued read batches in this thread, front first, until no read batch is queued or a
+    /// read would block (pages not cached: that batch goes back to the front for the workers,
+    /// whose reads may block). Write batches are left to the workers. Returns how many jobs
+    /// finished here; their results are taken by `take_done` like the workers' own.
+    pub fn run_queued_reads(&self) -> usize {
+        let s = &*self.shared;
+        let mut ran = 0;
+        loop {
+            let batch = {
+                let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
+                match q.jobs.front() {
+                    Some(b) if b.first().is_some_and(|j| !j.write) => q.jobs.pop_front().unwrap_or_default(),
+                    _ => return ran,
+                }
+            };
+            let mut results = Vec::with_capacity(batch.len());
+            let mut blocked_at = None;
+            for (i, job) in batch.iter().enumerate() {
+                match read_nowait(job) {
+                    Some(res) => results.push((job.token, res)),
+                    None => {
+                        blocked_at = Some(i);
+                        break;
+                    }
+                }
+            }
+            ran += results.len();
+            let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
+            q.done.extend(results);
+            if let Some(i) = blocked_at {
+                q.jobs.push_front(batch[i..].to_vec());
+                drop(q);
+                s.job_ready.notify_one();
+                s.done_ready.notify_all();
+                return ran;
+            }
+            drop(q);
+            s.done_ready.notify_all();
+        }
+    }
+}
+
+/// A page-cache read that must not wait for the disk: Some(bytes or -errno), or None when the
+/// pages are not cached (or the file system cannot say so without blocking).
+fn read_nowait(job: &Job) -> Option<i32> {
+    let iov = libc::iovec { iov_base: job.addr as *mut libc::c_void, iov_len: job.len as usize };
+    loop {
+        // SAFETY: as for `run`: the core keeps the memory and the fd valid until it takes this
+        // job's result, and the job is off the queue, so no other thread runs it.
+        let n = unsafe { libc::preadv2(job.fd, &iov, 1, job.offset as libc::off_t, libc::RWF_NOWAIT) };
+        if n >= 0 {
+            return Some(n as i32);
+        }
+        match std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) {
+            libc::EINTR => continue,
+            libc::EAGAIN | libc::EOPNOTSUPP => return None,
+            errno => return Some(-errno),
         }
     }
 }
@@ -305,9 +383,10 @@ mod tests {
 /// Page-cache workers for punted ops: more threads than this rarely help one file's copies.
 const PAGE_CACHE_WORKERS_MAX: usize = 8;
 
-/// How many page-cache worker threads an engine starts: half the CPUs, 2 to 8. Asked once per
-/// process (the planner uses it per request; the answer reads cgroup files).
+/// How many page-cache worker threads an engine starts: half the CPUs, 1 to 8 (the posting and
+/// polling threads help, so 2 CPUs get one worker beside the caller). Asked once per process
+/// (the planner uses it per request; the answer reads cgroup files).
 pub fn page_cache_threads() -> usize {
     static THREADS: once_cell::sync::OnceCell<usize> = once_cell::sync::OnceCell::new();
-    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get() / 2).clamp(2, PAGE_CACHE_WORKERS_MAX))
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get() / 2).clamp(1, PAGE_CACHE_WORKERS_MAX))
 }

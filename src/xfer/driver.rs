@@ -126,6 +126,7 @@ impl Driver {
         t.queue.push_back(key.0);
         let mut t = self.help_with_writes(t, key.0, inline_budget)?;
         t.progress(&self.ring)?;
+        let mut t = self.help_page_cache_workers(t)?;
         t.finished_status(key.0)
     }
 
@@ -135,7 +136,31 @@ impl Driver {
         t.progress(&self.ring)?;
         let mut t = self.help_with_writes(t, key.0, inline_budget)?;
         t.progress(&self.ring)?;
+        let mut t = self.help_page_cache_workers(t)?;
         t.finished_status(key.0)
+    }
+
+    /// Runs reads queued for the page-cache workers in this thread, without holding the lock
+    /// while copying, refilling the queue from waiting requests between rounds, until none is
+    /// left to take (the rest runs on the workers or waits for the disk). A thread that posts or
+    /// polls would otherwise wait for the workers: on a busy machine they may get no core soon.
+    fn help_page_cache_workers<'a>(&'a self, mut t: MutexGuard<'a, Table>) -> Result<MutexGuard<'a, Table>> {
+        loop {
+            let Some(helper) = self.ring.lock().page_cache_helper() else { return Ok(t) };
+            drop(t);
+            let ran = helper.run_queued_reads();
+            t = self.lock()?;
+            t.progress(&self.ring)?;
+            if ran == 0 {
+                // Only the workers' own jobs are left: give them this core (a spinning poller
+                // would otherwise keep a worker that holds the last job off the CPU).
+                drop(t);
+                std::thread::yield_now();
+                t = self.lock()?;
+                t.progress(&self.ring)?;
+                return Ok(t);
+            }
+        }
     }
 
     /// Writes up to `budget` bytes of the request's not-yet-started buffered writes with

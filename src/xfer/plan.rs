@@ -16,7 +16,7 @@ use crate::error::{Error, ErrorKind, Result};
 use super::request::RequestOps;
 use crate::mem::{FileRegion, MemKind, Registration};
 use crate::path::{direct, dmabuf, staging, Route};
-use crate::uring::{page_cache_threads, IoOp, MAX_FIXED_BUFFER};
+use crate::uring::{page_cache_threads, IoOp, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
 
 /// NIXL's transfer direction: READ = storage -> memory, WRITE = memory -> storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,7 +145,8 @@ fn staged_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
 /// became two 4 MiB reads), but never below `punt_buffered_min` (smaller ones are not punted).
 fn worker_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
     let request: u64 = local.iter().map(|l| l.len).sum();
-    let share = (request / page_cache_threads() as u64).div_ceil(4096) * 4096;
+    // The workers and the posting thread, which runs queued reads too.
+    let share = (request / (page_cache_threads() as u64 + 1)).div_ceil(4096) * 4096;
     share.max(ctx.punt_buffered_min)
 }
 
@@ -225,9 +226,12 @@ pub unsafe fn plan(
     // workers' writes, while DRAM writes are written by the calling threads (`inline_writes`).
     // Staged pieces of any size qualify: the small ones are packed several to a staging buffer
     // and reach the workers in groups (uring/ring.rs gathers small punted ops into one job).
+    // A host request no larger than one worker job stays with the posting thread: one job
+    // cannot be spread, and the hand-off would only add a wake-up.
+    let spreadable = total_bytes > WORKER_JOB_BYTES;
     for o in &mut ops {
         let kind_ok = op == XferOp::Read || o.device.is_some();
-        let big_enough = o.len as u64 >= ctx.punt_buffered_min || o.device.is_some();
+        let big_enough = (o.len as u64 >= ctx.punt_buffered_min && spreadable) || o.device.is_some();
         o.punt &= kind_ok && ctx.punt_buffered_min > 0 && big_enough;
     }
     let write = op == XferOp::Write;
