@@ -24,8 +24,10 @@ roots = [".nixl_cu13.mesonpy.libs/libnixl.so", ".nixl_cu13.mesonpy.libs/libnixl_
 roots += [f".nixl_cu13.mesonpy.libs/plugins/libplugin_{p}.so" for p in ("POSIX", "GDS", "GDS_MT", "UCX")]
 # UCX loads its transports with dlopen (no NEEDED entry): keep them, less the perftest modules (7 MB),
 # for tests/remote (the storage node over UCX, client VRAM through UCX's CUDA transports).
+# The InfiniBand/EFA transports are left out too: the GPU machine has no RDMA device, and they
+# pull in libibverbs, libmlx5 and libnl (18 MB) that would push the carry over 64 MiB.
 roots += [os.path.join("nixl_cu13.libs/ucx", f) for f in os.listdir("nixl_cu13.libs/ucx")
-          if ".so" in f and "perftest" not in f] if os.path.isdir("nixl_cu13.libs/ucx") else []
+          if ".so" in f and "perftest" not in f and "_ib" not in f and "rdmacm" not in f] if os.path.isdir("nixl_cu13.libs/ucx") else []
 index = {}
 for d in (".nixl_cu13.mesonpy.libs", "nixl_cu13.libs"):
     for f in os.listdir(d):
@@ -52,6 +54,8 @@ for d in os.listdir("."):
         shutil.rmtree(d) if os.path.isdir(d) else os.remove(d)
 PY
 rm -rf "$out/wheels"
+# Debug sections are dead weight on the GPU machine (and some of the wheel's libraries carry them).
+find "$out/site" -name '*.so*' -type f -exec strip --strip-debug {} +
 # fio for the O_DIRECT reference (the GPU machine has none).
 bash ci/gpu/build-fio.sh "$out/fio/fio"
 # The Vulkan loader and GLVND (NVIDIA's Vulkan ICD library needs libGLdispatch) for
@@ -60,6 +64,8 @@ bash ci/gpu/build-fio.sh "$out/fio/fio"
 mkdir -p "$out/vk"
 vk_debs="libvulkan1 libglvnd0 libglx0 libegl1 libgl1 libopengl0 libgles2"
 if [ "$(dpkg --print-architecture)" = amd64 ]; then
+    # apt-get download needs package lists: a fresh machine has none until apt-get update.
+    apt-cache show libvulkan1 >/dev/null 2>&1 || apt-get update -qq
     (cd "$out/vk" && apt-get download -q $vk_debs 2>&1 | grep -v "^W: Download is performed unsandboxed" || true)
 else
     o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
