@@ -81,6 +81,7 @@ impl Engine {
             tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
         }
         let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files)?);
+        ring.lock().set_page_cache_file_writers(params.page_cache_file_writers as usize);
         let record_path = match params.record.as_str() {
             "" => std::env::var("IO_URING_DMABUF_RECORD").unwrap_or_default(),
             p => p.to_owned(),

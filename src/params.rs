@@ -50,6 +50,8 @@ pub struct EngineParams {
     pub max_io_size: u64,
     pub inline_write_max: u64,
     pub punt_buffered_min: u64,
+    /// Page-cache workers that may write one file at once (0 = no limit).
+    pub page_cache_file_writers: u32,
     pub vram_path: VramPath,
     pub dram_dmabuf: DramDmabuf,
     pub gpu_provider: ProviderChoice,
@@ -128,6 +130,17 @@ impl EngineParams {
             },
             v => parse_u64("punt_buffered_min", v)?,
         };
+        let page_cache_file_writers = match get("page_cache_file_writers") {
+            // One: a file's buffered writes serialize on its inode lock, so a second writer only
+            // spins on it (io_uring's io-wq serializes buffered writes per inode the same way).
+            "auto" => 1,
+            v => parse_u64("page_cache_file_writers", v)?,
+        };
+        if page_cache_file_writers > 64 {
+            return Err(Error::invalid(format!(
+                "backend parameter page_cache_file_writers={page_cache_file_writers} must be within 0..64 (0 = no limit)"
+            )));
+        }
         let vram_path = match get("vram_path").to_ascii_lowercase().as_str() {
             "auto" => VramPath::Auto,
             "dmabuf" => VramPath::Dmabuf,
@@ -176,6 +189,7 @@ impl EngineParams {
             max_io_size,
             inline_write_max,
             punt_buffered_min,
+            page_cache_file_writers: page_cache_file_writers as u32,
             vram_path,
             dram_dmabuf,
             gpu_provider,
@@ -245,6 +259,7 @@ mod tests {
             ("verify_dma", "perhaps"),
             ("staging_buffer_size", "1000"),
             ("staging_buffers", "1"),
+            ("page_cache_file_writers", "65"),
         ] {
             let e = EngineParams::parse([(k, v)]).unwrap_err();
             assert_eq!(e.kind, ErrorKind::InvalidParam);

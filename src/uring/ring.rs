@@ -86,6 +86,8 @@ pub struct RingCore {
     on_workers: usize,
     /// Threads for page-cache I/O (`IoOp::punt`), started on first use.
     workers: Option<PageCacheWorkers>,
+    /// Their limit of threads writing one file at once (`page_cache_file_writers`).
+    file_writers: usize,
     /// Small punted ops gathered into one worker job (see `WORKER_JOB_BYTES`), handed over at
     /// the next `submit` or when full.
     batch: Vec<Job>,
@@ -142,6 +144,7 @@ impl Ring {
                 in_kernel: 0,
                 on_workers: 0,
                 workers: None,
+                file_writers: 0,
                 batch: Vec::new(),
                 batch_bytes: 0,
                 backlog: Vec::new(),
@@ -317,6 +320,12 @@ impl RingCore {
         self.on_workers > 0
     }
 
+    /// How many page-cache workers may write one file at once (0 = any number); takes effect
+    /// when the workers start (first punted op).
+    pub fn set_page_cache_file_writers(&mut self, n: usize) {
+        self.file_writers = n;
+    }
+
     /// The workers' queue, for a caller that runs queued reads itself while ops are on it.
     pub fn page_cache_helper(&self) -> Option<QueueHelper> {
         self.workers.as_ref().filter(|_| self.on_workers > 0).map(PageCacheWorkers::helper)
@@ -352,7 +361,7 @@ impl RingCore {
 
     fn push_to_workers(&mut self, s: &Submission) -> bool {
         if self.workers.is_none() {
-            match PageCacheWorkers::new(page_cache_threads()) {
+            match PageCacheWorkers::new(page_cache_threads(), self.file_writers) {
                 Ok(w) => {
                     tracing::debug!(threads = w.threads(), "page-cache workers started");
                     self.workers = Some(w);

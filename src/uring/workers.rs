@@ -17,7 +17,7 @@
 //! where the workers may not get a core soon, the caller does the work itself instead of
 //! waiting for them (what made hand-offs lose on a loaded 2-core machine).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -42,6 +42,8 @@ struct Queues {
     jobs: VecDeque<Vec<Job>>,
     /// (token, result): bytes moved, or -errno, as in a CQE.
     done: Vec<(u64, i32)>,
+    /// Write batches running now, per fd (see `Shared::file_writers`).
+    writing: HashMap<i32, usize>,
 }
 
 struct Shared {
@@ -49,6 +51,38 @@ struct Shared {
     job_ready: Condvar,
     done_ready: Condvar,
     stop: AtomicBool,
+    /// At most this many threads write to one fd at once (0 = no limit). Buffered writes to one
+    /// file serialize on its inode lock anyway; more writers only spin on it (io_uring's io-wq
+    /// serializes them the same way, hashing buffered writes by inode).
+    file_writers: usize,
+}
+
+impl Queues {
+    /// Takes the first batch a worker may run now: any read, or a write to an fd with fewer
+    /// than `limit` writers (0 = any write).
+    fn take_runnable(&mut self, limit: usize) -> Option<Vec<Job>> {
+        let writing = &self.writing;
+        let i = self.jobs.iter().position(|b| match b.first() {
+            Some(j) if j.write && limit > 0 => writing.get(&j.fd).copied().unwrap_or(0) < limit,
+            _ => true,
+        })?;
+        let batch = self.jobs.remove(i)?;
+        if let Some(j) = batch.first().filter(|j| j.write && limit > 0) {
+            *self.writing.entry(j.fd).or_insert(0) += 1;
+        }
+        Some(batch)
+    }
+
+    /// A write batch taken by `take_runnable` ended.
+    fn write_ended(&mut self, batch: &[Job], limit: usize) {
+        let Some(j) = batch.first().filter(|j| j.write && limit > 0) else { return };
+        if let Some(n) = self.writing.get_mut(&j.fd) {
+            *n -= 1;
+            if *n == 0 {
+                self.writing.remove(&j.fd);
+            }
+        }
+    }
 }
 
 pub struct PageCacheWorkers {
@@ -57,13 +91,15 @@ pub struct PageCacheWorkers {
 }
 
 impl PageCacheWorkers {
-    /// Starts `count` threads (at least one); a thread that cannot be spawned is skipped.
-    pub fn new(count: usize) -> std::io::Result<PageCacheWorkers> {
+    /// Starts `count` threads (at least one); a thread that cannot be spawned is skipped. At
+    /// most `file_writers` of them write to one fd at once (0 = no limit).
+    pub fn new(count: usize, file_writers: usize) -> std::io::Result<PageCacheWorkers> {
         let shared = Arc::new(Shared {
             queues: Mutex::default(),
             job_ready: Condvar::new(),
             done_ready: Condvar::new(),
             stop: AtomicBool::new(false),
+            file_writers,
         });
         let mut threads = Vec::new();
         for i in 0..count.max(1) {
@@ -113,7 +149,7 @@ impl PageCacheWorkers {
     /// complete with -ECANCELED. Started ones run to their end (a pread cannot be interrupted).
     pub fn cancel(&self, tokens: &[u64]) {
         let mut q = self.lock();
-        let Queues { jobs, done } = &mut *q;
+        let Queues { jobs, done, .. } = &mut *q;
         let before = done.len();
         for batch in jobs.iter_mut() {
             batch.retain(|j| {
@@ -231,7 +267,7 @@ fn work(s: &Shared) {
         let batch = {
             let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
             loop {
-                if let Some(b) = q.jobs.pop_front() {
+                if let Some(b) = q.take_runnable(s.file_writers) {
                     break b;
                 }
                 if s.stop.load(Ordering::Acquire) {
@@ -241,11 +277,15 @@ fn work(s: &Shared) {
             }
         };
         let results: Vec<(u64, i32)> = batch.iter().map(|j| (j.token, run(j))).collect();
-        s.queues
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .done
-            .extend(results);
+        let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
+        q.done.extend(results);
+        q.write_ended(&batch, s.file_writers);
+        // A write batch held back for this fd may run now.
+        let held_back = s.file_writers > 0 && !q.jobs.is_empty();
+        drop(q);
+        if held_back {
+            s.job_ready.notify_all();
+        }
         s.done_ready.notify_all();
     }
 }
@@ -298,7 +338,7 @@ mod tests {
             .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
             .collect();
         f.write_all(&data).unwrap();
-        let w = PageCacheWorkers::new(3).unwrap();
+        let w = PageCacheWorkers::new(3, 0).unwrap();
         let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; 128 << 10]).collect();
         for (i, b) in bufs.iter_mut().enumerate() {
             w.submit(Job {
@@ -360,6 +400,78 @@ mod tests {
         let n = unsafe { libc::pread(f.as_raw_fd(), back.as_mut_ptr().cast(), 4096, 8192) };
         assert_eq!(n, 4096);
         assert_eq!(back, patch);
+    }
+
+    fn idle_queue(file_writers: usize) -> Arc<Shared> {
+        Arc::new(Shared {
+            queues: Mutex::default(),
+            job_ready: Condvar::new(),
+            done_ready: Condvar::new(),
+            stop: AtomicBool::new(false),
+            file_writers,
+        })
+    }
+
+    fn job(token: u64, fd: i32, write: bool) -> Job {
+        Job { token, fd, offset: 0, addr: 0, len: 0, write }
+    }
+
+    #[test]
+    fn the_caller_runs_queued_reads_and_leaves_writes_to_the_workers() {
+        let mut f = tempfile_in_tmp();
+        let data: Vec<u8> = (0..(256u32 << 10)).map(|i| (i.wrapping_mul(40503) >> 7) as u8).collect();
+        f.write_all(&data).unwrap();
+        // No worker thread: only the caller can run anything here.
+        let shared = idle_queue(0);
+        let helper = QueueHelper { shared: Arc::clone(&shared) };
+        let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 64 << 10]).collect();
+        let reads: Vec<Job> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| Job { token: i as u64, fd: f.as_raw_fd(), offset: (i as u64) << 16, addr: b.as_mut_ptr() as u64, len: 64 << 10, write: false })
+            .collect();
+        let patch = [7u8; 4096];
+        let write = Job { token: 9, fd: f.as_raw_fd(), offset: 0, addr: patch.as_ptr() as u64, len: 4096, write: true };
+        {
+            let mut q = shared.queues.lock().unwrap();
+            q.jobs.push_back(reads[..2].to_vec());
+            q.jobs.push_back(reads[2..].to_vec());
+            q.jobs.push_back(vec![write]);
+        }
+        assert_eq!(helper.run_queued_reads(), 4);
+        let mut done = std::mem::take(&mut shared.queues.lock().unwrap().done);
+        done.sort();
+        assert_eq!(done, (0..4).map(|i| (i, 64 << 10)).collect::<Vec<_>>());
+        for (i, b) in bufs.iter().enumerate() {
+            assert_eq!(&b[..], &data[i << 16..(i + 1) << 16]);
+        }
+        // The write stays queued for a worker, and the file is unchanged.
+        assert_eq!(shared.queues.lock().unwrap().jobs.len(), 1);
+        assert_eq!(helper.run_queued_reads(), 0);
+    }
+
+    #[test]
+    fn a_file_gets_at_most_its_writers_while_reads_and_other_files_go_on() {
+        let mut q = Queues::default();
+        q.jobs.push_back(vec![job(1, 5, true)]);
+        q.jobs.push_back(vec![job(2, 5, true)]);
+        q.jobs.push_back(vec![job(3, 6, true)]);
+        q.jobs.push_back(vec![job(4, 5, false)]);
+        let first = q.take_runnable(1).unwrap();
+        assert_eq!(first[0].token, 1);
+        // fd 5 has its one writer: the next write to it waits, fd 6 and the read do not.
+        assert_eq!(q.take_runnable(1).unwrap()[0].token, 3);
+        assert_eq!(q.take_runnable(1).unwrap()[0].token, 4);
+        assert!(q.take_runnable(1).is_none());
+        q.write_ended(&first, 1);
+        assert_eq!(q.take_runnable(1).unwrap()[0].token, 2);
+        // Without a limit, writes run in queue order regardless of the fd.
+        let mut q = Queues::default();
+        q.jobs.push_back(vec![job(1, 5, true)]);
+        q.jobs.push_back(vec![job(2, 5, true)]);
+        assert_eq!(q.take_runnable(0).unwrap()[0].token, 1);
+        assert_eq!(q.take_runnable(0).unwrap()[0].token, 2);
+        assert!(q.writing.is_empty());
     }
 
     fn tempfile_in_tmp() -> std::fs::File {
