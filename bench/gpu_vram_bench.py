@@ -83,6 +83,11 @@ BACKENDS = [
     # Page-cache READ pieces handed to io_uring's workers (punted) from this size; 0 = never.
     ("IUD-punt-off", "IO_URING_DMABUF", {"vram_path": "staging", "punt_buffered_min": "0"}),
     ("IUD-punt-64K", "IO_URING_DMABUF", {"vram_path": "staging", "punt_buffered_min": "65536"}),
+    # Page-cache workers: any number writing one file at once (the old behaviour), or two;
+    # the posting/polling thread not running queued reads (the old behaviour).
+    ("IUD-fw0", "IO_URING_DMABUF", {"page_cache_file_writers": "0"}),
+    ("IUD-fw2", "IO_URING_DMABUF", {"page_cache_file_writers": "2"}),
+    ("IUD-nocaller", "IO_URING_DMABUF", {"page_cache_caller_reads": "false"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),

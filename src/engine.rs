@@ -89,10 +89,11 @@ impl Engine {
         let recorder = if record_path.is_empty() { None } else { Some(Recorder::open(&record_path)?) };
         tracing::debug!(agent = local_agent, ?params, "IO_URING_DMABUF engine created");
         let failure = Arc::new(Failure::default());
+        let driver = Driver::new(Arc::clone(&ring), Arc::clone(&failure)).with_caller_reads(params.page_cache_caller_reads);
         Ok(Engine {
             local_agent: local_agent.to_owned(),
             params,
-            driver: Driver::new(Arc::clone(&ring), Arc::clone(&failure)),
+            driver,
             ring,
             routes: Mutex::new(HashMap::new()),
             live: LiveMds::default(),

@@ -52,6 +52,8 @@ pub struct EngineParams {
     pub punt_buffered_min: u64,
     /// Page-cache workers that may write one file at once (0 = no limit).
     pub page_cache_file_writers: u32,
+    /// Posting and polling threads run reads queued for the page-cache workers.
+    pub page_cache_caller_reads: bool,
     pub vram_path: VramPath,
     pub dram_dmabuf: DramDmabuf,
     pub gpu_provider: ProviderChoice,
@@ -141,6 +143,7 @@ impl EngineParams {
                 "backend parameter page_cache_file_writers={page_cache_file_writers} must be within 0..64 (0 = no limit)"
             )));
         }
+        let page_cache_caller_reads = parse_bool("page_cache_caller_reads", get("page_cache_caller_reads"))?;
         let vram_path = match get("vram_path").to_ascii_lowercase().as_str() {
             "auto" => VramPath::Auto,
             "dmabuf" => VramPath::Dmabuf,
@@ -190,6 +193,7 @@ impl EngineParams {
             inline_write_max,
             punt_buffered_min,
             page_cache_file_writers: page_cache_file_writers as u32,
+            page_cache_caller_reads,
             vram_path,
             dram_dmabuf,
             gpu_provider,
@@ -260,6 +264,7 @@ mod tests {
             ("staging_buffer_size", "1000"),
             ("staging_buffers", "1"),
             ("page_cache_file_writers", "65"),
+            ("page_cache_caller_reads", "sometimes"),
         ] {
             let e = EngineParams::parse([(k, v)]).unwrap_err();
             assert_eq!(e.kind, ErrorKind::InvalidParam);

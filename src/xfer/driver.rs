@@ -72,12 +72,20 @@ pub struct Driver {
     table: Mutex<Table>,
     /// The engine's failed state, set when the table's lock is found poisoned.
     failure: Arc<Failure>,
+    /// Whether posting and polling threads run reads queued for the page-cache workers.
+    caller_reads: bool,
 }
 
 impl Driver {
     pub fn new(ring: Arc<Ring>, failure: Arc<Failure>) -> Driver {
         let table = Table { profiles: Profiles::from_env(), ..Table::default() };
-        Driver { ring, table: Mutex::new(table), failure }
+        Driver { ring, table: Mutex::new(table), failure, caller_reads: true }
+    }
+
+    /// Sets whether posting and polling threads run queued page-cache reads themselves.
+    pub fn with_caller_reads(mut self, on: bool) -> Driver {
+        self.caller_reads = on;
+        self
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, Table>> {
@@ -145,6 +153,9 @@ impl Driver {
     /// left to take (the rest runs on the workers or waits for the disk). A thread that posts or
     /// polls would otherwise wait for the workers: on a busy machine they may get no core soon.
     fn help_page_cache_workers<'a>(&'a self, mut t: MutexGuard<'a, Table>) -> Result<MutexGuard<'a, Table>> {
+        if !self.caller_reads {
+            return Ok(t);
+        }
         loop {
             let Some(helper) = self.ring.lock().page_cache_helper() else { return Ok(t) };
             drop(t);
