@@ -140,14 +140,18 @@ fn staged_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
     ctx.staging_buffer_size.min(share.max(STAGED_PIECE_MIN))
 }
 
+const WORKER_PIECE_MAX: u64 = 1 << 20;
+
 /// Piece size for buffered reads handed to the page-cache workers: the request spread over all
 /// of them (merging neighbours into max_io_size pieces would leave most idle: 128 x 64 KiB
 /// became two 4 MiB reads), but never below `punt_buffered_min` (smaller ones are not punted).
 fn worker_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
     let request: u64 = local.iter().map(|l| l.len).sum();
-    // The workers and the posting thread, which runs queued reads too.
+    // The workers and the posting thread, which runs queued reads too. At most 1 MiB: a piece
+    // a worker holds while the scheduler keeps it off the CPU (a busy machine) is what the
+    // request waits for at its end, so pieces stay short.
     let share = (request / (page_cache_threads() as u64 + 1)).div_ceil(4096) * 4096;
-    share.max(ctx.punt_buffered_min)
+    share.min(WORKER_PIECE_MAX).max(ctx.punt_buffered_min)
 }
 
 /// Validates the lists and builds the request's ops.
