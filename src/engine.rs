@@ -145,12 +145,12 @@ impl Engine {
                 return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: dram_dmabuf=on cannot work here: {why}")))
             }
             (DramDmabuf::On, DmabufSupport::Available) => {
-                if let Some(why) = region.export_udmabuf() {
-                    return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: dram_dmabuf=on: DRAM 0x{addr:x}+{len}: {why}")));
+                if let Err(why) = region.export_udmabuf() {
+                    return Err(Error::not_supported(format!("registerMem: dram_dmabuf=on: DRAM 0x{addr:x}+{len}: {why}")).caused_by(why));
                 }
             }
             (DramDmabuf::Auto, DmabufSupport::Available) => {
-                if let Some(why) = region.export_udmabuf() {
+                if let Err(why) = region.export_udmabuf() {
                     tracing::debug!("DRAM 0x{addr:x}+{len} stays on fixed buffers: {why}");
                 }
             }

@@ -109,6 +109,27 @@ impl Error {
         self.source = Some(Arc::new(source));
         self
     }
+    /// This error, caused by `inner`: `inner` becomes the source, and the context fields this
+    /// error does not know yet are taken from it (a path's refusal keeps the fd and errno of
+    /// the call that failed underneath).
+    pub fn caused_by(mut self, inner: Error) -> Self {
+        let (mine, theirs) = (&mut self.context, &inner.context);
+        mine.descriptor = mine.descriptor.or(theirs.descriptor);
+        mine.fd = mine.fd.or(theirs.fd);
+        mine.offset = mine.offset.or(theirs.offset);
+        mine.errno = mine.errno.or(theirs.errno);
+        mine.vendor = mine.vendor.or(theirs.vendor);
+        self.source = Some(Arc::new(inner));
+        self
+    }
+    /// Sets the descriptor index unless a lower layer set it already.
+    pub fn at_descriptor(mut self, index: usize) -> Self {
+        self.context.descriptor.get_or_insert(index);
+        self
+    }
+    pub fn not_supported(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::NotSupported, message)
+    }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidParam, message)
     }
@@ -261,6 +282,15 @@ mod tests {
         assert_eq!(e.to_status(), status::ERR_BACKEND);
         assert_eq!(e.context.errno, Some(libc::ENOSPC));
         assert!(std::error::Error::source(&e).is_some());
+    }
+
+    #[test]
+    fn a_wrapping_error_keeps_the_inner_context_and_its_own() {
+        let inner = Error::os("register", &io::Error::from_raw_os_error(libc::EINVAL)).with_fd(9);
+        let e = Error::not_supported("cannot reach fd 9: register: EINVAL").with_descriptor(2).caused_by(inner);
+        assert_eq!(e.context, Context { descriptor: Some(2), fd: Some(9), errno: Some(libc::EINVAL), ..Context::default() });
+        assert!(std::error::Error::source(&e).is_some_and(|s| s.to_string().starts_with("register")));
+        assert_eq!(e.clone().at_descriptor(7).context.descriptor, Some(2));
     }
 
     #[test]
