@@ -1,5 +1,6 @@
 //! The only `extern "C"` code of the plugin: NIXL's two entry points and the function table the
-//! C++ shim calls (`iud_rust_api`, see src/shim/bridge.h).
+//! C++ shim calls (`iud_rust_api`, see src/shim/bridge.h), and the Vulkan allocator's C API
+//! (`vulkan_alloc`).
 //!
 //! Ownership across the boundary:
 //! - engine: `Box<Engine>` raw pointer, freed by `engine_destroy`;
@@ -20,6 +21,8 @@ use crate::engine::{Engine, Request};
 use crate::error::{status, Result};
 use crate::uring::Progress;
 use crate::{alias, log, manifest};
+
+pub mod vulkan_alloc;
 
 /// Runs `body`, turning errors and panics into a status and one log line.
 fn boundary(what: &str, body: impl FnOnce() -> Result<i32>) -> i32 {
