@@ -15,7 +15,7 @@ use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::cufile::CuFile;
 use crate::gpu::{self, GpuProvider};
-use crate::mem::live::LiveMds;
+use crate::mem::live::{self, LiveMds};
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
 use crate::params::{DramDmabuf, EngineParams, FixedBuffers, VramPath};
 use crate::path::cufile_exec::{CufileExecutor, CufileProgress};
@@ -123,7 +123,7 @@ impl Engine {
                 ))
             }
         };
-        let md: *const c_void = Arc::into_raw(Arc::new(reg)).cast();
+        let md = live::into_md(Arc::new(reg));
         self.live.insert(md);
         if let Some(r) = &self.recorder {
             r.register(md as usize, kind.to_nixl(), addr, len, dev_id, meta_info);
@@ -264,9 +264,9 @@ impl Engine {
         if let Some(r) = &self.recorder {
             r.deregister(md as usize);
         }
-        // SAFETY: per the contract, md came from Arc::into_raw in register() and NIXL's
-        // reference is still counted.
-        let reg = unsafe { Arc::from_raw(md.cast::<Registration>()) };
+        // SAFETY: per the contract, md came from into_md in register() and NIXL's reference is
+        // still counted (it was in the live set, which we just took it out of).
+        let reg = unsafe { live::take_md(md) };
         // A later registration may reuse the address once this one is gone.
         self.failure.lock(&self.routes, "route cache")?.retain(|(m, _), _| *m != md as usize);
         if let Registration::Storage(f) = &*reg {

@@ -60,16 +60,8 @@ pub struct Plan {
 /// `md` must be null or a pointer produced by `Arc::into_raw` on an `Arc<Registration>` whose
 /// NIXL reference has not been released (NIXL only passes MDs of live registrations).
 unsafe fn registration_of(md: *const c_void) -> Option<Arc<Registration>> {
-    if md.is_null() {
-        return None;
-    }
-    let ptr = md.cast::<Registration>();
-    // SAFETY: per the contract, ptr came from Arc::into_raw and is still counted by NIXL's
-    // reference; we add one for ourselves before rebuilding an Arc.
-    unsafe {
-        Arc::increment_strong_count(ptr);
-        Some(Arc::from_raw(ptr))
-    }
+    // SAFETY: forwarded from the caller.
+    unsafe { crate::mem::live::share_md(md) }
 }
 
 /// Deduplicates the registrations of a list (typically one or a few MDs for thousands of
