@@ -80,14 +80,14 @@ impl Engine {
         if !ignored.is_empty() {
             tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
         }
-        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files)?);
+        let failure = Arc::new(Failure::default());
+        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files, Arc::clone(&failure))?);
         let record_path = match params.record.as_str() {
             "" => std::env::var("IO_URING_DMABUF_RECORD").unwrap_or_default(),
             p => p.to_owned(),
         };
         let recorder = if record_path.is_empty() { None } else { Some(Recorder::open(&record_path)?) };
         tracing::debug!(agent = local_agent, ?params, "IO_URING_DMABUF engine created");
-        let failure = Arc::new(Failure::default());
         Ok(Engine {
             local_agent: local_agent.to_owned(),
             params,

@@ -56,7 +56,7 @@ pub fn dmabuf_read(ring: &Ring, slabs: &DmabufSlabs, file: &FileRegion, slot: u1
 /// Runs one READ op through the ring and waits for it.
 fn run_one(ring: &Ring, op: IoOp) -> Result<()> {
     let failed = |e: Error| Error::backend(format!("self-test read through the DMA-BUF failed: {e}")).caused_by(e);
-    match ring.lock().run_one(op, false) {
+    match ring.lock().and_then(|mut core| core.run_one(op, false)) {
         Ok(n) if n == op.len as i32 => Ok(()),
         Ok(n) if n < 0 => Err(failed(op.failed(false, -n))),
         Ok(n) => Err(op.annotate(Error::backend(format!("self-test read through the DMA-BUF moved {n} of {} bytes", op.len)))),

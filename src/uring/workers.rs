@@ -10,12 +10,21 @@
 //! so one request's copies really run on several cores.
 //!
 //! Completions are collected by the core under its lock (`take_done`), exactly like CQEs.
+//!
+//! None of the queue's users can return an error (worker threads, and core calls that return
+//! counts), so a poisoned queue lock fails the engine (`error::Failure`), is logged once, and its
+//! value is used: results still reach the core, and the core's next `submit` answers the error.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+use crate::error::Failure;
+
+/// The lock's name in the failed engine's error.
+const QUEUE_LOCK: &str = "page-cache workers' queue";
 
 /// One positioned read or write of host memory.
 #[derive(Clone, Copy, Debug)]
@@ -43,6 +52,13 @@ struct Shared {
     job_ready: Condvar,
     done_ready: Condvar,
     stop: AtomicBool,
+    failure: Arc<Failure>,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
+        self.failure.lock_or_recover(&self.queues, QUEUE_LOCK)
+    }
 }
 
 pub struct PageCacheWorkers {
@@ -52,12 +68,13 @@ pub struct PageCacheWorkers {
 
 impl PageCacheWorkers {
     /// Starts `count` threads (at least one); a thread that cannot be spawned is skipped.
-    pub fn new(count: usize) -> std::io::Result<PageCacheWorkers> {
+    pub fn new(count: usize, failure: Arc<Failure>) -> std::io::Result<PageCacheWorkers> {
         let shared = Arc::new(Shared {
             queues: Mutex::default(),
             job_ready: Condvar::new(),
             done_ready: Condvar::new(),
             stop: AtomicBool::new(false),
+            failure,
         });
         let mut threads = Vec::new();
         for i in 0..count.max(1) {
@@ -134,7 +151,7 @@ impl PageCacheWorkers {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
-        self.shared.queues.lock().unwrap_or_else(|p| p.into_inner())
+        self.shared.lock()
     }
 }
 
@@ -151,7 +168,7 @@ impl Drop for PageCacheWorkers {
 fn work(s: &Shared) {
     loop {
         let batch = {
-            let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
+            let mut q = s.lock();
             loop {
                 if let Some(b) = q.jobs.pop_front() {
                     break b;
@@ -163,11 +180,7 @@ fn work(s: &Shared) {
             }
         };
         let results: Vec<(u64, i32)> = batch.iter().map(|j| (j.token, run(j))).collect();
-        s.queues
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .done
-            .extend(results);
+        s.lock().done.extend(results);
         s.done_ready.notify_all();
     }
 }
@@ -220,7 +233,7 @@ mod tests {
             .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
             .collect();
         f.write_all(&data).unwrap();
-        let w = PageCacheWorkers::new(3).unwrap();
+        let w = PageCacheWorkers::new(3, Arc::default()).unwrap();
         let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; 128 << 10]).collect();
         for (i, b) in bufs.iter_mut().enumerate() {
             w.submit(Job {
@@ -282,6 +295,24 @@ mod tests {
         let n = unsafe { libc::pread(f.as_raw_fd(), back.as_mut_ptr().cast(), 4096, 8192) };
         assert_eq!(n, 4096);
         assert_eq!(back, patch);
+    }
+
+    #[test]
+    fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
+        let failure = Arc::new(Failure::default());
+        let w = PageCacheWorkers::new(1, Arc::clone(&failure)).unwrap();
+        crate::error::poison(&w.shared.queues);
+        let f = tempfile_in_tmp();
+        let mut buf = vec![0u8; 4096];
+        w.submit(Job { token: 9, fd: f.as_raw_fd(), offset: 0, addr: buf.as_mut_ptr() as u64, len: 4096, write: false });
+        let mut done = Vec::new();
+        while done.is_empty() {
+            w.wait_done(Duration::from_millis(100));
+            w.take_done(&mut done);
+        }
+        assert_eq!(done, vec![(9, 0)]);
+        let e = failure.check().unwrap_err();
+        assert!(e.message.contains("page-cache workers' queue is poisoned"), "{}", e.message);
     }
 
     fn tempfile_in_tmp() -> std::fs::File {
