@@ -15,7 +15,7 @@ use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::cufile::CuFile;
 use crate::gpu::{self, GpuProvider};
-use crate::mem::live::LiveMds;
+use crate::mem::live::{self, LiveMds};
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
 use crate::params::{DramDmabuf, EngineParams, FixedBuffers, VramPath};
 use crate::path::cufile_exec::{CufileExecutor, CufileProgress};
@@ -80,15 +80,15 @@ impl Engine {
         if !ignored.is_empty() {
             tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
         }
-        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files)?);
-        ring.lock().set_page_cache_file_writers(params.page_cache_file_writers as usize);
+        let failure = Arc::new(Failure::default());
+        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files, Arc::clone(&failure))?);
+        ring.lock()?.set_page_cache_file_writers(params.page_cache_file_writers as usize);
         let record_path = match params.record.as_str() {
             "" => std::env::var("IO_URING_DMABUF_RECORD").unwrap_or_default(),
             p => p.to_owned(),
         };
         let recorder = if record_path.is_empty() { None } else { Some(Recorder::open(&record_path)?) };
         tracing::debug!(agent = local_agent, ?params, "IO_URING_DMABUF engine created");
-        let failure = Arc::new(Failure::default());
         let driver = Driver::new(Arc::clone(&ring), Arc::clone(&failure)).with_caller_reads(params.page_cache_caller_reads);
         Ok(Engine {
             local_agent: local_agent.to_owned(),
@@ -125,7 +125,7 @@ impl Engine {
                 ))
             }
         };
-        let md: *const c_void = Arc::into_raw(Arc::new(reg)).cast();
+        let md = live::into_md(Arc::new(reg));
         self.live.insert(md);
         if let Some(r) = &self.recorder {
             r.register(md as usize, kind.to_nixl(), addr, len, dev_id, meta_info);
@@ -147,12 +147,12 @@ impl Engine {
                 return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: dram_dmabuf=on cannot work here: {why}")))
             }
             (DramDmabuf::On, DmabufSupport::Available) => {
-                if let Some(why) = region.export_udmabuf() {
-                    return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: dram_dmabuf=on: DRAM 0x{addr:x}+{len}: {why}")));
+                if let Err(why) = region.export_udmabuf() {
+                    return Err(Error::not_supported(format!("registerMem: dram_dmabuf=on: DRAM 0x{addr:x}+{len}: {why}")).caused_by(why));
                 }
             }
             (DramDmabuf::Auto, DmabufSupport::Available) => {
-                if let Some(why) = region.export_udmabuf() {
+                if let Err(why) = region.export_udmabuf() {
                     tracing::debug!("DRAM 0x{addr:x}+{len} stays on fixed buffers: {why}");
                 }
             }
@@ -266,9 +266,9 @@ impl Engine {
         if let Some(r) = &self.recorder {
             r.deregister(md as usize);
         }
-        // SAFETY: per the contract, md came from Arc::into_raw in register() and NIXL's
-        // reference is still counted.
-        let reg = unsafe { Arc::from_raw(md.cast::<Registration>()) };
+        // SAFETY: per the contract, md came from into_md in register() and NIXL's reference is
+        // still counted (it was in the live set, which we just took it out of).
+        let reg = unsafe { live::take_md(md) };
         // A later registration may reuse the address once this one is gone.
         self.failure.lock(&self.routes, "route cache")?.retain(|(m, _), _| *m != md as usize);
         if let Registration::Storage(f) = &*reg {

@@ -109,6 +109,27 @@ impl Error {
         self.source = Some(Arc::new(source));
         self
     }
+    /// This error, caused by `inner`: `inner` becomes the source, and the context fields this
+    /// error does not know yet are taken from it (a path's refusal keeps the fd and errno of
+    /// the call that failed underneath).
+    pub fn caused_by(mut self, inner: Error) -> Self {
+        let (mine, theirs) = (&mut self.context, &inner.context);
+        mine.descriptor = mine.descriptor.or(theirs.descriptor);
+        mine.fd = mine.fd.or(theirs.fd);
+        mine.offset = mine.offset.or(theirs.offset);
+        mine.errno = mine.errno.or(theirs.errno);
+        mine.vendor = mine.vendor.or(theirs.vendor);
+        self.source = Some(Arc::new(inner));
+        self
+    }
+    /// Sets the descriptor index unless a lower layer set it already.
+    pub fn at_descriptor(mut self, index: usize) -> Self {
+        self.context.descriptor.get_or_insert(index);
+        self
+    }
+    pub fn not_supported(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::NotSupported, message)
+    }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidParam, message)
     }
@@ -177,12 +198,46 @@ impl Failure {
     /// Locks `m`; a poisoned lock marks the engine failed and becomes an error naming `what`.
     pub fn lock<'a, T>(&self, m: &'a Mutex<T>, what: &str) -> Result<MutexGuard<'a, T>> {
         m.lock().map_err(|_| {
-            let cause = format!("internal lock {what} is poisoned (a thread panicked while holding it)");
-            let _ = self.cause.set(cause.clone());
-            self.failed.store(true, Ordering::Release);
+            let cause = self.mark(what);
             Error::backend(format!("{cause}; the engine is now failed and answers every call with an error"))
         })
     }
+
+    /// Locks `m` where no error can be returned (teardown, worker threads, `Drop`): a poisoned
+    /// lock marks the engine failed as [`Failure::lock`] does, is logged once, and its value is
+    /// used as it is, since leaving it (a slot not unregistered, a result not delivered) would
+    /// be worse than state a panic may have left half-updated. The engine's next call fails.
+    pub fn lock_or_recover<'a, T>(&self, m: &'a Mutex<T>, what: &str) -> MutexGuard<'a, T> {
+        m.lock().unwrap_or_else(|poisoned| {
+            let first = !self.failed.load(Ordering::Acquire);
+            let cause = self.mark(what);
+            if first {
+                tracing::error!("{cause}; the engine is now failed; teardown goes on with the lock's value");
+            }
+            poisoned.into_inner()
+        })
+    }
+
+    /// Marks the engine failed by the poisoned lock `what` (the first cause is kept).
+    fn mark(&self, what: &str) -> String {
+        let cause = format!("internal lock {what} is poisoned (a thread panicked while holding it)");
+        let _ = self.cause.set(cause.clone());
+        self.failed.store(true, Ordering::Release);
+        cause
+    }
+}
+
+/// Poisons `m` by panicking in a thread while holding it (for tests of the failed state).
+#[cfg(test)]
+pub fn poison<T: Send>(m: &Mutex<T>) {
+    std::thread::scope(|s| {
+        let _ = s
+            .spawn(|| {
+                let _g = m.lock().unwrap();
+                panic!("panic while holding the lock (on purpose)");
+            })
+            .join();
+    });
 }
 
 /// "EIO (Input/output error)" style text for an OS error.
@@ -264,6 +319,15 @@ mod tests {
     }
 
     #[test]
+    fn a_wrapping_error_keeps_the_inner_context_and_its_own() {
+        let inner = Error::os("register", &io::Error::from_raw_os_error(libc::EINVAL)).with_fd(9);
+        let e = Error::not_supported("cannot reach fd 9: register: EINVAL").with_descriptor(2).caused_by(inner);
+        assert_eq!(e.context, Context { descriptor: Some(2), fd: Some(9), errno: Some(libc::EINVAL), ..Context::default() });
+        assert!(std::error::Error::source(&e).is_some_and(|s| s.to_string().starts_with("register")));
+        assert_eq!(e.clone().at_descriptor(7).context.descriptor, Some(2));
+    }
+
+    #[test]
     fn a_poisoned_lock_fails_the_engine_instead_of_panicking() {
         let failure = Failure::default();
         let m = std::sync::Arc::new(Mutex::new(0u32));
@@ -280,5 +344,15 @@ mod tests {
         let e = failure.check().unwrap_err();
         assert_eq!(e.to_status(), status::ERR_BACKEND);
         assert!(e.message.contains("failed earlier") && e.message.contains("lock test"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_poisoned_lock_on_a_teardown_path_is_recovered_and_fails_the_engine() {
+        let failure = Failure::default();
+        let m = Mutex::new(5u32);
+        poison(&m);
+        assert_eq!(*failure.lock_or_recover(&m, "teardown test"), 5);
+        let e = failure.check().unwrap_err();
+        assert!(e.message.contains("lock teardown test is poisoned"), "{}", e.message);
     }
 }

@@ -5,6 +5,7 @@
 
 use io_uring::{opcode, register::Probe, IoUring};
 use io_uring_dmabuf::engine::dmabuf_support;
+use io_uring_dmabuf::error::{Error, Result};
 use io_uring_dmabuf::gpu::{self, ProviderChoice};
 use io_uring_dmabuf::uring::dmabuf_uapi::DmabufSupport;
 
@@ -94,7 +95,7 @@ fn report_io_uring() -> bool {
 
 /// GPU provider, devices, DMA-BUF export support and a real export of a 2.5 GiB allocation cut
 /// into 1 GiB slabs. Returns None without a provider, else the export outcome.
-fn report_gpu() -> Option<Result<(), String>> {
+fn report_gpu() -> Option<Result<()>> {
     let provider = match gpu::load(ProviderChoice::Auto) {
         Ok(p) => p,
         Err(e) => {
@@ -108,14 +109,14 @@ fn report_gpu() -> Option<Result<(), String>> {
         println!("  GPU {d}: DMA-BUF export supported (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED): {:?}", cuda.dmabuf_supported(d).map_err(|e| e.message));
     }
     if provider.device_count() == 0 {
-        return Some(Err("no devices".into()));
+        return Some(Err(Error::not_found("no devices")));
     }
     let r = gpu::cuda::export_probe(&cuda, 0, 5 << 29, io_uring_dmabuf::uring::MAX_FIXED_BUFFER);
     match &r {
         Ok(slabs) => println!("  DMA-BUF export of a 2.5 GiB allocation as {slabs} slabs: ok"),
         Err(e) => println!("  DMA-BUF export: {}", e.message),
     }
-    Some(r.map(drop).map_err(|e| e.message))
+    Some(r.map(drop))
 }
 
 /// libcufile: where it is, its version, whether the driver opens, the mode its driver properties

@@ -1,10 +1,10 @@
 //! The only `extern "C"` code of the plugin: NIXL's two entry points and the function table the
-//! C++ shim calls (`iud_rust_api`, see src/shim/bridge.h).
+//! C++ shim calls (`iud_rust_api`, see src/shim/bridge.h), and the Vulkan allocator's C API
+//! (`vulkan_alloc`).
 //!
-//! Ownership across the boundary:
-//! - engine: `Box<Engine>` raw pointer, freed by `engine_destroy`;
-//! - MD: `Arc<Registration>` raw pointer, NIXL's reference released by `deregister_mem`;
-//! - request: `Box<Request>` raw pointer, freed by a successful `release_req`.
+//! Ownership across the boundary is in [`handle`]: every engine and request pointer, config,
+//! list and out-pointer the shim hands in goes through it (null-checked, typed); MDs stay opaque
+//! here.
 //!
 //! Every function body runs inside [`boundary`]: an error is logged once and mapped to its
 //! status; a panic is caught, logged, and becomes NIXL_ERR_BACKEND.
@@ -20,6 +20,10 @@ use crate::engine::{Engine, Request};
 use crate::error::{status, Result};
 use crate::uring::Progress;
 use crate::{alias, log, manifest};
+use handle::{arg, check_out, write_out, Handle};
+
+pub mod handle;
+pub mod vulkan_alloc;
 
 /// Runs `body`, turning errors and panics into a status and one log line.
 fn boundary(what: &str, body: impl FnOnce() -> Result<i32>) -> i32 {
@@ -53,17 +57,10 @@ fn progress_status(p: Progress) -> i32 {
     }
 }
 
-/// # Safety
-/// `engine` must be a pointer returned by `engine_create` and not yet destroyed.
-unsafe fn engine_ref<'a>(engine: *mut c_void) -> &'a Engine {
-    // SAFETY: per the contract.
-    unsafe { &*(engine as *const Engine) }
-}
-
 unsafe extern "C" fn engine_create(config: *const iud_engine_config, engine_out: *mut *mut c_void) -> i32 {
     boundary("create_backend", || {
         // SAFETY: the shim passes a config that is valid for this call.
-        let cfg = unsafe { &*config };
+        let cfg = unsafe { arg(config, "engine config") }?;
         // SAFETY: the strings and the params array live for the duration of this call.
         let agent = unsafe { cfg.local_agent.as_string() };
         let pairs: Vec<(String, String)> = if cfg.params.is_null() {
@@ -82,17 +79,23 @@ unsafe extern "C" fn engine_create(config: *const iud_engine_config, engine_out:
         alias::announce(&served);
         let pairs = alias::translate(&served, pairs);
         let engine = Engine::new(&agent, pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())))?;
+        let raw = Engine::into_raw(Box::new(engine));
         // SAFETY: engine_out is a valid out-pointer from the shim.
-        unsafe { *engine_out = Box::into_raw(Box::new(engine)).cast() };
+        if let Err(e) = unsafe { write_out(engine_out, raw, "engine_out") } {
+            // SAFETY: raw was made just above and never handed out.
+            drop(unsafe { Engine::try_take(raw) });
+            return Err(e);
+        }
         Ok(status::SUCCESS)
     })
 }
 
 unsafe extern "C" fn engine_destroy(engine: *mut c_void) {
     boundary("destroy_engine", || {
-        if !engine.is_null() {
-            // SAFETY: the shim calls this once, with the pointer engine_create returned.
-            drop(unsafe { Box::from_raw(engine as *mut Engine) });
+        // SAFETY: the shim calls this once, with the pointer engine_create returned; NULL (no
+        // engine was made) has nothing to free.
+        if let Ok(engine) = unsafe { Engine::try_take(engine) } {
+            drop(engine);
         }
         Ok(status::SUCCESS)
     });
@@ -101,20 +104,23 @@ unsafe extern "C" fn engine_destroy(engine: *mut c_void) {
 unsafe extern "C" fn register_mem(engine: *mut c_void, desc: *const iud_reg_desc, mem_kind: i32, md_out: *mut *mut c_void) -> i32 {
     boundary("registerMem", || {
         // SAFETY: engine and desc are valid for the call (shim contract).
-        let (engine, d) = unsafe { (engine_ref(engine), &*desc) };
+        let (engine, d) = unsafe { (Engine::try_ref(engine)?, arg(desc, "registration descriptor")?) };
         // SAFETY: meta_info points into the agent's descriptor for the duration of the call.
         let meta = unsafe { d.meta_info.as_string() };
+        // Before registering: a registration made for nowhere would have to be undone.
+        check_out(md_out, "md_out")?;
         let md = engine.register(mem_kind, d.addr, d.len, d.dev_id, &meta)?;
-        // SAFETY: md_out is a valid out-pointer from the shim.
-        unsafe { *md_out = md as *mut c_void };
+        // SAFETY: md_out is a valid out-pointer from the shim (non-null, checked above).
+        unsafe { write_out(md_out, md as *mut c_void, "md_out") }?;
         Ok(status::SUCCESS)
     })
 }
 
 unsafe extern "C" fn deregister_mem(engine: *mut c_void, md: *mut c_void) -> i32 {
     boundary("deregisterMem", || {
-        // SAFETY: md was returned by register_mem of this engine; the shim passes it once.
-        unsafe { engine_ref(engine).deregister(md) }?;
+        // SAFETY: engine is live; md was returned by register_mem of this engine (the engine
+        // checks it against its live MDs before using it).
+        unsafe { Engine::try_ref(engine)?.deregister(md) }?;
         Ok(status::SUCCESS)
     })
 }
@@ -130,12 +136,12 @@ unsafe extern "C" fn prep_xfer(
     boundary("prepXfer", || {
         // SAFETY: the lists point at the agent's descriptor vectors, valid during the call; their
         // MDs are live registrations of this engine.
-        let req = unsafe {
-            let (l, r) = (&*local, &*remote);
-            engine_ref(engine).prep(op, l.mem_kind, l.as_slice(), r.mem_kind, r.as_slice(), &remote_agent.as_string())
-        }?;
-        // SAFETY: req_out is a valid out-pointer; it is written only on success.
-        unsafe { *req_out = Box::into_raw(req).cast() };
+        let (engine, l, r) = unsafe { (Engine::try_ref(engine)?, arg(local, "local list")?, arg(remote, "remote list")?) };
+        check_out(req_out, "req_out")?;
+        // SAFETY: as above.
+        let req = unsafe { engine.prep(op, l.mem_kind, l.as_slice(), r.mem_kind, r.as_slice(), &remote_agent.as_string()) }?;
+        // SAFETY: req_out is a valid out-pointer (non-null, checked above); written only on success.
+        unsafe { write_out(req_out, Request::into_raw(req), "req_out") }?;
         Ok(status::SUCCESS)
     })
 }
@@ -149,15 +155,15 @@ unsafe extern "C" fn post_xfer(
 ) -> i32 {
     boundary("postXfer", || {
         // SAFETY: req was returned by prep_xfer and not released; lists are valid for the call.
-        let (engine, req, lc, rc) = unsafe { (engine_ref(engine), &*(req as *const Request), (*local).count, (*remote).count) };
-        engine.post(req, op, lc as usize, rc as usize).map(progress_status)
+        let (engine, req, l, r) = unsafe { (Engine::try_ref(engine)?, Request::try_ref(req)?, arg(local, "local list")?, arg(remote, "remote list")?) };
+        engine.post(req, op, l.count as usize, r.count as usize).map(progress_status)
     })
 }
 
 unsafe extern "C" fn check_xfer(engine: *mut c_void, req: *mut c_void) -> i32 {
     boundary("checkXfer", || {
         // SAFETY: req was returned by prep_xfer and not released.
-        let (engine, req) = unsafe { (engine_ref(engine), &*(req as *const Request)) };
+        let (engine, req) = unsafe { (Engine::try_ref(engine)?, Request::try_ref(req)?) };
         engine.check(req).map(progress_status)
     })
 }
@@ -166,12 +172,14 @@ unsafe extern "C" fn release_req(engine: *mut c_void, req: *mut c_void) -> i32 {
     boundary("releaseReqH", || {
         // SAFETY: req was returned by prep_xfer; the shim calls this once per handle (again only
         // after an error, when we handed ownership back by leaking the Box).
-        let (engine, req) = unsafe { (engine_ref(engine), Box::from_raw(req as *mut Request)) };
+        let engine = unsafe { Engine::try_ref(engine) }?;
+        // SAFETY: as above.
+        let req = unsafe { Request::try_take(req) }?;
         match engine.release(req) {
             Ok(()) => Ok(status::SUCCESS),
             Err((req, e)) => {
-                // NIXL keeps the request after an error: keep the allocation alive for it.
-                let _ = Box::into_raw(req);
+                // NIXL keeps the request after an error: hand the same allocation back to it.
+                let _ = Request::into_raw(req);
                 Err(e)
             }
         }

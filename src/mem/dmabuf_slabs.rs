@@ -5,6 +5,7 @@
 use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 
+use crate::error::{Error, Result};
 use crate::gpu::DmabufExport;
 use crate::uring::dmabuf_uapi::MAX_DMABUF_SLAB;
 
@@ -49,17 +50,17 @@ impl DmabufSlabs {
     }
 
     /// Exports every slab with `export`; on the first failure keeps none and records why.
-    /// Returns the failure, if any.
-    pub fn export_all(&mut self, mut export: impl FnMut(u64, u64) -> Result<DmabufExport, String>) -> Option<String> {
+    /// Returns the failure, if any (the export's error is its source).
+    pub fn export_all(&mut self, mut export: impl FnMut(u64, u64) -> Result<DmabufExport>) -> Result<()> {
         for i in 0..self.slabs.len() {
             let (start, len) = (self.slabs[i].start, self.slabs[i].len);
             let export = export(start, len).and_then(|e| match e.whole_size {
                 // One DMA-BUF is one io_uring buffer, at most MAX_DMABUF_SLAB bytes.
-                Some(size) if size > MAX_DMABUF_SLAB => Err(format!(
+                Some(size) if size > MAX_DMABUF_SLAB => Err(Error::not_supported(format!(
                     "the provider exports a DMA-BUF of the whole allocation ({size} bytes), over the {MAX_DMABUF_SLAB} byte limit for one io_uring DMA-BUF buffer \
                      (v3 of the kernel series; later versions relax it to a value not known here); \
                      allocate at most 1 GiB per allocation (per iud_vulkan_alloc) for the dmabuf path"
-                )),
+                ))),
                 _ => Ok(e),
             });
             match export {
@@ -68,18 +69,18 @@ impl DmabufSlabs {
                     self.slabs[i].export_offset = e.offset;
                 }
                 Err(e) => {
-                    let why = format!("DMA-BUF export of slab 0x{start:x}+{len} failed: {e}");
+                    let why = Error::new(e.kind, format!("DMA-BUF export of slab 0x{start:x}+{len} failed: {e}")).caused_by(e);
                     for s in &mut self.slabs {
                         s.dmabuf = None;
                         s.export_offset = 0;
                     }
-                    self.export_note = Some(why.clone());
-                    return Some(why);
+                    self.export_note = Some(why.message.clone());
+                    return Err(why);
                 }
             }
         }
         self.export_note = None;
-        None
+        Ok(())
     }
 
     /// Index of the slab containing `addr`, and the address where it ends.
@@ -157,8 +158,10 @@ mod tests {
     fn a_failed_export_keeps_no_dmabuf_and_says_why() {
         let gib = 1u64 << 30;
         let mut d = DmabufSlabs::new(vec![(0, gib), (gib, 4096)], "not attempted");
-        let why = d.export_all(|start, _| if start == 0 { Err("nope".into()) } else { unreachable!() });
-        assert!(why.unwrap().contains("nope"));
+        let why = d.export_all(|start, _| if start == 0 { Err(Error::backend("nope").with_errno(libc::EIO)) } else { unreachable!() });
+        let why = why.unwrap_err();
+        assert!(why.message.contains("nope"));
+        assert_eq!(why.context.errno, Some(libc::EIO), "the export's context is kept");
         assert!(d.slabs.iter().all(|s| s.dmabuf.is_none()));
         assert!(d.export_note.is_some());
         assert_eq!(d.slab_at(5000), Some((0, gib)));
@@ -191,7 +194,7 @@ mod tests {
             // An allocation-wide export: the slab sits (start - base) + 64 KiB into the DMA-BUF.
             Ok(DmabufExport { fd, offset: start - base + 65536, whole_size: None })
         });
-        assert!(why.is_none());
+        assert!(why.is_ok());
         assert_eq!(d.slabs[0].dmabuf_offset_of(base + 4096), 65536 + 4096);
         assert_eq!(d.slabs[1].dmabuf_offset_of(base + gib + 100), gib + 65536 + 100);
     }

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::error::describe_os_error;
+use crate::error::{describe_os_error, Result};
 use crate::mem::dmabuf_slabs::{slab_ranges_of, DmabufSlabs, PAGE};
 use crate::mem::udmabuf;
 use crate::uring::{Ring, MAX_FIXED_BUFFER};
@@ -87,7 +87,7 @@ impl DramRegion {
 
     /// Exports the region through udmabuf in slabs of at most 1 GiB and at most udmabuf's
     /// `size_limit_mb` (64 MiB by default upstream); returns why not, if it failed.
-    pub fn export_udmabuf(&mut self) -> Option<String> {
+    pub fn export_udmabuf(&mut self) -> Result<()> {
         let (start, end) = (self.addr / PAGE * PAGE, (self.addr + self.len).div_ceil(PAGE) * PAGE);
         let cover = slab_ranges_of(self.addr, self.len, start, end, udmabuf::size_limit().unwrap_or(MAX_FIXED_BUFFER));
         let mut slabs = DmabufSlabs::new(cover, "not exported");

@@ -91,22 +91,23 @@ impl FileRegion {
                 format!("{what} registration: fstat(fd {fd}) failed; devId must be an fd open in this process, or use path-mode metaInfo"),
                 &e,
             )
+            .with_fd(fd)
         })?;
         let fmt = st.st_mode & libc::S_IFMT;
         let is_block = fmt == libc::S_IFBLK;
         match kind {
             MemKind::Blk if !is_block => {
-                return Err(Error::invalid(format!("BLK_SEG registration: fd {fd} is not a block device; register files as FILE")))
+                return Err(Error::invalid(format!("BLK_SEG registration: fd {fd} is not a block device; register files as FILE")).with_fd(fd))
             }
             _ if fmt != libc::S_IFREG && !is_block => {
-                return Err(Error::invalid(format!("FILE registration: fd {fd} is neither a regular file nor a block device")))
+                return Err(Error::invalid(format!("FILE registration: fd {fd} is neither a regular file nor a block device")).with_fd(fd))
             }
             _ => {}
         }
         // SAFETY: F_GETFL on an fd we just fstat'ed; no memory is involved.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
         if flags < 0 {
-            return Err(Error::os(format!("{what} registration: fcntl(fd {fd}, F_GETFL)"), &io::Error::last_os_error()));
+            return Err(Error::os(format!("{what} registration: fcntl(fd {fd}, F_GETFL)"), &io::Error::last_os_error()).with_fd(fd));
         }
         let access = flags & libc::O_ACCMODE;
         let direct = if flags & libc::O_DIRECT != 0 { Some(direct_align(fd, is_block)) } else { None };
@@ -114,13 +115,16 @@ impl FileRegion {
             if direct.is_none() {
                 return Err(Error::invalid(format!(
                     "BLK_SEG registration: fd {fd} is not open with O_DIRECT; open the device with O_DIRECT (path mode: \"rw,direct:/dev/...\")"
-                )));
+                ))
+                .with_fd(fd));
             }
             let capacity = block_capacity(fd)?;
             if offset.checked_add(len).is_none_or(|end| end > capacity) {
                 return Err(Error::invalid(format!(
                     "BLK_SEG registration: range [{offset}, +{len}) runs past the end of the device on fd {fd} ({capacity} bytes)"
-                )));
+                ))
+                .with_fd(fd)
+                .with_offset(offset));
             }
         }
         let max_direct_io = direct.and_then(|_| device_max_io(if is_block { st.st_rdev } else { st.st_dev }));
@@ -175,11 +179,13 @@ impl FileRegion {
             Ok(_) => Err(Error::new(
                 ErrorKind::NotAllowed,
                 format!("fd {} now refers to a different file than when it was registered; deregister and register the new file", self.fd),
-            )),
+            )
+            .with_fd(self.fd)),
             Err(e) => Err(Error::os(
                 format!("fd {} registered as FILE is no longer open; keep it open until deregistration", self.fd),
                 &e,
-            )),
+            )
+            .with_fd(self.fd)),
         }
     }
 }
@@ -242,7 +248,7 @@ fn block_capacity(fd: i32) -> Result<u64> {
     let mut bytes: u64 = 0;
     // SAFETY: BLKGETSIZE64 writes one u64.
     if unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut bytes) } != 0 {
-        return Err(Error::os(format!("BLK_SEG registration: ioctl(fd {fd}, BLKGETSIZE64)"), &io::Error::last_os_error()));
+        return Err(Error::os(format!("BLK_SEG registration: ioctl(fd {fd}, BLKGETSIZE64)"), &io::Error::last_os_error()).with_fd(fd));
     }
     Ok(bytes)
 }

@@ -14,6 +14,38 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::Registration;
 
+/// Hands a registration to NIXL as its MD: NIXL's reference is the `Arc`'s count of one. The
+/// three functions below are the only casts between MDs and registrations.
+pub fn into_md(reg: Arc<Registration>) -> *const c_void {
+    Arc::into_raw(reg).cast()
+}
+
+/// Takes NIXL's reference back (deregistration).
+///
+/// # Safety
+/// `md` must come from [`into_md`] and NIXL's reference must not have been taken back yet.
+pub unsafe fn take_md(md: *const c_void) -> Arc<Registration> {
+    // SAFETY: per the contract, md came from Arc::into_raw and its reference is still counted.
+    unsafe { Arc::from_raw(md.cast::<Registration>()) }
+}
+
+/// A reference of our own on the registration behind `md`, NIXL's left in place; None for null.
+///
+/// # Safety
+/// `md` must be null or come from [`into_md`] with NIXL's reference still counted for the call.
+pub unsafe fn share_md(md: *const c_void) -> Option<Arc<Registration>> {
+    if md.is_null() {
+        return None;
+    }
+    let ptr = md.cast::<Registration>();
+    // SAFETY: per the contract ptr came from Arc::into_raw and is still counted by NIXL's
+    // reference; we add one for ourselves before rebuilding an Arc.
+    unsafe {
+        Arc::increment_strong_count(ptr);
+        Some(Arc::from_raw(ptr))
+    }
+}
+
 /// The set of MD pointers handed to NIXL by `register` and not yet taken back by `deregister`.
 #[derive(Debug, Default)]
 pub struct LiveMds(Mutex<HashSet<usize>>);
@@ -53,14 +85,10 @@ impl LiveMds {
             if !set.contains(&key) {
                 return Err((i, key as *const c_void));
             }
-            let ptr = key as *const Registration;
-            // SAFETY: `key` is in the set, so it came from Arc::into_raw in Engine::register and
+            // SAFETY: `key` is in the set, so it came from into_md in Engine::register and
             // NIXL's reference is still counted (deregistration removes it under this lock
             // before dropping that reference).
-            held.push(unsafe {
-                Arc::increment_strong_count(ptr);
-                Arc::from_raw(ptr)
-            });
+            held.extend(unsafe { share_md(key as *const c_void) });
         }
         Ok(held)
     }

@@ -14,6 +14,8 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 
+use crate::error::{Error, Result};
+
 /// `struct udmabuf_create` (linux/udmabuf.h).
 #[repr(C)]
 struct UdmabufCreate {
@@ -30,9 +32,20 @@ const UDMABUF_CREATE: libc::c_ulong = 0x4018_7542;
 
 pub const DEVICE: &str = "/dev/udmabuf";
 
+/// An error of a failed I/O call whose message shows `err` as std does (the texts of this
+/// module predate `describe_os_error`), with its errno and source.
+fn io_failure(message: String, err: io::Error) -> Error {
+    let e = Error::backend(message);
+    let e = match err.raw_os_error() {
+        Some(code) => e.with_errno(code),
+        None => e,
+    };
+    e.with_source(err)
+}
+
 /// The memfd behind `[addr, addr+len)` and the file offset of `addr`, or why there is none.
-pub fn backing_memfd(addr: u64, len: u64) -> Result<(File, u64), String> {
-    let maps = std::fs::read_to_string("/proc/self/maps").map_err(|e| format!("cannot read /proc/self/maps: {e}"))?;
+pub fn backing_memfd(addr: u64, len: u64) -> Result<(File, u64)> {
+    let maps = std::fs::read_to_string("/proc/self/maps").map_err(|e| io_failure(format!("cannot read /proc/self/maps: {e}"), e))?;
     for line in maps.lines() {
         let mut f = line.split_whitespace();
         let (Some(range), Some(perms), Some(off)) = (f.next(), f.next(), f.next()) else { continue };
@@ -43,25 +56,28 @@ pub fn backing_memfd(addr: u64, len: u64) -> Result<(File, u64), String> {
         }
         let path = f.nth(2).unwrap_or("");
         if addr + len > end {
-            return Err(format!("the range spans more than one mapping (mapping ends at 0x{end:x})"));
+            return Err(Error::not_supported(format!("the range spans more than one mapping (mapping ends at 0x{end:x})")));
         }
         if !path.starts_with("/memfd:") || !perms.contains('s') {
-            return Err(format!("the memory is not a shared memfd mapping (it is {:?}, {perms}); udmabuf can only export memfd pages", if path.is_empty() { "anonymous" } else { path }));
+            return Err(Error::not_supported(format!(
+                "the memory is not a shared memfd mapping (it is {:?}, {perms}); udmabuf can only export memfd pages",
+                if path.is_empty() { "anonymous" } else { path }
+            )));
         }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .custom_flags(libc::O_CLOEXEC)
             .open(format!("/proc/self/map_files/{range}"))
-            .map_err(|e| format!("cannot open the memfd through /proc/self/map_files/{range}: {e}"))?;
-        let map_off = u64::from_str_radix(off, 16).map_err(|_| "bad mapping offset".to_owned())?;
+            .map_err(|e| io_failure(format!("cannot open the memfd through /proc/self/map_files/{range}: {e}"), e))?;
+        let map_off = u64::from_str_radix(off, 16).map_err(|_| Error::backend("bad mapping offset"))?;
         return Ok((file, map_off + (addr - start)));
     }
-    Err(format!("0x{addr:x} is not mapped"))
+    Err(Error::not_found(format!("0x{addr:x} is not mapped")))
 }
 
 /// Seals the memfd against shrinking (required by udmabuf; harmless for a buffer that stays).
-pub fn seal_shrink(memfd: RawFd) -> Result<(), String> {
+pub fn seal_shrink(memfd: RawFd) -> Result<()> {
     // SAFETY: fcntl on an fd we own.
     let seals = unsafe { libc::fcntl(memfd, libc::F_GET_SEALS) };
     if seals >= 0 && seals & libc::F_SEAL_SHRINK != 0 {
@@ -69,7 +85,9 @@ pub fn seal_shrink(memfd: RawFd) -> Result<(), String> {
     }
     // SAFETY: as above.
     if unsafe { libc::fcntl(memfd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
-        return Err(format!("cannot seal the memfd against shrinking (created without MFD_ALLOW_SEALING?): {}", io::Error::last_os_error()));
+        let err = io::Error::last_os_error();
+        let e = io_failure(format!("cannot seal the memfd against shrinking (created without MFD_ALLOW_SEALING?): {err}"), err);
+        return Err(e.with_fd(memfd));
     }
     Ok(())
 }
@@ -81,18 +99,20 @@ pub fn size_limit() -> Option<u64> {
 }
 
 /// `UDMABUF_CREATE` on `[offset, offset+size)` of `memfd`.
-pub fn create(memfd: RawFd, offset: u64, size: u64) -> Result<OwnedFd, String> {
+pub fn create(memfd: RawFd, offset: u64, size: u64) -> Result<OwnedFd> {
     let dev = OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_CLOEXEC)
         .open(DEVICE)
-        .map_err(|e| format!("cannot open {DEVICE} (CONFIG_UDMABUF): {e}"))?;
+        .map_err(|e| io_failure(format!("cannot open {DEVICE} (CONFIG_UDMABUF): {e}"), e))?;
     let arg = UdmabufCreate { memfd: memfd as u32, flags: UDMABUF_FLAGS_CLOEXEC, offset, size };
     // SAFETY: UDMABUF_CREATE reads one struct that outlives the call and returns a new fd.
     let fd = unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE, &arg) };
     if fd < 0 {
-        return Err(format!("UDMABUF_CREATE({size} bytes at {offset}) failed: {}", crate::error::describe_os_error(&io::Error::last_os_error())));
+        let err = io::Error::last_os_error();
+        let e = Error::os(format!("UDMABUF_CREATE({size} bytes at {offset}) failed"), &err);
+        return Err(e.with_fd(memfd).with_offset(offset));
     }
     // SAFETY: a fresh dma-buf fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -106,7 +126,7 @@ mod tests {
     fn anonymous_memory_is_refused_with_the_reason() {
         let v = vec![1u8; 1 << 16];
         let err = backing_memfd(v.as_ptr() as u64, v.len() as u64).unwrap_err();
-        assert!(err.contains("not a shared memfd mapping") || err.contains("more than one mapping"), "{err}");
+        assert!(err.message.contains("not a shared memfd mapping") || err.message.contains("more than one mapping"), "{err}");
     }
 
     #[test]
@@ -123,7 +143,7 @@ mod tests {
             assert!(seal_shrink(file.as_raw_fd()).is_ok());
             let err = create(file.as_raw_fd(), off, 4096);
             if !std::path::Path::new(DEVICE).exists() {
-                assert!(err.unwrap_err().contains("CONFIG_UDMABUF"));
+                assert!(err.unwrap_err().message.contains("CONFIG_UDMABUF"));
             }
             libc::munmap(p, 1 << 19);
             libc::close(fd);

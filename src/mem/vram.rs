@@ -48,9 +48,9 @@ impl VramRegion {
         );
         if export {
             let p = Arc::clone(&provider);
-            if let Some(why) = dmabuf.export_all(|start, n| p.export_dmabuf(device, start, n).map_err(|e| e.message)) {
+            if let Err(why) = dmabuf.export_all(|start, n| p.export_dmabuf(device, start, n)) {
                 if export_required {
-                    return Err(Error::backend(format!("VRAM registration 0x{addr:x}+{len}: {why}")));
+                    return Err(Error::backend(format!("VRAM registration 0x{addr:x}+{len}: {why}")).caused_by(why));
                 }
             }
         }

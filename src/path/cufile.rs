@@ -18,25 +18,25 @@ pub struct Cufile {
 }
 
 impl Path for Cufile {
-    fn check(&self, mem: &Registration, _file: &FileRegion) -> std::result::Result<(), String> {
+    fn check(&self, mem: &Registration, _file: &FileRegion) -> Result<()> {
         if !matches!(mem, Registration::Vram(_)) {
-            return Err("cuFile moves only VRAM".into());
+            return Err(Error::not_supported("cuFile moves only VRAM"));
         }
-        let lib = CuFile::load().map_err(|e| e.message)?;
+        let lib = CuFile::load()?;
         if self.api == CufileApiChoice::Batch && lib.batch.is_none() {
-            return Err(format!("cufile_api=batch: {} has no batch API (cuFileBatchIO*)", lib.path));
+            return Err(Error::not_supported(format!("cufile_api=batch: {} has no batch API (cuFileBatchIO*)", lib.path)));
         }
         Ok(())
     }
 
     /// Opens the cuFile file handle of the target (once per file registration) and registers
     /// the VRAM region with cuFile (once per region; without it cuFile still works, slower).
-    fn bind(&self, mem: &Registration, file: &FileRegion) -> std::result::Result<Route, String> {
+    fn bind(&self, mem: &Registration, file: &FileRegion) -> Result<Route> {
         self.check(mem, file)?;
-        let Registration::Vram(vram) = mem else { return Err("cuFile moves only VRAM".into()) };
-        let lib = CuFile::load().map_err(|e| e.message)?;
+        let Registration::Vram(vram) = mem else { return Err(Error::not_supported("cuFile moves only VRAM")) };
+        let lib = CuFile::load()?;
         if file.cufile.get().is_none() {
-            let h = lib.register_handle(file.fd).map_err(|e| e.message)?;
+            let h = lib.register_handle(file.fd).map_err(|e| e.with_fd(file.fd))?;
             let _ = file.cufile.set(Arc::new(h));
         }
         vram.cufile.get_or_init(|| {

@@ -66,7 +66,7 @@ impl CufileProgress {
         batches.retain_mut(|(batch, jobs)| {
             match batch.poll() {
                 Err(e) => {
-                    self.fail(Error::backend(e));
+                    self.fail(Error::backend(e.to_string()));
                     self.outstanding.fetch_sub(batch.results.iter().filter(|r| r.is_none()).count(), Ordering::AcqRel);
                     false // dropping cancels and destroys it
                 }
@@ -175,7 +175,7 @@ impl CufileExecutor {
                     // Pieces of this chunk and of the ones not yet submitted will not run.
                     let not_run = chunk.len() + jobs.count();
                     progress.outstanding.fetch_sub(not_run, Ordering::AcqRel);
-                    progress.fail(Error::backend(e));
+                    progress.fail(Error::backend(e.to_string()));
                     break;
                 }
             }
@@ -233,16 +233,17 @@ fn run(job: &Job) -> Result<()> {
 }
 
 /// The error of a piece that failed after `done` bytes, naming the file range and descriptor.
-fn piece_error(job: &Job, done: u64, why: &str) -> Error {
+fn piece_error(job: &Job, done: u64, why: &dyn std::fmt::Display) -> Error {
     let op = job.op;
-    Error::backend(format!(
+    let e = Error::backend(format!(
         "cuFile {} fd {} offset {} length {} (descriptor {}): {why}",
         if job.write { "write to" } else { "read from" },
         op.fd,
         op.file_offset + done,
         op.len as u64 - done,
         op.desc_index
-    ))
+    ));
+    e.at_descriptor(op.desc_index as usize).with_fd(op.fd).with_offset(op.file_offset + done)
 }
 
 /// Moves the piece from byte `done` on with synchronous calls.

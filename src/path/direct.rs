@@ -12,7 +12,7 @@
 use std::io;
 
 use super::route::{Path, Route};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::mem::{DramRegion, FileRegion, Registration};
 use crate::uring::IoOp;
 
@@ -20,14 +20,14 @@ use crate::uring::IoOp;
 pub struct Direct;
 
 impl Path for Direct {
-    fn check(&self, mem: &Registration, _file: &FileRegion) -> std::result::Result<(), String> {
+    fn check(&self, mem: &Registration, _file: &FileRegion) -> Result<()> {
         match mem {
             Registration::Dram(_) => Ok(()),
-            other => Err(format!("{} is not host memory", other.kind().name())),
+            other => Err(Error::invalid(format!("{} is not host memory", other.kind().name()))),
         }
     }
 
-    fn bind(&self, mem: &Registration, file: &FileRegion) -> std::result::Result<Route, String> {
+    fn bind(&self, mem: &Registration, file: &FileRegion) -> Result<Route> {
         self.check(mem, file).map(|()| Route::Host)
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::dmabuf_verify;
 use super::route::{Path, Route};
-use crate::error::describe_os_error;
+use crate::error::{Error, Result};
 use crate::mem::dmabuf_slabs::DmabufSlabs;
 use crate::mem::{FileRegion, MemKind, Registration};
 use crate::uring::dmabuf_uapi::DmabufSupport;
@@ -30,35 +30,38 @@ pub fn slabs_of(mem: &Registration) -> Option<&DmabufSlabs> {
 }
 
 impl Path for Dmabuf<'_> {
-    fn check(&self, mem: &Registration, file: &FileRegion) -> Result<(), String> {
+    fn check(&self, mem: &Registration, file: &FileRegion) -> Result<()> {
         if let DmabufSupport::Absent(why) = self.support {
-            return Err(why.clone());
+            return Err(Error::not_supported(why.clone()));
         }
         if file.kind != MemKind::Blk || file.direct.is_none() {
-            return Err("the target is not a raw block device opened with O_DIRECT (the kernel supports DMA-BUF I/O only there)".into());
+            return Err(Error::not_supported(
+                "the target is not a raw block device opened with O_DIRECT (the kernel supports DMA-BUF I/O only there)",
+            )
+            .with_fd(file.fd));
         }
-        let slabs = slabs_of(mem).ok_or("the memory has no DMA-BUF slabs")?;
+        let slabs = slabs_of(mem).ok_or_else(no_slabs)?;
         match &slabs.export_note {
-            Some(note) => Err(note.clone()),
+            Some(note) => Err(Error::not_supported(note.clone())),
             None => Ok(()),
         }
     }
 
     /// Registers every slab as an io_uring DMA-BUF buffer bound to `file` (released with the
     /// registration), then runs the self-test.
-    fn bind(&self, mem: &Registration, file: &FileRegion) -> Result<Route, String> {
+    fn bind(&self, mem: &Registration, file: &FileRegion) -> Result<Route> {
         self.check(mem, file)?;
-        let slabs = slabs_of(mem).ok_or("the memory has no DMA-BUF slabs")?;
+        let slabs = slabs_of(mem).ok_or_else(no_slabs)?;
         let mut slots = Vec::with_capacity(slabs.slabs.len());
         for slab in &slabs.slabs {
-            let fd = slab.dmabuf.as_ref().map(|f| f.as_raw_fd()).ok_or("slab has no DMA-BUF")?;
+            let fd = slab.dmabuf.as_ref().map(|f| f.as_raw_fd()).ok_or_else(|| Error::not_supported("slab has no DMA-BUF"))?;
             match self.ring.register_dmabuf(fd, file.fd) {
                 Ok(slot) => slots.push(slot),
                 Err(e) => {
                     for s in slots {
                         self.ring.release_buffer(s);
                     }
-                    return Err(format!("io_uring refused the DMA-BUF for fd {}: {}", file.fd, describe_os_error(&e)));
+                    return Err(Error::os(format!("io_uring refused the DMA-BUF for fd {}", file.fd), &e).with_fd(file.fd));
                 }
             }
         }
@@ -76,9 +79,13 @@ impl Path for Dmabuf<'_> {
     }
 }
 
+fn no_slabs() -> Error {
+    Error::not_supported("the memory has no DMA-BUF slabs")
+}
+
 /// The self-test's copies between the registered memory and a host buffer: the provider's
 /// copies for VRAM, memcpy for host memory.
-fn self_test_copy(mem: &Registration, to_host: bool, dst: u64, src: u64, len: u64) -> Result<(), String> {
+fn self_test_copy(mem: &Registration, to_host: bool, dst: u64, src: u64, len: u64) -> Result<()> {
     match mem {
         Registration::Vram(vram) => {
             // SAFETY: the self-test copies one block between its own host buffer and the first
@@ -90,7 +97,7 @@ fn self_test_copy(mem: &Registration, to_host: bool, dst: u64, src: u64, len: u6
                     vram.provider.copy_to_device(vram.device, dst, src, len)
                 }
             };
-            ticket.and_then(|t| t.wait()).map_err(|e| e.message)
+            ticket.and_then(|t| t.wait())
         }
         _ => {
             // SAFETY: the self-test copies one block between its own buffer and the first block

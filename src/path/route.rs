@@ -1,6 +1,7 @@
 //! The Path trait every data path implements, and the route a bound (registration, target) pair
 //! takes.
 
+use crate::error::Result;
 use crate::mem::{FileRegion, Registration};
 
 /// How a (registration, target) pair moves bytes, once bound.
@@ -36,8 +37,9 @@ impl Route {
 /// the piece must end) used by the planner, and its execution: the ring for `direct` and
 /// `dmabuf`, the ring plus device copies for `staging`, the cuFile executor for `cufile`.
 pub trait Path {
-    /// Whether the path can serve the pair here; the reason when not.
-    fn check(&self, mem: &Registration, file: &FileRegion) -> Result<(), String>;
+    /// Whether the path can serve the pair here; the reason when not (its message is the
+    /// reason alone: the selector wraps it with the policy that asked).
+    fn check(&self, mem: &Registration, file: &FileRegion) -> Result<()>;
     /// Prepares the pair and returns the route its ops take.
-    fn bind(&self, mem: &Registration, file: &FileRegion) -> Result<Route, String>;
+    fn bind(&self, mem: &Registration, file: &FileRegion) -> Result<Route>;
 }

@@ -31,7 +31,7 @@ impl Selector<'_> {
         match mem {
             Registration::Vram(_) => self.choose_vram(mem, file),
             Registration::Dram(d) if d.dmabuf.is_some() => self.choose_dram(mem, file),
-            Registration::Dram(_) => Direct.bind(mem, file).map(|r| (r, "host memory".into())).map_err(Error::invalid),
+            Registration::Dram(_) => Direct.bind(mem, file).map(|r| (r, "host memory".into())),
             Registration::Storage(_) => Err(Error::invalid("a storage registration on the memory side")),
         }
     }
@@ -41,12 +41,12 @@ impl Selector<'_> {
         match self.params.vram_path {
             VramPath::Staging => Ok((Route::Staging, "vram_path=staging".into())),
             VramPath::Dmabuf => self.dmabuf().bind(mem, file).map(|r| (r, "vram_path=dmabuf".into())).map_err(|why| {
-                Error::new(ErrorKind::NotSupported, format!("vram_path=dmabuf cannot reach fd {}: {why}", file.fd))
+                Error::new(ErrorKind::NotSupported, format!("vram_path=dmabuf cannot reach fd {}: {why}", file.fd)).caused_by(why)
             }),
             VramPath::Cufile => {
                 let mode = cufile::mode().1;
                 cufile_path.bind(mem, file).map(|r| (r, format!("vram_path=cufile, mode {mode}"))).map_err(|why| {
-                    Error::new(ErrorKind::NotSupported, format!("vram_path=cufile cannot reach fd {}: {why}", file.fd))
+                    Error::new(ErrorKind::NotSupported, format!("vram_path=cufile cannot reach fd {}: {why}", file.fd)).caused_by(why)
                 })
             }
             VramPath::Auto => match self.dmabuf().bind(mem, file) {
@@ -69,7 +69,8 @@ impl Selector<'_> {
             (Err(why), DramDmabuf::On) => Err(Error::new(
                 ErrorKind::NotSupported,
                 format!("dram_dmabuf=on cannot reach fd {} from DRAM 0x{:x}+{}: {why}", file.fd, start, end - start),
-            )),
+            )
+            .caused_by(why)),
             (Err(why), _) => Ok((Route::Host, format!("dram_dmabuf=auto: {why}; fixed buffers"))),
         }
     }

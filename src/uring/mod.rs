@@ -5,6 +5,8 @@
 pub mod dmabuf_uapi;
 mod op;
 mod ring;
+#[cfg(test)]
+mod ring_tests;
 mod slots;
 mod workers;
 

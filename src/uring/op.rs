@@ -59,9 +59,14 @@ impl IoOp {
         }
     }
 
+    /// This op's descriptor, fd and offset on an error about it.
+    pub fn annotate(&self, e: Error) -> Error {
+        e.at_descriptor(self.desc_index as usize).with_fd(self.fd).with_offset(self.file_offset)
+    }
+
     /// The error for an I/O that failed with `errno`.
     pub fn failed(&self, write: bool, errno: i32) -> Error {
-        Error::os(
+        let e = Error::os(
             format!(
                 "{} fd {} offset {} length {} (descriptor {}, memory 0x{:x})",
                 if write { "write to" } else { "read from" },
@@ -72,12 +77,13 @@ impl IoOp {
                 self.addr
             ),
             &io::Error::from_raw_os_error(errno),
-        )
+        );
+        self.annotate(e)
     }
 
     /// The error for an I/O that transferred 0 bytes: end of file for reads.
     pub fn made_no_progress(&self, write: bool) -> Error {
-        if write {
+        let e = if write {
             Error::backend(format!(
                 "write to fd {} at offset {} ({} bytes left, descriptor {}) made no progress (0 bytes written)",
                 self.fd, self.file_offset, self.len, self.desc_index
@@ -87,7 +93,8 @@ impl IoOp {
                 "read past end of file: fd {} offset {} length {} (descriptor {}) — the file is shorter than the descriptor",
                 self.fd, self.file_offset, self.len, self.desc_index
             ))
-        }
+        };
+        self.annotate(e)
     }
 
     /// The same storage I/O aimed at host memory `addr` in fixed-buffer slot `buf_index`
@@ -139,5 +146,14 @@ mod tests {
         let rest = op.remainder(1000);
         assert_eq!((rest.file_offset, rest.addr, rest.len), (5096, 0x1000 + 1000, 7192));
         assert_eq!((rest.buf_index, rest.desc_index, rest.fd), (Some(2), 5, 3));
+    }
+
+    #[test]
+    fn io_errors_carry_descriptor_fd_offset_and_errno() {
+        let op = IoOp { file: FileRef::Fixed(0), fd: 7, file_offset: 8192, addr: 0x1000, len: 4096, buf_index: None, device: None, punt: false, desc_index: 3 };
+        let c = op.failed(true, libc::EIO).context;
+        assert_eq!((c.descriptor, c.fd, c.offset, c.errno), (Some(3), Some(7), Some(8192), Some(libc::EIO)));
+        let c = op.made_no_progress(false).context;
+        assert_eq!((c.descriptor, c.fd, c.offset, c.errno), (Some(3), Some(7), Some(8192), None));
     }
 }

@@ -11,10 +11,13 @@
 //! - Slots released by registrations are retired through a leaf lock and unregistered the next
 //!   time the core lock is taken, so a registration may be dropped anywhere, including while the
 //!   core lock is held.
+//! - A poisoned core lock fails the engine (`error::Failure`): calls that can answer an error
+//!   do; the retire path (taken from `Drop`s) recovers the lock's value, so slots are still
+//!   unregistered.
 
 use std::collections::HashMap;
 use std::io;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use io_uring::{opcode, types, IoUring};
@@ -23,7 +26,7 @@ use super::dmabuf_uapi;
 use super::op::IoOp;
 use super::slots::SlotPool;
 use super::workers::{page_cache_threads, Job, PageCacheWorkers, QueueHelper};
-use crate::error::{describe_os_error, Error, Result};
+use crate::error::{describe_os_error, Error, Failure, Result};
 
 /// user_data of SQEs whose completions carry no information (cancellations).
 const IGNORED_CQE: u64 = u64::MAX;
@@ -69,6 +72,8 @@ pub struct Ring {
     core: Mutex<RingCore>,
     retired: Mutex<Vec<Retired>>,
     pub sq_entries: u32,
+    /// The engine's failed state, set when one of the ring's locks is found poisoned.
+    failure: Arc<Failure>,
 }
 
 struct FileSlot {
@@ -79,6 +84,7 @@ struct FileSlot {
 /// What the core lock guards.
 pub struct RingCore {
     uring: IoUring,
+    failure: Arc<Failure>,
     max_inflight: usize,
     /// Ops whose CQE has not arrived yet.
     in_kernel: usize,
@@ -102,7 +108,7 @@ pub struct RingCore {
 impl Ring {
     /// Creates the ring and its sparse buffer and file tables. A table the kernel refuses is
     /// simply absent (I/O then uses plain buffers or fds), logged once.
-    pub fn new(sq_entries: u32, fixed_files: bool) -> Result<Ring> {
+    pub fn new(sq_entries: u32, fixed_files: bool, failure: Arc<Failure>) -> Result<Ring> {
         let uring = IoUring::builder()
             .setup_cqsize(sq_entries * 2)
             .setup_submit_all()
@@ -140,6 +146,7 @@ impl Ring {
         Ok(Ring {
             core: Mutex::new(RingCore {
                 uring,
+                failure: Arc::clone(&failure),
                 max_inflight: (cq / 2).max(1) as usize,
                 in_kernel: 0,
                 on_workers: 0,
@@ -154,13 +161,30 @@ impl Ring {
             }),
             retired: Mutex::new(Vec::new()),
             sq_entries: sq,
+            failure,
         })
     }
 
     /// Locks the core. Whatever was retired meanwhile is unregistered now and again when the
     /// guard is dropped.
-    pub fn lock(&self) -> CoreGuard<'_> {
-        let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+    pub fn lock(&self) -> Result<CoreGuard<'_>> {
+        let core = self.failure.lock(&self.core, "io_uring ring")?;
+        Ok(self.guard(core))
+    }
+
+    /// As [`Ring::lock`] where no error can be returned: releasing a slot happens in `Drop`s,
+    /// and a slot left registered would keep memory pinned or a file open.
+    fn lock_for_teardown(&self) -> CoreGuard<'_> {
+        self.guard(self.failure.lock_or_recover(&self.core, "io_uring ring"))
+    }
+
+    /// Poisons the core lock (tests of the failed state, `ring_tests.rs`).
+    #[cfg(test)]
+    pub(super) fn poison_core(&self) {
+        crate::error::poison(&self.core);
+    }
+
+    fn guard<'a>(&'a self, core: MutexGuard<'a, RingCore>) -> CoreGuard<'a> {
         HOLDER.with(|h| h.set(self as *const Ring as usize));
         let mut guard = CoreGuard { core, ring: self };
         guard.flush_retired();
@@ -171,9 +195,9 @@ impl Ring {
     /// already (then the guard does it when released), unregisters it right away: a
     /// deregistered buffer must not stay pinned, nor a file open, until some later call.
     fn retire(&self, r: Retired) {
-        self.retired.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+        self.failure.lock_or_recover(&self.retired, "ring retired slots").push(r);
         if HOLDER.with(|h| h.get()) != self as *const Ring as usize {
-            drop(self.lock());
+            drop(self.lock_for_teardown());
         }
     }
 
@@ -184,7 +208,7 @@ impl Ring {
     /// kernel pins it and may read or write it for any op that names the slot.
     pub unsafe fn register_buffer(&self, addr: u64, len: u64) -> io::Result<u16> {
         debug_assert!(len <= MAX_FIXED_BUFFER);
-        let mut core = self.lock();
+        let mut core = self.lock().map_err(io::Error::other)?;
         let core = &mut *core;
         let pool = core.buffer_slots.as_mut().ok_or_else(|| io::Error::from_raw_os_error(libc::ENXIO))?;
         let slot = pool.take().ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
@@ -207,7 +231,8 @@ impl Ring {
     /// A registered-file slot for `key`, shared by every registration of the same open file.
     /// None when the table is absent or full (I/O then passes the raw fd).
     pub fn acquire_file(&self, key: FileKey) -> Option<u32> {
-        let mut core = self.lock();
+        // A poisoned lock has failed the engine; the raw fd serves until the next call fails.
+        let mut core = self.lock().ok()?;
         let core = &mut *core;
         if let Some(f) = core.files.get_mut(&key) {
             f.refs += 1;
@@ -236,7 +261,7 @@ impl Ring {
     /// Registers a DMA-BUF in a free fixed-buffer slot, bound to `target_fd`.
     pub fn register_dmabuf(&self, dmabuf_fd: i32, target_fd: i32) -> io::Result<u16> {
         use std::os::fd::AsRawFd;
-        let mut core = self.lock();
+        let mut core = self.lock().map_err(io::Error::other)?;
         let core = &mut *core;
         // v3 accepts DMA-BUFs on IOPOLL rings, later versions are reported to refuse them
         // (docs/kernel-dmabuf-series.md): never rely on it. This ring is never IOPOLL; the check
@@ -269,7 +294,8 @@ pub struct CoreGuard<'a> {
 
 impl CoreGuard<'_> {
     fn flush_retired(&mut self) {
-        let retired = std::mem::take(&mut *self.ring.retired.lock().unwrap_or_else(|p| p.into_inner()));
+        // The retired list is a leaf lock, also taken from Drops: recovered when poisoned.
+        let retired = std::mem::take(&mut *self.ring.failure.lock_or_recover(&self.ring.retired, "ring retired slots"));
         for r in retired {
             self.core.unregister(r);
         }
@@ -361,7 +387,7 @@ impl RingCore {
 
     fn push_to_workers(&mut self, s: &Submission) -> bool {
         if self.workers.is_none() {
-            match PageCacheWorkers::new(page_cache_threads(), self.file_writers) {
+            match PageCacheWorkers::new(page_cache_threads(), self.file_writers, Arc::clone(&self.failure)) {
                 Ok(w) => {
                     tracing::debug!(threads = w.threads(), "page-cache workers started");
                     self.workers = Some(w);
@@ -396,6 +422,9 @@ impl RingCore {
     /// Hands queued SQEs to the kernel (and flushes overflowed CQEs when the kernel says so).
     pub fn submit(&mut self) -> Result<()> {
         self.flush_batch();
+        // A poisoned page-cache workers' lock (found where no error could be returned) fails
+        // the call that submits next.
+        self.failure.check()?;
         let need = {
             let sq = self.uring.submission();
             !sq.is_empty() || sq.cq_overflow() || sq.taskrun()

@@ -11,6 +11,10 @@
 //!
 //! Completions are collected by the core under its lock (`take_done`), exactly like CQEs.
 //!
+//! None of the queue's users can return an error (worker threads, and core calls that return
+//! counts), so a poisoned queue lock fails the engine (`error::Failure`), is logged once, and its
+//! value is used: results still reach the core, and the core's next `submit` answers the error.
+//!
 //! The thread that posts or polls a request helps (`QueueHelper::run_queued_reads`): it takes
 //! queued read jobs off the same queue and runs them with RWF_NOWAIT, so the thread that would
 //! otherwise spin in checkXfer copies too. On a quiet machine that adds a core; on a busy one,
@@ -22,6 +26,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+use crate::error::Failure;
+
+/// The lock's name in the failed engine's error.
+const QUEUE_LOCK: &str = "page-cache workers' queue";
 
 /// One positioned read or write of host memory.
 #[derive(Clone, Copy, Debug)]
@@ -55,6 +64,13 @@ struct Shared {
     /// file serialize on its inode lock anyway; more writers only spin on it (io_uring's io-wq
     /// serializes them the same way, hashing buffered writes by inode).
     file_writers: usize,
+    failure: Arc<Failure>,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
+        self.failure.lock_or_recover(&self.queues, QUEUE_LOCK)
+    }
 }
 
 impl Queues {
@@ -93,13 +109,14 @@ pub struct PageCacheWorkers {
 impl PageCacheWorkers {
     /// Starts `count` threads (at least one); a thread that cannot be spawned is skipped. At
     /// most `file_writers` of them write to one fd at once (0 = no limit).
-    pub fn new(count: usize, file_writers: usize) -> std::io::Result<PageCacheWorkers> {
+    pub fn new(count: usize, file_writers: usize, failure: Arc<Failure>) -> std::io::Result<PageCacheWorkers> {
         let shared = Arc::new(Shared {
             queues: Mutex::default(),
             job_ready: Condvar::new(),
             done_ready: Condvar::new(),
             stop: AtomicBool::new(false),
             file_writers,
+            failure,
         });
         let mut threads = Vec::new();
         for i in 0..count.max(1) {
@@ -181,7 +198,7 @@ impl PageCacheWorkers {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
-        self.shared.queues.lock().unwrap_or_else(|p| p.into_inner())
+        self.shared.lock()
     }
 }
 
@@ -210,7 +227,7 @@ impl QueueHelper {
         let mut ran = 0;
         loop {
             let batch = {
-                let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
+                let mut q = s.lock();
                 match q.jobs.front() {
                     Some(b) if b.first().is_some_and(|j| !j.write) => q.jobs.pop_front().unwrap_or_default(),
                     _ => return ran,
@@ -228,7 +245,7 @@ impl QueueHelper {
                 }
             }
             ran += results.len();
-            let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
+            let mut q = s.lock();
             q.done.extend(results);
             if let Some(i) = blocked_at {
                 q.jobs.push_front(batch[i..].to_vec());
@@ -265,7 +282,7 @@ fn read_nowait(job: &Job) -> Option<i32> {
 fn work(s: &Shared) {
     loop {
         let batch = {
-            let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
+            let mut q = s.lock();
             loop {
                 if let Some(b) = q.take_runnable(s.file_writers) {
                     break b;
@@ -277,7 +294,7 @@ fn work(s: &Shared) {
             }
         };
         let results: Vec<(u64, i32)> = batch.iter().map(|j| (j.token, run(j))).collect();
-        let mut q = s.queues.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = s.lock();
         q.done.extend(results);
         q.write_ended(&batch, s.file_writers);
         // A write batch held back for this fd may run now.
@@ -338,7 +355,7 @@ mod tests {
             .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
             .collect();
         f.write_all(&data).unwrap();
-        let w = PageCacheWorkers::new(3, 0).unwrap();
+        let w = PageCacheWorkers::new(3, 0, Arc::default()).unwrap();
         let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; 128 << 10]).collect();
         for (i, b) in bufs.iter_mut().enumerate() {
             w.submit(Job {
@@ -402,6 +419,24 @@ mod tests {
         assert_eq!(back, patch);
     }
 
+    #[test]
+    fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
+        let failure = Arc::new(Failure::default());
+        let w = PageCacheWorkers::new(1, 0, Arc::clone(&failure)).unwrap();
+        crate::error::poison(&w.shared.queues);
+        let f = tempfile_in_tmp();
+        let mut buf = vec![0u8; 4096];
+        w.submit(Job { token: 9, fd: f.as_raw_fd(), offset: 0, addr: buf.as_mut_ptr() as u64, len: 4096, write: false });
+        let mut done = Vec::new();
+        while done.is_empty() {
+            w.wait_done(Duration::from_millis(100));
+            w.take_done(&mut done);
+        }
+        assert_eq!(done, vec![(9, 0)]);
+        let e = failure.check().unwrap_err();
+        assert!(e.message.contains("page-cache workers' queue is poisoned"), "{}", e.message);
+    }
+
     fn idle_queue(file_writers: usize) -> Arc<Shared> {
         Arc::new(Shared {
             queues: Mutex::default(),
@@ -409,6 +444,7 @@ mod tests {
             done_ready: Condvar::new(),
             stop: AtomicBool::new(false),
             file_writers,
+            failure: Arc::default(),
         })
     }
 

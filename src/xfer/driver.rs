@@ -157,7 +157,7 @@ impl Driver {
             return Ok(t);
         }
         loop {
-            let Some(helper) = self.ring.lock().page_cache_helper() else { return Ok(t) };
+            let Some(helper) = self.ring.lock()?.page_cache_helper() else { return Ok(t) };
             drop(t);
             let ran = helper.run_queued_reads();
             t = self.lock()?;
@@ -231,7 +231,7 @@ impl Driver {
                 return Ok(());
             }
             if !aborted {
-                t.abort(&self.ring, key.0);
+                t.abort(&self.ring, key.0)?;
                 aborted = true;
                 continue;
             }
@@ -259,8 +259,13 @@ impl Drop for Driver {
             return;
         }
         let keys: Vec<usize> = t.requests.iter().map(|(k, _)| k).collect();
+        // A poisoned ring lock fails abort and wait_one: nothing can be cancelled or waited
+        // for, so what is in flight keeps its staging memory (below) rather than risk a write
+        // into freed memory.
         for k in keys {
-            t.abort(&ring, k);
+            if t.abort(&ring, k).is_err() {
+                break;
+            }
         }
         let deadline = Instant::now() + TEARDOWN_WAIT;
         while !(t.owners.is_empty() && !t.staging.as_ref().is_some_and(Staging::copying)) && Instant::now() < deadline {
@@ -298,7 +303,7 @@ impl Table {
 
     /// Polls device copies, fills the ring, submits, reaps; repeats while that made progress.
     fn progress(&mut self, ring: &Ring) -> Result<()> {
-        let mut core = ring.lock();
+        let mut core = ring.lock()?;
         loop {
             let copied = self.poll_copies();
             self.fill(&mut core);
@@ -487,11 +492,12 @@ impl Table {
     }
 
     /// Marks a request aborted and asks the ring to cancel its in-flight ops.
-    fn abort(&mut self, ring: &Ring, key: usize) {
-        let Some(req) = self.requests.get_mut(key) else { return };
+    fn abort(&mut self, ring: &Ring, key: usize) -> Result<()> {
+        let Some(req) = self.requests.get_mut(key) else { return Ok(()) };
         req.abort();
         let targets: Vec<u64> = self.owners.iter().filter(|(_, f)| f.req == key).map(|(k, _)| k as u64).collect();
-        ring.lock().cancel(&targets);
+        ring.lock()?.cancel(&targets);
+        Ok(())
     }
 
     /// Waits (bounded) for at least one completion, storage or device copy, and processes what
@@ -499,7 +505,7 @@ impl Table {
     fn wait_one(&mut self, ring: &Ring, timeout: Duration) -> Result<()> {
         let copying = self.staging.as_ref().is_some_and(Staging::copying);
         {
-            let mut core = ring.lock();
+            let mut core = ring.lock()?;
             if core.in_flight() == 0 && copying {
                 // Only device copies are pending: block on the oldest.
                 if let Some(s) = &self.staging {

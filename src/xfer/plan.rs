@@ -60,16 +60,8 @@ pub struct Plan {
 /// `md` must be null or a pointer produced by `Arc::into_raw` on an `Arc<Registration>` whose
 /// NIXL reference has not been released (NIXL only passes MDs of live registrations).
 unsafe fn registration_of(md: *const c_void) -> Option<Arc<Registration>> {
-    if md.is_null() {
-        return None;
-    }
-    let ptr = md.cast::<Registration>();
-    // SAFETY: per the contract, ptr came from Arc::into_raw and is still counted by NIXL's
-    // reference; we add one for ourselves before rebuilding an Arc.
-    unsafe {
-        Arc::increment_strong_count(ptr);
-        Some(Arc::from_raw(ptr))
-    }
+    // SAFETY: forwarded from the caller.
+    unsafe { crate::mem::live::share_md(md) }
 }
 
 /// Deduplicates the registrations of a list (typically one or a few MDs for thousands of
@@ -186,15 +178,16 @@ pub unsafe fn plan(
     let mut regs = RegistrationSet::default();
     let mut pairs = Vec::with_capacity(local.len());
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
-        pairs.push(validate(i, op, lk, rk, l, r, &mut regs)?);
+        pairs.push(validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?);
     }
     // 2. Bind each distinct (memory, target) pair to its path (cached by the engine: DMA-BUF
     //    registration and self-test, cuFile handles, the staging pool happen on first use).
     let mut routes: HashMap<(usize, usize), Route> = HashMap::new();
-    for &pair in &pairs {
+    for (i, &pair) in pairs.iter().enumerate() {
         if let std::collections::hash_map::Entry::Vacant(v) = routes.entry(pair) {
             let Registration::Storage(file) = &*regs.list[pair.1] else { unreachable!("validated as storage") };
-            v.insert((ctx.route)(&regs.list[pair.0], file)?);
+            // A pair that cannot be bound names the first descriptor that uses it.
+            v.insert((ctx.route)(&regs.list[pair.0], file).map_err(|e| e.at_descriptor(i).with_fd(file.fd))?);
         }
     }
     let route_of = |pair: (usize, usize)| &routes[&pair];
@@ -218,8 +211,8 @@ pub unsafe fn plan(
     for (i, ((l, r), &pair)) in local.iter().zip(remote).zip(&pairs).enumerate() {
         let (mem, route) = (&*regs.list[pair.0], route_of(pair));
         let Registration::Storage(file) = &*regs.list[pair.1] else { unreachable!("validated as storage") };
-        check_alignment(i, l, r, mem, file, route)?;
-        total_bytes += cut(i, op, l, r, mem, file, route, &limits, &mut ops)?;
+        check_alignment(i, l, r, mem, file, route).map_err(|e| e.at_descriptor(i).with_fd(file.fd).with_offset(r.addr))?;
+        total_bytes += cut(i, op, l, r, mem, file, route, &limits, &mut ops).map_err(|e| e.at_descriptor(i))?;
         vram_outside_streams |= matches!(mem, Registration::Vram(_)) && *route != Route::Staging;
         all_buffered &= file.direct.is_none();
         // Inline pwrite needs real addresses: only memory addressed directly qualifies.
@@ -298,8 +291,8 @@ fn validate(
     check_covered(i, "local memory", l, mem)?;
     check_covered(i, "file range", r, file_reg)?;
     match op {
-        XferOp::Write if !file.writable => return Err(Error::invalid(format!("descriptor {i}: WRITE to fd {} which is open read-only", file.fd))),
-        XferOp::Read if !file.readable => return Err(Error::invalid(format!("descriptor {i}: READ from fd {} which is open write-only", file.fd))),
+        XferOp::Write if !file.writable => return Err(Error::invalid(format!("descriptor {i}: WRITE to fd {} which is open read-only", file.fd)).with_fd(file.fd)),
+        XferOp::Read if !file.readable => return Err(Error::invalid(format!("descriptor {i}: READ from fd {} which is open write-only", file.fd)).with_fd(file.fd)),
         _ => {}
     }
     Ok((mi, fi))

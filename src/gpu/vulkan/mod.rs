@@ -1,6 +1,6 @@
 //! The Vulkan provider (`gpu_provider = vulkan`): moves memory that applications allocated
 //! through the plugin's own small C API (`iud_vulkan_alloc`, see include/iud_vulkan.h and
-//! [`capi`]), because a NIXL registration is only (addr, len, devId) and the plugin must map the
+//! `ffi::vulkan_alloc`, which calls [`VulkanProvider`]), because a NIXL registration is only (addr, len, devId) and the plugin must map the
 //! address back to its Vulkan allocation.
 //!
 //! Each allocation is a dedicated, exportable VkBuffer allocation on the Vulkan device that
@@ -22,7 +22,6 @@
 //! Registrations go through the same slab, self-test and path-selection code as CUDA
 //! (`mem::vram`, `engine`); this module only answers the provider questions.
 
-pub mod capi;
 pub mod driver;
 
 use std::collections::{BTreeMap, HashSet};

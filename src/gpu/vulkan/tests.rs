@@ -1,9 +1,9 @@
-//! Variant choice on synthetic devices, the C API's argument checks, and, where a Vulkan driver
-//! is installed (Mesa lavapipe on CPU machines), a real allocation through the provider.
+//! Variant choice on synthetic devices and, where a Vulkan driver is installed (Mesa lavapipe on
+//! CPU machines), a real allocation through the provider. The C API's tests are with it in
+//! `ffi::vulkan_alloc`.
 
 use ash::vk;
 
-use super::capi::*;
 use crate::test_support::skip;
 use super::driver::{HandleSupport, PhysicalDevice, DMA_BUF, OPAQUE_FD};
 use super::*;
@@ -79,36 +79,6 @@ fn dma_buf_incompatible_with_opaque_fd_falls_back_to_the_opaque_import() {
     assert_eq!(plan(&d, true).unwrap().0, Variant::OpaqueCuda);
 }
 
-#[test]
-fn c_api_refuses_a_null_out_pointer_with_a_message() {
-    // SAFETY: NULL is allowed and refused.
-    let rc = unsafe { iud_vulkan_alloc(0, 4096, std::ptr::null_mut()) };
-    assert_eq!(rc, IUD_VK_EINVAL);
-    // SAFETY: the API returns a NUL-terminated thread-local string.
-    let msg = unsafe { std::ffi::CStr::from_ptr(iud_vulkan_last_error()) }.to_string_lossy().into_owned();
-    assert!(msg.contains("out_addr is NULL"), "{msg}");
-}
-
-#[test]
-fn c_api_checks_size_and_device_before_looking_for_a_driver() {
-    // With or without libvulkan.so.1 and a driver: EINVAL, and the out-parameter untouched.
-    for (device, size, what) in [(0, 0, "size 0"), (-1, 4096, "negative")] {
-        let mut addr = 0u64;
-        // SAFETY: addr is a valid out-pointer.
-        assert_eq!(unsafe { iud_vulkan_alloc(device, size, &mut addr) }, IUD_VK_EINVAL, "{what}");
-        assert_eq!(addr, 0);
-        // SAFETY: the API returns a NUL-terminated thread-local string.
-        let msg = unsafe { std::ffi::CStr::from_ptr(iud_vulkan_last_error()) }.to_string_lossy().into_owned();
-        assert!(msg.contains(what), "{msg}");
-    }
-}
-
-#[test]
-fn c_api_refuses_to_free_an_unknown_address_and_knows_no_variant_for_it() {
-    assert_eq!(iud_vulkan_free(0x1234_5000), IUD_VK_EINVAL);
-    assert!(iud_vulkan_variant(0x1234_5000).is_null());
-}
-
 /// The provider on a real driver, when one is installed and no CUDA is around (lavapipe).
 #[test]
 fn host_mapped_allocation_round_trips_through_the_provider_where_a_driver_exists() {
@@ -121,12 +91,8 @@ fn host_mapped_allocation_round_trips_through_the_provider_where_a_driver_exists
         Ok(v) => v,
         Err(e) => return skip(&e.message),
     };
-    let mut addr = 0u64;
-    // SAFETY: addr is a valid out-pointer.
-    assert_eq!(unsafe { iud_vulkan_alloc(0, 3 * 4096 + 100, &mut addr) }, IUD_VK_OK);
-    // SAFETY: the variant string is static.
-    let name = unsafe { std::ffi::CStr::from_ptr(iud_vulkan_variant(addr + 5000)) }.to_str().unwrap();
-    assert_eq!(name, variant.name());
+    let addr = p.allocate(0, 3 * 4096 + 100).unwrap().addr;
+    assert_eq!(lookup(addr + 5000, 1).unwrap().variant, variant);
     let range = p.check_device_range(0, addr + 4096, 8192).unwrap();
     assert_eq!((range.alloc_start, range.alloc_end), (addr, addr + 4 * 4096));
     assert!(p.check_device_range(0, addr + 4096, 4 * 4096).is_err(), "a range past the end is refused");
@@ -153,7 +119,7 @@ fn host_mapped_allocation_round_trips_through_the_provider_where_a_driver_exists
             assert_eq!(e.offset, 4096);
         }
     }
-    assert_eq!(iud_vulkan_free(addr), IUD_VK_OK);
+    VulkanProvider::free(addr).unwrap();
     assert!(lookup(addr, 1).is_none());
-    assert_eq!(iud_vulkan_free(addr), IUD_VK_EINVAL, "a second free is refused");
+    assert_eq!(VulkanProvider::free(addr).unwrap_err().kind, ErrorKind::InvalidParam, "a second free is refused");
 }

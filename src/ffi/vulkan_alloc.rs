@@ -6,13 +6,16 @@
 //! Conventions: 0 on success, a negative `IUD_VK_E*` code on failure, with the message kept for
 //! `iud_vulkan_last_error()` on the calling thread; out-parameters are written only on success.
 //! No panic crosses the boundary: each body runs under `catch_unwind`.
+//!
+//! This file is only the C side; the allocator itself is `gpu::vulkan` (`VulkanProvider`,
+//! `lookup`), which `ffi/` calls like any Rust API so that `ffi/` holds every `extern "C"`.
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use super::{lookup, VulkanProvider};
 use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::vulkan::{lookup, VulkanProvider};
 
 pub const IUD_VK_OK: c_int = 0;
 /// A bad argument (NULL out-pointer, size 0, an address not from iud_vulkan_alloc).
@@ -107,4 +110,68 @@ pub extern "C" fn iud_vulkan_variant(addr: u64) -> *const c_char {
 #[no_mangle]
 pub extern "C" fn iud_vulkan_last_error() -> *const c_char {
     catch_unwind(|| LAST_ERROR.with(|e| e.borrow().as_ptr())).unwrap_or(c"".as_ptr())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::CStr;
+
+    use super::*;
+    use crate::test_support::skip;
+
+    fn last_error() -> String {
+        // SAFETY: the API returns a NUL-terminated thread-local string.
+        unsafe { CStr::from_ptr(iud_vulkan_last_error()) }.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn c_api_refuses_a_null_out_pointer_with_a_message() {
+        // SAFETY: NULL is allowed and refused.
+        let rc = unsafe { iud_vulkan_alloc(0, 4096, std::ptr::null_mut()) };
+        assert_eq!(rc, IUD_VK_EINVAL);
+        let msg = last_error();
+        assert!(msg.contains("out_addr is NULL"), "{msg}");
+    }
+
+    #[test]
+    fn c_api_checks_size_and_device_before_looking_for_a_driver() {
+        // With or without libvulkan.so.1 and a driver: EINVAL, and the out-parameter untouched.
+        for (device, size, what) in [(0, 0, "size 0"), (-1, 4096, "negative")] {
+            let mut addr = 0u64;
+            // SAFETY: addr is a valid out-pointer.
+            assert_eq!(unsafe { iud_vulkan_alloc(device, size, &mut addr) }, IUD_VK_EINVAL, "{what}");
+            assert_eq!(addr, 0);
+            let msg = last_error();
+            assert!(msg.contains(what), "{msg}");
+        }
+    }
+
+    #[test]
+    fn c_api_refuses_to_free_an_unknown_address_and_knows_no_variant_for_it() {
+        assert_eq!(iud_vulkan_free(0x1234_5000), IUD_VK_EINVAL);
+        assert!(iud_vulkan_variant(0x1234_5000).is_null());
+    }
+
+    /// Where a Vulkan driver is installed: alloc, variant and free through the C API.
+    #[test]
+    fn c_api_allocates_names_the_variant_and_frees_where_a_driver_exists() {
+        let p = match VulkanProvider::get() {
+            Ok(p) => p,
+            Err(e) => return skip(&e.message),
+        };
+        let (variant, _) = match p.plan_for(0) {
+            Ok(v) => v,
+            Err(e) => return skip(&e.message),
+        };
+        let mut addr = 0u64;
+        // SAFETY: addr is a valid out-pointer.
+        assert_eq!(unsafe { iud_vulkan_alloc(0, 3 * 4096 + 100, &mut addr) }, IUD_VK_OK, "{}", last_error());
+        assert_eq!(last_error(), "");
+        // SAFETY: the variant string is static.
+        let name = unsafe { CStr::from_ptr(iud_vulkan_variant(addr + 5000)) }.to_str().unwrap();
+        assert_eq!(name, variant.name());
+        assert_eq!(iud_vulkan_free(addr), IUD_VK_OK);
+        assert!(lookup(addr, 1).is_none());
+        assert_eq!(iud_vulkan_free(addr), IUD_VK_EINVAL, "a second free is refused");
+    }
 }
