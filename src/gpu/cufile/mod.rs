@@ -73,7 +73,6 @@ pub struct CuFile {
     pub batch: Option<batch::BatchFns>,
 }
 
-
 static CUFILE: OnceCell<std::result::Result<CuFile, Error>> = OnceCell::new();
 
 /// The names a cuFile install answers to, most specific first.
