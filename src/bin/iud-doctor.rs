@@ -129,7 +129,7 @@ fn report_cufile(p2pdma: bool) {
             let v = lib.version.map_or("unknown".to_owned(), |v| v.to_string());
             let props = match &lib.props {
                 Ok(p) => p.describe(),
-                Err(why) => why.clone(),
+                Err(why) => why.message.clone(),
             };
             println!("cuFile: {} loaded, version {v}, driver open; mode {props}", lib.path);
             println!("cuFile batch API: {}", if lib.batch.is_some() { "present" } else { "absent" });

@@ -1,18 +1,21 @@
-//! The CUDA provider, through cudarc's driver API bindings in dynamic-loading mode.
+//! The CUDA provider, through cudarc's driver API (its `result` layer; `sys` only for the calls
+//! `result` lacks, each marked) in dynamic-loading mode.
 //!
 //! cudarc's loader panics when libcuda or a symbol is missing, so `Cuda::load` first checks that
 //! the library can be opened (`is_culib_present`) and every call runs inside `guard`, which turns
-//! a panic into an error. Nothing here links against CUDA.
+//! a panic into an error. A failed call becomes an error naming it, with ("cuda", CUresult) as
+//! its vendor status. Nothing here links against CUDA.
 //!
 //! Contexts: the primary context of each device is retained once and made current on the calling
 //! thread before each call that needs it (NIXL calls the data path from arbitrary threads).
 
 use std::collections::HashMap;
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
+use cudarc::driver::result::{self, stream::StreamKind, DriverError};
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
@@ -32,25 +35,38 @@ fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
     })
 }
 
-/// The CUDA error name (e.g. CUDA_ERROR_INVALID_VALUE) of a result code.
-fn error_name(code: sys::CUresult) -> String {
-    let mut ptr: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: cuGetErrorName writes a pointer to a static string or leaves it null.
-    let ok = guard("cuGetErrorName", || unsafe { sys::cuGetErrorName(code, &mut ptr) });
-    if matches!(ok, Ok(sys::CUresult::CUDA_SUCCESS)) && !ptr.is_null() {
-        // SAFETY: the driver returns a NUL-terminated static string.
-        unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned()
-    } else {
-        format!("CUresult {}", code as i32)
+/// The CUDA error name (e.g. CUDA_ERROR_INVALID_VALUE) of a failed call (cuGetErrorName).
+fn error_name(e: DriverError) -> String {
+    match guard("cuGetErrorName", || e.error_name().map(|name| name.to_string_lossy().into_owned())) {
+        Ok(Ok(name)) => name,
+        _ => format!("CUresult {}", e.0 as i32),
     }
 }
 
-/// Calls a driver function and maps a failure to an error naming the call and the CUDA error.
+/// The crate error for a failed driver call. The `DriverError` is not kept as the source: its
+/// Display calls into the driver (cuGetErrorString) outside `guard`.
+fn driver_error(what: &str, e: DriverError) -> Error {
+    Error::backend(format!("{what} failed: {}", error_name(e))).with_vendor("cuda", e.0 as i64)
+}
+
+/// Runs a call of cudarc's `result` layer and maps a failure to an error naming the call.
+fn call<T>(what: &str, f: impl FnOnce() -> std::result::Result<T, DriverError>) -> Result<T> {
+    guard(what, f)?.map_err(|e| driver_error(what, e))
+}
+
+/// As `call`, for the `sys` functions `result` lacks.
 fn check(what: &str, f: impl FnOnce() -> sys::CUresult) -> Result<()> {
-    match guard(what, f)? {
-        sys::CUresult::CUDA_SUCCESS => Ok(()),
-        code => Err(Error::backend(format!("{what} failed: {}", error_name(code)))),
-    }
+    call(what, || f().result())
+}
+
+/// The host range of a staging copy as bytes, for `result`'s slice-typed copies.
+///
+/// # Safety
+/// `addr..addr+len` is mapped, initialized memory (the staging pool's anonymous mapping) that
+/// nothing else writes while the copy is queued.
+unsafe fn host_bytes<'a>(addr: u64, len: u64) -> &'a mut [u8] {
+    // SAFETY: forwarded contract; a u8 slice has no alignment or validity demands beyond that.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) }
 }
 
 struct Device {
@@ -92,13 +108,11 @@ impl Cuda {
             if !present {
                 return Err(Error::new(ErrorKind::NotSupported, "libcuda.so.1 could not be loaded (no NVIDIA driver on this machine?)"));
             }
-            // SAFETY: plain driver calls writing into locals.
-            check("cuInit", || unsafe { sys::cuInit(0) })?;
-            let mut count = 0;
-            // SAFETY: as above.
-            check("cuDeviceGetCount", || unsafe { sys::cuDeviceGetCount(&mut count) })?;
+            call("cuInit", result::init)?;
+            let count = call("cuDeviceGetCount", result::device::get_count)?;
             let mut driver_version = 0;
-            // SAFETY: as above.
+            // sys: `result` has no cuDriverGetVersion.
+            // SAFETY: writes one int into a local.
             check("cuDriverGetVersion", || unsafe { sys::cuDriverGetVersion(&mut driver_version) })?;
             Ok(Arc::new(Cuda { devices: Mutex::new(HashMap::new()), count, driver_version }))
         })
@@ -115,41 +129,29 @@ impl Cuda {
             let d = Arc::clone(d);
             drop(devices);
             // SAFETY: ctx is a retained primary context.
-            check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(d.ctx) })?;
+            call("cuCtxSetCurrent", || unsafe { result::ctx::set_current(d.ctx) })?;
             return Ok(d);
         }
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: writes into dev.
-        check("cuDeviceGet", || unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: writes into ctx; the primary context is retained for the process lifetime.
-        check("cuDevicePrimaryCtxRetain", || unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
+        let dev = call("cuDeviceGet", || result::device::get(ordinal))?;
+        // SAFETY: dev came from cuDeviceGet; the primary context is retained for the process
+        // lifetime.
+        let ctx = call("cuDevicePrimaryCtxRetain", || unsafe { result::primary_ctx::retain(dev) })?;
         // SAFETY: ctx was just retained.
-        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(ctx) })?;
-        let mut to_host: sys::CUstream = std::ptr::null_mut();
-        let mut to_device: sys::CUstream = std::ptr::null_mut();
+        call("cuCtxSetCurrent", || unsafe { result::ctx::set_current(ctx) })?;
         // Non-blocking streams: never serialize with the application's legacy default stream.
-        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-        // SAFETY: write into the stream handles, with the context current.
-        check("cuStreamCreate", || unsafe { sys::cuStreamCreate(&mut to_host, flags) })?;
-        // SAFETY: as above.
-        check("cuStreamCreate", || unsafe { sys::cuStreamCreate(&mut to_device, flags) })?;
-        let mut app_done: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: writes into the event handle, with the context current.
-        check("cuEventCreate", || unsafe { sys::cuEventCreate(&mut app_done, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) })?;
+        // Created with the context current.
+        let to_host = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
+        let to_device = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
+        let app_done = call("cuEventCreate", || result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
         let d = Arc::new(Device { ctx, to_host, to_device, app_done, spare_events: Mutex::new(Vec::new()) });
         devices.insert(ordinal, Arc::clone(&d));
         Ok(d)
     }
 
     fn attribute(&self, ordinal: i32, attr: sys::CUdevice_attribute) -> Result<i32> {
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: writes into dev.
-        check("cuDeviceGet", || unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
-        let mut v = 0;
-        // SAFETY: writes into v.
-        check("cuDeviceGetAttribute", || unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) })?;
-        Ok(v)
+        let dev = call("cuDeviceGet", || result::device::get(ordinal))?;
+        // SAFETY: dev came from cuDeviceGet.
+        call("cuDeviceGetAttribute", || unsafe { result::device::get_attribute(dev, attr) })
     }
 
     /// Whether the device can export DMA-BUFs (open kernel module, CUDA 11.7+).
@@ -158,14 +160,9 @@ impl Cuda {
     }
 
     pub fn device_name(&self, ordinal: i32) -> Result<String> {
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: writes into dev.
-        check("cuDeviceGet", || unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
-        let mut buf = [0 as std::ffi::c_char; 128];
-        // SAFETY: writes at most 128 bytes including the NUL.
-        check("cuDeviceGetName", || unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), 128, dev) })?;
-        // SAFETY: NUL-terminated by the driver.
-        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+        let dev = call("cuDeviceGet", || result::device::get(ordinal))?;
+        // cudarc reads the name from a 128-byte buffer, as this provider did.
+        call("cuDeviceGetName", || result::device::get_name(dev))
     }
 
     pub fn driver_version(&self) -> i32 {
@@ -187,20 +184,20 @@ unsafe impl Send for EventTicket {}
 impl CopyTicket for EventTicket {
     fn is_done(&self) -> Result<bool> {
         // SAFETY: ctx is a retained primary context; event is alive until drop.
-        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(self.device.ctx) })?;
+        call("cuCtxSetCurrent", || unsafe { result::ctx::set_current(self.device.ctx) })?;
         // SAFETY: as above.
-        match guard("cuEventQuery", || unsafe { sys::cuEventQuery(self.event) })? {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            code => Err(Error::backend(format!("asynchronous device copy failed: {}", error_name(code)))),
+        match guard("cuEventQuery", || unsafe { result::event::query(self.event) })? {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(Error::backend(format!("asynchronous device copy failed: {}", error_name(e))).with_vendor("cuda", e.0 as i64)),
         }
     }
 
     fn wait(&self) -> Result<()> {
         // SAFETY: as in is_done.
-        check("cuCtxSetCurrent", || unsafe { sys::cuCtxSetCurrent(self.device.ctx) })?;
+        call("cuCtxSetCurrent", || unsafe { result::ctx::set_current(self.device.ctx) })?;
         // SAFETY: as above.
-        check("cuEventSynchronize", || unsafe { sys::cuEventSynchronize(self.event) })
+        call("cuEventSynchronize", || unsafe { result::event::synchronize(self.event) })
     }
 }
 
@@ -217,8 +214,8 @@ impl Drop for EventTicket {
         // SAFETY: the event was created by us and is destroyed once; a pending event may be
         // destroyed (the driver releases it when it completes).
         let _ = guard("cuEventDestroy", || unsafe {
-            sys::cuCtxSetCurrent(self.device.ctx);
-            sys::cuEventDestroy_v2(self.event)
+            let _ = result::ctx::set_current(self.device.ctx);
+            result::event::destroy(self.event)
         });
     }
 }
@@ -228,17 +225,12 @@ impl Cuda {
         let spare = d.spare_events.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let event = match spare {
             Some(e) => e,
-            None => {
-                let mut event: sys::CUevent = std::ptr::null_mut();
-                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                // SAFETY: writes into event with the device's context current.
-                check("cuEventCreate", || unsafe { sys::cuEventCreate(&mut event, flags) })?;
-                event
-            }
+            // Created with the device's context current.
+            None => call("cuEventCreate", || result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
         };
         let ticket = EventTicket { event, device: Arc::clone(d) };
         // SAFETY: event and stream belong to the current context.
-        check("cuEventRecord", || unsafe { sys::cuEventRecord(event, stream) })?;
+        call("cuEventRecord", || unsafe { result::event::record(event, stream) })?;
         Ok(Box::new(ticket))
     }
 }
@@ -255,6 +247,7 @@ impl GpuProvider for Cuda {
     fn check_device_range(&self, device: i32, addr: u64, len: u64) -> Result<DeviceRange> {
         self.device(device)?;
         let mut ordinal: i32 = -1;
+        // sys: `result` has no cuPointerGetAttribute.
         // SAFETY: writes one int; addr is only inspected, not dereferenced.
         check("cuPointerGetAttribute(DEVICE_ORDINAL)", || unsafe {
             sys::cuPointerGetAttribute(
@@ -263,7 +256,7 @@ impl GpuProvider for Cuda {
                 addr,
             )
         })
-        .map_err(|e| Error::invalid(format!("VRAM registration 0x{addr:x}+{len}: not CUDA device memory ({e})")))?;
+        .map_err(|e| Error { kind: ErrorKind::InvalidParam, message: format!("VRAM registration 0x{addr:x}+{len}: not CUDA device memory ({e})"), ..e })?;
         if ordinal != device {
             return Err(Error::invalid(format!(
                 "VRAM registration 0x{addr:x}+{len}: the memory is on CUDA device {ordinal}, but devId says {device}"
@@ -271,6 +264,7 @@ impl GpuProvider for Cuda {
         }
         let mut base: sys::CUdeviceptr = 0;
         let mut size: usize = 0;
+        // sys: `result` has no cuMemGetAddressRange.
         // SAFETY: writes into base/size.
         check("cuMemGetAddressRange", || unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) })?;
         let end = base + size as u64;
@@ -285,6 +279,7 @@ impl GpuProvider for Cuda {
     fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<DmabufExport> {
         self.device(device)?;
         let mut fd: i32 = -1;
+        // sys: `result` has no cuMemGetHandleForAddressRange (DMA-BUF export).
         // SAFETY: writes one int (the fd); the range is only described, not accessed.
         check(&format!("cuMemGetHandleForAddressRange(0x{addr:x}+{len}, DMA_BUF_FD)"), || unsafe {
             sys::cuMemGetHandleForAddressRange(
@@ -304,6 +299,7 @@ impl GpuProvider for Cuda {
             return Err(Error::new(ErrorKind::NotSupported, "no CUDA device to pin host memory for"));
         }
         self.device(0)?;
+        // sys: `result` has no cuMemHostRegister / cuMemHostUnregister.
         // SAFETY: the caller keeps the memory mapped until unpin_host.
         check("cuMemHostRegister", || unsafe {
             sys::cuMemHostRegister_v2(addr as *mut c_void, len as usize, sys::CU_MEMHOSTREGISTER_PORTABLE)
@@ -319,8 +315,9 @@ impl GpuProvider for Cuda {
 
     unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        // SAFETY: the caller keeps both ranges valid until the ticket completes.
-        check("cuMemcpyDtoHAsync", || unsafe { sys::cuMemcpyDtoHAsync_v2(host as *mut c_void, dev, len as usize, d.to_host) })?;
+        // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
+        // is the staging pool's (host_bytes).
+        call("cuMemcpyDtoHAsync", || unsafe { result::memcpy_dtoh_async(host_bytes(host, len), dev, d.to_host) })?;
         self.record(&d, d.to_host)
     }
 
@@ -330,11 +327,12 @@ impl GpuProvider for Cuda {
         // SAFETY: the caller keeps every range valid until the ticket completes.
         if !unsafe { batch::copy(device, pieces, to_host, stream) } {
             for p in pieces {
-                // SAFETY: as above; one copy per piece on the same stream, one event for all.
+                // SAFETY: as above (host ranges in the staging pool, see host_bytes); one copy per
+                // piece on the same stream, one event for all.
                 if to_host {
-                    check("cuMemcpyDtoHAsync", || unsafe { sys::cuMemcpyDtoHAsync_v2(p.host as *mut c_void, p.dev, p.len as usize, stream) })?;
+                    call("cuMemcpyDtoHAsync", || unsafe { result::memcpy_dtoh_async(host_bytes(p.host, p.len), p.dev, stream) })?;
                 } else {
-                    check("cuMemcpyHtoDAsync", || unsafe { sys::cuMemcpyHtoDAsync_v2(p.dev, p.host as *const c_void, p.len as usize, stream) })?;
+                    call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(p.dev, host_bytes(p.host, p.len), stream) })?;
                 }
             }
         }
@@ -343,8 +341,9 @@ impl GpuProvider for Cuda {
 
     unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        // SAFETY: the caller keeps both ranges valid until the ticket completes.
-        check("cuMemcpyHtoDAsync", || unsafe { sys::cuMemcpyHtoDAsync_v2(dev, host as *const c_void, len as usize, d.to_device) })?;
+        // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
+        // is the staging pool's (host_bytes).
+        call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(dev, host_bytes(host, len), d.to_device) })?;
         self.record(&d, d.to_device)
     }
 
@@ -354,15 +353,15 @@ impl GpuProvider for Cuda {
         // stream among them) queue their kernels on.
         let legacy = 0x1 as sys::CUstream;
         // SAFETY: the event and streams belong to the device's context, current after device().
-        check("cuEventRecord(default stream)", || unsafe { sys::cuEventRecord(d.app_done, legacy) })?;
+        call("cuEventRecord(default stream)", || unsafe { result::event::record(d.app_done, legacy) })?;
         if host_wait {
             // SAFETY: as above.
-            return check("cuEventSynchronize", || unsafe { sys::cuEventSynchronize(d.app_done) });
+            return call("cuEventSynchronize", || unsafe { result::event::synchronize(d.app_done) });
         }
         for stream in [d.to_host, d.to_device] {
             // SAFETY: as above; the wait captures the record just made (or a later one, which
             // also follows the application's earlier work).
-            check("cuStreamWaitEvent", || unsafe { sys::cuStreamWaitEvent(stream, d.app_done, 0) })?;
+            call("cuStreamWaitEvent", || unsafe { result::stream::wait_event(stream, d.app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) })?;
         }
         Ok(())
     }
@@ -387,9 +386,8 @@ impl GpuProvider for Cuda {
 /// closes them and frees the memory. Returns the number of slabs. Used by the doctor.
 pub fn export_probe(cuda: &Cuda, device: i32, bytes: u64, max_slab: u64) -> Result<usize> {
     cuda.device(device)?;
-    let mut ptr: sys::CUdeviceptr = 0;
-    // SAFETY: writes the allocation's address into ptr.
-    check("cuMemAlloc", || unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes as usize) })?;
+    // SAFETY: a device allocation, only exported below, never read.
+    let ptr = call("cuMemAlloc", || unsafe { result::malloc_sync(bytes as usize) })?;
     let result = (|| {
         let (mut start, mut slabs) = (ptr, 0);
         while start < ptr + bytes {
@@ -400,8 +398,8 @@ pub fn export_probe(cuda: &Cuda, device: i32, bytes: u64, max_slab: u64) -> Resu
         }
         Ok(slabs)
     })();
-    // SAFETY: frees the allocation made above.
-    let _ = check("cuMemFree", || unsafe { sys::cuMemFree_v2(ptr) });
+    // SAFETY: frees the allocation made above, once.
+    let _ = call("cuMemFree", || unsafe { result::free_sync(ptr) });
     result
 }
 
@@ -437,9 +435,9 @@ impl Drop for ImportedMemory {
         // mapping before the external memory (CUDA's order: "cuMemFree ... then
         // cuDestroyExternalMemory").
         let _ = guard("free imported memory", || unsafe {
-            sys::cuCtxSetCurrent(self.ctx);
-            sys::cuMemFree_v2(self.ptr);
-            sys::cuDestroyExternalMemory(self.ext)
+            let _ = result::ctx::set_current(self.ctx);
+            let _ = result::memory_free(self.ptr);
+            result::external_memory::destroy_external_memory(self.ext)
         });
     }
 }
@@ -447,14 +445,14 @@ impl Drop for ImportedMemory {
 impl Cuda {
     /// The device's UUID (what Vulkan reports as `VkPhysicalDeviceIDProperties::deviceUUID`).
     pub fn device_uuid(&self, ordinal: i32) -> Result<[u8; 16]> {
-        let mut dev: sys::CUdevice = 0;
-        // SAFETY: writes into dev.
-        check("cuDeviceGet", || unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        let dev = call("cuDeviceGet", || result::device::get(ordinal))?;
         let mut uuid = sys::CUuuid { bytes: [0; 16] };
-        // SAFETY: writes 16 bytes into uuid; _v2 is the form that matches Vulkan/NVML on MIG too.
-        check("cuDeviceGetUuid_v2", || unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) })
-            // SAFETY: as above, the older entry point.
-            .or_else(|_| check("cuDeviceGetUuid", || unsafe { sys::cuDeviceGetUuid(&mut uuid, dev) }))?;
+        // sys: `result::device::get_uuid` calls only cuDeviceGetUuid under cuda-12080; _v2 is the
+        // form that matches Vulkan/NVML on MIG too, so it is tried first.
+        // SAFETY: writes 16 bytes into uuid.
+        let uuid = check("cuDeviceGetUuid_v2", || unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) })
+            .map(|()| uuid)
+            .or_else(|_| call("cuDeviceGetUuid", || result::device::get_uuid(dev)))?;
         Ok(uuid.bytes.map(|b| b as u8))
     }
 
@@ -478,18 +476,22 @@ impl Cuda {
             reserved: [0; 16],
         };
         let mut ext: sys::CUexternalMemory = std::ptr::null_mut();
+        // sys: `result::external_memory::import_external_memory_opaque_fd` always passes flags 0,
+        // and a dedicated Vulkan allocation needs CUDA_EXTERNAL_MEMORY_DEDICATED.
         // SAFETY: desc is fully initialized; ext receives the handle.
         check("cuImportExternalMemory(OPAQUE_FD)", || unsafe { sys::cuImportExternalMemory(&mut ext, &desc) })?;
         // The driver owns the fd now.
         let _ = fd.into_raw_fd();
-        let buf = sys::CUDA_EXTERNAL_MEMORY_BUFFER_DESC { offset: 0, size, flags: 0, reserved: [0; 16] };
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: ext was just imported; ptr receives the mapping.
-        if let Err(e) = check("cuExternalMemoryGetMappedBuffer", || unsafe { sys::cuExternalMemoryGetMappedBuffer(&mut ptr, ext, &buf) }) {
-            // SAFETY: releases the handle imported above.
-            let _ = guard("cuDestroyExternalMemory", || unsafe { sys::cuDestroyExternalMemory(ext) });
-            return Err(e);
-        }
+        // The whole object: offset 0, `size` bytes, flags 0.
+        // SAFETY: ext was just imported.
+        let ptr = match call("cuExternalMemoryGetMappedBuffer", || unsafe { result::external_memory::get_mapped_buffer(ext, 0, size) }) {
+            Ok(ptr) => ptr,
+            Err(e) => {
+                // SAFETY: releases the handle imported above, once; nothing is mapped on it.
+                let _ = guard("cuDestroyExternalMemory", || unsafe { result::external_memory::destroy_external_memory(ext) });
+                return Err(e);
+            }
+        };
         Ok(ImportedMemory { ext, ptr, size, ctx: d.ctx })
     }
 }

@@ -4,8 +4,9 @@
 //! cudarc 0.19 binds the entry point (feature cuda-12080: the 12.8 signature with `failIdx`;
 //! features cuda-13xxx: `cuMemcpyBatchAsync_v2` without it) but its loader panics on a missing
 //! symbol, so both names are looked up here through cudarc's library handle (`sys::culib`) and
-//! called with local signatures. Layouts from CUDA 12.8's cuda.h (CUmemcpyAttributes: access
-//! order, source and destination location hints, flags; 24 bytes).
+//! called with local signatures (`sys`, not `result`: cudarc's `result` layer has no batched
+//! copy). Layouts from CUDA 12.8's cuda.h (CUmemcpyAttributes: access order, source and
+//! destination location hints, flags; 24 bytes).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -8,6 +8,7 @@
 pub mod cuda;
 mod cuda_batch;
 pub mod cufile;
+mod loader;
 pub mod rocm;
 pub mod provider;
 pub mod vulkan;

@@ -66,7 +66,7 @@ impl CufileProgress {
         batches.retain_mut(|(batch, jobs)| {
             match batch.poll() {
                 Err(e) => {
-                    self.fail(Error::backend(e.to_string()));
+                    self.fail(e);
                     self.outstanding.fetch_sub(batch.results.iter().filter(|r| r.is_none()).count(), Ordering::AcqRel);
                     false // dropping cancels and destroys it
                 }
@@ -175,7 +175,7 @@ impl CufileExecutor {
                     // Pieces of this chunk and of the ones not yet submitted will not run.
                     let not_run = chunk.len() + jobs.count();
                     progress.outstanding.fetch_sub(not_run, Ordering::AcqRel);
-                    progress.fail(Error::backend(e.to_string()));
+                    progress.fail(e);
                     break;
                 }
             }
@@ -256,7 +256,8 @@ fn run_from(job: &Job, mut done: u64) -> Result<()> {
         let n = job
             .handle
             .io(job.write, job.base, op.addr + done - job.base, op.len as u64 - done, op.file_offset + done)
-            .map_err(|e| piece_error(job, done, &e))?;
+            // The piece's context plus what cuFile said (errno or cuFile status).
+            .map_err(|e| piece_error(job, done, &e.message).caused_by(e))?;
         if n == 0 {
             return Err(op.remainder(done as u32).made_no_progress(job.write));
         }

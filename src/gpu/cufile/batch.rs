@@ -5,6 +5,8 @@
 use std::ffi::c_void;
 
 use super::status::status_name;
+use crate::error::{Error, Result};
+use crate::gpu::loader::Library;
 
 /// A registered cuFile file handle, borrowed for as long as the `CuFileHandle` it came from.
 #[derive(Clone, Copy)]
@@ -99,19 +101,23 @@ pub struct BatchFns {
 }
 
 impl BatchFns {
-    /// Resolves every batch symbol through `sym`; None if one is missing.
-    pub fn resolve(sym: &dyn Fn(&str) -> Option<*mut c_void>) -> Option<BatchFns> {
-        // SAFETY: each symbol has the C signature of its type alias, as declared in cufile.h.
-        unsafe {
-            Some(BatchFns {
-                set_up: std::mem::transmute::<*mut c_void, SetUp>(sym("cuFileBatchIOSetUp")?),
-                submit: std::mem::transmute::<*mut c_void, Submit>(sym("cuFileBatchIOSubmit")?),
-                get_status: std::mem::transmute::<*mut c_void, GetStatus>(sym("cuFileBatchIOGetStatus")?),
-                cancel: std::mem::transmute::<*mut c_void, Cancel>(sym("cuFileBatchIOCancel")?),
-                destroy: std::mem::transmute::<*mut c_void, Destroy>(sym("cuFileBatchIODestroy")?),
-            })
-        }
+    /// Resolves every batch symbol of `library` (each type alias spells its C signature in
+    /// cufile.h); None if one is missing.
+    pub fn resolve(library: &Library) -> Option<BatchFns> {
+        Some(BatchFns {
+            set_up: library.optional("cuFileBatchIOSetUp")?,
+            submit: library.optional("cuFileBatchIOSubmit")?,
+            get_status: library.optional("cuFileBatchIOGetStatus")?,
+            cancel: library.optional("cuFileBatchIOCancel")?,
+            destroy: library.optional("cuFileBatchIODestroy")?,
+        })
     }
+}
+
+/// A failed batch call: the message names the call and the cuFile status, which travels as
+/// ("cufile", code).
+fn batch_error(call: &str, st: BatchError) -> Error {
+    Error::backend(format!("{call} failed: {}", status_name(st.err))).with_vendor("cufile", st.err as i64)
 }
 
 /// One piece of a batch: its file, registered buffer base, offset into it, file offset, length.
@@ -140,13 +146,13 @@ unsafe impl Send for Batch {}
 
 impl Batch {
     /// Sets up a batch for `pieces` (at most the driver's max_batch_io_size) and submits it.
-    pub fn submit(fns: BatchFns, write: bool, pieces: &[Piece<'_>]) -> Result<Batch, String> {
+    pub fn submit(fns: BatchFns, write: bool, pieces: &[Piece<'_>]) -> Result<Batch> {
         let mut handle = std::ptr::null_mut();
         let n = pieces.len() as u32;
         // SAFETY: writes one handle.
         let st = unsafe { (fns.set_up)(&mut handle, n) };
         if st.err != 0 {
-            return Err(format!("cuFileBatchIOSetUp({n}) failed: {}", status_name(st.err)));
+            return Err(batch_error(&format!("cuFileBatchIOSetUp({n})"), st));
         }
         let params: Vec<IoParams> = pieces
             .iter()
@@ -169,13 +175,13 @@ impl Batch {
         let st = unsafe { (fns.submit)(batch.handle, n, batch.params.as_mut_ptr(), 0) };
         if st.err != 0 {
             batch.open = 0; // nothing was queued: nothing to cancel
-            return Err(format!("cuFileBatchIOSubmit({n} pieces) failed: {}", status_name(st.err)));
+            return Err(batch_error(&format!("cuFileBatchIOSubmit({n} pieces)"), st));
         }
         Ok(batch)
     }
 
     /// Collects finished pieces without waiting. Returns true once every piece has a result.
-    pub fn poll(&mut self) -> Result<bool, String> {
+    pub fn poll(&mut self) -> Result<bool> {
         if self.open == 0 {
             return Ok(true);
         }
@@ -185,7 +191,7 @@ impl Batch {
         // SAFETY: events has room for nr entries; a zero timeout makes the call non-blocking.
         let st = unsafe { (self.fns.get_status)(self.handle, 0, &mut nr, events.as_mut_ptr(), &mut zero) };
         if st.err != 0 {
-            return Err(format!("cuFileBatchIOGetStatus failed: {}", status_name(st.err)));
+            return Err(batch_error("cuFileBatchIOGetStatus", st));
         }
         for e in &events[..(nr as usize).min(events.len())] {
             let i = (e.cookie as usize).wrapping_sub(1);
@@ -223,6 +229,7 @@ mod tests {
 
     #[test]
     fn a_library_without_the_batch_api_has_no_batch_capability() {
-        assert!(BatchFns::resolve(&|_| None).is_none());
+        let libc = Library::open("libc.so.6").expect("libc loads");
+        assert!(BatchFns::resolve(&libc).is_none());
     }
 }

@@ -9,11 +9,12 @@
 //! kernel P2PDMA is set up, and a successful call does not tell which. `mode()` reports what the
 //! machine offers; `vram_path=auto` uses cuFile only when it is really direct.
 
-use std::ffi::{c_void, CString};
+use std::ffi::c_void;
 
 use once_cell::sync::OnceCell;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::loader::Library;
 pub use status::status_name;
 
 pub mod batch;
@@ -44,9 +45,18 @@ type BufRegister = unsafe extern "C" fn(*const c_void, usize, i32) -> CuFileErro
 type BufDeregister = unsafe extern "C" fn(*const c_void) -> CuFileError;
 type ReadFn = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, i64, i64) -> isize;
 type WriteFn = unsafe extern "C" fn(*mut c_void, *const c_void, usize, i64, i64) -> isize;
+type DriverOpen = unsafe extern "C" fn() -> CuFileError;
+type GetProperties = unsafe extern "C" fn(*mut u8) -> CuFileError;
+type GetVersion = unsafe extern "C" fn(*mut i32) -> CuFileError;
+
+/// A failed cuFile call: the message names the call and the status; the status travels as
+/// ("cufile", code).
+fn cufile_error(call: &str, st: CuFileError) -> Error {
+    Error::backend(format!("{call} failed: {}", status_name(st.err))).with_vendor("cufile", st.err as i64)
+}
 
 /// The loaded library with the driver open (once per process; never closed, since cuFile's
-/// driver is process-wide and other users in the process may share it).
+/// driver is process-wide and other users in the process may share it: see `gpu::loader`).
 pub struct CuFile {
     handle_register: HandleRegister,
     handle_deregister: HandleDeregister,
@@ -55,18 +65,13 @@ pub struct CuFile {
     read: ReadFn,
     write: WriteFn,
     pub path: &'static str,
-    /// The driver's properties (None: cuFileDriverGetProperties failed; the message says why).
-    pub props: std::result::Result<DriverProps, String>,
+    /// The driver's properties (Err: cuFileDriverGetProperties is missing or failed; says why).
+    pub props: Result<DriverProps>,
     /// cuFileGetVersion, when the library has it.
     pub version: Option<i32>,
     /// The batch API, when the library has all of it.
     pub batch: Option<batch::BatchFns>,
 }
-
-// SAFETY: plain function pointers into a library that stays loaded.
-unsafe impl Send for CuFile {}
-// SAFETY: as above; cuFile's API is thread-safe.
-unsafe impl Sync for CuFile {}
 
 static CUFILE: OnceCell<std::result::Result<CuFile, Error>> = OnceCell::new();
 
@@ -160,75 +165,47 @@ impl CuFile {
     }
 
     fn open() -> Result<CuFile> {
-        let mut found = None;
-        for name in CANDIDATES {
-            let c = CString::new(name).expect("no NUL");
-            // SAFETY: dlopen of a library name; RTLD_LOCAL keeps its symbols private.
-            let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-            if !h.is_null() {
-                found = Some((name, h));
-                break;
-            }
-        }
-        let (path, h) = found.ok_or_else(|| Error::new(ErrorKind::NotSupported, "libcufile.so.0 could not be loaded (GPUDirect Storage not installed)"))?;
-        let sym = |s: &str| -> Result<*mut c_void> {
-            let c = CString::new(s).expect("no NUL");
-            // SAFETY: dlsym on a handle that stays open.
-            let p = unsafe { libc::dlsym(h, c.as_ptr()) };
-            if p.is_null() {
-                Err(Error::new(ErrorKind::NotSupported, format!("{path} lacks {s}")))
-            } else {
-                Ok(p)
-            }
-        };
-        // SAFETY: cuFileDriverOpen has this C signature in cufile.h.
-        let driver_open: unsafe extern "C" fn() -> CuFileError = unsafe { std::mem::transmute(sym("cuFileDriverOpen")?) };
-        // SAFETY: each symbol has the C signature named by its type alias, as in cufile.h.
-        let lib = unsafe {
-            CuFile {
-                handle_register: std::mem::transmute::<*mut c_void, HandleRegister>(sym("cuFileHandleRegister")?),
-                handle_deregister: std::mem::transmute::<*mut c_void, HandleDeregister>(sym("cuFileHandleDeregister")?),
-                buf_register: std::mem::transmute::<*mut c_void, BufRegister>(sym("cuFileBufRegister")?),
-                buf_deregister: std::mem::transmute::<*mut c_void, BufDeregister>(sym("cuFileBufDeregister")?),
-                read: std::mem::transmute::<*mut c_void, ReadFn>(sym("cuFileRead")?),
-                write: std::mem::transmute::<*mut c_void, WriteFn>(sym("cuFileWrite")?),
-                path,
-                props: Err("not read yet".into()),
-                version: None,
-                batch: None,
-            }
+        let (path, library) = CANDIDATES
+            .into_iter()
+            .find_map(|name| Library::open(name).ok().map(|l| (name, l)))
+            .ok_or_else(|| Error::new(ErrorKind::NotSupported, "libcufile.so.0 could not be loaded (GPUDirect Storage not installed)"))?;
+        // Each pointer's type alias spells the C signature of its function in cufile.h.
+        let driver_open: DriverOpen = library.symbol("cuFileDriverOpen")?;
+        let mut lib = CuFile {
+            handle_register: library.symbol("cuFileHandleRegister")?,
+            handle_deregister: library.symbol("cuFileHandleDeregister")?,
+            buf_register: library.symbol("cuFileBufRegister")?,
+            buf_deregister: library.symbol("cuFileBufDeregister")?,
+            read: library.symbol("cuFileRead")?,
+            write: library.symbol("cuFileWrite")?,
+            path,
+            props: Err(Error::backend("not read yet")),
+            version: None,
+            batch: None,
         };
         // SAFETY: no arguments; opens cuFile's process-wide driver state.
         let st = unsafe { driver_open() };
         if st.err != 0 {
-            return Err(Error::backend(format!("cuFileDriverOpen failed: {}", status_name(st.err))));
+            return Err(cufile_error("cuFileDriverOpen", st));
         }
-        let mut lib = lib;
-        lib.props = match sym("cuFileDriverGetProperties") {
-            Err(e) => Err(e.message),
-            Ok(p) => {
-                // SAFETY: cuFileDriverGetProperties(CUfileDrvProps_t*) -> CUfileError_t.
-                let get: unsafe extern "C" fn(*mut u8) -> CuFileError = unsafe { std::mem::transmute(p) };
-                // Room for fields newer releases append; the known prefix is read back.
-                let mut raw = [0u64; 64];
-                // SAFETY: the buffer is larger than any CUfileDrvProps_t.
-                let st = unsafe { get(raw.as_mut_ptr().cast()) };
-                if st.err != 0 {
-                    Err(format!("cuFileDriverGetProperties failed: {}", status_name(st.err)))
-                } else {
-                    // SAFETY: raw is 8-aligned, larger than DriverProps, and DriverProps is plain data.
-                    Ok(unsafe { std::ptr::read(raw.as_ptr().cast::<DriverProps>()) })
-                }
+        lib.props = library.symbol::<GetProperties>("cuFileDriverGetProperties").and_then(|get| {
+            // Room for fields newer releases append; the known prefix is read back.
+            let mut raw = [0u64; 64];
+            // SAFETY: the buffer is larger than any CUfileDrvProps_t.
+            let st = unsafe { get(raw.as_mut_ptr().cast()) };
+            if st.err != 0 {
+                Err(cufile_error("cuFileDriverGetProperties", st))
+            } else {
+                // SAFETY: raw is 8-aligned, larger than DriverProps, and DriverProps is plain data.
+                Ok(unsafe { std::ptr::read(raw.as_ptr().cast::<DriverProps>()) })
             }
-        };
-        lib.version = sym("cuFileGetVersion").ok().and_then(|p| {
-            // SAFETY: cuFileGetVersion(int*) -> CUfileError_t.
-            let f: unsafe extern "C" fn(*mut i32) -> CuFileError = unsafe { std::mem::transmute(p) };
+        });
+        lib.version = library.optional::<GetVersion>("cuFileGetVersion").and_then(|f| {
             let mut v = 0;
             // SAFETY: writes one int.
             (unsafe { f(&mut v) }.err == 0).then_some(v)
         });
-        lib.batch = batch::BatchFns::resolve(&|s| sym(s).ok());
+        lib.batch = batch::BatchFns::resolve(&library);
         Ok(lib)
     }
 
@@ -239,7 +216,7 @@ impl CuFile {
         // SAFETY: handle and descr are valid for the call.
         let st = unsafe { (self.handle_register)(&mut handle, &mut descr) };
         if st.err != 0 {
-            return Err(Error::backend(format!("cuFileHandleRegister(fd {fd}) failed: {}", status_name(st.err))));
+            return Err(cufile_error(&format!("cuFileHandleRegister(fd {fd})"), st).with_fd(fd));
         }
         Ok(CuFileHandle { handle, lib: self })
     }
@@ -249,7 +226,7 @@ impl CuFile {
         // SAFETY: the range is registered VRAM that outlives the returned guard.
         let st = unsafe { (self.buf_register)(addr as *const c_void, len as usize, 0) };
         if st.err != 0 {
-            return Err(Error::backend(format!("cuFileBufRegister(0x{addr:x}+{len}) failed: {}", status_name(st.err))));
+            return Err(cufile_error(&format!("cuFileBufRegister(0x{addr:x}+{len})"), st));
         }
         Ok(CuFileBuffer { addr, lib: self })
     }
@@ -273,8 +250,9 @@ impl CuFileHandle {
     }
 
     /// One synchronous transfer: `len` bytes between `base + buf_offset` and `file_offset`.
-    /// Returns the bytes moved (may be short) or the error.
-    pub fn io(&self, write: bool, base: u64, buf_offset: u64, len: u64, file_offset: u64) -> std::result::Result<u64, String> {
+    /// Returns the bytes moved (may be short) or the error: the errno text (`context.errno`) or
+    /// the cuFile status (`context.vendor`).
+    pub fn io(&self, write: bool, base: u64, buf_offset: u64, len: u64, file_offset: u64) -> Result<u64> {
         // SAFETY: base+buf_offset..+len is registered VRAM kept alive by the request; the handle
         // is live until this struct drops.
         let n = unsafe {
@@ -286,8 +264,15 @@ impl CuFileHandle {
         };
         match n {
             n if n >= 0 => Ok(n as u64),
-            -1 => Err(crate::error::describe_os_error(&std::io::Error::last_os_error())),
-            n => Err(status_name(-n as i32)),
+            -1 => {
+                let err = std::io::Error::last_os_error();
+                let e = Error::backend(crate::error::describe_os_error(&err));
+                Err(match err.raw_os_error() {
+                    Some(code) => e.with_errno(code),
+                    None => e,
+                })
+            }
+            n => Err(Error::backend(status_name(-n as i32)).with_vendor("cufile", -n as i64)),
         }
     }
 }
@@ -330,16 +315,7 @@ mod tests {
 
     #[test]
     fn a_missing_libcufile_is_an_absent_capability_with_a_message() {
-        let present = CANDIDATES.iter().any(|n| {
-            let c = CString::new(*n).unwrap();
-            // SAFETY: dlopen/dlclose of a library name, only to see whether it exists.
-            let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-            if !h.is_null() {
-                // SAFETY: closing the handle opened above.
-                unsafe { libc::dlclose(h) };
-            }
-            !h.is_null()
-        });
+        let present = CANDIDATES.iter().any(|n| Library::open(n).is_ok());
         if present {
             return crate::test_support::skip("this machine has libcufile (the GPU tests cover cuFile)");
         }

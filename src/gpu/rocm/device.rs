@@ -49,7 +49,7 @@ pub fn check_range(rocm: &Rocm, device: i32, addr: u64, len: u64) -> Result<Devi
         };
     }
     #[cfg(feature = "rocm")]
-    rocm.hip.check_pointer(addr, device).map_err(|why| Error::invalid(format!("{what}: {why}")))?;
+    rocm.hip.check_pointer(addr, device).map_err(|why| Error { message: format!("{what}: {}", why.message), ..why })?;
     let start = info.agent_base as u64;
     let end = start.saturating_add(info.size_in_bytes as u64);
     if addr < start || addr.checked_add(len).is_none_or(|e| e > end) {

@@ -15,6 +15,8 @@ use std::ffi::{c_int, c_uint, c_void};
 
 use hip_runtime_sys as hip;
 
+use crate::error::{Error, Result};
+
 /// `hipPointerAttribute_t` (HIP 5: `memoryType`, HIP 6: `type`; same layout).
 #[repr(C)]
 struct PointerAttributes {
@@ -52,7 +54,7 @@ fn pointer_fn() -> PointerFn {
 /// What HIP reported when the provider was loaded.
 pub struct HipView {
     /// Device count, or the hipError_t number of the failed call.
-    count: Result<i32, u32>,
+    count: std::result::Result<i32, u32>,
     /// `hipRuntimeGetVersion` (major * 10^7 + minor * 10^5 + patch), 0 if it failed.
     version: i32,
 }
@@ -93,7 +95,7 @@ impl HipView {
     /// device at all (no GPU, or HIP_VISIBLE_DEVICES hides them while HSA still lists agents,
     /// or a test runtime such as tests/rocm_double), HIP cannot vouch for any pointer and the
     /// HSA agent check alone decides.
-    pub fn check_pointer(&self, addr: u64, device: i32) -> Result<(), String> {
+    pub fn check_pointer(&self, addr: u64, device: i32) -> Result<()> {
         if !matches!(self.count, Ok(n) if n > 0) {
             return Ok(());
         }
@@ -108,13 +110,13 @@ impl HipView {
         // SAFETY: `a` is a valid out-struct; `addr` is only looked up.
         let e = unsafe { pointer_fn()(&mut a, addr as *const c_void) };
         if e != 0 {
-            return Err(format!("hipPointerGetAttributes failed: hipError_t {e}"));
+            return Err(Error::invalid(format!("hipPointerGetAttributes failed: hipError_t {e}")).with_vendor("hip", e as i64));
         }
         if a.memory_type != self.device_type() {
-            return Err(format!("HIP says this is not device memory (hipMemoryType {})", a.memory_type));
+            return Err(Error::invalid(format!("HIP says this is not device memory (hipMemoryType {})", a.memory_type)));
         }
         if a.device != device {
-            return Err(format!("the memory is on HIP device {}, but devId says {device}", a.device));
+            return Err(Error::invalid(format!("the memory is on HIP device {}, but devId says {device}", a.device)));
         }
         Ok(())
     }

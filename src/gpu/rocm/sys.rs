@@ -1,8 +1,8 @@
 //! Raw HSA declarations and the run-time loader of `libhsa-runtime64.so.1`.
 //!
 //! Hand-written from ROCR-Runtime's `hsa.h` / `hsa_ext_amd.h` (only what the provider calls), so
-//! the default build needs no ROCm headers and links nothing: the library is dlopen'ed at run
-//! time and each entry point resolved by name. Required symbols missing = the library is refused
+//! the default build needs no ROCm headers and links nothing: the library is opened at run time
+//! through `gpu::loader` and each entry point resolved by name. Required symbols missing = the library is refused
 //! with the symbol named; the DMA-BUF calls are optional (`hsa_amd_portable_export_dmabuf` came
 //! with later ROCm releases than 5.2, `_v2` with ROCm 7.1), so an older runtime still serves
 //! the staging path.
@@ -10,10 +10,11 @@
 //! Raw declarations live only here; `unsafe` calls through these pointers happen in the
 //! provider's thin wrappers, each with its SAFETY note.
 
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CStr};
 
 use super::status::{self, HsaStatus};
 use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::loader::{CFunction, Library};
 
 /// `hsa_agent_t`: an opaque 64-bit handle (passed by value like a u64 in the C ABI).
 #[repr(C)]
@@ -132,7 +133,7 @@ pub enum Export {
 /// Entry points of one loaded HSA library. Never unloaded: HSA keeps process-wide state (its
 /// threads, the KFD fd) that must outlive every pointer handed out.
 pub struct Lib {
-    /// The name or path that was dlopen'ed.
+    /// The name or path that was opened.
     pub path: String,
     pub init: InitFn,
     pub system_get_info: SystemGetInfoFn,
@@ -149,29 +150,23 @@ pub struct Lib {
     pub signal_destroy: SignalDestroyFn,
     pub signal_load_scacquire: SignalLoadFn,
     pub signal_wait_scacquire: SignalWaitFn,
+    /// The library the pointers point into (never closed: see `gpu::loader`).
+    _library: Library,
 }
 
 /// The environment variable that replaces the soname search with one library path (the tests'
 /// double, or a ROCm install outside the loader's path).
 pub const LIBRARY_ENV: &str = "IUD_HSA_LIBRARY";
 
+/// An entry point the provider cannot do without.
+fn required<F: CFunction>(library: &Library, symbol: &str) -> Result<F> {
+    library.symbol(symbol).map_err(|e| Error::new(e.kind, format!("{} (not an HSA runtime, or too old)", e.message)))
+}
+
 /// Names tried when `IUD_HSA_LIBRARY` is unset: the soname (ROCm packages and Debian's
 /// libhsa-runtime64-1 put it on the loader path), then ROCm's default prefix for installs that
 /// do not register /opt/rocm/lib with ld.so.
 pub const CANDIDATES: [&str; 2] = ["libhsa-runtime64.so.1", "/opt/rocm/lib/libhsa-runtime64.so.1"];
-
-/// The last dlerror() text, or a placeholder.
-fn dlerror_text() -> String {
-    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl* call on
-    // this thread; it is copied at once.
-    let p = unsafe { libc::dlerror() };
-    if p.is_null() {
-        "no dlerror text".to_owned()
-    } else {
-        // SAFETY: non-null, NUL-terminated (see above).
-        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-    }
-}
 
 impl Lib {
     /// Opens the library named by `IUD_HSA_LIBRARY`, else the first of `CANDIDATES` that loads.
@@ -179,6 +174,7 @@ impl Lib {
         match std::env::var(LIBRARY_ENV) {
             Ok(path) if !path.is_empty() => Lib::open(&path).map_err(|e| Error::new(e.kind, format!("{} (from {LIBRARY_ENV})", e.message))),
             _ => {
+                // A candidate that loads but lacks an entry point does not stop the search.
                 let mut why = Vec::new();
                 for name in CANDIDATES {
                     match Lib::open(name) {
@@ -196,54 +192,39 @@ impl Lib {
 
     /// Opens one library and resolves its entry points.
     pub fn open(path: &str) -> Result<Lib> {
-        let c = CString::new(path).map_err(|_| Error::invalid(format!("{LIBRARY_ENV}={path:?} contains a NUL byte")))?;
-        // SAFETY: dlopen of a path; RTLD_LOCAL keeps HSA's symbols out of the global namespace.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if h.is_null() {
-            return Err(Error::new(ErrorKind::NotSupported, format!("{path} could not be loaded: {}", dlerror_text())));
+        if path.contains('\0') {
+            return Err(Error::invalid(format!("{LIBRARY_ENV}={path:?} contains a NUL byte")));
         }
-        let find = |s: &str| -> *mut c_void {
-            let c = CString::new(s).expect("symbol names have no NUL");
-            // SAFETY: dlsym on a handle that is never closed.
-            unsafe { libc::dlsym(h, c.as_ptr()) }
+        Lib::resolve(Library::open(path)?)
+    }
+
+    /// Resolves the entry points of an opened library. Each pointer's type alias spells the C
+    /// signature of the function of that name in hsa.h / hsa_ext_amd.h.
+    fn resolve(library: Library) -> Result<Lib> {
+        let export = match (library.optional("hsa_amd_portable_export_dmabuf_v2"), library.optional("hsa_amd_portable_export_dmabuf")) {
+            (Some(v2), _) => Some(Export::V2(v2)),
+            (None, Some(v1)) => Some(Export::V1(v1)),
+            (None, None) => None,
         };
-        let need = |s: &str| -> Result<*mut c_void> {
-            let p = find(s);
-            if p.is_null() {
-                Err(Error::new(ErrorKind::NotSupported, format!("{path} lacks {s} (not an HSA runtime, or too old)")))
-            } else {
-                Ok(p)
-            }
-        };
-        let optional = |s: &str| -> Option<*mut c_void> { Some(find(s)).filter(|p| !p.is_null()) };
-        // SAFETY: every transmute below turns the address of the C function of that name in
-        // hsa.h / hsa_ext_amd.h into a pointer of the type alias that spells its C signature.
-        unsafe {
-            use std::mem::transmute as t;
-            let export = match (optional("hsa_amd_portable_export_dmabuf_v2"), optional("hsa_amd_portable_export_dmabuf")) {
-                (Some(v2), _) => Some(Export::V2(t::<*mut c_void, ExportV2Fn>(v2))),
-                (None, Some(v1)) => Some(Export::V1(t::<*mut c_void, ExportV1Fn>(v1))),
-                (None, None) => None,
-            };
-            Ok(Lib {
-                path: path.to_owned(),
-                init: t::<*mut c_void, InitFn>(need("hsa_init")?),
-                system_get_info: t::<*mut c_void, SystemGetInfoFn>(need("hsa_system_get_info")?),
-                iterate_agents: t::<*mut c_void, IterateAgentsFn>(need("hsa_iterate_agents")?),
-                agent_get_info: t::<*mut c_void, AgentGetInfoFn>(need("hsa_agent_get_info")?),
-                status_string: optional("hsa_status_string").map(|p| t::<*mut c_void, StatusStringFn>(p)),
-                pointer_info: t::<*mut c_void, PointerInfoFn>(need("hsa_amd_pointer_info")?),
-                export,
-                close_dmabuf: optional("hsa_amd_portable_close_dmabuf").map(|p| t::<*mut c_void, CloseDmabufFn>(p)),
-                memory_lock: t::<*mut c_void, MemoryLockFn>(need("hsa_amd_memory_lock")?),
-                memory_unlock: t::<*mut c_void, MemoryUnlockFn>(need("hsa_amd_memory_unlock")?),
-                async_copy: t::<*mut c_void, AsyncCopyFn>(need("hsa_amd_memory_async_copy")?),
-                signal_create: t::<*mut c_void, SignalCreateFn>(need("hsa_signal_create")?),
-                signal_destroy: t::<*mut c_void, SignalDestroyFn>(need("hsa_signal_destroy")?),
-                signal_load_scacquire: t::<*mut c_void, SignalLoadFn>(need("hsa_signal_load_scacquire")?),
-                signal_wait_scacquire: t::<*mut c_void, SignalWaitFn>(need("hsa_signal_wait_scacquire")?),
-            })
-        }
+        Ok(Lib {
+            path: library.name().to_owned(),
+            init: required(&library, "hsa_init")?,
+            system_get_info: required(&library, "hsa_system_get_info")?,
+            iterate_agents: required(&library, "hsa_iterate_agents")?,
+            agent_get_info: required(&library, "hsa_agent_get_info")?,
+            status_string: library.optional("hsa_status_string"),
+            pointer_info: required(&library, "hsa_amd_pointer_info")?,
+            export,
+            close_dmabuf: library.optional("hsa_amd_portable_close_dmabuf"),
+            memory_lock: required(&library, "hsa_amd_memory_lock")?,
+            memory_unlock: required(&library, "hsa_amd_memory_unlock")?,
+            async_copy: required(&library, "hsa_amd_memory_async_copy")?,
+            signal_create: required(&library, "hsa_signal_create")?,
+            signal_destroy: required(&library, "hsa_signal_destroy")?,
+            signal_load_scacquire: required(&library, "hsa_signal_load_scacquire")?,
+            signal_wait_scacquire: required(&library, "hsa_signal_wait_scacquire")?,
+            _library: library,
+        })
     }
 
     /// Turns the status of `call` into a result: the error names the call and the status (see

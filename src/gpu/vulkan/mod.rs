@@ -73,7 +73,7 @@ impl Variant {
 }
 
 /// The variant for a physical device, the handle types to allocate with, or why none works.
-fn plan(pd: &PhysicalDevice, cuda: bool) -> std::result::Result<(Variant, AllocSpec), String> {
+fn plan(pd: &PhysicalDevice, cuda: bool) -> Result<(Variant, AllocSpec)> {
     let spec = |export, host_mapped| AllocSpec { size: 0, export, host_mapped };
     let both = |a: &HandleSupport, b: &HandleSupport| a.exportable() && b.exportable() && a.compatible.contains(b.handle_type);
     if cuda {
@@ -91,14 +91,14 @@ fn plan(pd: &PhysicalDevice, cuda: bool) -> std::result::Result<(Variant, AllocS
         let export = if pd.opaque_fd.exportable() { OPAQUE_FD } else { ash::vk::ExternalMemoryHandleTypeFlags::empty() };
         return Ok((Variant::HostMapped, spec(export, true)));
     }
-    Err(format!(
+    Err(Error::new(ErrorKind::NotSupported, format!(
         "{}: no usable variant ({}; {}; {}; {})",
         pd.name,
         pd.dma_buf.describe(),
         pd.opaque_fd.describe(),
         if cuda { "CUDA device matched" } else { "no CUDA device matched" },
         "no HOST_VISIBLE|HOST_COHERENT memory"
-    ))
+    )))
 }
 
 /// One allocation made through the C API.
@@ -189,7 +189,7 @@ impl VulkanProvider {
     /// What `iud_vulkan_alloc` would do on `device`.
     pub fn plan_for(&self, device: i32) -> Result<(Variant, AllocSpec)> {
         let (index, cuda) = self.resolve(device)?;
-        plan(&self.vk.devices[index], cuda).map_err(|e| Error::new(ErrorKind::NotSupported, e))
+        plan(&self.vk.devices[index], cuda)
     }
 
     /// Allocates `size` bytes on `device` and records the allocation; returns its address.
