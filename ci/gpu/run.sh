@@ -48,6 +48,22 @@ if [ "$step" = all ] || [ "$step" = replay ]; then
     # The client replays' VRAM variants (tests/python/replay; they skip on CPU machines).
     IUD_PLUGIN_DIR=$LIBS/iud-plugins timeout 600 python3 -m pytest -v -p no:cacheprovider -rs tests/python/replay -k vram 2>&1 | tee "$OUT/gpu-replay.txt"
 fi
+if [ "$step" = remote ]; then
+    # tests/remote on this machine: storage node and client in two network namespaces (root and
+    # `ip netns`; else each case skips with the reason), client VRAM over UCX's CUDA transports.
+    # No apt here (IUD_REMOTE_SETUP=0): `ip` from .device/remote (ci/gpu/remote-prepare.sh) where
+    # the image has none, etcd from its etcd.xz where carried (else the etcd cases skip).
+    R=$PWD/.device/remote
+    export IUD_REMOTE_SETUP=0
+    ip -V >/dev/null 2>&1 || export PATH=$R/bin:$PATH  # none, or one that does not run
+    if [ -f "$R/etcd.xz" ] && [ -z "${IUD_ETCD:-}" ]; then
+        python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' \
+            "$R/etcd.xz" /tmp/iud-etcd && chmod +x /tmp/iud-etcd && export IUD_ETCD=/tmp/iud-etcd
+    fi
+    { echo "ip: $(command -v ip) ($(ip -V 2>&1))"; echo "etcd: ${IUD_ETCD:-none}"; } 2>&1 | tee "$OUT/gpu-remote.txt"
+    timeout 300 python3 -m pytest -v -rs -p no:cacheprovider tests/remote/test_remote_vram.py \
+        tests/remote/test_remote.py -k "vram or concurrently" 2>&1 | tee -a "$OUT/gpu-remote.txt"
+fi
 if [ "$step" = all ] || [ "$step" = bench ]; then
     timeout 560 python3 bench/gpu_vram_bench.py --dir /tmp --timeout 30 2>"$OUT/bench-pagecache.log" | tee "$OUT/bench-pagecache.md"
     timeout 560 python3 bench/gpu_vram_bench.py --dir /root --direct --timeout 30 2>"$OUT/bench-direct.log" | tee "$OUT/bench-direct.md"
