@@ -23,6 +23,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 A_IP, B_IP = "10.77.0.1", "10.77.0.2"
 
 
+def _tcp_tls() -> str:
+    """UCX_TLS for TCP between the two hosts. NIXL 1.5.1's UCX backend refuses UCX_TLS=tcp alone
+    on a machine with NVIDIA GPUs ("does not enable CUDA memory support. Add cuda_copy", seen on
+    the H200 machine, bench/results/2026-12-01-gpu-h200-issue13.md), so there cuda_copy is added;
+    the bytes of DRAM requests still go over TCP."""
+    return "tcp,cuda_copy" if os.path.exists("/dev/nvidiactl") else "tcp"
+
+
 class TestbedUnavailable(RuntimeError):
     """The machine cannot host the two namespaces (not root, no iproute2, no netns support)."""
 
@@ -129,7 +137,7 @@ class Testbed:
     def env(self, host: str, **extra) -> dict:
         """Environment for a process on host "a" or "b": UCX over TCP on that host's veth only."""
         e = dict(os.environ)
-        e.update(UCX_TLS="tcp", UCX_NET_DEVICES=self.veth_a if host == "a" else self.veth_b,
+        e.update(UCX_TLS=_tcp_tls(), UCX_NET_DEVICES=self.veth_a if host == "a" else self.veth_b,
                  PYTHONPATH=REPO + os.pathsep + e.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
         e.update({k: str(v) for k, v in extra.items() if v is not None})
         for k, v in extra.items():
