@@ -324,7 +324,7 @@ impl Engine {
             }
         }
         let key = self.driver.add_request(Arc::clone(&plan.ops))?;
-        let cufile = plan.cufile.then(|| Arc::new(CufileProgress::default()));
+        let cufile = plan.cufile.then(|| Arc::new(CufileProgress::new(Arc::clone(&self.failure))));
         let req = Box::new(Request { key, plan, cufile });
         if let Some(r) = &self.recorder {
             r.prep(req.id(), op as i32, local_kind, local, remote_kind, remote, req.plan.ops.ops.len(), req.plan.total_bytes);

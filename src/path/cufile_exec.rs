@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::cufile::CuFileHandle;
 use crate::gpu::cufile::batch::{event_status_name, Batch, BatchFns, Piece, STATUS_COMPLETE};
 use crate::gpu::GpuProvider;
@@ -31,9 +31,16 @@ pub struct Job {
     pub provider: Arc<dyn GpuProvider>,
 }
 
+/// Names of this module's locks in a failed engine's error.
+const ERROR_LOCK: &str = "cuFile request's error slot";
+const BATCHES_LOCK: &str = "cuFile request's batches";
+const SENDER_LOCK: &str = "cuFile workers' queue";
+
 /// Progress of one request on the cuFile path.
-#[derive(Default)]
 pub struct CufileProgress {
+    /// The engine's failed state: a poisoned lock here sets it (worker threads and batch polls
+    /// cannot return an error, so they recover the value; the request's next call answers it).
+    failure: Arc<Failure>,
     outstanding: AtomicUsize,
     error: Mutex<Option<Error>>,
     /// Batch mode: the submitted batches with the jobs they carry.
@@ -47,13 +54,19 @@ impl std::fmt::Debug for CufileProgress {
 }
 
 impl CufileProgress {
+    pub fn new(failure: Arc<Failure>) -> CufileProgress {
+        CufileProgress { failure, outstanding: AtomicUsize::new(0), error: Mutex::new(None), batches: Mutex::new(Vec::new()) }
+    }
+
     /// Ok(Done) when every piece finished, Ok(InFlight) before; the first error once all ended.
     pub fn status(&self) -> Result<Progress> {
+        self.failure.check()?;
         self.poll_batches();
+        self.failure.check()?;
         if self.outstanding.load(Ordering::Acquire) > 0 {
             return Ok(Progress::InFlight);
         }
-        match self.error.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        match self.failure.lock(&self.error, ERROR_LOCK)?.clone() {
             Some(e) => Err(e),
             None => Ok(Progress::Done),
         }
@@ -62,7 +75,7 @@ impl CufileProgress {
     /// Batch mode: collects finished pieces, finishes short ones synchronously, and records the
     /// first failure. Batches whose pieces all ended are destroyed.
     fn poll_batches(&self) {
-        let mut batches = self.batches.lock().unwrap_or_else(|p| p.into_inner());
+        let mut batches = self.failure.lock_or_recover(&self.batches, BATCHES_LOCK);
         batches.retain_mut(|(batch, jobs)| {
             match batch.poll() {
                 Err(e) => {
@@ -94,7 +107,7 @@ impl CufileProgress {
     }
 
     fn fail(&self, e: Error) {
-        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.failure.lock_or_recover(&self.error, ERROR_LOCK);
         if slot.is_none() {
             *slot = Some(e);
         }
@@ -137,12 +150,13 @@ impl CufileExecutor {
         if progress.outstanding.load(Ordering::Acquire) > 0 {
             return Err(Error::new(ErrorKind::RepostActive, "postXfer: the request is still in flight; wait for it or release it"));
         }
-        *progress.error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        progress.failure.check()?;
+        *progress.failure.lock(&progress.error, ERROR_LOCK)? = None;
         progress.outstanding.store(jobs.len(), Ordering::Release);
         if let CufileApi::Batch(fns, max) = self.api {
             return self.post_batches(progress, jobs, fns, max);
         }
-        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let tx = progress.failure.lock(&self.tx, SENDER_LOCK)?;
         let tx = tx.as_ref().ok_or_else(|| Error::backend("cuFile workers are shut down"))?;
         for job in jobs {
             tx.send(job).map_err(|_| Error::backend("cuFile workers are gone"))?;
@@ -161,7 +175,7 @@ impl CufileExecutor {
             progress.outstanding.store(0, Ordering::Release);
             return Err(e);
         }
-        let mut batches = progress.batches.lock().unwrap_or_else(|p| p.into_inner());
+        let mut batches = progress.failure.lock(&progress.batches, BATCHES_LOCK)?;
         let mut jobs = jobs.into_iter().peekable();
         while jobs.peek().is_some() {
             let chunk: Vec<Job> = jobs.by_ref().take(max.max(1)).collect();
@@ -187,7 +201,8 @@ impl CufileExecutor {
     /// Waits (bounded) until none of the request's pieces runs: synchronous cuFile calls cannot
     /// be cancelled, so release waits for them; batches are cancelled.
     pub fn drain(&self, progress: &CufileProgress, limit: Duration) -> Result<()> {
-        let cancelled: usize = progress.batches.lock().unwrap_or_else(|p| p.into_inner()).drain(..).map(|(_, jobs)| jobs.len()).sum();
+        // Teardown: a poisoned list is still drained (its batches must be cancelled).
+        let cancelled: usize = progress.failure.lock_or_recover(&progress.batches, BATCHES_LOCK).drain(..).map(|(_, jobs)| jobs.len()).sum();
         if cancelled > 0 {
             progress.outstanding.fetch_sub(cancelled, Ordering::AcqRel);
         }
@@ -204,6 +219,7 @@ impl CufileExecutor {
 
 impl Drop for CufileExecutor {
     fn drop(&mut self) {
+        // Dropping the sender ends the workers, poisoned or not.
         self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
         for w in self.workers.drain(..) {
             let _ = w.join();
@@ -213,6 +229,7 @@ impl Drop for CufileExecutor {
 
 fn worker(rx: &Mutex<Receiver<Job>>) {
     loop {
+        // Only this module's workers take this lock, and none panics while holding it (recv).
         let job = match rx.lock().unwrap_or_else(|p| p.into_inner()).recv() {
             Ok(j) => j,
             Err(_) => return,
@@ -226,7 +243,7 @@ fn worker(rx: &Mutex<Receiver<Job>>) {
 
 /// Moves one piece, finishing short transfers.
 fn run(job: &Job) -> Result<()> {
-    if job.progress.error.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+    if job.progress.failure.lock_or_recover(&job.progress.error, ERROR_LOCK).is_some() {
         return Ok(()); // the request already failed: skip the rest
     }
     run_from(job, 0)
@@ -264,4 +281,23 @@ fn run_from(job: &Job, mut done: u64) -> Result<()> {
         done += n;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_poisoned_request_lock_fails_the_engine_instead_of_panicking() {
+        let failure = Arc::new(Failure::default());
+        let progress = CufileProgress::new(Arc::clone(&failure));
+        assert_eq!(progress.status().unwrap(), Progress::Done);
+        crate::error::poison(&progress.error);
+        let e = progress.status().unwrap_err();
+        assert!(e.message.contains("cuFile request's error slot"), "{}", e.message);
+        // From now on every call of the engine answers the error.
+        assert!(failure.check().is_err());
+        let exec = CufileExecutor::new(1, CufileApi::Threads);
+        assert!(exec.post(&Arc::new(CufileProgress::new(Arc::clone(&failure))), Vec::new()).is_err());
+    }
 }
