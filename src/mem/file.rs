@@ -73,7 +73,7 @@ impl FileRegion {
             MemKind::Blk => "BLK_SEG",
             _ => "FILE",
         };
-        let path_meta = PathMeta::parse(meta_info).map_err(|e| Error::invalid(format!("{what} registration devId {dev_id}: {e}")))?;
+        let path_meta = PathMeta::parse(meta_info).map_err(|e| Error::invalid(format!("{what} registration devId {dev_id}: {}", e.message)))?;
         let (fd, owned_path) = match &path_meta {
             Some(m) => (open_path(m, dev_id)?, Some(m.path.clone())),
             None => {

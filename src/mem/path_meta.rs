@@ -4,6 +4,8 @@
 //! Anything that does not start with a valid mode list means fd mode (the devId is an open fd and
 //! metaInfo is a free-form label), exactly as NIXL's own file backends read it.
 
+use crate::error::{Error, Result};
+
 /// How the plugin opens a path-mode file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PathMeta {
@@ -17,7 +19,7 @@ pub struct PathMeta {
 
 impl PathMeta {
     /// Parses metaInfo; None means fd mode. A valid mode list with an empty path is an error.
-    pub fn parse(meta: &str) -> Result<Option<PathMeta>, String> {
+    pub fn parse(meta: &str) -> Result<Option<PathMeta>> {
         let Some((modes, path)) = meta.split_once(':') else { return Ok(None) };
         let mut access = None;
         let mut m = PathMeta { path: String::new(), writable: false, direct: false, sync: false, noatime: false, create: false };
@@ -34,7 +36,7 @@ impl PathMeta {
         }
         let Some(writable) = access else { return Ok(None) };
         if path.is_empty() {
-            return Err(format!("path-mode metaInfo {meta:?} names no file after ':'"));
+            return Err(Error::invalid(format!("path-mode metaInfo {meta:?} names no file after ':'")));
         }
         m.writable = writable;
         m.path = path.to_owned();

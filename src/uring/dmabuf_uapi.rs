@@ -121,13 +121,6 @@ pub fn register_dmabuf(ring_fd: RawFd, slot: u32, dmabuf_fd: RawFd, target_fd: R
     unsafe { update_extended(ring_fd, slot, &d) }.map(drop)
 }
 
-/// Clears `slot` through the extended interface.
-pub fn clear_slot(ring_fd: RawFd, slot: u32) -> io::Result<()> {
-    let d = desc(IO_REGBUF_TYPE_EMPTY, 0, 0);
-    // SAFETY: an EMPTY descriptor references no user memory.
-    unsafe { update_extended(ring_fd, slot, &d) }.map(drop)
-}
-
 /// What the running kernel offers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DmabufSupport {
