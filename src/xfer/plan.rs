@@ -198,11 +198,13 @@ pub unsafe fn plan(
         ));
     }
     // 3. Check O_DIRECT alignment on each path's addresses and cut the descriptors into ops.
+    let request_bytes: u64 = local.iter().map(|l| l.len).sum();
     let max_piece = if ctx.max_io_size == 0 { MAX_FIXED_BUFFER } else { ctx.max_io_size.min(MAX_FIXED_BUFFER) };
     let limits = Limits {
         max_piece,
         staged: max_piece.min(staged_piece(ctx, local)),
-        worker: if ctx.punt_buffered_min > 0 { max_piece.min(worker_piece(ctx, local)) } else { max_piece },
+        // Cut for the workers only what goes to them (see `spreadable` below).
+        worker: if ctx.punt_buffered_min > 0 && request_bytes > WORKER_JOB_BYTES { max_piece.min(worker_piece(ctx, local)) } else { max_piece },
         punt_buffered_min: ctx.punt_buffered_min,
     };
     let mut ops = Vec::with_capacity(local.len());
@@ -225,7 +227,7 @@ pub unsafe fn plan(
     // and reach the workers in groups (uring/ring.rs gathers small punted ops into one job).
     // A host request no larger than one worker job stays with the posting thread: one job
     // cannot be spread, and the hand-off would only add a wake-up.
-    let spreadable = total_bytes > WORKER_JOB_BYTES;
+    let spreadable = request_bytes > WORKER_JOB_BYTES;
     for o in &mut ops {
         let kind_ok = op == XferOp::Read || o.device.is_some();
         let big_enough = (o.len as u64 >= ctx.punt_buffered_min && spreadable) || o.device.is_some();
