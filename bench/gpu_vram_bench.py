@@ -412,6 +412,8 @@ def kv_point(agent, name, mem, regions, fd, vfd, op, block, n, args, staged):
     def post():
         s = agent.transfer(h)
         while s == "PROC":
+            if args.kv_poll_sleep_us:  # poll as LMCache does (time.sleep(0.001) between checks)
+                time.sleep(args.kv_poll_sleep_us / 1e6)
             s = agent.check_xfer_state(h)
         if s != "DONE":
             raise RuntimeError(f"{op} ended in {s}")
@@ -653,6 +655,8 @@ def main():
     ap.add_argument("--kv_rounds", type=int, default=3)
     ap.add_argument("--kv_seconds", type=float, default=0.25, help="timed seconds per measurement (at least 3 requests)")
     ap.add_argument("--kv_timeout", type=float, default=150, help="seconds allowed per backend and round")
+    ap.add_argument("--kv_poll_sleep_us", type=float, default=0,
+                    help="sleep between checkXfer calls (0 = spin; LMCache sleeps 1000 us)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--budget_s", type=float, default=450,
                     help="wall-clock budget of the whole run: backends and rounds that would start later are reported as not run")
