@@ -67,11 +67,17 @@ pub enum Outcome {
 pub struct RequestProgress {
     pub ops: Arc<RequestOps>,
     state: State,
+    /// Retryable errors (EAGAIN, EINTR, ECANCELED) in a row with no byte moved in between.
+    stalled_retries: u32,
 }
+
+/// Past this many retries in a row without progress the request fails with the last errno
+/// instead of reissuing forever (a device or kernel that answers EAGAIN for good).
+const MAX_STALLED_RETRIES: u32 = 100_000;
 
 impl RequestProgress {
     pub fn new(ops: Arc<RequestOps>) -> RequestProgress {
-        RequestProgress { ops, state: State::Idle }
+        RequestProgress { ops, state: State::Idle, stalled_retries: 0 }
     }
 
     /// Starts (or restarts) the request. Some(Done) when there is nothing to do.
@@ -80,6 +86,7 @@ impl RequestProgress {
             return Err(Error::new(ErrorKind::RepostActive, "postXfer: the request is still in flight; wait for it or release it"));
         }
         let total = self.ops.ops.len();
+        self.stalled_retries = 0;
         if total == 0 {
             self.state = State::Done;
             return Ok(Some(Progress::Done));
@@ -160,6 +167,10 @@ impl RequestProgress {
     /// The caller releases the op's resources and calls `op_over` for `Complete` and `Over`.
     pub fn on_result(&mut self, op: &IoOp, res: i32) -> Outcome {
         let write = self.ops.write;
+        if res > 0 {
+            self.stalled_retries = 0;
+        }
+        let stalled = &mut self.stalled_retries;
         let State::Running { error, abort, .. } = &mut self.state else { return Outcome::Over };
         if res >= 0 && res as u32 == op.len {
             Outcome::Complete
@@ -176,11 +187,16 @@ impl RequestProgress {
             // EAGAIN includes the spurious ones of DMA-BUF slots (mapping invalidated by the
             // exporter), which the series asks users to reissue (v3 10/10, checked up to v7).
             let retryable = errno == libc::EAGAIN || errno == libc::EINTR || (errno == libc::ECANCELED && !*abort);
-            if retryable && error.is_none() && !*abort {
+            *stalled += u32::from(retryable);
+            if retryable && error.is_none() && !*abort && *stalled <= MAX_STALLED_RETRIES {
                 Outcome::Retry(*op)
             } else {
                 if error.is_none() && !*abort {
-                    *error = Some(op.failed(write, errno));
+                    let mut e = op.failed(write, errno);
+                    if retryable {
+                        e.message.push_str(&format!(" after {MAX_STALLED_RETRIES} retries in a row without progress"));
+                    }
+                    *error = Some(e);
                 }
                 Outcome::Over
             }
@@ -336,6 +352,31 @@ mod tests {
         r.settle();
         assert_eq!(r.peek_next(), Next::Nothing);
         assert!(r.status().unwrap_err().message.contains("write to fd 3"));
+    }
+
+    #[test]
+    fn eagain_forever_fails_the_request_instead_of_spinning() {
+        let mut r = request(1, false, false);
+        r.start().unwrap();
+        let ops = run_all(&mut r);
+        for _ in 0..MAX_STALLED_RETRIES {
+            assert_eq!(r.on_result(&ops[0], -libc::EAGAIN), Outcome::Retry(ops[0]));
+        }
+        assert_eq!(r.on_result(&ops[0], -libc::EAGAIN), Outcome::Over);
+        r.op_over();
+        r.settle();
+        let e = r.status().unwrap_err();
+        assert!(e.message.contains("retries in a row without progress"), "{}", e.message);
+        assert_eq!(e.context.errno, Some(libc::EAGAIN));
+        // A repost starts counting again, and any byte moved resets the count.
+        r.start().unwrap();
+        let ops = run_all(&mut r);
+        for _ in 0..MAX_STALLED_RETRIES {
+            assert_eq!(r.on_result(&ops[0], -libc::EAGAIN), Outcome::Retry(ops[0]));
+        }
+        let rest = ops[0].remainder(1);
+        assert_eq!(r.on_result(&ops[0], 1), Outcome::Retry(rest));
+        assert_eq!(r.on_result(&rest, -libc::EAGAIN), Outcome::Retry(rest));
     }
 
     #[test]
