@@ -17,14 +17,14 @@ use std::io::Write as _;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use once_cell::sync::OnceCell;
 use std::time::Instant;
 
 use cli::{Config, Op, Parsed, SegType};
 use mem::{pwrite_full, AlignedBuf, SplitMix64};
 
 /// Temp file to remove at exit, also from the SIGINT/SIGTERM handler.
-static TEMP_PATH: OnceLock<CString> = OnceLock::new();
+static TEMP_PATH: OnceCell<CString> = OnceCell::new();
 
 extern "C" fn on_signal(sig: libc::c_int) {
     if let Some(p) = TEMP_PATH.get() {
