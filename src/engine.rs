@@ -81,8 +81,7 @@ impl Engine {
             tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
         }
         let failure = Arc::new(Failure::default());
-        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files, Arc::clone(&failure))?);
-        ring.lock()?.set_page_cache_file_writers(params.page_cache_file_writers as usize);
+        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files, params.page_cache_file_writers as usize, Arc::clone(&failure))?);
         let record_path = match params.record.as_str() {
             "" => std::env::var("IO_URING_DMABUF_RECORD").unwrap_or_default(),
             p => p.to_owned(),

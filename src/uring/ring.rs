@@ -107,8 +107,9 @@ pub struct RingCore {
 
 impl Ring {
     /// Creates the ring and its sparse buffer and file tables. A table the kernel refuses is
-    /// simply absent (I/O then uses plain buffers or fds), logged once.
-    pub fn new(sq_entries: u32, fixed_files: bool, failure: Arc<Failure>) -> Result<Ring> {
+    /// simply absent (I/O then uses plain buffers or fds), logged once. `file_writers`: how many
+    /// page-cache workers may write one file at once (0 = any number).
+    pub fn new(sq_entries: u32, fixed_files: bool, file_writers: usize, failure: Arc<Failure>) -> Result<Ring> {
         let uring = IoUring::builder()
             .setup_cqsize(sq_entries * 2)
             .setup_submit_all()
@@ -151,7 +152,7 @@ impl Ring {
                 in_kernel: 0,
                 on_workers: 0,
                 workers: None,
-                file_writers: 0,
+                file_writers,
                 batch: Vec::new(),
                 batch_bytes: 0,
                 backlog: Vec::new(),
@@ -344,12 +345,6 @@ impl RingCore {
     /// Whether some op is on the page-cache workers (their results arrive outside the CQ).
     pub fn on_workers(&self) -> bool {
         self.on_workers > 0
-    }
-
-    /// How many page-cache workers may write one file at once (0 = any number); takes effect
-    /// when the workers start (first punted op).
-    pub fn set_page_cache_file_writers(&mut self, n: usize) {
-        self.file_writers = n;
     }
 
     /// The workers' queue, for a caller that runs queued reads itself while ops are on it.

@@ -10,7 +10,7 @@ use crate::test_support::skip;
 #[test]
 fn a_poisoned_ring_lock_fails_the_engine_and_slots_are_still_released() {
     let failure = Arc::new(Failure::default());
-    let ring = match Ring::new(8, true, Arc::clone(&failure)) {
+    let ring = match Ring::new(8, true, 0, Arc::clone(&failure)) {
         Ok(r) => r,
         Err(e) => return skip(&e.message),
     };

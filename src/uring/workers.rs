@@ -73,29 +73,35 @@ impl Shared {
     }
 }
 
+/// The fd whose writers a batch counts against, when there is a limit: a batch's first job
+/// names it (a batch holds one request's consecutive pieces).
+fn limited_fd(batch: &[Job], limit: usize) -> Option<i32> {
+    batch.first().filter(|j| j.write && limit > 0).map(|j| j.fd)
+}
+
 impl Queues {
     /// Takes the first batch a worker may run now: any read, or a write to an fd with fewer
     /// than `limit` writers (0 = any write).
     fn take_runnable(&mut self, limit: usize) -> Option<Vec<Job>> {
         let writing = &self.writing;
-        let i = self.jobs.iter().position(|b| match b.first() {
-            Some(j) if j.write && limit > 0 => writing.get(&j.fd).copied().unwrap_or(0) < limit,
-            _ => true,
+        let i = self.jobs.iter().position(|b| match limited_fd(b, limit) {
+            Some(fd) => writing.get(&fd).copied().unwrap_or(0) < limit,
+            None => true,
         })?;
         let batch = self.jobs.remove(i)?;
-        if let Some(j) = batch.first().filter(|j| j.write && limit > 0) {
-            *self.writing.entry(j.fd).or_insert(0) += 1;
+        if let Some(fd) = limited_fd(&batch, limit) {
+            *self.writing.entry(fd).or_insert(0) += 1;
         }
         Some(batch)
     }
 
     /// A write batch taken by `take_runnable` ended.
     fn write_ended(&mut self, batch: &[Job], limit: usize) {
-        let Some(j) = batch.first().filter(|j| j.write && limit > 0) else { return };
-        if let Some(n) = self.writing.get_mut(&j.fd) {
+        let Some(fd) = limited_fd(batch, limit) else { return };
+        if let Some(n) = self.writing.get_mut(&fd) {
             *n -= 1;
             if *n == 0 {
-                self.writing.remove(&j.fd);
+                self.writing.remove(&fd);
             }
         }
     }

@@ -126,8 +126,7 @@ const STAGED_WRITE_PIECE_MAX: u64 = 512 << 10;
 /// Piece size for staged VRAM: at most a staging buffer, but small enough that the request keeps
 /// every staging buffer busy (an 8 MiB request in one 8 MiB piece would run one storage I/O and
 /// one copy, one after the other), in 64 KiB multiples so O_DIRECT pieces stay aligned.
-fn staged_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
-    let request: u64 = local.iter().map(|l| l.len).sum();
+fn staged_piece(ctx: &PlanContext<'_>, request: u64) -> u64 {
     let share = (request / u64::from(ctx.staging_buffers.max(1))) & !((64 << 10) - 1);
     ctx.staging_buffer_size.min(share.max(STAGED_PIECE_MIN))
 }
@@ -137,8 +136,7 @@ const WORKER_PIECE_MAX: u64 = 1 << 20;
 /// Piece size for buffered reads handed to the page-cache workers: the request spread over all
 /// of them (merging neighbours into max_io_size pieces would leave most idle: 128 x 64 KiB
 /// became two 4 MiB reads), but never below `punt_buffered_min` (smaller ones are not punted).
-fn worker_piece(ctx: &PlanContext<'_>, local: &[iud_desc]) -> u64 {
-    let request: u64 = local.iter().map(|l| l.len).sum();
+fn worker_piece(ctx: &PlanContext<'_>, request: u64) -> u64 {
     // The workers and the posting thread, which runs queued reads too. At most 1 MiB: a piece
     // a worker holds while the scheduler keeps it off the CPU (a busy machine) is what the
     // request waits for at its end, so pieces stay short.
@@ -198,23 +196,26 @@ pub unsafe fn plan(
         ));
     }
     // 3. Check O_DIRECT alignment on each path's addresses and cut the descriptors into ops.
-    let request_bytes: u64 = local.iter().map(|l| l.len).sum();
+    let total_bytes: u64 = local.iter().map(|l| l.len).sum();
+    // A host request no larger than one worker job stays with the posting thread: one job
+    // cannot be spread, and the hand-off would only add a wake-up.
+    let spreadable = total_bytes > WORKER_JOB_BYTES;
     let max_piece = if ctx.max_io_size == 0 { MAX_FIXED_BUFFER } else { ctx.max_io_size.min(MAX_FIXED_BUFFER) };
     let limits = Limits {
         max_piece,
-        staged: max_piece.min(staged_piece(ctx, local)),
-        // Cut for the workers only what goes to them (see `spreadable` below).
-        worker: if ctx.punt_buffered_min > 0 && request_bytes > WORKER_JOB_BYTES { max_piece.min(worker_piece(ctx, local)) } else { max_piece },
+        staged: max_piece.min(staged_piece(ctx, total_bytes)),
+        // Cut for the workers only what goes to them.
+        worker: if ctx.punt_buffered_min > 0 && spreadable { max_piece.min(worker_piece(ctx, total_bytes)) } else { max_piece },
         punt_buffered_min: ctx.punt_buffered_min,
     };
     let mut ops = Vec::with_capacity(local.len());
-    let (mut total_bytes, mut all_buffered, mut all_host) = (0u64, true, true);
+    let (mut all_buffered, mut all_host) = (true, true);
     let mut vram_outside_streams = false;
     for (i, ((l, r), &pair)) in local.iter().zip(remote).zip(&pairs).enumerate() {
         let (mem, route) = (&*regs.list[pair.0], route_of(pair));
         let Registration::Storage(file) = &*regs.list[pair.1] else { unreachable!("validated as storage") };
         check_alignment(i, l, r, mem, file, route).map_err(|e| e.at_descriptor(i).with_fd(file.fd).with_offset(r.addr))?;
-        total_bytes += cut(i, op, l, r, mem, file, route, &limits, &mut ops).map_err(|e| e.at_descriptor(i))?;
+        cut(i, op, l, r, mem, file, route, &limits, &mut ops).map_err(|e| e.at_descriptor(i))?;
         vram_outside_streams |= matches!(mem, Registration::Vram(_)) && *route != Route::Staging;
         all_buffered &= file.direct.is_none();
         // Inline pwrite needs real addresses: only memory addressed directly qualifies.
@@ -225,9 +226,7 @@ pub unsafe fn plan(
     // workers' writes, while DRAM writes are written by the calling threads (`inline_writes`).
     // Staged pieces of any size qualify: the small ones are packed several to a staging buffer
     // and reach the workers in groups (uring/ring.rs gathers small punted ops into one job).
-    // A host request no larger than one worker job stays with the posting thread: one job
-    // cannot be spread, and the hand-off would only add a wake-up.
-    let spreadable = request_bytes > WORKER_JOB_BYTES;
+    // Host requests go only when `spreadable`.
     for o in &mut ops {
         let kind_ok = op == XferOp::Read || o.device.is_some();
         let big_enough = (o.len as u64 >= ctx.punt_buffered_min && spreadable) || o.device.is_some();
@@ -327,9 +326,9 @@ struct Limits {
 }
 
 /// Cuts one descriptor into ops that fit the limits and never straddle a fixed-buffer slot or a
-/// slab, merging pieces that continue each other; returns its bytes.
+/// slab, merging pieces that continue each other.
 #[allow(clippy::too_many_arguments)]
-fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, file: &FileRegion, route: &Route, lim: &Limits, ops: &mut Vec<IoOp>) -> Result<u64> {
+fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, file: &FileRegion, route: &Route, lim: &Limits, ops: &mut Vec<IoOp>) -> Result<()> {
     let staged = *route == Route::Staging;
     let mut limit = if staged { lim.staged } else { lim.max_piece };
     if staged && op == XferOp::Write && file.direct.is_none() {
@@ -386,7 +385,7 @@ fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, fil
         );
         done += piece;
     }
-    Ok(l.len)
+    Ok(())
 }
 
 /// Appends `op`, or extends the previous op when `op` continues it in both memory and file (same
