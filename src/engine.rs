@@ -38,6 +38,8 @@ pub struct Engine {
     /// The route of each bound (memory registration, target file) pair, decided on first use;
     /// keyed by the registration's MD and dropped when NIXL deregisters it.
     routes: Mutex<HashMap<(usize, FileKey), Route>>,
+    /// Routes (with their reason) already logged at info level.
+    routes_logged: Mutex<HashSet<String>>,
     /// MDs NIXL holds; an MD coming back is looked up here before it is dereferenced.
     live: LiveMds,
     /// devIds of live path-mode FILE registrations (they must be unique per file).
@@ -95,6 +97,7 @@ impl Engine {
             driver,
             ring,
             routes: Mutex::new(HashMap::new()),
+            routes_logged: Mutex::new(HashSet::new()),
             live: LiveMds::default(),
             path_dev_ids: Mutex::new(HashSet::new()),
             fixed_buffer_fallback_logged: AtomicBool::new(false),
@@ -194,7 +197,26 @@ impl Engine {
             VramPath::Auto => (dmabuf_support().is_available(), false),
             VramPath::Staging => (false, false),
         };
-        VramRegion::register(provider, addr, len, device, export, required)
+        let region = VramRegion::register(Arc::clone(&provider), addr, len, device, export, required)?;
+        self.prepare_vram_paths(&provider)?;
+        Ok(region)
+    }
+
+    /// Does now, at registration, the one-time work the first transfer of this VRAM would
+    /// otherwise pay (clients time their first put; LMCache registers its buffer at start-up):
+    /// opening cuFile's driver to learn its mode (hundreds of ms in compatibility mode) and
+    /// mapping and pinning the staging pool, where the route can end on staging. With DMA-BUF
+    /// available (auto) neither is needed until a pair fails to bind, so nothing is done.
+    fn prepare_vram_paths(&self, provider: &Arc<dyn GpuProvider>) -> Result<()> {
+        let staging_possible = match self.params.vram_path {
+            VramPath::Staging => true,
+            VramPath::Auto if !dmabuf_support().is_available() => !gpu::cufile::mode().0,
+            VramPath::Auto | VramPath::Dmabuf | VramPath::Cufile => false,
+        };
+        if staging_possible {
+            self.driver.enable_staging(Arc::clone(provider), self.params.staging_buffer_size, self.params.staging_buffers)?;
+        }
+        Ok(())
     }
 
     /// How a memory registration reaches `file`: decided and bound on first use of the pair,
@@ -225,7 +247,14 @@ impl Engine {
             }
             _ => {}
         }
-        tracing::info!("{what} <-> fd {}: {} ({reason})", file.fd, route.describe());
+        // Once per distinct route and reason at info: a client registering a file per key
+        // would otherwise log a line per file.
+        let described = format!("{} ({reason})", route.describe());
+        if self.failure.lock(&self.routes_logged, "route log")?.insert(described.clone()) {
+            tracing::info!("{what} <-> fd {}: {described}", file.fd);
+        } else {
+            tracing::debug!("{what} <-> fd {}: {described}", file.fd);
+        }
         self.failure.lock(&self.routes, "route cache")?.insert(key, route.clone());
         Ok(route)
     }
@@ -271,6 +300,11 @@ impl Engine {
         // A later registration may reuse the address once this one is gone.
         self.failure.lock(&self.routes, "route cache")?.retain(|(m, _), _| *m != md as usize);
         if let Registration::Storage(f) = &*reg {
+            // A client registering a file per key (LMCache's dynamic mode) would otherwise grow
+            // the cache by one route per file, and a later file with the same fd, device and
+            // inode would find this file's route.
+            let file = f.key();
+            self.failure.lock(&self.routes, "route cache")?.retain(|(_, k), _| *k != file);
             if f.owned_path.is_some() {
                 self.failure.lock(&self.path_dev_ids, "path-mode devIds")?.remove(&f.dev_id);
             }
@@ -388,6 +422,16 @@ impl Engine {
             Some(progress) => progress.status(),
             None => self.driver.check(req.key, self.params.inline_write_max),
         }
+    }
+
+    /// How many (memory, file) routes are cached (for tests and diagnostics).
+    pub fn cached_routes(&self) -> Result<usize> {
+        Ok(self.failure.lock(&self.routes, "route cache")?.len())
+    }
+
+    /// Whether the staging pool exists (for tests and diagnostics).
+    pub fn staging_ready(&self) -> Result<bool> {
+        self.driver.staging_ready()
     }
 
     /// Releases a request, aborting it if it is in flight. On error the request is handed back

@@ -113,6 +113,11 @@ impl Driver {
         Ok(())
     }
 
+    /// Whether the staging pool exists.
+    pub fn staging_ready(&self) -> Result<bool> {
+        Ok(self.lock()?.staging.is_some())
+    }
+
     /// Adds a prepared request; it starts idle.
     pub fn add_request(&self, ops: Arc<RequestOps>) -> Result<RequestKey> {
         Ok(RequestKey(self.lock()?.requests.insert(RequestProgress::new(ops))))

@@ -6,6 +6,11 @@ use_direct_io.
 
     IUD_PLUGIN_SO=<plugin .so> python3 tests/gpu/lmcache_cuda.py [result.json]
 
+IUD_LMCACHE_ROUTES (comma-separated route names, default all) picks routes; IUD_LMCACHE_LOG_DIR
+keeps each route's whole child stderr (the plugin's log, its profile lines with
+IO_URING_DMABUF_PROFILE=1) there; IUD_LMCACHE_REPEAT_FIRST=1 runs the first spec again at the
+end of each child, to tell one-time costs of a process from the steady state.
+
 Prints "SKIP: <reason>" and exits 0 without a CUDA GPU or without LMCache importable; exits 1
 if any route fails. PYTHONPATH must make torch, lmcache (and its storage-path dependencies) and
 NIXL importable; the project's python/ folder is added here.
@@ -53,6 +58,8 @@ def main() -> int:
         "IO_URING_DMABUF --as GDS_MT": ([site, pkg] + inherited, {"route": "builtin", "name": "GDS_MT"}),
         "IO_URING_DMABUF storage plugin": ([site, pkg] + inherited, {"route": "plugin"}),
     }
+    wanted = [r for r in os.environ.get("IUD_LMCACHE_ROUTES", "").split(",") if r]
+    routes = {k: v for k, v in routes.items() if not wanted or k in wanted}
     results, status = {}, 0
     for name, (path, route) in routes.items():
         specs = []
@@ -63,8 +70,15 @@ def main() -> int:
                 d = os.path.join(tmp, name.replace(" ", "_"), f"{pool}-{direct}")
                 os.makedirs(d)
                 specs.append(dict(geometry, **route, pool=pool, direct=direct, path=d))
+        if os.environ.get("IUD_LMCACHE_REPEAT_FIRST") == "1":
+            again = os.path.join(specs[0]["path"] + "-again")
+            os.makedirs(again)
+            specs.append(dict(specs[0], path=again, again=True))
         p = subprocess.run([sys.executable, driver, json.dumps(specs)], env=E.child_env(path),
                            capture_output=True, text=True, timeout=900)
+        if os.environ.get("IUD_LMCACHE_LOG_DIR"):
+            with open(os.path.join(os.environ["IUD_LMCACHE_LOG_DIR"], name.replace(" ", "_") + ".log"), "w") as f:
+                f.write(p.stderr)
         out = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         results[name] = {"rc": p.returncode, "results": out, "stderr_tail": p.stderr[-3000:]}
         if p.returncode != 0 or len(out) != len(specs) or any(r["bad"] for r in out):
@@ -72,7 +86,7 @@ def main() -> int:
             print(f"{name}: FAILED (exit {p.returncode})\n{p.stderr[-3000:]}")
         for r in out:
             s = r["spec"]
-            print(f"{name:32s} {'static' if s['pool'] else 'dynamic':8s} "
+            print(f"{name:32s} {'static' if s['pool'] else 'dynamic':8s}{' again' if s.get('again') else ''} "
                   f"{'direct' if s['direct'] else 'buffered':9s} put {r['put_gbps']:.3f} GB/s "
                   f"get {r['get_gbps']:.3f} GB/s bad={len(r['bad'])}")
     if len(sys.argv) > 1:

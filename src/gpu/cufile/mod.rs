@@ -183,11 +183,13 @@ impl CuFile {
             version: None,
             batch: None,
         };
+        let opening = std::time::Instant::now();
         // SAFETY: no arguments; opens cuFile's process-wide driver state.
         let st = unsafe { driver_open() };
         if st.err != 0 {
             return Err(cufile_error("cuFileDriverOpen", st));
         }
+        tracing::info!("cuFile driver opened ({path}) in {} ms", opening.elapsed().as_millis());
         lib.props = library.symbol::<GetProperties>("cuFileDriverGetProperties").and_then(|get| {
             // Room for fields newer releases append; the known prefix is read back.
             let mut raw = [0u64; 64];

@@ -1,0 +1,91 @@
+//! The engine with VRAM from the fake HSA runtime (tests/rocm_double), no GPU: what a VRAM
+//! registration prepares before the first transfer, and files registered and dropped one per key
+//! (LMCache's dynamic mode) against one VRAM buffer, byte for byte. Its own test binary: the HSA
+//! library is chosen once per process (IUD_HSA_LIBRARY).
+
+#[path = "rocm_double/mod.rs"]
+mod double;
+mod common;
+
+use std::ffi::c_void;
+use std::os::fd::AsRawFd;
+
+use common::*;
+use double::{Ctl, Variant};
+use io_uring_dmabuf::engine::Engine;
+use io_uring_dmabuf::uring::Progress;
+
+const MIB: u64 = 1 << 20;
+
+fn transfer(e: &Engine, op: i32, local: &[io_uring_dmabuf::bridge::iud_desc], remote: &[io_uring_dmabuf::bridge::iud_desc]) {
+    // SAFETY: every md in the lists is a live registration of `e`.
+    let req = unsafe { e.prep(op, VRAM, local, FILE, remote, AGENT) }.unwrap_or_else(|err| panic!("prep: {}", err.message));
+    let mut res = e.post(&req, op, local.len(), remote.len());
+    while let Ok(Progress::InFlight) = res {
+        res = e.check(&req);
+    }
+    e.release(req).map_err(|(_, err)| err.message).expect("release");
+    res.unwrap_or_else(|err| panic!("transfer: {}", err.message));
+}
+
+fn fill_random(addr: u64, len: u64, seed: u64) {
+    // SAFETY: fake VRAM owned by the test.
+    let s = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for b in s.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+}
+
+fn bytes(addr: u64, len: u64) -> Vec<u8> {
+    // SAFETY: as in fill_random.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }.to_vec()
+}
+
+#[test]
+fn vram_registration_prepares_staging_and_per_key_files_leave_no_route_behind() {
+    let lib = double::instance(Variant::NoExport, "engine-vram-files");
+    std::env::set_var("IUD_HSA_LIBRARY", &lib);
+    let ctl = Ctl::open(&lib);
+    let e = Engine::new(AGENT, [("gpu_provider", "rocm"), ("staging_buffer_size", "1048576"), ("staging_buffers", "8")]).expect("engine");
+    let len = 16 * MIB;
+    let vram = ctl.alloc_vram(len as usize);
+    assert!(!e.staging_ready().unwrap(), "no staging pool before any VRAM");
+    let m_vram = e.register(VRAM, vram, len, 0, "").unwrap_or_else(|err| panic!("register VRAM: {}", err.message));
+    // The one-time work is done at registration, not inside the client's first (timed) put.
+    assert!(e.staging_ready().unwrap(), "the staging pool is created when VRAM that can only be staged is registered");
+    let dir = std::env::temp_dir().join(format!("iud-vram-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Chunks of one key each: 4 pieces of 64 KiB scattered over the buffer's two halves.
+    let chunk = 256 << 10;
+    for key in 0..24u64 {
+        let src = vram + (key % 8) * chunk;
+        let dst = vram + len / 2 + ((key * 3) % 8) * chunk;
+        fill_random(src, chunk, key + 1);
+        fill_random(dst, chunk, key + 1000);
+        let path = dir.join(format!("key-{key}"));
+        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).open(&path).unwrap();
+        let fd = f.as_raw_fd() as u64;
+        let m_file = e.register(FILE, 0, chunk, fd, "").unwrap();
+        let pieces = |base: u64, md: *const c_void| -> Vec<_> { (0..4).map(|i| desc(base + ((i * 5) % 4) * (chunk / 4), chunk / 4, 0, md)).collect() };
+        let file: Vec<_> = (0..4).map(|i| desc(i * (chunk / 4), chunk / 4, fd, m_file)).collect();
+        transfer(&e, WRITE, &pieces(src, m_vram), &file);
+        transfer(&e, READ, &pieces(dst, m_vram), &file);
+        assert!(bytes(src, chunk) == bytes(dst, chunk), "key {key}: the chunk read back differs");
+        assert_eq!(e.cached_routes().unwrap(), 1, "key {key}: the pair's route is cached while the file is registered");
+        // SAFETY: m_file came from register() and is deregistered once.
+        unsafe { e.deregister(m_file) }.unwrap();
+        assert_eq!(e.cached_routes().unwrap(), 0, "key {key}: deregistering the file drops its route");
+        drop(f);
+        std::fs::remove_file(&path).unwrap();
+    }
+    // SAFETY: as above.
+    unsafe { e.deregister(m_vram) }.unwrap();
+    drop(e);
+    ctl.free_vram(vram);
+    assert_eq!(ctl.locked_ranges(), 0, "the staging pool's pinned memory is unlocked with the engine");
+    let _ = std::fs::remove_dir_all(&dir);
+}
