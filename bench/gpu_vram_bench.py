@@ -88,6 +88,13 @@ BACKENDS = [
     ("IUD-fw0", "IO_URING_DMABUF", {"page_cache_file_writers": "0"}),
     ("IUD-fw2", "IO_URING_DMABUF", {"page_cache_file_writers": "2"}),
     ("IUD-nocaller", "IO_URING_DMABUF", {"page_cache_caller_reads": "false"}),
+    # Page-cache worker threads (auto: half the CPUs, at most 8), one writer per file, and DRAM
+    # writes left to the ring alone (no inline pwrite by the posting/polling thread).
+    ("IUD-pct16", "IO_URING_DMABUF", {"page_cache_threads": "16"}),
+    ("IUD-fw1", "IO_URING_DMABUF", {"page_cache_file_writers": "1"}),
+    ("IUD-inline0", "IO_URING_DMABUF", {"inline_write_max": "0"}),
+    # Staged page-cache writes in pieces of a whole staging buffer (2 MiB) instead of 512 KiB.
+    ("IUD-swp2M", "IO_URING_DMABUF", {"staged_write_piece_max": str(2 * MiB)}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),
@@ -95,7 +102,7 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ use crate::path::select::Selector;
 use crate::path::{self, Route};
 use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
-use crate::uring::{FileKey, Progress, Ring};
+use crate::uring::{FileKey, Progress, Ring, WorkerConfig};
 use crate::xfer::driver::{Driver, RequestKey};
 use crate::xfer::plan::PlanContext;
 use crate::xfer::{plan, Plan, XferOp};
@@ -83,7 +83,8 @@ impl Engine {
             tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
         }
         let failure = Arc::new(Failure::default());
-        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files, params.page_cache_file_writers as usize, Arc::clone(&failure))?);
+        let workers = WorkerConfig { threads: params.page_cache_threads, file_writers: params.page_cache_file_writers as usize };
+        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files, workers, Arc::clone(&failure))?);
         let record_path = match params.record.as_str() {
             "" => std::env::var("IO_URING_DMABUF_RECORD").unwrap_or_default(),
             p => p.to_owned(),
@@ -340,6 +341,8 @@ impl Engine {
             punt_buffered_min: self.params.punt_buffered_min,
             staging_buffer_size: self.params.staging_buffer_size,
             staging_buffers: self.params.staging_buffers,
+            page_cache_threads: self.params.page_cache_threads,
+            staged_write_piece_max: self.params.staged_write_piece_max,
             route: &|mem, file| self.route(mem, file),
         };
         // MDs that NIXL hands back are checked, and held while the planner uses them.

@@ -7,7 +7,7 @@
 use crate::error::{Error, Result};
 use crate::gpu::ProviderChoice;
 use crate::manifest;
-use crate::uring::MAX_FIXED_BUFFER;
+use crate::uring::{default_page_cache_threads, MAX_FIXED_BUFFER};
 
 /// Whether DRAM registrations become io_uring fixed buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +50,8 @@ pub struct EngineParams {
     pub max_io_size: u64,
     pub inline_write_max: u64,
     pub punt_buffered_min: u64,
+    /// Page-cache worker threads the engine starts.
+    pub page_cache_threads: usize,
     /// Page-cache workers that may write one file at once (0 = no limit).
     pub page_cache_file_writers: u32,
     /// Posting and polling threads run reads queued for the page-cache workers.
@@ -60,6 +62,8 @@ pub struct EngineParams {
     pub verify_dma: bool,
     pub staging_buffer_size: u64,
     pub staging_buffers: u32,
+    /// Largest staged piece of a page-cache WRITE.
+    pub staged_write_piece_max: u64,
     pub cufile_threads: u32,
     pub cufile_api: CufileApiChoice,
     /// Recording-mode output file (empty = off).
@@ -145,6 +149,13 @@ impl EngineParams {
                 "backend parameter page_cache_file_writers={page_cache_file_writers} must be within 0..64 (0 = no limit)"
             )));
         }
+        let page_cache_threads = match get("page_cache_threads") {
+            "auto" => default_page_cache_threads(),
+            v => match parse_u64("page_cache_threads", v)? {
+                n @ 1..=64 => n as usize,
+                n => return Err(Error::invalid(format!("backend parameter page_cache_threads={n} must be within 1..64 (or auto)"))),
+            },
+        };
         let page_cache_caller_reads = parse_bool("page_cache_caller_reads", get("page_cache_caller_reads"))?;
         let vram_path = match get("vram_path").to_ascii_lowercase().as_str() {
             "auto" => VramPath::Auto,
@@ -179,6 +190,12 @@ impl EngineParams {
                 "backend parameter staging_buffer_size={staging_buffer_size} must be a multiple of 4096 between 65536 and 1 GiB"
             )));
         }
+        let staged_write_piece_max = parse_u64("staged_write_piece_max", get("staged_write_piece_max"))?;
+        if staged_write_piece_max < 4096 || staged_write_piece_max % 4096 != 0 || staged_write_piece_max > MAX_FIXED_BUFFER {
+            return Err(Error::invalid(format!(
+                "backend parameter staged_write_piece_max={staged_write_piece_max} must be a multiple of 4096 between 4096 and 1 GiB"
+            )));
+        }
         let staging_buffers = parse_u64("staging_buffers", get("staging_buffers"))?;
         if !(2..=256).contains(&staging_buffers) {
             return Err(Error::invalid(format!("backend parameter staging_buffers={staging_buffers} must be within 2..256")));
@@ -194,6 +211,7 @@ impl EngineParams {
             max_io_size,
             inline_write_max,
             punt_buffered_min,
+            page_cache_threads,
             page_cache_file_writers: page_cache_file_writers as u32,
             page_cache_caller_reads,
             vram_path,
@@ -202,6 +220,7 @@ impl EngineParams {
             verify_dma,
             staging_buffer_size,
             staging_buffers: staging_buffers as u32,
+            staged_write_piece_max,
             cufile_threads: cufile_threads as u32,
             cufile_api,
             record: get("record").to_owned(),
@@ -265,7 +284,10 @@ mod tests {
             ("verify_dma", "perhaps"),
             ("staging_buffer_size", "1000"),
             ("staging_buffers", "1"),
+            ("staged_write_piece_max", "1000"),
             ("page_cache_file_writers", "65"),
+            ("page_cache_threads", "0"),
+            ("page_cache_threads", "65"),
             ("page_cache_caller_reads", "sometimes"),
         ] {
             let e = EngineParams::parse([(k, v)]).unwrap_err();

@@ -25,7 +25,7 @@ use io_uring::{opcode, types, IoUring};
 use super::dmabuf_uapi;
 use super::op::IoOp;
 use super::slots::SlotPool;
-use super::workers::{page_cache_threads, Job, PageCacheWorkers, QueueHelper};
+use super::workers::{Job, PageCacheWorkers, QueueHelper, WorkerConfig};
 use crate::error::{describe_os_error, Error, Failure, Result};
 
 /// user_data of SQEs whose completions carry no information (cancellations).
@@ -92,8 +92,8 @@ pub struct RingCore {
     on_workers: usize,
     /// Threads for page-cache I/O (`IoOp::punt`), started on first use.
     workers: Option<PageCacheWorkers>,
-    /// Their limit of threads writing one file at once (`page_cache_file_writers`).
-    file_writers: usize,
+    /// How many workers to start and how many may write one file at once.
+    worker_config: WorkerConfig,
     /// Small punted ops gathered into one worker job (see `WORKER_JOB_BYTES`), handed over at
     /// the next `submit` or when full.
     batch: Vec<Job>,
@@ -107,9 +107,9 @@ pub struct RingCore {
 
 impl Ring {
     /// Creates the ring and its sparse buffer and file tables. A table the kernel refuses is
-    /// simply absent (I/O then uses plain buffers or fds), logged once. `file_writers`: how many
-    /// page-cache workers may write one file at once (0 = any number).
-    pub fn new(sq_entries: u32, fixed_files: bool, file_writers: usize, failure: Arc<Failure>) -> Result<Ring> {
+    /// simply absent (I/O then uses plain buffers or fds), logged once. `workers`: the page-cache
+    /// workers started on the first punted op.
+    pub fn new(sq_entries: u32, fixed_files: bool, workers: WorkerConfig, failure: Arc<Failure>) -> Result<Ring> {
         let uring = IoUring::builder()
             .setup_cqsize(sq_entries * 2)
             .setup_submit_all()
@@ -152,7 +152,7 @@ impl Ring {
                 in_kernel: 0,
                 on_workers: 0,
                 workers: None,
-                file_writers,
+                worker_config: workers,
                 batch: Vec::new(),
                 batch_bytes: 0,
                 backlog: Vec::new(),
@@ -382,7 +382,7 @@ impl RingCore {
 
     fn push_to_workers(&mut self, s: &Submission) -> bool {
         if self.workers.is_none() {
-            match PageCacheWorkers::new(page_cache_threads(), self.file_writers, Arc::clone(&self.failure)) {
+            match PageCacheWorkers::new(self.worker_config.threads, self.worker_config.file_writers, Arc::clone(&self.failure)) {
                 Ok(w) => {
                     tracing::debug!(threads = w.threads(), "page-cache workers started");
                     self.workers = Some(w);

@@ -534,13 +534,23 @@ mod tests {
     }
 }
 
-/// Page-cache workers for punted ops: more threads than this rarely help one file's copies.
-const PAGE_CACHE_WORKERS_MAX: usize = 8;
+/// Page-cache workers for punted ops by default: more threads than this rarely help one file's
+/// copies (`page_cache_threads` sets another number).
+const PAGE_CACHE_WORKERS_DEFAULT_MAX: usize = 8;
 
-/// How many page-cache worker threads an engine starts: half the CPUs, 1 to 8 (the posting and
-/// polling threads help, so 2 CPUs get one worker beside the caller). Asked once per process
-/// (the planner uses it per request; the answer reads cgroup files).
-pub fn page_cache_threads() -> usize {
+/// The page-cache workers an engine starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerConfig {
+    /// Worker threads (started on first punted op).
+    pub threads: usize,
+    /// How many of them may write one file at once (0 = any number).
+    pub file_writers: usize,
+}
+
+/// How many page-cache worker threads an engine starts by default: half the CPUs, 1 to 8 (the
+/// posting and polling threads help, so 2 CPUs get one worker beside the caller). Asked once per
+/// process (the answer reads cgroup files).
+pub fn default_page_cache_threads() -> usize {
     static THREADS: once_cell::sync::OnceCell<usize> = once_cell::sync::OnceCell::new();
-    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get() / 2).clamp(1, PAGE_CACHE_WORKERS_MAX))
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get() / 2).clamp(1, PAGE_CACHE_WORKERS_DEFAULT_MAX))
 }

@@ -16,7 +16,7 @@ use crate::error::{Error, ErrorKind, Result};
 use super::request::RequestOps;
 use crate::mem::{FileRegion, MemKind, Registration};
 use crate::path::{direct, dmabuf, staging, Route};
-use crate::uring::{page_cache_threads, IoOp, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
+use crate::uring::{IoOp, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
 
 /// NIXL's transfer direction: READ = storage -> memory, WRITE = memory -> storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +110,10 @@ pub struct PlanContext<'a> {
     /// Piece size of the staging path, and how many staging buffers there are.
     pub staging_buffer_size: u64,
     pub staging_buffers: u32,
+    /// The engine's page-cache worker threads (a request's punted reads are spread over them).
+    pub page_cache_threads: usize,
+    /// Largest staged piece of a page-cache WRITE (`staged_write_piece_max`).
+    pub staged_write_piece_max: u64,
     /// Chooses (once per pair, cached by the engine) how a memory registration reaches a target.
     pub route: &'a dyn Fn(&Registration, &FileRegion) -> Result<Route>,
 }
@@ -117,11 +121,6 @@ pub struct PlanContext<'a> {
 /// Smallest staged piece worth cutting (below it, per-piece overhead outweighs parallelism).
 const STAGED_PIECE_MIN: u64 = 256 << 10;
 
-/// Largest staged piece of a page-cache WRITE. The file system writes one file's pieces one at a
-/// time (inode lock), so large pieces buy no parallelism; small ones keep the host memory a
-/// request touches small. Measured on the H200 (bench/results, session 4): 2 MiB pieces wrote
-/// 5.0-5.1 GB/s at 1-16 MiB blocks, 512 KiB pieces 6.3-6.8.
-const STAGED_WRITE_PIECE_MAX: u64 = 512 << 10;
 
 /// Piece size for staged VRAM: at most a staging buffer, but small enough that the request keeps
 /// every staging buffer busy (an 8 MiB request in one 8 MiB piece would run one storage I/O and
@@ -140,7 +139,7 @@ fn worker_piece(ctx: &PlanContext<'_>, request: u64) -> u64 {
     // The workers and the posting thread, which runs queued reads too. At most 1 MiB: a piece
     // a worker holds while the scheduler keeps it off the CPU (a busy machine) is what the
     // request waits for at its end, so pieces stay short.
-    let share = (request / (page_cache_threads() as u64 + 1)).div_ceil(4096) * 4096;
+    let share = (request / (ctx.page_cache_threads as u64 + 1)).div_ceil(4096) * 4096;
     share.min(WORKER_PIECE_MAX).max(ctx.punt_buffered_min)
 }
 
@@ -207,6 +206,7 @@ pub unsafe fn plan(
         // Cut for the workers only what goes to them.
         worker: if ctx.punt_buffered_min > 0 && spreadable { max_piece.min(worker_piece(ctx, total_bytes)) } else { max_piece },
         punt_buffered_min: ctx.punt_buffered_min,
+        staged_write: ctx.staged_write_piece_max,
     };
     let mut ops = Vec::with_capacity(local.len());
     let (mut all_buffered, mut all_host) = (true, true);
@@ -323,6 +323,7 @@ struct Limits {
     staged: u64,
     worker: u64,
     punt_buffered_min: u64,
+    staged_write: u64,
 }
 
 /// Cuts one descriptor into ops that fit the limits and never straddle a fixed-buffer slot or a
@@ -332,7 +333,7 @@ fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, fil
     let staged = *route == Route::Staging;
     let mut limit = if staged { lim.staged } else { lim.max_piece };
     if staged && op == XferOp::Write && file.direct.is_none() {
-        limit = limit.min(STAGED_WRITE_PIECE_MAX);
+        limit = limit.min(lim.staged_write);
     }
     if !staged && op == XferOp::Read && file.direct.is_none() && lim.punt_buffered_min > 0 {
         // Page-cache reads go to the workers: cut so that every worker gets a share.

@@ -9,7 +9,8 @@ use_direct_io.
 IUD_LMCACHE_ROUTES (comma-separated route names, default all) picks routes; IUD_LMCACHE_LOG_DIR
 keeps each route's whole child stderr (the plugin's log, its profile lines with
 IO_URING_DMABUF_PROFILE=1) there; IUD_LMCACHE_REPEAT_FIRST=1 runs the first spec again at the
-end of each child, to tell one-time costs of a process from the steady state.
+end of each child, to tell one-time costs of a process from the steady state;
+IUD_LMCACHE_PARAMS (a JSON object) is passed as nixl_backend_params to the plugin's routes.
 
 Prints "SKIP: <reason>" and exits 0 without a CUDA GPU or without LMCache importable; exits 1
 if any route fails. PYTHONPATH must make torch, lmcache (and its storage-path dependencies) and
@@ -69,7 +70,10 @@ def main() -> int:
             for direct in (False, True):
                 d = os.path.join(tmp, name.replace(" ", "_"), f"{pool}-{direct}")
                 os.makedirs(d)
-                specs.append(dict(geometry, **route, pool=pool, direct=direct, path=d))
+                spec = dict(geometry, **route, pool=pool, direct=direct, path=d)
+                if name != "NIXL GDS_MT" and os.environ.get("IUD_LMCACHE_PARAMS"):
+                    spec["params"] = json.loads(os.environ["IUD_LMCACHE_PARAMS"])
+                specs.append(spec)
         if os.environ.get("IUD_LMCACHE_REPEAT_FIRST") == "1":
             again = os.path.join(specs[0]["path"] + "-again")
             os.makedirs(again)
