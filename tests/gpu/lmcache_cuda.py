@@ -10,7 +10,8 @@ IUD_LMCACHE_ROUTES (comma-separated route names, default all) picks routes; IUD_
 keeps each route's whole child stderr (the plugin's log, its profile lines with
 IO_URING_DMABUF_PROFILE=1) there; IUD_LMCACHE_REPEAT_FIRST=1 runs the first spec again at the
 end of each child, to tell one-time costs of a process from the steady state;
-IUD_LMCACHE_PARAMS (a JSON object) is passed as nixl_backend_params to the plugin's routes.
+IUD_LMCACHE_PARAMS (a JSON object) is passed as nixl_backend_params to the plugin's routes;
+IUD_LMCACHE_IO=buffered (or direct) runs only those files.
 
 Prints "SKIP: <reason>" and exits 0 without a CUDA GPU or without LMCache importable; exits 1
 if any route fails. PYTHONPATH must make torch, lmcache (and its storage-path dependencies) and
@@ -67,7 +68,7 @@ def main() -> int:
         # A static pool holds every chunk (a smaller one evicts: LMCache then answers misses,
         # which the driver counts as failures; the 2026-12-01 H200 run had 16 slots for 32).
         for pool in (geometry["chunks"], 0):
-            for direct in (False, True):
+            for direct in [d for d in (False, True) if os.environ.get("IUD_LMCACHE_IO", "buffered,direct").find("direct" if d else "buffered") >= 0]:
                 d = os.path.join(tmp, name.replace(" ", "_"), f"{pool}-{direct}")
                 os.makedirs(d)
                 spec = dict(geometry, **route, pool=pool, direct=direct, path=d)
