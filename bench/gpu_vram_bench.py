@@ -93,8 +93,8 @@ BACKENDS = [
     ("IUD-pct16", "IO_URING_DMABUF", {"page_cache_threads": "16"}),
     ("IUD-fw1", "IO_URING_DMABUF", {"page_cache_file_writers": "1"}),
     ("IUD-inline0", "IO_URING_DMABUF", {"inline_write_max": "0"}),
-    # Staged page-cache writes in pieces of a whole staging buffer (2 MiB) instead of 512 KiB.
-    ("IUD-swp2M", "IO_URING_DMABUF", {"staged_write_piece_max": str(2 * MiB)}),
+    # Staged page-cache writes in 512 KiB pieces (the default before 2026-12-01's session 20: 2 MiB).
+    ("IUD-swp512K", "IO_URING_DMABUF", {"staged_write_piece_max": str(MiB // 2)}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),
