@@ -36,7 +36,7 @@ pub struct Engine {
     /// Requests and their progress through the ring.
     driver: Driver,
     /// The route of each bound (memory registration, target file) pair, decided on first use;
-    /// keyed by the registration's MD and dropped when NIXL deregisters it.
+    /// keyed by the registration's MD and the file, dropped when NIXL deregisters either.
     routes: Mutex<HashMap<(usize, FileKey), Route>>,
     /// Routes (with their reason) already logged at info level.
     routes_logged: Mutex<HashSet<String>>,
