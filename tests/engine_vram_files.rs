@@ -67,7 +67,7 @@ fn vram_registration_prepares_staging_and_per_key_files_leave_no_route_behind() 
         fill_random(src, chunk, key + 1);
         fill_random(dst, chunk, key + 1000);
         let path = dir.join(format!("key-{key}"));
-        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).open(&path).unwrap();
+        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
         let fd = f.as_raw_fd() as u64;
         let m_file = e.register(FILE, 0, chunk, fd, "").unwrap();
         let pieces = |base: u64, md: *const c_void| -> Vec<_> { (0..4).map(|i| desc(base + ((i * 5) % 4) * (chunk / 4), chunk / 4, 0, md)).collect() };
