@@ -25,7 +25,7 @@ use io_uring::{opcode, types, IoUring};
 use super::dmabuf_uapi;
 use super::op::IoOp;
 use super::slots::SlotPool;
-use super::workers::{Job, PageCacheWorkers, QueueHelper, WorkerConfig};
+use super::workers::{joins_batch, Job, PageCacheWorkers, QueueHelper, WorkerConfig};
 use crate::error::{describe_os_error, Error, Failure, Result};
 
 /// user_data of SQEs whose completions carry no information (cancellations).
@@ -397,6 +397,9 @@ impl RingCore {
         if u64::from(op.len) >= WORKER_JOB_BYTES {
             w.submit(job);
             return true;
+        }
+        if !joins_batch(&self.batch, &job) {
+            self.flush_batch();
         }
         self.batch.push(job);
         self.batch_bytes += u64::from(op.len);

@@ -73,8 +73,15 @@ impl Shared {
     }
 }
 
-/// The fd whose writers a batch counts against, when there is a limit: a batch's first job
-/// names it (a batch holds one request's consecutive pieces).
+/// Whether `job` may join `batch`: a batch's jobs share one fd and one direction, so that the
+/// writer limit counts a batch against the right file and a caller helping with reads never
+/// takes a write along.
+pub fn joins_batch(batch: &[Job], job: &Job) -> bool {
+    batch.first().is_none_or(|first| first.fd == job.fd && first.write == job.write)
+}
+
+/// The fd whose writers a batch counts against, when there is a limit (every job of a batch
+/// names the same fd: `joins_batch`).
 fn limited_fd(batch: &[Job], limit: usize) -> Option<i32> {
     batch.first().filter(|j| j.write && limit > 0).map(|j| j.fd)
 }
@@ -490,6 +497,15 @@ mod tests {
         // The write stays queued for a worker, and the file is unchanged.
         assert_eq!(shared.queues.lock().unwrap().jobs.len(), 1);
         assert_eq!(helper.run_queued_reads(), 0);
+    }
+
+    #[test]
+    fn a_batch_takes_only_jobs_of_its_fd_and_direction() {
+        let batch = vec![job(1, 5, false), job(2, 5, false)];
+        assert!(joins_batch(&[], &job(0, 7, true)));
+        assert!(joins_batch(&batch, &job(3, 5, false)));
+        assert!(!joins_batch(&batch, &job(3, 6, false)), "another fd starts a new batch");
+        assert!(!joins_batch(&batch, &job(3, 5, true)), "a write does not join reads");
     }
 
     #[test]
