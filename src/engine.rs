@@ -25,6 +25,7 @@ use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{FileKey, Progress, Ring, WorkerConfig};
 use crate::xfer::driver::{Driver, RequestKey};
+use crate::xfer::progress::ProgressThread;
 use crate::xfer::plan::PlanContext;
 use crate::xfer::{plan, Plan, XferOp};
 
@@ -33,8 +34,11 @@ pub struct Engine {
     local_agent: String,
     params: EngineParams,
     ring: Arc<Ring>,
+    /// Moves running requests on while nobody polls (started on the first post; declared before
+    /// `driver` so that it is stopped and joined before the driver is dropped).
+    progress: OnceCell<Option<ProgressThread>>,
     /// Requests and their progress through the ring.
-    driver: Driver,
+    driver: Arc<Driver>,
     /// The route of each bound (memory registration, target file) pair, decided on first use;
     /// keyed by the registration's MD and the file, dropped when NIXL deregisters either.
     routes: Mutex<HashMap<(usize, FileKey), Route>>,
@@ -91,10 +95,11 @@ impl Engine {
         };
         let recorder = if record_path.is_empty() { None } else { Some(Recorder::open(&record_path)?) };
         tracing::debug!(agent = local_agent, ?params, "IO_URING_DMABUF engine created");
-        let driver = Driver::new(Arc::clone(&ring), Arc::clone(&failure)).with_caller_reads(params.page_cache_caller_reads);
+        let driver = Arc::new(Driver::new(Arc::clone(&ring), Arc::clone(&failure)).with_caller_reads(params.page_cache_caller_reads));
         Ok(Engine {
             local_agent: local_agent.to_owned(),
             params,
+            progress: OnceCell::new(),
             driver,
             ring,
             routes: Mutex::new(HashMap::new()),
@@ -391,7 +396,16 @@ impl Engine {
         let result = match &req.cufile {
             Some(progress) => path::cufile::jobs(&req.plan.ops.ops, req.plan.ops.write, &req.plan.registrations, progress)
                 .and_then(|jobs| self.cufile_executor().post(progress, jobs)),
-            None => self.driver.post(req.key, self.params.inline_write_max),
+            None => {
+                let result = self.driver.post(req.key, self.params.inline_write_max);
+                if let (Ok(Progress::InFlight), true) = (&result, self.params.progress_thread) {
+                    let thread = self.progress.get_or_init(|| ProgressThread::start(Arc::downgrade(&self.driver)));
+                    if let Some(t) = thread {
+                        t.wake();
+                    }
+                }
+                result
+            }
         };
         if let Some(r) = &self.recorder {
             r.post(req.id(), match &result {

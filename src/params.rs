@@ -56,6 +56,8 @@ pub struct EngineParams {
     pub page_cache_file_writers: u32,
     /// Posting and polling threads run reads queued for the page-cache workers.
     pub page_cache_caller_reads: bool,
+    /// A thread of the engine moves running requests on while nobody polls them.
+    pub progress_thread: bool,
     pub vram_path: VramPath,
     pub dram_dmabuf: DramDmabuf,
     pub gpu_provider: ProviderChoice,
@@ -157,6 +159,7 @@ impl EngineParams {
             },
         };
         let page_cache_caller_reads = parse_bool("page_cache_caller_reads", get("page_cache_caller_reads"))?;
+        let progress_thread = parse_bool("progress_thread", get("progress_thread"))?;
         let vram_path = match get("vram_path").to_ascii_lowercase().as_str() {
             "auto" => VramPath::Auto,
             "dmabuf" => VramPath::Dmabuf,
@@ -212,6 +215,7 @@ impl EngineParams {
             inline_write_max,
             punt_buffered_min,
             page_cache_threads,
+            progress_thread,
             page_cache_file_writers: page_cache_file_writers as u32,
             page_cache_caller_reads,
             vram_path,
@@ -289,6 +293,7 @@ mod tests {
             ("page_cache_threads", "0"),
             ("page_cache_threads", "65"),
             ("page_cache_caller_reads", "sometimes"),
+            ("progress_thread", "maybe"),
         ] {
             let e = EngineParams::parse([(k, v)]).unwrap_err();
             assert_eq!(e.kind, ErrorKind::InvalidParam);

@@ -396,3 +396,46 @@ fn vram_without_a_gpu_driver_is_refused_with_the_reason() {
     let err = forced.register(1, 0x7000_0000, 1 << 20, 0, "").unwrap_err();
     assert!(err.message.contains("libcuda") || err.message.contains("cufile"), "{}", err.message);
 }
+
+/// Posts a READ of `blocks` non-adjacent 4 KiB O_DIRECT blocks through a 16-entry ring (16
+/// rounds of the ring), sleeps as a client that polls rarely would, and returns how many
+/// checkXfer calls then found it done (1 = it finished while nobody polled).
+fn checks_after_a_sleep(params: &[(&str, &str)]) -> usize {
+    let e = engine(params);
+    let blocks = 256u64;
+    let len = blocks * 2 * 4096;
+    let src = Buf::new(len as usize, 21);
+    let dst = Buf::new(len as usize, 22);
+    let (_d, f) = temp_file(true);
+    let fd = f.as_raw_fd() as u64;
+    let m_src = e.register(DRAM, src.addr(), len, 0, "").unwrap();
+    let m_dst = e.register(DRAM, dst.addr(), len, 0, "").unwrap();
+    let m_file = e.register(FILE, 0, len, fd, "").unwrap();
+    let at = |i: u64| i * 2 * 4096;
+    let file: Vec<_> = (0..blocks).map(|i| desc(at(i), 4096, fd, m_file)).collect();
+    run(&e, WRITE, &(0..blocks).map(|i| desc(src.addr() + at(i), 4096, 0, m_src)).collect::<Vec<_>>(), &file).unwrap();
+    let local: Vec<_> = (0..blocks).map(|i| desc(dst.addr() + at(i), 4096, 0, m_dst)).collect();
+    // SAFETY: live registrations.
+    let req = unsafe { e.prep(READ, DRAM, &local, FILE, &file, AGENT) }.unwrap();
+    assert!(matches!(e.post(&req, READ, local.len(), file.len()), Ok(Progress::InFlight)), "a 16-round request is not done at post");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut checks = 1;
+    while let Progress::InFlight = e.check(&req).unwrap() {
+        checks += 1;
+    }
+    e.release(req).map_err(|(_, err)| err.message).unwrap();
+    for i in 0..blocks as usize {
+        let r = i * 8192..i * 8192 + 4096;
+        assert!(src.bytes()[r.clone()] == dst.bytes()[r], "block {i} differs");
+    }
+    checks
+}
+
+#[test]
+fn a_request_advances_while_its_client_sleeps_between_checks() {
+    let ring = [("ring_entries", "16")];
+    assert_eq!(checks_after_a_sleep(&ring), 1, "the progress thread finished the request during the client's sleep");
+    // Without it, the ring is refilled only when the client comes back: the test above can fail.
+    let off = checks_after_a_sleep(&[ring[0], ("progress_thread", "false")]);
+    assert!(off > 1, "with progress_thread=false one check after the sleep finished a 16-round request ({off} checks)");
+}

@@ -1,7 +1,8 @@
 //! The engine with VRAM from the fake HSA runtime (tests/rocm_double), no GPU: what a VRAM
 //! registration prepares before the first transfer, and files registered and dropped one per key
-//! (LMCache's dynamic mode) against one VRAM buffer, byte for byte. Its own test binary: the HSA
-//! library is chosen once per process (IUD_HSA_LIBRARY).
+//! (LMCache's dynamic mode) against one VRAM buffer, byte for byte, and a staged request that
+//! finishes while its client sleeps. Its own test binary: the HSA library is chosen once per
+//! process (IUD_HSA_LIBRARY), so every test here shares one copy of the double.
 
 #[path = "rocm_double/mod.rs"]
 mod double;
@@ -45,11 +46,19 @@ fn bytes(addr: u64, len: u64) -> Vec<u8> {
     unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }.to_vec()
 }
 
+/// The double every test of this process uses (the plugin loads the HSA library once).
+fn double_ctl() -> Ctl {
+    static LIB: once_cell::sync::Lazy<String> = once_cell::sync::Lazy::new(|| {
+        let lib = double::instance(Variant::NoExport, "engine-vram-files");
+        std::env::set_var("IUD_HSA_LIBRARY", &lib);
+        lib
+    });
+    Ctl::open(&LIB)
+}
+
 #[test]
 fn vram_registration_prepares_staging_and_per_key_files_leave_no_route_behind() {
-    let lib = double::instance(Variant::NoExport, "engine-vram-files");
-    std::env::set_var("IUD_HSA_LIBRARY", &lib);
-    let ctl = Ctl::open(&lib);
+    let ctl = double_ctl();
     let e = Engine::new(AGENT, [("gpu_provider", "rocm"), ("staging_buffer_size", "1048576"), ("staging_buffers", "8")]).expect("engine");
     let len = 16 * MIB;
     let vram = ctl.alloc_vram(len as usize);
@@ -86,6 +95,57 @@ fn vram_registration_prepares_staging_and_per_key_files_leave_no_route_behind() 
     unsafe { e.deregister(m_vram) }.unwrap();
     drop(e);
     ctl.free_vram(vram);
-    assert_eq!(ctl.locked_ranges(), 0, "the staging pool's pinned memory is unlocked with the engine");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A staged READ of 64 scattered 256 KiB blocks through 4 staging buffers (16 rounds of
+/// storage read, device copy, buffer reuse), posted and then left alone for 300 ms: returns how
+/// many checks then found it done (1 = it finished while nobody polled).
+fn staged_checks_after_a_sleep(ctl: &Ctl, progress_thread: &str) -> usize {
+    let e = Engine::new(AGENT, [("gpu_provider", "rocm"), ("staging_buffer_size", "262144"), ("staging_buffers", "4"), ("progress_thread", progress_thread)])
+        .expect("engine");
+    let (blocks, block) = (64u64, 256u64 << 10);
+    let len = 2 * blocks * block;
+    let vram = ctl.alloc_vram(len as usize);
+    fill_random(vram, len / 2, 77);
+    let m_vram = e.register(VRAM, vram, len, 0, "").unwrap();
+    let path = std::env::temp_dir().join(format!("iud-vram-sleep-{}-{progress_thread}", std::process::id()));
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    let fd = f.as_raw_fd() as u64;
+    let m_file = e.register(FILE, 0, 2 * blocks * block, fd, "").unwrap();
+    // Memory and file order differ and no two file blocks touch, so nothing merges.
+    let file: Vec<_> = (0..blocks).map(|i| desc(((i * 7) % blocks) * 2 * block, block, fd, m_file)).collect();
+    transfer(&e, WRITE, &(0..blocks).map(|i| desc(vram + i * block, block, 0, m_vram)).collect::<Vec<_>>(), &file);
+    let back = vram + len / 2;
+    let local: Vec<_> = (0..blocks).map(|i| desc(back + i * block, block, 0, m_vram)).collect();
+    // SAFETY: live registrations of `e`.
+    let req = unsafe { e.prep(READ, VRAM, &local, FILE, &file, AGENT) }.unwrap_or_else(|err| panic!("prep: {}", err.message));
+    let posted = e.post(&req, READ, local.len(), file.len()).unwrap_or_else(|err| panic!("post: {}", err.message));
+    assert_eq!(posted, Progress::InFlight, "16 rounds of the staging pool are not done at post");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut checks = 1;
+    while let Progress::InFlight = e.check(&req).unwrap_or_else(|err| panic!("check: {}", err.message)) {
+        checks += 1;
+    }
+    e.release(req).map_err(|(_, err)| err.message).expect("release");
+    assert!(bytes(vram, len / 2) == bytes(back, len / 2), "the blocks read back differ");
+    // SAFETY: registered above, deregistered once.
+    unsafe {
+        e.deregister(m_file).unwrap();
+        e.deregister(m_vram).unwrap();
+    }
+    drop(e);
+    drop(f);
+    let _ = std::fs::remove_file(&path);
+    ctl.free_vram(vram);
+    checks
+}
+
+#[test]
+fn a_staged_request_advances_while_its_client_sleeps_between_checks() {
+    let ctl = double_ctl();
+    assert_eq!(staged_checks_after_a_sleep(&ctl, "true"), 1, "the progress thread ran the staging pipeline during the client's sleep");
+    // Without it the pipeline moves only when the client comes back: the assertion above can fail.
+    let off = staged_checks_after_a_sleep(&ctl, "false");
+    assert!(off > 1, "with progress_thread=false one check after the sleep finished 16 staging rounds ({off} checks)");
 }

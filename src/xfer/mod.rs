@@ -4,6 +4,7 @@
 pub mod driver;
 pub mod plan;
 mod profile;
+pub mod progress;
 pub mod request;
 
 pub use plan::{plan, Plan, XferOp};

@@ -11,10 +11,13 @@
 //!   ("describe, then fill"), so a request of any size never needs more SQ entries than exist.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use slab::Slab;
+
+pub mod background;
 
 use super::request::{Next, Outcome, RequestOps, RequestProgress};
 use crate::error::{describe_os_error, Error, Failure, Result};
@@ -74,12 +77,15 @@ pub struct Driver {
     failure: Arc<Failure>,
     /// Whether posting and polling threads run reads queued for the page-cache workers.
     caller_reads: bool,
+    /// When a caller was last in post/check (nanoseconds since `epoch`).
+    last_call: AtomicU64,
+    epoch: Instant,
 }
 
 impl Driver {
     pub fn new(ring: Arc<Ring>, failure: Arc<Failure>) -> Driver {
         let table = Table { profiles: Profiles::from_env(), ..Table::default() };
-        Driver { ring, table: Mutex::new(table), failure, caller_reads: true }
+        Driver { ring, table: Mutex::new(table), failure, caller_reads: true, last_call: AtomicU64::new(0), epoch: Instant::now() }
     }
 
     /// Sets whether posting and polling threads run queued page-cache reads themselves.
@@ -90,6 +96,10 @@ impl Driver {
 
     fn lock(&self) -> Result<MutexGuard<'_, Table>> {
         self.failure.lock(&self.table, "request table")
+    }
+
+    fn caller_was_here(&self) {
+        self.last_call.store(self.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Creates the staging pool on first use (later calls do nothing).
@@ -126,6 +136,7 @@ impl Driver {
     /// Starts (or restarts) a request. Returns Done when everything completed during the call.
     /// `inline_budget`: bytes of buffered writes this thread may write itself (0 = none).
     pub fn post(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
+        self.caller_was_here();
         let mut t = self.lock()?;
         let req = t.requests.get_mut(key.0).ok_or_else(|| Error::backend("postXfer: unknown request handle"))?;
         if let Some(done) = req.start()? {
@@ -140,16 +151,19 @@ impl Driver {
         let mut t = self.help_with_writes(t, key.0, inline_budget)?;
         t.progress(&self.ring)?;
         let mut t = self.help_page_cache_workers(t)?;
+        self.caller_was_here();
         t.finished_status(key.0)
     }
 
     /// Reaps completions (for every request) without blocking and reports this request's state.
     pub fn check(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
+        self.caller_was_here();
         let mut t = self.lock()?;
         t.progress(&self.ring)?;
         let mut t = self.help_with_writes(t, key.0, inline_budget)?;
         t.progress(&self.ring)?;
         let mut t = self.help_page_cache_workers(t)?;
+        self.caller_was_here();
         t.finished_status(key.0)
     }
 
