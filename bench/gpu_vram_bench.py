@@ -95,6 +95,8 @@ BACKENDS = [
     ("IUD-inline0", "IO_URING_DMABUF", {"inline_write_max": "0"}),
     # Staged page-cache writes in 512 KiB pieces (the default before 2026-12-01's session 20: 2 MiB).
     ("IUD-swp512K", "IO_URING_DMABUF", {"staged_write_piece_max": str(MiB // 2)}),
+    # Requests advance only when polled (no progress thread: the behaviour before session 20).
+    ("IUD-noprogress", "IO_URING_DMABUF", {"progress_thread": "false"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),
@@ -102,7 +104,7 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp", "IUD-noprogress")
 
 
 # ---------------------------------------------------------------------------------------------
