@@ -21,6 +21,27 @@ impl fmt::Display for Op {
     }
 }
 
+/// What the polling loop does between getXferStatus calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollMode {
+    /// A busy loop, as nixlbench does.
+    Spin,
+    /// sched_yield: leaves the CPU to I/O threads on small machines.
+    Yield,
+    /// Sleeps this long, as clients that poll rarely do (LMCache sleeps 1 ms).
+    Sleep(std::time::Duration),
+}
+
+impl PollMode {
+    pub fn describe(self) -> String {
+        match self {
+            PollMode::Spin => "spin".into(),
+            PollMode::Yield => "yield (sched_yield between polls)".into(),
+            PollMode::Sleep(d) => format!("sleep {} us between polls", d.as_micros()),
+        }
+    }
+}
+
 /// How the storage target is registered with NIXL.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SegType {
@@ -76,8 +97,8 @@ pub struct Config {
     pub randomize_blockaligned: bool,
     pub storage_seg_type: SegType,
     pub csv: Option<String>,
-    /// --poll_mode yield: sched_yield between getXferStatus polls.
-    pub poll_yield: bool,
+    /// --poll_mode: what the polling loop does between getXferStatus calls.
+    pub poll: PollMode,
     /// --workload: run the nixlbench-style contiguous sweep.
     pub contig: bool,
     /// --workload: run the KV-cache pattern.
@@ -157,7 +178,7 @@ impl Default for Config {
             randomize_blockaligned: false,
             storage_seg_type: SegType::Auto,
             csv: None,
-            poll_yield: false,
+            poll: PollMode::Spin,
             contig: true,
             run_kv: false,
             kv: KvConfig {
@@ -429,10 +450,13 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             }
             "csv" => c.csv = Some(val),
             "poll_mode" => {
-                c.poll_yield = match val.to_ascii_lowercase().as_str() {
-                    "spin" => false,
-                    "yield" => true,
-                    _ => return Err(format!("--poll_mode: spin|yield, got '{val}'")),
+                c.poll = match val.to_ascii_lowercase().as_str() {
+                    "spin" => PollMode::Spin,
+                    "yield" => PollMode::Yield,
+                    v => match v.strip_prefix("sleep:").and_then(|us| us.parse::<u64>().ok()) {
+                        Some(us) => PollMode::Sleep(std::time::Duration::from_micros(us)),
+                        None => return Err(format!("--poll_mode: spin|yield|sleep:<us>, got '{val}'")),
+                    },
                 }
             }
             "workload" => {

@@ -295,7 +295,7 @@ fn measure(
     let duration = Duration::from_millis(cfg.duration_ms);
     let wstart = Instant::now();
     for _ in 0..cfg.warmup_iter {
-        post_and_wait(&l.agent, &req, cfg.poll_yield).map_err(|e| format!("warmup: {e}"))?;
+        post_and_wait(&l.agent, &req, cfg.poll).map_err(|e| format!("warmup: {e}"))?;
         if cfg.num_iter == 0 && wstart.elapsed() >= duration / 5 {
             break;
         }
@@ -308,7 +308,7 @@ fn measure(
         if done {
             break;
         }
-        post_and_wait(&l.agent, &req, cfg.poll_yield).map_err(|e| format!("request {n}: {e}"))?;
+        post_and_wait(&l.agent, &req, cfg.poll).map_err(|e| format!("request {n}: {e}"))?;
         n += 1;
     }
     let elapsed = t0.elapsed().as_secs_f64().max(1e-9);

@@ -193,7 +193,7 @@ fn config_rows(cfg: &Config) -> Vec<(&'static str, String)> {
                 SegType::Block => "BLOCK".into(),
             },
         ),
-        ("poll_mode", if cfg.poll_yield { "yield (sched_yield between polls)".into() } else { "spin".into() }),
+        ("poll_mode", cfg.poll.describe()),
         ("csv", cfg.csv.clone().unwrap_or_else(|| "(none)".into())),
         (
             "workload",
@@ -392,10 +392,10 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
             .to_string(),
         format!(
             "Polling: {}.",
-            if cfg.poll_yield {
-                "sched_yield between getXferStatus calls"
-            } else {
-                "getXferStatus in a busy loop (spin), so the posting thread's CPU time is counted while it waits"
+            match cfg.poll {
+                cli::PollMode::Spin => "getXferStatus in a busy loop (spin), so the posting thread's CPU time is counted while it waits".to_string(),
+                cli::PollMode::Yield => "sched_yield between getXferStatus calls".to_string(),
+                cli::PollMode::Sleep(d) => format!("a {} us sleep between getXferStatus calls (a client that polls rarely)", d.as_micros()),
             }
         ),
     ];

@@ -11,7 +11,7 @@ use nixl_sys::{
     XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
-use crate::cli::{BackendSpec, Config, Op};
+use crate::cli::{BackendSpec, Config, Op, PollMode};
 use crate::cpu::process_cpu_s;
 use crate::mem::{pread_full, AlignedBuf, Region, SplitMix64};
 use std::io::Write as _;
@@ -500,7 +500,7 @@ fn thread_run(
                 drop(req);
                 req = x.create(agent, agent_name, None)?;
             }
-            post_and_wait(agent, &req, ctx.cfg.poll_yield).map_err(|e| format!("warmup: {e}"))?;
+            post_and_wait(agent, &req, ctx.cfg.poll).map_err(|e| format!("warmup: {e}"))?;
             // Time-based mode: warmup takes at most a fifth of the point's duration.
             if p.duration.is_some_and(|d| wstart.elapsed() >= d / 5) {
                 break;
@@ -537,7 +537,7 @@ fn thread_run(
             drop(req);
             req = x.create(agent, agent_name, Some(&mut st.prep)).map_err(|e| format!("iteration {n}: {e}"))?;
         }
-        match post_and_wait(agent, &req, ctx.cfg.poll_yield) {
+        match post_and_wait(agent, &req, ctx.cfg.poll) {
             Ok((post, tx)) => {
                 st.post.push(post);
                 st.tx.push(tx);
@@ -570,9 +570,9 @@ impl ThreadStats {
     }
 }
 
-/// Posts and spins on get_xfer_status until done (as nixlbench does; with `yield_cpu`,
-/// sched_yield between polls). Returns (post µs, tx µs).
-pub fn post_and_wait(agent: &Agent, req: &XferRequest, yield_cpu: bool) -> Result<(f64, f64), String> {
+/// Posts and polls get_xfer_status until done (spinning as nixlbench does, or as `poll` says).
+/// Returns (post µs, tx µs).
+pub fn post_and_wait(agent: &Agent, req: &XferRequest, poll: PollMode) -> Result<(f64, f64), String> {
     let t0 = Instant::now();
     let in_prog = agent.post_xfer_req(req, None).map_err(|e| nerr("post_xfer_req", e))?;
     let t1 = Instant::now();
@@ -589,11 +589,13 @@ pub fn post_and_wait(agent: &Agent, req: &XferRequest, yield_cpu: bool) -> Resul
                             STALL_TIMEOUT.as_secs()
                         ));
                     }
-                    if yield_cpu {
+                    match poll {
+                        PollMode::Spin => std::hint::spin_loop(),
                         // SAFETY: plain syscall.
-                        unsafe { libc::sched_yield() };
-                    } else {
-                        std::hint::spin_loop();
+                        PollMode::Yield => unsafe {
+                            libc::sched_yield();
+                        },
+                        PollMode::Sleep(d) => std::thread::sleep(d),
                     }
                 }
                 Err(e) => return Err(nerr("get_xfer_status", e)),
