@@ -247,15 +247,18 @@ def test_short_writes_are_completed(scene_factory, rng, ring_only):
     assert m.stop()["short_writes"] > 0
 
 
-def test_delayed_io_completes_and_others_progress(scene_factory, rng):
+@pytest.mark.parametrize("params", [{"punt_buffered_min": "65536"}, {}], ids=["punt-64K", "defaults"])
+def test_delayed_io_completes_and_others_progress(scene_factory, rng, params):
     """Each FUSE READ answers 40 ms late: the request stays in progress while a bystander
     request on a disk file completes, then finishes with the right bytes.
 
-    With default parameters on this 2-CPU machine (punt_buffered_min=0) the kernel performs a
-    buffered FUSE read inside io_uring_enter, so postXfer itself takes the whole 1.3 s (NIXL's
-    POSIX backend with io_uring does the same; see RELIABILITY.md). punt_buffered_min hands such
-    reads to io_uring's workers, which is what this test runs."""
-    scene = scene_factory({"punt_buffered_min": "65536"})
+    Before 2026-12-01 evening the defaults on a 2-CPU machine kept buffered reads in the ring
+    (punt_buffered_min=0), and the kernel performed a buffered FUSE read inside io_uring_enter,
+    so postXfer itself took the whole 1.3 s (NIXL's POSIX backend with io_uring does the same;
+    see RELIABILITY.md). Now the defaults hand them to the page-cache workers, and the posting
+    thread reads only what is cached (RWF_NOWAIT): both variants must return from the post
+    with the request in progress."""
+    scene = scene_factory(params)
     content = H.rand_bytes(rng, SIZE)
     m = scene.mount("delay_ms:40", content)
     buf = H.Buf(SIZE)
@@ -266,7 +269,9 @@ def test_delayed_io_completes_and_others_progress(scene_factory, rng):
 
     def action():
         h = scene.rig.xfer("READ", [(buf.addr, SIZE)], [(0, SIZE, fd)])
+        t_post = time.monotonic()
         st = scene.agent.transfer(h)
+        seen["post_s"] = time.monotonic() - t_post
         seen["first"] = st
         # the bystander (posted before) completes while this one waits for the slow filesystem
         t0 = time.monotonic()
@@ -286,6 +291,9 @@ def test_delayed_io_completes_and_others_progress(scene_factory, rng):
     scene.check("delayed I/O (40 ms per FUSE request)", action, "NIXL_SUCCESS", ("done",), log_lines=0,
                 extra=verify)
     assert m.stop()["delayed"] > 0
+    # Not a threshold, a record: how long the post itself took (RELIABILITY.md, finding 2).
+    print(f"delayed READ ({params or 'defaults'}): postXfer returned {seen['first']} after {seen['post_s'] * 1e3:.1f} ms; "
+          f"bystander done {seen['bystander_s'] * 1e3:.1f} ms later")
 
 
 def test_release_while_delayed_io_in_flight(scene_factory, rng):
