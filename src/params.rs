@@ -159,7 +159,14 @@ impl EngineParams {
             },
         };
         let page_cache_caller_reads = parse_bool("page_cache_caller_reads", get("page_cache_caller_reads"))?;
-        let progress_thread = parse_bool("progress_thread", get("progress_thread"))?;
+        let progress_thread = match get("progress_thread") {
+            // On 2 CPUs the posting thread does most of a request's work inline and a third
+            // thread's wake-ups cost the others: no gain with a 1 ms-sleeping poller (0.91-1.07x)
+            // and 2-10 % less READ with a spinning one (bench/results/2026-12-01-cpu-progress-thread.md);
+            // on the 16-CPU H200, 1.13x at 16 KiB with a sleeping poller and no loss spinning.
+            "auto" => std::thread::available_parallelism().map_or(1, |n| n.get()) >= 8,
+            v => parse_bool("progress_thread", v)?,
+        };
         let vram_path = match get("vram_path").to_ascii_lowercase().as_str() {
             "auto" => VramPath::Auto,
             "dmabuf" => VramPath::Dmabuf,

@@ -433,7 +433,7 @@ fn checks_after_a_sleep(params: &[(&str, &str)]) -> usize {
 
 #[test]
 fn a_request_advances_while_its_client_sleeps_between_checks() {
-    let ring = [("ring_entries", "16")];
+    let ring = [("ring_entries", "16"), ("progress_thread", "true")];
     assert_eq!(checks_after_a_sleep(&ring), 1, "the progress thread finished the request during the client's sleep");
     // Without it, the ring is refilled only when the client comes back: the test above can fail.
     let off = checks_after_a_sleep(&[ring[0], ("progress_thread", "false")]);

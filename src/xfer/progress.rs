@@ -15,10 +15,15 @@ use std::time::Duration;
 use super::driver::background::Background;
 use super::driver::Driver;
 
-/// Pause between rounds while requests run (timer slack makes it about 50-100 us).
+/// Pause between rounds while requests run (timer slack makes it about 50-100 us); it doubles,
+/// up to `WAIT_MAX`, while rounds find nothing completed (long disk I/O, a worker's long copy).
 const TICK: Duration = Duration::from_micros(50);
-/// Pause while a caller polls (it drives the requests; this thread only watches for it to stop).
+const WAIT_MAX: Duration = Duration::from_micros(800);
+/// Pause while a caller polls (it drives the requests; this thread only watches for it to
+/// stop), doubling up to `POLLED_MAX` while it goes on: each wake-up costs the others a little
+/// on a small machine.
 const POLLED: Duration = Duration::from_micros(200);
+const POLLED_MAX: Duration = Duration::from_millis(2);
 /// Longest sleep with nothing running (a post unparks the thread sooner).
 const IDLE: Duration = Duration::from_millis(100);
 
@@ -62,6 +67,7 @@ impl Drop for ProgressThread {
 }
 
 fn run(driver: &Weak<Driver>, stop: &AtomicBool) {
+    let (mut wait, mut polled) = (TICK, POLLED);
     while !stop.load(Ordering::Acquire) {
         // The driver is held only for one round, so the engine can always drop it after joining.
         let next = match driver.upgrade() {
@@ -69,9 +75,21 @@ fn run(driver: &Weak<Driver>, stop: &AtomicBool) {
             None => return,
         };
         match next {
+            Background::Waiting => {
+                wait = (wait * 2).min(WAIT_MAX);
+                polled = POLLED;
+                std::thread::sleep(wait);
+                continue;
+            }
+            Background::Polled => {
+                polled = (polled * 2).min(POLLED_MAX);
+                wait = TICK;
+                std::thread::sleep(polled);
+                continue;
+            }
             Background::Busy => std::thread::sleep(TICK),
-            Background::Polled => std::thread::sleep(POLLED),
             Background::Idle => std::thread::park_timeout(IDLE),
         }
+        (wait, polled) = (TICK, POLLED);
     }
 }

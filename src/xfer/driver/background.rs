@@ -14,8 +14,10 @@ const CALLER_ACTIVE: Duration = Duration::from_micros(100);
 /// What the progress thread should do next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Background {
-    /// Requests are running: come back soon.
+    /// Requests are running and this round handled completions: come back soon.
     Busy,
+    /// Requests are running but nothing had completed: come back a little later each time.
+    Waiting,
     /// A caller is polling: come back later.
     Polled,
     /// Nothing is running (or the engine failed): sleep until a post.
@@ -40,7 +42,8 @@ impl Driver {
             return Background::Idle;
         }
         match t.progress(&self.ring) {
-            Ok(()) => Background::Busy,
+            Ok(0) => Background::Waiting,
+            Ok(_) => Background::Busy,
             Err(e) => {
                 tracing::debug!("progress thread: {} (left for the next caller)", e.message);
                 Background::Idle

@@ -321,16 +321,19 @@ impl Table {
     }
 
     /// Polls device copies, fills the ring, submits, reaps; repeats while that made progress.
-    fn progress(&mut self, ring: &Ring) -> Result<()> {
+    /// Returns how many completions (storage I/O and device copies) it handled.
+    fn progress(&mut self, ring: &Ring) -> Result<usize> {
         let mut core = ring.lock()?;
+        let mut handled = 0;
         loop {
             let copied = self.poll_copies();
             self.fill(&mut core);
             core.submit()?;
             let reaped = self.reap(&mut core);
             if reaped == 0 && copied == 0 {
-                return Ok(());
+                return Ok(handled);
             }
+            handled += reaped + copied;
         }
     }
 
@@ -534,7 +537,7 @@ impl Table {
                 core.wait(timeout, copying)?;
             }
         }
-        self.progress(ring)
+        self.progress(ring).map(|_| ())
     }
 }
 
