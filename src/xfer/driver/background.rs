@@ -1,15 +1,9 @@
 //! The progress thread's round (`xfer::progress`): the driver's `progress`, run when requests
-//! are running, no caller was in post/check lately and the lock is free.
+//! are running, no caller is in post/check or just left it, and the lock is free.
 
-use std::sync::atomic::Ordering;
 use std::sync::TryLockError;
-use std::time::Duration;
 
 use super::{Driver, Staging, Table};
-
-/// A caller in post/check this recently is driving the requests itself: the progress thread
-/// keeps out of its way (a spinning poller is back within microseconds).
-const CALLER_ACTIVE: Duration = Duration::from_micros(100);
 
 /// What the progress thread should do next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,11 +20,11 @@ pub enum Background {
 
 impl Driver {
     /// One round of the progress thread (`xfer::progress`): runs `progress` if requests are
-    /// running, no caller was in post/check within `CALLER_ACTIVE` and the lock is free (it never
-    /// waits for it). An error is left for the next caller, which meets it too.
+    /// running, no caller is in post/check or just left it (`CallerClock::driving`) and the
+    /// lock is free (it never waits for it). An error is left for the next caller, which meets
+    /// it too.
     pub fn background_progress(&self) -> Background {
-        let since = (self.epoch.elapsed().as_nanos() as u64).saturating_sub(self.last_call.load(Ordering::Relaxed));
-        if since < CALLER_ACTIVE.as_nanos() as u64 {
+        if self.callers.driving() {
             return Background::Polled;
         }
         let mut t = match self.table.try_lock() {

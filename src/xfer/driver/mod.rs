@@ -11,7 +11,6 @@
 //!   ("describe, then fill"), so a request of any size never needs more SQ entries than exist.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -24,6 +23,7 @@ use crate::error::{describe_os_error, Error, Failure, Result};
 use crate::gpu::GpuProvider;
 use crate::path::direct;
 use crate::path::staging::{CopyDone, Stage, Staging, StagingPool};
+use super::callers::CallerClock;
 use super::profile::Profiles;
 use crate::uring::{IoOp, Progress, Ring, RingCore, Submission};
 
@@ -77,15 +77,15 @@ pub struct Driver {
     failure: Arc<Failure>,
     /// Whether posting and polling threads run reads queued for the page-cache workers.
     caller_reads: bool,
-    /// When a caller was last in post/check (nanoseconds since `epoch`).
-    last_call: AtomicU64,
-    epoch: Instant,
+    /// Threads in post/check, and when the last one left (the progress thread keeps out of
+    /// their way).
+    callers: CallerClock,
 }
 
 impl Driver {
     pub fn new(ring: Arc<Ring>, failure: Arc<Failure>) -> Driver {
         let table = Table { profiles: Profiles::from_env(), ..Table::default() };
-        Driver { ring, table: Mutex::new(table), failure, caller_reads: true, last_call: AtomicU64::new(0), epoch: Instant::now() }
+        Driver { ring, table: Mutex::new(table), failure, caller_reads: true, callers: CallerClock::default() }
     }
 
     /// Sets whether posting and polling threads run queued page-cache reads themselves.
@@ -98,9 +98,6 @@ impl Driver {
         self.failure.lock(&self.table, "request table")
     }
 
-    fn caller_was_here(&self) {
-        self.last_call.store(self.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    }
 
     /// Creates the staging pool on first use (later calls do nothing).
     pub fn enable_staging(&self, provider: Arc<dyn GpuProvider>, buffer_size: u64, count: u32) -> Result<()> {
@@ -136,7 +133,7 @@ impl Driver {
     /// Starts (or restarts) a request. Returns Done when everything completed during the call.
     /// `inline_budget`: bytes of buffered writes this thread may write itself (0 = none).
     pub fn post(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
-        self.caller_was_here();
+        let _caller = self.callers.enter();
         let mut t = self.lock()?;
         let req = t.requests.get_mut(key.0).ok_or_else(|| Error::backend("postXfer: unknown request handle"))?;
         if let Some(done) = req.start()? {
@@ -151,19 +148,17 @@ impl Driver {
         let mut t = self.help_with_writes(t, key.0, inline_budget)?;
         t.progress(&self.ring)?;
         let mut t = self.help_page_cache_workers(t)?;
-        self.caller_was_here();
         t.finished_status(key.0)
     }
 
     /// Reaps completions (for every request) without blocking and reports this request's state.
     pub fn check(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
-        self.caller_was_here();
+        let _caller = self.callers.enter();
         let mut t = self.lock()?;
         t.progress(&self.ring)?;
         let mut t = self.help_with_writes(t, key.0, inline_budget)?;
         t.progress(&self.ring)?;
         let mut t = self.help_page_cache_workers(t)?;
-        self.caller_was_here();
         t.finished_status(key.0)
     }
 
