@@ -2,7 +2,8 @@
 //! (buffered and O_DIRECT, byte-checked), posts released while in flight (racing the other
 //! threads' post/check on the shared ring), reposts of one request, and register/deregister
 //! cycles of memory and files while the other threads transfer. Buffered reads of 16 KiB and more
-//! go to the page-cache worker threads (punt_buffered_min), so releases also race those. Built
+//! go to the page-cache worker threads (punt_buffered_min), so releases also race those, and the
+//! engine's progress thread runs beside the callers. Built
 //! with -Zsanitizer=thread it checks the request state machine and the ring's locking for data
 //! races.
 //!
@@ -89,7 +90,9 @@ fn main() {
     let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
     f.set_len((THREADS * REGION) as u64).unwrap();
     let fdirect = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&path).unwrap();
-    let e = Arc::new(Engine::new(AGENT, [("ring_entries", "64"), ("punt_buffered_min", "16384")]).unwrap());
+    // The progress thread is forced on (auto leaves it off below 8 CPUs) so that it races the
+    // callers too.
+    let e = Arc::new(Engine::new(AGENT, [("ring_entries", "64"), ("punt_buffered_min", "16384"), ("progress_thread", "true")]).unwrap());
     let total = (THREADS * REGION) as u64;
     let mf = e.register(FILE, 0, total, f.as_raw_fd() as u64, "").unwrap() as usize;
     let mfd = e.register(FILE, 0, total, fdirect.as_raw_fd() as u64, "").unwrap() as usize;
