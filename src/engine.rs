@@ -303,14 +303,16 @@ impl Engine {
         // SAFETY: per the contract, md came from into_md in register() and NIXL's reference is
         // still counted (it was in the live set, which we just took it out of).
         let reg = unsafe { live::take_md(md) };
-        // A later registration may reuse the address once this one is gone.
-        self.failure.lock(&self.routes, "route cache")?.retain(|(m, _), _| *m != md as usize);
+        // A later registration may reuse the address once this one is gone. A file's routes go
+        // too: a client registering a file per key (LMCache's dynamic mode) would otherwise grow
+        // the cache by one route per file, and a later file with the same fd, device and inode
+        // would find this file's route.
+        let file = match &*reg {
+            Registration::Storage(f) => Some(f.key()),
+            _ => None,
+        };
+        self.failure.lock(&self.routes, "route cache")?.retain(|(m, k), _| *m != md as usize && Some(*k) != file);
         if let Registration::Storage(f) = &*reg {
-            // A client registering a file per key (LMCache's dynamic mode) would otherwise grow
-            // the cache by one route per file, and a later file with the same fd, device and
-            // inode would find this file's route.
-            let file = f.key();
-            self.failure.lock(&self.routes, "route cache")?.retain(|(_, k), _| *k != file);
             if f.owned_path.is_some() {
                 self.failure.lock(&self.path_dev_ids, "path-mode devIds")?.remove(&f.dev_id);
             }

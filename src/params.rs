@@ -117,7 +117,7 @@ impl EngineParams {
             // copying in the calling thread (POSIX AIO's buffered io_submit copies synchronously):
             // the posting thread writes the whole request (bench/results/2026-12-01-cpu-kv-cache.md).
             "auto" => {
-                if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 8 {
+                if usable_cpus() >= 8 {
                     1 << 20
                 } else {
                     u64::MAX
@@ -131,7 +131,7 @@ impl EngineParams {
             // more than the hand-off. 16 cores: from 256 KiB (smaller DRAM reads stay in the
             // ring, as measured before the caller helped); fewer: every size (small ones are
             // grouped into 256 KiB jobs); one CPU: never (no second core to gain).
-            "auto" => match std::thread::available_parallelism().map_or(1, |n| n.get()) {
+            "auto" => match usable_cpus() {
                 n if n >= 8 => 256 * 1024,
                 n if n >= 2 => 4096,
                 _ => 0,
@@ -164,7 +164,7 @@ impl EngineParams {
             // thread's wake-ups cost the others: no gain with a 1 ms-sleeping poller (0.91-1.07x)
             // and 2-10 % less READ with a spinning one (bench/results/2026-12-01-cpu-progress-thread.md);
             // on the 16-CPU H200, 1.13x at 16 KiB with a sleeping poller and no loss spinning.
-            "auto" => std::thread::available_parallelism().map_or(1, |n| n.get()) >= 8,
+            "auto" => usable_cpus() >= 8,
             v => parse_bool("progress_thread", v)?,
         };
         let vram_path = match get("vram_path").to_ascii_lowercase().as_str() {
@@ -250,6 +250,11 @@ fn parse_u64(name: &str, value: &str) -> Result<u64> {
     value
         .parse::<u64>()
         .map_err(|_| Error::invalid(format!("backend parameter {name}={value:?} is not a non-negative integer")))
+}
+
+/// CPUs this process may use (cgroup- and affinity-aware), which the `auto` defaults depend on.
+fn usable_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 fn parse_bool(name: &str, value: &str) -> Result<bool> {

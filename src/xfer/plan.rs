@@ -121,7 +121,6 @@ pub struct PlanContext<'a> {
 /// Smallest staged piece worth cutting (below it, per-piece overhead outweighs parallelism).
 const STAGED_PIECE_MIN: u64 = 256 << 10;
 
-
 /// Piece size for staged VRAM: at most a staging buffer, but small enough that the request keeps
 /// every staging buffer busy (an 8 MiB request in one 8 MiB piece would run one storage I/O and
 /// one copy, one after the other), in 64 KiB multiples so O_DIRECT pieces stay aligned.

@@ -98,7 +98,6 @@ impl Driver {
         self.failure.lock(&self.table, "request table")
     }
 
-
     /// Creates the staging pool on first use (later calls do nothing).
     pub fn enable_staging(&self, provider: Arc<dyn GpuProvider>, buffer_size: u64, count: u32) -> Result<()> {
         let mut t = self.lock()?;
