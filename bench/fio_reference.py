@@ -4,7 +4,12 @@ Runs fio (io_uring engine, O_DIRECT, registered buffers and files) on one file p
 the same 256 MiB span the VRAM benchmark uses, at several queue depths, and prints a markdown table
 of the best GB/s (decimal) per (op, block) with the depth that reached it.
 
+With --buffered: random reads of the page cache instead (the file is written and read once
+first, so it is cached), by 1..N threads each calling pread (fio's psync engine, numjobs): what
+host memory alone reaches from this page cache, the storage stage of a staged VRAM read.
+
 Usage: python3 bench/fio_reference.py --fio PATH --dir /root [--sizes 65536,...] [--seconds 2]
+       python3 bench/fio_reference.py --fio PATH --dir /tmp --buffered [--jobs 1,8,16] [--ops read]
 """
 import argparse
 import json
@@ -26,6 +31,46 @@ def run_fio(fio, path, op, block, depth, seconds, span):
     return job["read" if op == "read" else "write"]["bw_bytes"] / 1e9
 
 
+def run_fio_buffered(fio, path, op, block, jobs, seconds, span):
+    cmd = [fio, "--name=ref", f"--filename={path}", f"--size={span}", "--direct=0", "--invalidate=0", "--ioengine=psync",
+           f"--rw=rand{op}", f"--bs={block}", f"--numjobs={jobs}", "--group_reporting=1",
+           "--time_based=1", f"--runtime={seconds}", "--ramp_time=0.5", "--output-format=json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 10 + 60)
+    if out.returncode != 0:
+        raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[-300:]}")
+    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    side = job["read" if op == "read" else "write"]
+    cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * jobs
+    return side["bw_bytes"] / 1e9, cpu
+
+
+def buffered(a, path):
+    """Page-cache random reads (or writes) by 1..N pread threads."""
+    with open(path, "wb") as f:
+        chunk = os.urandom(8 * MiB)
+        for _ in range(a.span // len(chunk)):
+            f.write(chunk)
+    with open(path, "rb") as f:
+        while f.read(64 * MiB):
+            pass
+    version = subprocess.run([a.fio, "--version"], capture_output=True, text=True).stdout.strip()
+    print(f"# fio reference, page cache (buffered) on {a.dir}\n")
+    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; kernel {os.uname().release}; {version}; "
+          f"{os.cpu_count()} CPUs")
+    print(f"command: python3 bench/fio_reference.py --fio {a.fio} --dir {a.dir} --buffered --jobs {a.jobs} "
+          f"(psync, random offsets in a cached {a.span // MiB} MiB file, {a.seconds} s each)\n")
+    print("| op | block | threads | GB/s | CPUs busy |")
+    print("|---|---|---:|---:|---:|")
+    for op in a.ops.split(","):
+        for block in [int(s) for s in a.sizes.split(",")]:
+            for j in (int(x) for x in a.jobs.split(",")):
+                try:
+                    gbs, cpu = run_fio_buffered(a.fio, path, op, block, j, a.seconds, a.span)
+                    print(f"| {op.upper()} | {block // 1024} KiB | {j} | {gbs:.2f} | {cpu:.1f} |", flush=True)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    print(f"<!-- {op} {block} jobs {j}: {e} -->")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fio", required=True)
@@ -34,8 +79,17 @@ def main():
     ap.add_argument("--depths", default="4,16,64")
     ap.add_argument("--seconds", type=int, default=2)
     ap.add_argument("--span", type=int, default=256 * MiB)
+    ap.add_argument("--buffered", action="store_true", help="page-cache reads by pread threads instead of O_DIRECT")
+    ap.add_argument("--jobs", default="1,8,16", help="--buffered: thread counts")
+    ap.add_argument("--ops", default="read", help="--buffered: read and/or write")
     a = ap.parse_args()
     path = os.path.join(a.dir, f"iud-fio-ref-{os.getpid()}")
+    if a.buffered:
+        try:
+            buffered(a, path)
+        finally:
+            os.unlink(path)
+        return
     # Lay the file out once so reads hit allocated blocks.
     subprocess.run([a.fio, "--name=fill", f"--filename={path}", f"--size={a.span}", "--direct=1", "--rw=write",
                     "--bs=4M", "--ioengine=psync"], capture_output=True, check=True)

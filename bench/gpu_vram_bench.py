@@ -97,6 +97,12 @@ BACKENDS = [
     ("IUD-swp512K", "IO_URING_DMABUF", {"staged_write_piece_max": str(MiB // 2)}),
     # Requests advance only when polled (no progress thread: the behaviour before session 20).
     ("IUD-noprogress", "IO_URING_DMABUF", {"progress_thread": "false"}),
+    # Staged pieces up to 256 KiB / 1 MiB packed several to a staging buffer (default 128 KiB).
+    ("IUD-pack256K", "IO_URING_DMABUF", {"staging_pack_max": str(MiB // 4)}),
+    ("IUD-pack1M", "IO_URING_DMABUF", {"staging_pack_max": str(MiB)}),
+    # Host <-> GPU copies spread over 4 streams per direction (an environment variable of the
+    # plugin, set in the child before the backend is created: "env:" keys are not parameters).
+    ("IUD-streams4", "IO_URING_DMABUF", {"env:IO_URING_DMABUF_COPY_STREAMS": "4"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),
@@ -104,7 +110,15 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp", "IUD-noprogress")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-streams")
+
+
+def backend_params(params):
+    """The backend parameters of a variant; its "env:" entries go into this process's environment."""
+    for k, v in params.items():
+        if k.startswith("env:"):
+            os.environ[k[4:]] = v
+    return {k: v for k, v in params.items() if not k.startswith("env:")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +202,7 @@ def run_backend(label, name, params, sizes, args):
     """Measures one backend (in a child process, so a hang cannot stop the run)."""
     results = {}
     agent = nixl_agent(f"bench-{label}-{os.getpid()}", nixl_agent_config(backends=[]))
-    agent.create_backend(name, params)
+    agent.create_backend(name, backend_params(params))
     for block in sizes:
         count = max(1, min(128, args.request_bytes // block))
         path = f"{args.dir}/iud-vram-bench-{label}.bin"
@@ -348,7 +362,7 @@ def kv_child(label, name, params, args):
     mem = HostMem() if args.memory == "dram" else DeviceMem()
     staged = name == "POSIX" and args.memory != "dram"  # POSIX cannot address VRAM
     agent = nixl_agent(f"kv-{label}-{os.getpid()}", nixl_agent_config(backends=[]))
-    agent.create_backend(name, params)
+    agent.create_backend(name, backend_params(params))
     rb = args.kv_region_bytes
     regions = [mem.alloc(rb) for _ in range(args.kv_regions)]
     regs = []

@@ -20,6 +20,7 @@ use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
 use crate::params::{DramDmabuf, EngineParams, FixedBuffers, VramPath};
 use crate::path::cufile_exec::{CufileExecutor, CufileProgress};
 use crate::path::select::Selector;
+use crate::path::staging::StagingShape;
 use crate::path::{self, Route};
 use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
@@ -220,7 +221,7 @@ impl Engine {
             VramPath::Auto | VramPath::Dmabuf | VramPath::Cufile => false,
         };
         if staging_possible {
-            self.driver.enable_staging(Arc::clone(provider), self.params.staging_buffer_size, self.params.staging_buffers)?;
+            self.driver.enable_staging(Arc::clone(provider), self.staging_shape())?;
         }
         Ok(())
     }
@@ -246,7 +247,7 @@ impl Engine {
         let (route, reason) = selector.choose(mem, file)?;
         match (&route, mem) {
             (Route::Staging, Registration::Vram(v)) => {
-                self.driver.enable_staging(Arc::clone(&v.provider), self.params.staging_buffer_size, self.params.staging_buffers)?
+                self.driver.enable_staging(Arc::clone(&v.provider), self.staging_shape())?
             }
             (Route::Cufile, _) => {
                 self.cufile_executor();
@@ -446,6 +447,10 @@ impl Engine {
     /// How many (memory, file) routes are cached (for tests and diagnostics).
     pub fn cached_routes(&self) -> Result<usize> {
         Ok(self.failure.lock(&self.routes, "route cache")?.len())
+    }
+
+    fn staging_shape(&self) -> StagingShape {
+        StagingShape { buffer_size: self.params.staging_buffer_size, buffers: self.params.staging_buffers, pack_max: self.params.staging_pack_max }
     }
 
     /// Whether the staging pool exists (for tests and diagnostics).

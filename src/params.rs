@@ -64,6 +64,8 @@ pub struct EngineParams {
     pub verify_dma: bool,
     pub staging_buffer_size: u64,
     pub staging_buffers: u32,
+    /// Staged pieces up to this size share a staging buffer (one batched copy per buffer).
+    pub staging_pack_max: u64,
     /// Largest staged piece of a page-cache WRITE.
     pub staged_write_piece_max: u64,
     pub cufile_threads: u32,
@@ -206,6 +208,12 @@ impl EngineParams {
                 "backend parameter staged_write_piece_max={staged_write_piece_max} must be a multiple of 4096 between 4096 and 1 GiB"
             )));
         }
+        let staging_pack_max = parse_u64("staging_pack_max", get("staging_pack_max"))?;
+        if staging_pack_max % 4096 != 0 || staging_pack_max > staging_buffer_size {
+            return Err(Error::invalid(format!(
+                "backend parameter staging_pack_max={staging_pack_max} must be a multiple of 4096 no larger than staging_buffer_size ({staging_buffer_size})"
+            )));
+        }
         let staging_buffers = parse_u64("staging_buffers", get("staging_buffers"))?;
         if !(2..=256).contains(&staging_buffers) {
             return Err(Error::invalid(format!("backend parameter staging_buffers={staging_buffers} must be within 2..256")));
@@ -231,6 +239,7 @@ impl EngineParams {
             verify_dma,
             staging_buffer_size,
             staging_buffers: staging_buffers as u32,
+            staging_pack_max,
             staged_write_piece_max,
             cufile_threads: cufile_threads as u32,
             cufile_api,
@@ -301,6 +310,8 @@ mod tests {
             ("staging_buffer_size", "1000"),
             ("staging_buffers", "1"),
             ("staged_write_piece_max", "1000"),
+            ("staging_pack_max", "5000"),
+            ("staging_pack_max", "4194304"),
             ("page_cache_file_writers", "65"),
             ("page_cache_threads", "0"),
             ("page_cache_threads", "65"),

@@ -71,8 +71,10 @@ unsafe fn host_bytes<'a>(addr: u64, len: u64) -> &'a mut [u8] {
 
 struct Device {
     ctx: sys::CUcontext,
-    to_host: sys::CUstream,
-    to_device: sys::CUstream,
+    /// Copy streams per direction; copies take them in turn (`copy_stream`).
+    to_host: Vec<sys::CUstream>,
+    to_device: Vec<sys::CUstream>,
+    turn: std::sync::atomic::AtomicUsize,
     /// Recorded on the legacy default stream at each post; our streams wait on it.
     app_done: sys::CUevent,
     /// Copy-completion events of finished tickets, reused: creating and destroying one per
@@ -140,10 +142,11 @@ impl Cuda {
         call("cuCtxSetCurrent", || unsafe { result::ctx::set_current(ctx) })?;
         // Non-blocking streams: never serialize with the application's legacy default stream.
         // Created with the context current.
-        let to_host = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
-        let to_device = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
+        let n = copy_streams();
+        let streams = || (0..n).map(|_| call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))).collect::<Result<Vec<_>>>();
+        let (to_host, to_device) = (streams()?, streams()?);
         let app_done = call("cuEventCreate", || result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
-        let d = Arc::new(Device { ctx, to_host, to_device, app_done, spare_events: Mutex::new(Vec::new()) });
+        let d = Arc::new(Device { ctx, to_host, to_device, turn: Default::default(), app_done, spare_events: Mutex::new(Vec::new()) });
         devices.insert(ordinal, Arc::clone(&d));
         Ok(d)
     }
@@ -217,6 +220,23 @@ impl Drop for EventTicket {
             let _ = result::ctx::set_current(self.device.ctx);
             result::event::destroy(self.event)
         });
+    }
+}
+
+/// Copy streams per direction: IO_URING_DMABUF_COPY_STREAMS (1..16, default 1), read once.
+fn copy_streams() -> usize {
+    static N: OnceCell<usize> = OnceCell::new();
+    *N.get_or_init(|| match std::env::var("IO_URING_DMABUF_COPY_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()) {
+        Some(n) if (1..=16).contains(&n) => n,
+        _ => 1,
+    })
+}
+
+impl Device {
+    /// The next copy stream of a direction.
+    fn copy_stream(&self, to_host: bool) -> sys::CUstream {
+        let streams = if to_host { &self.to_host } else { &self.to_device };
+        streams[self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % streams.len()]
     }
 }
 
@@ -315,15 +335,16 @@ impl GpuProvider for Cuda {
 
     unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
+        let stream = d.copy_stream(true);
         // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
         // is the staging pool's (host_bytes).
-        call("cuMemcpyDtoHAsync", || unsafe { result::memcpy_dtoh_async(host_bytes(host, len), dev, d.to_host) })?;
-        self.record(&d, d.to_host)
+        call("cuMemcpyDtoHAsync", || unsafe { result::memcpy_dtoh_async(host_bytes(host, len), dev, stream) })?;
+        self.record(&d, stream)
     }
 
     unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        let stream = if to_host { d.to_host } else { d.to_device };
+        let stream = d.copy_stream(to_host);
         // SAFETY: the caller keeps every range valid until the ticket completes.
         if !unsafe { batch::copy(device, pieces, to_host, stream) } {
             for p in pieces {
@@ -341,10 +362,11 @@ impl GpuProvider for Cuda {
 
     unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
+        let stream = d.copy_stream(false);
         // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
         // is the staging pool's (host_bytes).
-        call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(dev, host_bytes(host, len), d.to_device) })?;
-        self.record(&d, d.to_device)
+        call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(dev, host_bytes(host, len), stream) })?;
+        self.record(&d, stream)
     }
 
     fn fence_app_work(&self, device: i32, host_wait: bool) -> Result<()> {
@@ -358,7 +380,7 @@ impl GpuProvider for Cuda {
             // SAFETY: as above.
             return call("cuEventSynchronize", || unsafe { result::event::synchronize(d.app_done) });
         }
-        for stream in [d.to_host, d.to_device] {
+        for &stream in d.to_host.iter().chain(&d.to_device) {
             // SAFETY: as above; the wait captures the record just made (or a later one, which
             // also follows the application's earlier work).
             call("cuStreamWaitEvent", || unsafe { result::stream::wait_event(stream, d.app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) })?;

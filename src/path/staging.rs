@@ -85,12 +85,18 @@ impl StagingPool {
     }
 }
 
-/// Pieces up to this size are packed several to a staging buffer (KV-cache blocks of 16-64 KiB at
-/// scattered VRAM addresses and file offsets): one batched device copy per buffer instead of one
-/// copy call each, whose few microseconds dominate at these sizes. Larger pieces keep a buffer each:
-/// on the H200, 2048 scattered 256 KiB reads ran at 18.4 GB/s packed 8 to a buffer and at 28.3
-/// GB/s a buffer each (bench/results/2026-12-01-gpu-h200-calls2-3.md).
-pub const PACK_PIECE_MAX: u64 = 128 << 10;
+/// The staging pool's shape (backend parameters `staging_buffer_size`, `staging_buffers`,
+/// `staging_pack_max`).
+#[derive(Debug, Clone, Copy)]
+pub struct StagingShape {
+    pub buffer_size: u64,
+    pub buffers: u32,
+    /// Pieces up to this size are packed several to a buffer (KV-cache blocks at scattered VRAM
+    /// addresses and file offsets): one batched device copy per buffer instead of one copy call
+    /// each, whose few microseconds dominate at 16-64 KiB. Larger pieces keep a buffer each.
+    pub pack_max: u64,
+}
+
 /// Most pieces in one buffer (one batched copy call).
 const PACK_PIECES_MAX: usize = 256;
 /// Packed pieces start on this alignment in the buffer (O_DIRECT memory alignment).
@@ -150,13 +156,14 @@ struct PendingCopy {
 /// polled, never waited for, on the data path.
 pub struct Staging {
     pool: StagingPool,
+    pack_max: u64,
     groups: slab::Slab<Group>,
     copies: Vec<PendingCopy>,
 }
 
 impl Staging {
-    pub fn new(pool: StagingPool) -> Staging {
-        Staging { pool, groups: slab::Slab::new(), copies: Vec::new() }
+    pub fn new(pool: StagingPool, pack_max: u64) -> Staging {
+        Staging { pool, pack_max, groups: slab::Slab::new(), copies: Vec::new() }
     }
 
     /// A buffer for `first`, the group's first piece, or None while all are busy.
@@ -170,11 +177,11 @@ impl Staging {
 
     /// Packs `op` into the group if both are small and it fits; false otherwise.
     pub fn try_add(&mut self, g: usize, op: IoOp) -> bool {
-        let size = self.pool.buffer_size;
+        let (size, pack_max) = (self.pool.buffer_size, self.pack_max);
         let grp = &mut self.groups[g];
         let at = grp.used.div_ceil(PACK_ALIGN) * PACK_ALIGN;
         if let Some((first, _)) = grp.pieces.first() {
-            let small = |o: &IoOp| u64::from(o.len) <= PACK_PIECE_MAX;
+            let small = |o: &IoOp| u64::from(o.len) <= pack_max;
             if !small(first) || !small(&op) || first.device != op.device || grp.pieces.len() >= PACK_PIECES_MAX || at + u64::from(op.len) > size {
                 return false;
             }

@@ -22,7 +22,7 @@ use super::request::{Next, Outcome, RequestOps, RequestProgress};
 use crate::error::{describe_os_error, Error, Failure, Result};
 use crate::gpu::GpuProvider;
 use crate::path::direct;
-use crate::path::staging::{CopyDone, Stage, Staging, StagingPool};
+use crate::path::staging::{CopyDone, Stage, Staging, StagingPool, StagingShape};
 use super::callers::CallerClock;
 use super::profile::Profiles;
 use crate::uring::{IoOp, Progress, Ring, RingCore, Submission};
@@ -99,12 +99,12 @@ impl Driver {
     }
 
     /// Creates the staging pool on first use (later calls do nothing).
-    pub fn enable_staging(&self, provider: Arc<dyn GpuProvider>, buffer_size: u64, count: u32) -> Result<()> {
+    pub fn enable_staging(&self, provider: Arc<dyn GpuProvider>, shape: StagingShape) -> Result<()> {
         let mut t = self.lock()?;
         if t.staging.is_some() {
             return Ok(());
         }
-        let pool = StagingPool::new(provider, buffer_size, count, |addr, len| {
+        let pool = StagingPool::new(provider, shape.buffer_size, shape.buffers, |addr, len| {
             // SAFETY: the staging mapping lives as long as the pool, which the driver drops only
             // after every op using it has completed (or leaks, see Drop).
             match unsafe { self.ring.register_buffer(addr, len) } {
@@ -115,7 +115,7 @@ impl Driver {
                 }
             }
         })?;
-        t.staging = Some(Staging::new(pool));
+        t.staging = Some(Staging::new(pool, shape.pack_max));
         Ok(())
     }
 
