@@ -97,12 +97,17 @@ BACKENDS = [
     ("IUD-swp512K", "IO_URING_DMABUF", {"staged_write_piece_max": str(MiB // 2)}),
     # Requests advance only when polled (no progress thread: the behaviour before session 20).
     ("IUD-noprogress", "IO_URING_DMABUF", {"progress_thread": "false"}),
-    # Staged pieces up to 256 KiB / 1 MiB packed several to a staging buffer (default 128 KiB).
-    ("IUD-pack256K", "IO_URING_DMABUF", {"staging_pack_max": str(MiB // 4)}),
+    # Staged pieces packed several to a staging buffer up to 128 KiB (the default before session
+    # 21; now half a buffer) or 1 MiB.
+    ("IUD-pack128K", "IO_URING_DMABUF", {"staging_pack_max": str(MiB // 8)}),
     ("IUD-pack1M", "IO_URING_DMABUF", {"staging_pack_max": str(MiB)}),
-    # Host <-> GPU copies spread over 4 streams per direction (an environment variable of the
-    # plugin, set in the child before the backend is created: "env:" keys are not parameters).
-    ("IUD-streams4", "IO_URING_DMABUF", {"env:IO_URING_DMABUF_COPY_STREAMS": "4"}),
+    # Packed staging buffers to the GPU by the scatter kernel (reading the pinned buffer over the
+    # bus, or after one DMA into a VRAM mirror) instead of cuMemcpyBatchAsync.
+    ("IUD-kernel", "IO_URING_DMABUF", {"staging_copy": "kernel"}),
+    ("IUD-dmakernel", "IO_URING_DMABUF", {"staging_copy": "dma-kernel"}),
+    # DRAM: buffered reads of every size spread over the page-cache workers (auto on 16 CPUs:
+    # from 256 KiB).
+    ("IUD-punt-4K", "IO_URING_DMABUF", {"punt_buffered_min": "4096"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),
@@ -110,11 +115,12 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-streams")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel")
 
 
 def backend_params(params):
-    """The backend parameters of a variant; its "env:" entries go into this process's environment."""
+    """The backend parameters of a variant; "env:" entries go into this process's environment (for
+    plugin settings that are environment variables) instead."""
     for k, v in params.items():
         if k.startswith("env:"):
             os.environ[k[4:]] = v

@@ -450,7 +450,7 @@ impl Engine {
     }
 
     fn staging_shape(&self) -> StagingShape {
-        StagingShape { buffer_size: self.params.staging_buffer_size, buffers: self.params.staging_buffers, pack_max: self.params.staging_pack_max }
+        StagingShape { buffer_size: self.params.staging_buffer_size, buffers: self.params.staging_buffers, pack_max: self.params.staging_pack_max, packed_copy: self.params.staging_copy }
     }
 
     /// Whether the staging pool exists (for tests and diagnostics).

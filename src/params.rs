@@ -5,7 +5,7 @@
 //! parameter with a malformed value fails engine creation with a message naming it.
 
 use crate::error::{Error, Result};
-use crate::gpu::ProviderChoice;
+use crate::gpu::{PackedCopy, ProviderChoice};
 use crate::manifest;
 use crate::uring::{default_page_cache_threads, MAX_FIXED_BUFFER};
 
@@ -66,6 +66,8 @@ pub struct EngineParams {
     pub staging_buffers: u32,
     /// Staged pieces up to this size share a staging buffer (one batched copy per buffer).
     pub staging_pack_max: u64,
+    /// How packed staging buffers reach the GPU.
+    pub staging_copy: PackedCopy,
     /// Largest staged piece of a page-cache WRITE.
     pub staged_write_piece_max: u64,
     pub cufile_threads: u32,
@@ -133,8 +135,11 @@ impl EngineParams {
             // more than the hand-off. 16 cores: from 256 KiB (smaller DRAM reads stay in the
             // ring, as measured before the caller helped); fewer: every size (small ones are
             // grouped into 256 KiB jobs); one CPU: never (no second core to gain).
+            // Every size on 2 or more CPUs (small pieces are grouped into 256 KiB jobs). On 16
+            // CPUs, with the caller helping, 8192 scattered 16 KiB DRAM reads ran 23.5 GB/s
+            // spread against 3.1 from 256 KiB up (POSIX 3.6; 4 KiB 11.7 against 2.3, 64 KiB 26.1
+            // against 3.9: bench/results/2026-12-02-gpu-h200-session21.md). One CPU: never.
             "auto" => match usable_cpus() {
-                n if n >= 8 => 256 * 1024,
                 n if n >= 2 => 4096,
                 _ => 0,
             },
@@ -208,12 +213,26 @@ impl EngineParams {
                 "backend parameter staged_write_piece_max={staged_write_piece_max} must be a multiple of 4096 between 4096 and 1 GiB"
             )));
         }
-        let staging_pack_max = parse_u64("staging_pack_max", get("staging_pack_max"))?;
+        let staging_pack_max = match get("staging_pack_max") {
+            // Half a buffer: two pieces or more share one. On the H200 2048 scattered 256 KiB
+            // reads ran 41-43 GB/s packed (4 or 8 to a 2 MiB buffer) against 26 a buffer each
+            // (the buffer count, not the bytes, capped what was in flight); 512 KiB and 1 MiB
+            // gained 1.0-1.1x, 128 KiB stayed equal (bench/results/2026-12-02-gpu-h200-session21.md).
+            "auto" => staging_buffer_size / 2 / 4096 * 4096,
+            v => parse_u64("staging_pack_max", v)?,
+        };
         if staging_pack_max % 4096 != 0 || staging_pack_max > staging_buffer_size {
             return Err(Error::invalid(format!(
                 "backend parameter staging_pack_max={staging_pack_max} must be a multiple of 4096 no larger than staging_buffer_size ({staging_buffer_size})"
             )));
         }
+        let staging_copy = match get("staging_copy").to_ascii_lowercase().as_str() {
+            "auto" => PackedCopy::Auto,
+            "batch" => PackedCopy::Batch,
+            "kernel" => PackedCopy::Kernel,
+            "dma-kernel" => PackedCopy::DmaKernel,
+            other => return Err(Error::invalid(format!("backend parameter staging_copy={other:?} must be auto, batch, kernel or dma-kernel"))),
+        };
         let staging_buffers = parse_u64("staging_buffers", get("staging_buffers"))?;
         if !(2..=256).contains(&staging_buffers) {
             return Err(Error::invalid(format!("backend parameter staging_buffers={staging_buffers} must be within 2..256")));
@@ -240,6 +259,7 @@ impl EngineParams {
             staging_buffer_size,
             staging_buffers: staging_buffers as u32,
             staging_pack_max,
+            staging_copy,
             staged_write_piece_max,
             cufile_threads: cufile_threads as u32,
             cufile_api,
@@ -311,6 +331,7 @@ mod tests {
             ("staging_buffers", "1"),
             ("staged_write_piece_max", "1000"),
             ("staging_pack_max", "5000"),
+            ("staging_copy", "memcpy"),
             ("staging_pack_max", "4194304"),
             ("page_cache_file_writers", "65"),
             ("page_cache_threads", "0"),

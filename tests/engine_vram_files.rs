@@ -159,7 +159,7 @@ fn staged_blocks_round_trip_whatever_the_pack_size() {
     let sizes = [64u64 << 10, 192 << 10, 256 << 10, 512 << 10, 1 << 20, 256 << 10, 64 << 10, 320 << 10];
     let blocks: Vec<u64> = (0..48).map(|i| sizes[i % sizes.len()]).collect();
     let slot = 1 << 20;
-    for pack in ["0", "262144", "1048576"] {
+    for pack in ["0", "262144", "1048576", "auto"] {
         let e = Engine::new(AGENT, [("gpu_provider", "rocm"), ("staging_buffer_size", "1048576"), ("staging_buffers", "4"), ("staging_pack_max", pack)])
             .unwrap_or_else(|err| panic!("engine (pack {pack}): {}", err.message));
         let len = 2 * blocks.len() as u64 * slot;

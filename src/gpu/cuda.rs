@@ -19,9 +19,10 @@ use cudarc::driver::result::{self, stream::StreamKind, DriverError};
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
-use crate::gpu::provider::{CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
+use crate::gpu::provider::{CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider, PackedCopy};
 use crate::error::{Error, ErrorKind, Result};
 use super::cuda_batch as batch;
+use super::cuda_scatter::{self as scatter, Scatter};
 
 /// Runs a driver call, turning a loader panic (missing symbol) into an error.
 fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
@@ -71,20 +72,25 @@ unsafe fn host_bytes<'a>(addr: u64, len: u64) -> &'a mut [u8] {
 
 struct Device {
     ctx: sys::CUcontext,
-    /// Copy streams per direction; copies take them in turn (`copy_stream`).
-    to_host: Vec<sys::CUstream>,
-    to_device: Vec<sys::CUstream>,
-    turn: std::sync::atomic::AtomicUsize,
+    to_host: sys::CUstream,
+    to_device: sys::CUstream,
     /// Recorded on the legacy default stream at each post; our streams wait on it.
     app_done: sys::CUevent,
     /// Copy-completion events of finished tickets, reused: creating and destroying one per
     /// copy costs two driver calls on the hot path of every staged piece.
     spare_events: Mutex<Vec<sys::CUevent>>,
+    /// The scatter kernel for packed staging buffers, loaded on first use (None: it failed to
+    /// load, logged once; packed copies take the batched copy).
+    scatter: OnceCell<Option<Scatter>>,
+    /// VRAM mirrors of pinned host ranges (by range start) for `PackedCopy::DmaKernel`.
+    mirrors: Mutex<HashMap<u64, sys::CUdeviceptr>>,
 }
 
 /// The loaded CUDA driver.
 pub struct Cuda {
     devices: Mutex<HashMap<i32, Arc<Device>>>,
+    /// Host ranges pinned through `pin_host` (start, length): where a packed copy's buffer lies.
+    pinned: Mutex<Vec<(u64, u64)>>,
     count: i32,
     driver_version: i32,
 }
@@ -116,7 +122,7 @@ impl Cuda {
             // sys: `result` has no cuDriverGetVersion.
             // SAFETY: writes one int into a local.
             check("cuDriverGetVersion", || unsafe { sys::cuDriverGetVersion(&mut driver_version) })?;
-            Ok(Arc::new(Cuda { devices: Mutex::new(HashMap::new()), count, driver_version }))
+            Ok(Arc::new(Cuda { devices: Mutex::new(HashMap::new()), pinned: Mutex::new(Vec::new()), count, driver_version }))
         })
         .clone()
     }
@@ -142,11 +148,18 @@ impl Cuda {
         call("cuCtxSetCurrent", || unsafe { result::ctx::set_current(ctx) })?;
         // Non-blocking streams: never serialize with the application's legacy default stream.
         // Created with the context current.
-        let n = copy_streams();
-        let streams = || (0..n).map(|_| call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))).collect::<Result<Vec<_>>>();
-        let (to_host, to_device) = (streams()?, streams()?);
+        let to_host = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
+        let to_device = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
         let app_done = call("cuEventCreate", || result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
-        let d = Arc::new(Device { ctx, to_host, to_device, turn: Default::default(), app_done, spare_events: Mutex::new(Vec::new()) });
+        let d = Arc::new(Device {
+            ctx,
+            to_host,
+            to_device,
+            app_done,
+            spare_events: Mutex::new(Vec::new()),
+            scatter: OnceCell::new(),
+            mirrors: Mutex::new(HashMap::new()),
+        });
         devices.insert(ordinal, Arc::clone(&d));
         Ok(d)
     }
@@ -223,23 +236,6 @@ impl Drop for EventTicket {
     }
 }
 
-/// Copy streams per direction: IO_URING_DMABUF_COPY_STREAMS (1..16, default 1), read once.
-fn copy_streams() -> usize {
-    static N: OnceCell<usize> = OnceCell::new();
-    *N.get_or_init(|| match std::env::var("IO_URING_DMABUF_COPY_STREAMS").ok().and_then(|v| v.parse::<usize>().ok()) {
-        Some(n) if (1..=16).contains(&n) => n,
-        _ => 1,
-    })
-}
-
-impl Device {
-    /// The next copy stream of a direction.
-    fn copy_stream(&self, to_host: bool) -> sys::CUstream {
-        let streams = if to_host { &self.to_host } else { &self.to_device };
-        streams[self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % streams.len()]
-    }
-}
-
 impl Cuda {
     fn record(&self, d: &Arc<Device>, stream: sys::CUstream) -> Result<Box<dyn CopyTicket>> {
         let spare = d.spare_events.lock().unwrap_or_else(|p| p.into_inner()).pop();
@@ -252,6 +248,85 @@ impl Cuda {
         // SAFETY: event and stream belong to the current context.
         call("cuEventRecord", || unsafe { result::event::record(event, stream) })?;
         Ok(Box::new(ticket))
+    }
+}
+
+/// Logs once which way packed staging copies go when the kernel cannot take them.
+fn scatter_unavailable(why: &str) {
+    static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::info!("staging scatter kernel not used ({why}); packed staging copies use the batched copy");
+    }
+}
+
+impl Cuda {
+    /// The pinned range (start, length) that holds `[lo, hi)`.
+    fn pinned_range(&self, lo: u64, hi: u64) -> Option<(u64, u64)> {
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().find(|&(a, n)| lo >= a && hi <= a + n)
+    }
+
+    /// The host -> device copies of a packed buffer through the scatter kernel; None when the
+    /// pieces must take the batched copy (no kernel, unaligned pieces, a buffer not pinned here).
+    ///
+    /// # Safety
+    /// As `copy_batch`; `d`'s context is current.
+    unsafe fn scatter_copy(&self, d: &Arc<Device>, pieces: &[CopyPiece], how: PackedCopy, stream: sys::CUstream) -> Result<Option<Box<dyn CopyTicket>>> {
+        let kernel = d.scatter.get_or_init(|| {
+            Scatter::load().map(|k| {
+                tracing::info!("packed staging copies to the GPU use the scatter kernel ({how:?}: one launch per staging buffer)");
+                k
+            }).map_err(|e| scatter_unavailable(&format!("it did not load: {e}"))).ok()
+        });
+        let Some(kernel) = kernel else { return Ok(None) };
+        let lo = pieces.iter().map(|p| p.host).min().unwrap_or(0);
+        let hi = pieces.iter().map(|p| p.host + p.len).max().unwrap_or(0);
+        let Some((base, len)) = self.pinned_range(lo, hi) else {
+            scatter_unavailable("a staging buffer outside the ranges this provider pinned");
+            return Ok(None);
+        };
+        if lo % 16 != 0 || !pieces.iter().all(|p| scatter::fits(p.dev, p.host - lo, p.len)) {
+            return Ok(None);
+        }
+        let table: Vec<scatter::Piece> = pieces.iter().map(|p| scatter::Piece { dst: p.dev, src_offset: (p.host - lo) as u32, len: p.len as u32 }).collect();
+        let src = match how {
+            PackedCopy::Kernel => {
+                let mut mapped: sys::CUdeviceptr = 0;
+                // sys: `result` has no cuPointerGetAttribute for this attribute.
+                // SAFETY: writes one device pointer; lo lies in memory pinned with DEVICEMAP (or
+                // the call fails and the batched copy takes over).
+                let found = check("cuPointerGetAttribute(DEVICE_POINTER)", || unsafe {
+                    sys::cuPointerGetAttribute(&mut mapped as *mut _ as *mut c_void, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER, lo)
+                });
+                if let Err(e) = found {
+                    scatter_unavailable(&format!("the staging buffer is not mapped for the device: {}", e.message));
+                    return Ok(None);
+                }
+                mapped
+            }
+            PackedCopy::DmaKernel => {
+                let mirror = {
+                    let mut mirrors = d.mirrors.lock().unwrap_or_else(|p| p.into_inner());
+                    match mirrors.get(&base) {
+                        Some(&m) => m,
+                        None => {
+                            // SAFETY: a plain device allocation, freed in unpin_host.
+                            let m = call("cuMemAlloc(staging mirror)", || unsafe { result::malloc_sync(len as usize) })?;
+                            mirrors.insert(base, m);
+                            m
+                        }
+                    }
+                } + (lo - base);
+                // SAFETY: the caller keeps the host range valid until the ticket completes; the
+                // mirror range is this buffer's own (buffers do not overlap).
+                call("cuMemcpyHtoDAsync(staging mirror)", || unsafe { result::memcpy_htod_async(mirror, host_bytes(lo, hi - lo), stream) })?;
+                mirror
+            }
+            PackedCopy::Auto | PackedCopy::Batch => return Ok(None),
+        };
+        // SAFETY: every piece fits; the source (mapped buffer or its mirror, filled earlier on
+        // the same stream) and the destinations stay valid until the ticket completes.
+        call("cuLaunchKernel(iud_scatter)", || unsafe { kernel.launch(stream, src, &table) })?;
+        self.record(d, stream).map(Some)
     }
 }
 
@@ -321,12 +396,31 @@ impl GpuProvider for Cuda {
         self.device(0)?;
         // sys: `result` has no cuMemHostRegister / cuMemHostUnregister.
         // SAFETY: the caller keeps the memory mapped until unpin_host.
-        check("cuMemHostRegister", || unsafe {
-            sys::cuMemHostRegister_v2(addr as *mut c_void, len as usize, sys::CU_MEMHOSTREGISTER_PORTABLE)
-        })
+        // DEVICEMAP: the scatter kernel may read the buffers over the bus (PackedCopy::Kernel).
+        let mapped = check("cuMemHostRegister", || unsafe {
+            sys::cuMemHostRegister_v2(addr as *mut c_void, len as usize, sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP)
+        });
+        if mapped.is_err() {
+            // SAFETY: as above.
+            check("cuMemHostRegister", || unsafe { sys::cuMemHostRegister_v2(addr as *mut c_void, len as usize, sys::CU_MEMHOSTREGISTER_PORTABLE) })?;
+        }
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner()).push((addr, len));
+        Ok(())
     }
 
     fn unpin_host(&self, addr: u64) {
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner()).retain(|&(a, _)| a != addr);
+        let devices: Vec<Arc<Device>> = self.devices.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        for d in devices {
+            if let Some(mirror) = d.mirrors.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr) {
+                // SAFETY: the mirror was allocated in d's context for this range; its copies
+                // ended before the staging pool let go of the range.
+                let _ = call("cuMemFree", || unsafe {
+                    result::ctx::set_current(d.ctx)?;
+                    result::free_sync(mirror)
+                });
+            }
+        }
         if self.device(0).is_ok() {
             // SAFETY: addr was registered by pin_host.
             let _ = check("cuMemHostUnregister", || unsafe { sys::cuMemHostUnregister(addr as *mut c_void) });
@@ -335,16 +429,21 @@ impl GpuProvider for Cuda {
 
     unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        let stream = d.copy_stream(true);
         // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
         // is the staging pool's (host_bytes).
-        call("cuMemcpyDtoHAsync", || unsafe { result::memcpy_dtoh_async(host_bytes(host, len), dev, stream) })?;
-        self.record(&d, stream)
+        call("cuMemcpyDtoHAsync", || unsafe { result::memcpy_dtoh_async(host_bytes(host, len), dev, d.to_host) })?;
+        self.record(&d, d.to_host)
     }
 
-    unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool, how: PackedCopy) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        let stream = d.copy_stream(to_host);
+        let stream = if to_host { d.to_host } else { d.to_device };
+        if !to_host && matches!(how, PackedCopy::Kernel | PackedCopy::DmaKernel) && pieces.len() > 1 {
+            // SAFETY: forwarded from the caller.
+            if let Some(ticket) = unsafe { self.scatter_copy(&d, pieces, how, stream) }? {
+                return Ok(ticket);
+            }
+        }
         // SAFETY: the caller keeps every range valid until the ticket completes.
         if !unsafe { batch::copy(device, pieces, to_host, stream) } {
             for p in pieces {
@@ -362,11 +461,10 @@ impl GpuProvider for Cuda {
 
     unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        let stream = d.copy_stream(false);
         // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
         // is the staging pool's (host_bytes).
-        call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(dev, host_bytes(host, len), stream) })?;
-        self.record(&d, stream)
+        call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(dev, host_bytes(host, len), d.to_device) })?;
+        self.record(&d, d.to_device)
     }
 
     fn fence_app_work(&self, device: i32, host_wait: bool) -> Result<()> {
@@ -380,7 +478,7 @@ impl GpuProvider for Cuda {
             // SAFETY: as above.
             return call("cuEventSynchronize", || unsafe { result::event::synchronize(d.app_done) });
         }
-        for &stream in d.to_host.iter().chain(&d.to_device) {
+        for stream in [d.to_host, d.to_device] {
             // SAFETY: as above; the wait captures the record just made (or a later one, which
             // also follows the application's earlier work).
             call("cuStreamWaitEvent", || unsafe { result::stream::wait_event(stream, d.app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) })?;

@@ -7,6 +7,7 @@
 
 pub mod cuda;
 mod cuda_batch;
+mod cuda_scatter;
 pub mod cufile;
 mod loader;
 pub mod rocm;
@@ -16,7 +17,7 @@ pub mod vulkan;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-pub use provider::{CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
+pub use provider::{CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider, PackedCopy};
 
 /// Which provider the parameter asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -36,6 +36,22 @@ pub struct CopyPiece {
     pub len: u64,
 }
 
+/// How a packed staging buffer (several pieces at scattered device addresses) reaches the GPU
+/// (backend parameter `staging_copy`). Providers without a kernel path copy piece by piece
+/// whatever is asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PackedCopy {
+    /// The staging path picks per buffer (`Kernel` for small pieces, else `Batch`); a provider
+    /// handed `Auto` treats it as `Batch`.
+    Auto,
+    /// The driver's batched copy (CUDA: cuMemcpyBatchAsync), else one copy per piece.
+    Batch,
+    /// A scatter kernel reads the pinned staging buffer over the bus (mapped host memory).
+    Kernel,
+    /// One DMA of the buffer into a VRAM mirror, then the scatter kernel within VRAM.
+    DmaKernel,
+}
+
 /// Several copies that complete together: done when every one is.
 struct AllTickets(Vec<Box<dyn CopyTicket>>);
 
@@ -87,12 +103,14 @@ pub trait GpuProvider: Send + Sync {
     /// Both ranges must stay valid until the ticket reports completion.
     unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>>;
     /// Starts the copies of several pieces in one direction (`to_host`: device -> host) on one
-    /// device, with one ticket for all. The default issues one copy per piece; providers with a
-    /// batched copy call (CUDA's cuMemcpyBatchAsync) or one stream override it.
+    /// device, with one ticket for all, the way `how` asks where the provider can (host -> device
+    /// only). The default issues one copy per piece; providers with a batched copy call (CUDA's
+    /// cuMemcpyBatchAsync), a scatter kernel or one stream override it.
     ///
     /// # Safety
     /// Every range must stay valid until the ticket reports completion.
-    unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool, how: PackedCopy) -> Result<Box<dyn CopyTicket>> {
+        let _ = how;
         let mut tickets = Vec::with_capacity(pieces.len());
         for p in pieces {
             // SAFETY: forwarded from the caller.

@@ -111,27 +111,35 @@ def test_staging_round_trip(block, direct):
     round_trip(agent, block, count, direct, f"{SCRATCH}/iud-gpu-{block}-{direct}.bin")
 
 
-@pytest.mark.parametrize("block,count", [(16 * 1024, 4096), (64 * 1024, 1024)], ids=["16KiB", "64KiB"])
+@pytest.mark.parametrize("block,count", [(16 * 1024, 4096), (64 * 1024, 1024), (256 * 1024, 256)], ids=["16KiB", "64KiB", "256KiB"])
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
-def test_staging_scattered_small_blocks_round_trip(block, count, direct, capfd):
+@pytest.mark.parametrize("copy", ["auto", "kernel", "dma-kernel", "kernel-misaligned"])
+def test_staging_scattered_small_blocks_round_trip(block, count, direct, copy, capfd):
     """KV-cache pattern on the staging path: blocks at random VRAM slots against random file
-    slots (nothing merges), so the plugin packs several pieces per staging buffer and copies each
-    buffer with one batched call. WRITE, then READ into a second tensor, verified byte for byte in
-    VRAM and in the file; the log names the copy call that ran."""
+    slots (nothing merges), so the plugin packs several pieces per staging buffer and moves each
+    buffer to the GPU with one call: the batched copy (auto) or the scatter kernel (staging_copy
+    kernel / dma-kernel; "kernel-misaligned" shifts every VRAM block by 8 bytes, which the kernel
+    cannot take, so those buffers fall back to the batched copy). WRITE, then READ into a second
+    tensor, verified byte for byte in VRAM, around the blocks, and in the file; the log names the
+    copy call that ran."""
+    if direct and copy == "kernel-misaligned":
+        pytest.skip("the misaligned fallback is covered by the buffered case (O_DIRECT adds nothing to it)")
     nslots = count + count // 4  # spare slots: memory and file both have holes
-    src = random_tensor(nslots * block)
-    dst = random_tensor(nslots * block)
+    shift = 8 if copy == "kernel-misaligned" else 0
+    src_all = random_tensor(nslots * block + shift)
+    dst_all = random_tensor(nslots * block + shift)
+    src, dst = src_all[shift:], dst_all[shift:]
     background = dst.clone()
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     mem = torch.randperm(nslots, generator=g)[:count].tolist()
     fil = torch.randperm(nslots, generator=g)[:count].tolist()
-    path = f"{SCRATCH}/iud-gpu-kv-{block}-{direct}.bin"
+    path = f"{SCRATCH}/iud-gpu-kv-{block}-{direct}-{copy}.bin"
     fd = open_file(path, direct, nslots * block)
-    agent = make_agent({"vram_path": "staging"})
+    agent = make_agent({"vram_path": "staging", "staging_copy": copy.replace("-misaligned", "")})
     capfd.readouterr()
     try:
-        m_src = agent.register_memory([(src.data_ptr(), src.numel(), 0, "")], "VRAM")
-        m_dst = agent.register_memory([(dst.data_ptr(), dst.numel(), 0, "")], "VRAM")
+        m_src = agent.register_memory([(src_all.data_ptr(), src_all.numel(), 0, "")], "VRAM")
+        m_dst = agent.register_memory([(dst_all.data_ptr(), dst_all.numel(), 0, "")], "VRAM")
         m_file = agent.register_memory([(0, nslots * block, fd, "")], "FILE")
         remote = agent.get_xfer_descs([(f * block, block, fd) for f in fil], "FILE")
         run(agent, "WRITE", agent.get_xfer_descs([(src.data_ptr() + m * block, block, 0) for m in mem], "VRAM"), remote)
@@ -151,7 +159,8 @@ def test_staging_scattered_small_blocks_round_trip(block, count, direct, capfd):
         os.unlink(path)
     log = capfd.readouterr().err
     # Once per process: the first test of the process that packs pieces logs the copy call.
-    copy_lines = [line for line in log.splitlines() if "staging copies of packed pieces use" in line or "cuMemcpyBatchAsync returned" in line]
+    copy_lines = [line for line in log.splitlines() if "staging copies of packed pieces use" in line or "cuMemcpyBatchAsync returned" in line
+                  or "scatter kernel" in line]
     print("\n".join(copy_lines) or "(the copy call was logged by an earlier test of this process)")
 
 

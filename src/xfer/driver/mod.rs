@@ -115,7 +115,7 @@ impl Driver {
                 }
             }
         })?;
-        t.staging = Some(Staging::new(pool, shape.pack_max));
+        t.staging = Some(Staging::new(pool, shape));
         Ok(())
     }
 
