@@ -101,12 +101,15 @@ BACKENDS = [
     # 21; now half a buffer) or 1 MiB.
     ("IUD-pack128K", "IO_URING_DMABUF", {"staging_pack_max": str(MiB // 8)}),
     ("IUD-pack1M", "IO_URING_DMABUF", {"staging_pack_max": str(MiB)}),
-    # Packed staging buffers to the GPU by the scatter kernel (reading the pinned buffer over the
-    # bus, or after one DMA into a VRAM mirror) instead of cuMemcpyBatchAsync.
+    # Packed staging buffers to the GPU: always by the scatter kernel (reading the pinned buffer
+    # over the bus, or after one DMA into a VRAM mirror), or always by cuMemcpyBatchAsync (the
+    # behaviour before session 21); auto takes the kernel for pieces up to 64 KiB.
     ("IUD-kernel", "IO_URING_DMABUF", {"staging_copy": "kernel"}),
     ("IUD-dmakernel", "IO_URING_DMABUF", {"staging_copy": "dma-kernel"}),
-    # DRAM: buffered reads of every size spread over the page-cache workers (auto on 16 CPUs:
-    # from 256 KiB).
+    ("IUD-batch", "IO_URING_DMABUF", {"staging_copy": "batch"}),
+    # Buffered reads spread over the page-cache workers from 256 KiB only (the auto value on 8 or
+    # more CPUs before session 21), or from 4 KiB (auto now).
+    ("IUD-punt-256K", "IO_URING_DMABUF", {"punt_buffered_min": "262144"}),
     ("IUD-punt-4K", "IO_URING_DMABUF", {"punt_buffered_min": "4096"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
@@ -115,16 +118,8 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch")
 
-
-def backend_params(params):
-    """The backend parameters of a variant; "env:" entries go into this process's environment (for
-    plugin settings that are environment variables) instead."""
-    for k, v in params.items():
-        if k.startswith("env:"):
-            os.environ[k[4:]] = v
-    return {k: v for k, v in params.items() if not k.startswith("env:")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +203,7 @@ def run_backend(label, name, params, sizes, args):
     """Measures one backend (in a child process, so a hang cannot stop the run)."""
     results = {}
     agent = nixl_agent(f"bench-{label}-{os.getpid()}", nixl_agent_config(backends=[]))
-    agent.create_backend(name, backend_params(params))
+    agent.create_backend(name, params)
     for block in sizes:
         count = max(1, min(128, args.request_bytes // block))
         path = f"{args.dir}/iud-vram-bench-{label}.bin"
@@ -368,7 +363,7 @@ def kv_child(label, name, params, args):
     mem = HostMem() if args.memory == "dram" else DeviceMem()
     staged = name == "POSIX" and args.memory != "dram"  # POSIX cannot address VRAM
     agent = nixl_agent(f"kv-{label}-{os.getpid()}", nixl_agent_config(backends=[]))
-    agent.create_backend(name, backend_params(params))
+    agent.create_backend(name, params)
     rb = args.kv_region_bytes
     regions = [mem.alloc(rb) for _ in range(args.kv_regions)]
     regs = []
