@@ -151,15 +151,8 @@ impl Cuda {
         let to_host = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
         let to_device = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
         let app_done = call("cuEventCreate", || result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
-        let d = Arc::new(Device {
-            ctx,
-            to_host,
-            to_device,
-            app_done,
-            spare_events: Mutex::new(Vec::new()),
-            scatter: OnceCell::new(),
-            mirrors: Mutex::new(HashMap::new()),
-        });
+        let (spare_events, scatter, mirrors) = (Mutex::new(Vec::new()), OnceCell::new(), Mutex::new(HashMap::new()));
+        let d = Arc::new(Device { ctx, to_host, to_device, app_done, spare_events, scatter, mirrors });
         devices.insert(ordinal, Arc::clone(&d));
         Ok(d)
     }
@@ -251,14 +244,6 @@ impl Cuda {
     }
 }
 
-/// Logs once which way packed staging copies go when the kernel cannot take them.
-fn scatter_unavailable(why: &str) {
-    static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        tracing::info!("staging scatter kernel not used ({why}); packed staging copies use the batched copy");
-    }
-}
-
 impl Cuda {
     /// The pinned range (start, length) that holds `[lo, hi)`.
     fn pinned_range(&self, lo: u64, hi: u64) -> Option<(u64, u64)> {
@@ -272,16 +257,15 @@ impl Cuda {
     /// As `copy_batch`; `d`'s context is current.
     unsafe fn scatter_copy(&self, d: &Arc<Device>, pieces: &[CopyPiece], how: PackedCopy, stream: sys::CUstream) -> Result<Option<Box<dyn CopyTicket>>> {
         let kernel = d.scatter.get_or_init(|| {
-            Scatter::load().map(|k| {
-                tracing::info!("packed staging copies to the GPU use the scatter kernel ({how:?}: one launch per staging buffer)");
-                k
-            }).map_err(|e| scatter_unavailable(&format!("it did not load: {e}"))).ok()
+            Scatter::load()
+                .inspect(|_| tracing::info!("packed staging copies to the GPU use the scatter kernel ({how:?}: one launch per staging buffer)"))
+                .map_err(|e| scatter::not_used(&format!("it did not load: {e}"))).ok()
         });
         let Some(kernel) = kernel else { return Ok(None) };
         let lo = pieces.iter().map(|p| p.host).min().unwrap_or(0);
         let hi = pieces.iter().map(|p| p.host + p.len).max().unwrap_or(0);
         let Some((base, len)) = self.pinned_range(lo, hi) else {
-            scatter_unavailable("a staging buffer outside the ranges this provider pinned");
+            scatter::not_used("a staging buffer outside the ranges this provider pinned");
             return Ok(None);
         };
         if lo % 16 != 0 || !pieces.iter().all(|p| scatter::fits(p.dev, p.host - lo, p.len)) {
@@ -289,20 +273,13 @@ impl Cuda {
         }
         let table: Vec<scatter::Piece> = pieces.iter().map(|p| scatter::Piece { dst: p.dev, src_offset: (p.host - lo) as u32, len: p.len as u32 }).collect();
         let src = match how {
-            PackedCopy::Kernel => {
-                let mut mapped: sys::CUdeviceptr = 0;
-                // sys: `result` has no cuPointerGetAttribute for this attribute.
-                // SAFETY: writes one device pointer; lo lies in memory pinned with DEVICEMAP (or
-                // the call fails and the batched copy takes over).
-                let found = check("cuPointerGetAttribute(DEVICE_POINTER)", || unsafe {
-                    sys::cuPointerGetAttribute(&mut mapped as *mut _ as *mut c_void, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER, lo)
-                });
-                if let Err(e) = found {
-                    scatter_unavailable(&format!("the staging buffer is not mapped for the device: {}", e.message));
+            PackedCopy::Kernel => match guard("cuPointerGetAttribute", || scatter::mapped_address(lo))? {
+                Ok(mapped) => mapped,
+                Err(e) => {
+                    scatter::not_used(&format!("the staging buffer is not mapped for the device: cuPointerGetAttribute failed: {}", error_name(e)));
                     return Ok(None);
                 }
-                mapped
-            }
+            },
             PackedCopy::DmaKernel => {
                 let mirror = {
                     let mut mirrors = d.mirrors.lock().unwrap_or_else(|p| p.into_inner());

@@ -15,6 +15,7 @@
 //! every piece needs 16-byte aligned addresses and a length that is a multiple of 16.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
@@ -94,6 +95,24 @@ struct Table([Piece; PIECES_PER_LAUNCH]);
 /// lengths within 32 bits.
 pub fn fits(dst: u64, src_offset: u64, len: u64) -> bool {
     dst % 16 == 0 && src_offset % 16 == 0 && len % 16 == 0 && src_offset + len <= u64::from(u32::MAX)
+}
+
+/// Logs once why packed staging copies took the batched copy instead of the kernel.
+pub fn not_used(why: &str) {
+    static LOGGED: AtomicBool = AtomicBool::new(false);
+    if !LOGGED.swap(true, Ordering::Relaxed) {
+        tracing::info!("staging scatter kernel not used ({why}); packed staging copies use the batched copy");
+    }
+}
+
+/// The address through which kernels of the current context reach the pinned host address
+/// `host` (registered with CU_MEMHOSTREGISTER_DEVICEMAP).
+pub fn mapped_address(host: u64) -> Result<u64, result::DriverError> {
+    let mut mapped: sys::CUdeviceptr = 0;
+    // sys: `result` has no cuPointerGetAttribute for this attribute.
+    // SAFETY: writes one device pointer into a local; an unmapped address is an error code.
+    unsafe { sys::cuPointerGetAttribute(&mut mapped as *mut _ as *mut c_void, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER, host) }.result()?;
+    Ok(mapped)
 }
 
 /// The kernel, loaded into one context.
