@@ -129,16 +129,21 @@ fn staged_checks_after_a_sleep(ctl: &Ctl, progress_thread: &str) -> usize {
     }
     e.release(req).map_err(|(_, err)| err.message).expect("release");
     assert!(bytes(vram, len / 2) == bytes(back, len / 2), "the blocks read back differ");
-    // SAFETY: registered above, deregistered once.
-    unsafe {
-        e.deregister(m_file).unwrap();
-        e.deregister(m_vram).unwrap();
+    tear_down(e, [m_file, m_vram], f, &path, ctl, vram);
+    checks
+}
+
+/// Deregisters the test's registrations, drops the engine, then removes the file and frees the
+/// fake VRAM (in that order: nothing of the engine may still use them).
+fn tear_down(e: Engine, mds: [*const c_void; 2], f: std::fs::File, path: &std::path::Path, ctl: &Ctl, vram: u64) {
+    for md in mds {
+        // SAFETY: each md came from e.register() and is deregistered once.
+        unsafe { e.deregister(md) }.unwrap();
     }
     drop(e);
     drop(f);
-    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(path);
     ctl.free_vram(vram);
-    checks
 }
 
 #[test]
@@ -185,14 +190,6 @@ fn staged_blocks_round_trip_whatever_the_pack_size() {
             assert!(bytes(s, b) == file_bytes[o..o + b as usize], "pack {pack}: block {i} ({b} bytes) in the file differs from VRAM");
             assert!(bytes(s, b) == bytes(d, b), "pack {pack}: block {i} ({b} bytes) read back differs");
         }
-        // SAFETY: registered above, deregistered once.
-        unsafe {
-            e.deregister(m_file).unwrap();
-            e.deregister(m_vram).unwrap();
-        }
-        drop(e);
-        drop(f);
-        let _ = std::fs::remove_file(&path);
-        ctl.free_vram(vram);
+        tear_down(e, [m_file, m_vram], f, &path, &ctl, vram);
     }
 }
