@@ -132,13 +132,11 @@ impl EngineParams {
         let punt_buffered_min = match get("punt_buffered_min") {
             // Buffered reads go to the page-cache workers, and the posting/polling thread runs
             // queued ones itself (uring/workers.rs `QueueHelper`), so a busy machine loses no
-            // more than the hand-off. 16 cores: from 256 KiB (smaller DRAM reads stay in the
-            // ring, as measured before the caller helped); fewer: every size (small ones are
-            // grouped into 256 KiB jobs); one CPU: never (no second core to gain).
-            // Every size on 2 or more CPUs (small pieces are grouped into 256 KiB jobs). On 16
+            // more than the hand-off. Every size on 2 or more CPUs (small pieces are grouped
+            // into 256 KiB jobs); one CPU: never (no second core to gain). On 16
             // CPUs, with the caller helping, 8192 scattered 16 KiB DRAM reads ran 23.5 GB/s
             // spread against 3.1 from 256 KiB up (POSIX 3.6; 4 KiB 11.7 against 2.3, 64 KiB 26.1
-            // against 3.9: bench/results/2026-12-02-gpu-h200-session21.md). One CPU: never.
+            // against 3.9: bench/results/2026-12-02-gpu-h200-session21.md).
             "auto" => match usable_cpus() {
                 n if n >= 2 => 4096,
                 _ => 0,

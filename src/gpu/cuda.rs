@@ -302,7 +302,12 @@ impl Cuda {
         };
         // SAFETY: every piece fits; the source (mapped buffer or its mirror, filled earlier on
         // the same stream) and the destinations stay valid until the ticket completes.
-        call("cuLaunchKernel(iud_scatter)", || unsafe { kernel.launch(stream, src, &table) })?;
+        if let Err(e) = call("cuLaunchKernel(iud_scatter)", || unsafe { kernel.launch(stream, src, &table) }) {
+            // A refused launch copied nothing: this buffer and every later one take the batched
+            // copy (a fault while the kernel runs is reported by the ticket instead).
+            scatter::disable(&e.message);
+            return Ok(None);
+        }
         self.record(d, stream).map(Some)
     }
 }
@@ -415,7 +420,7 @@ impl GpuProvider for Cuda {
     unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool, how: PackedCopy) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
         let stream = if to_host { d.to_host } else { d.to_device };
-        if !to_host && matches!(how, PackedCopy::Kernel | PackedCopy::DmaKernel) && pieces.len() > 1 {
+        if !to_host && matches!(how, PackedCopy::Kernel | PackedCopy::DmaKernel) && pieces.len() > 1 && scatter::enabled() {
             // SAFETY: forwarded from the caller.
             if let Some(ticket) = unsafe { self.scatter_copy(&d, pieces, how, stream) }? {
                 return Ok(ticket);

@@ -105,6 +105,20 @@ pub fn not_used(why: &str) {
     }
 }
 
+/// Set when a launch was refused: the process's packed copies take the batched copy from then on.
+static DISABLED: AtomicBool = AtomicBool::new(false);
+
+pub fn enabled() -> bool {
+    !DISABLED.load(Ordering::Relaxed)
+}
+
+/// Turns the kernel off for the process after a refused launch, saying why once.
+pub fn disable(why: &str) {
+    if !DISABLED.swap(true, Ordering::Relaxed) {
+        tracing::warn!("staging scatter kernel launch refused ({why}); packed staging copies use the batched copy from now on");
+    }
+}
+
 /// The address through which kernels of the current context reach the pinned host address
 /// `host` (registered with CU_MEMHOSTREGISTER_DEVICEMAP).
 pub fn mapped_address(host: u64) -> Result<u64, result::DriverError> {
