@@ -420,6 +420,7 @@ impl GpuProvider for Cuda {
     unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool, how: PackedCopy) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
         let stream = if to_host { d.to_host } else { d.to_device };
+        let how = scatter::resolve(how, pieces);
         if !to_host && matches!(how, PackedCopy::Kernel | PackedCopy::DmaKernel) && pieces.len() > 1 && scatter::enabled() {
             // SAFETY: forwarded from the caller.
             if let Some(ticket) = unsafe { self.scatter_copy(&d, pieces, how, stream) }? {

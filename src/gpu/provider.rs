@@ -41,8 +41,7 @@ pub struct CopyPiece {
 /// whatever is asked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PackedCopy {
-    /// The staging path picks per buffer (`Kernel` for small pieces, else `Batch`); a provider
-    /// handed `Auto` treats it as `Batch`.
+    /// The provider picks per buffer (CUDA: `Kernel` for small pieces, else `Batch`).
     Auto,
     /// The driver's batched copy (CUDA: cuMemcpyBatchAsync), else one copy per piece.
     Batch,

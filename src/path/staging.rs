@@ -99,21 +99,6 @@ pub struct StagingShape {
     pub packed_copy: PackedCopy,
 }
 
-/// Pieces up to this size go to the GPU by the scatter kernel under `staging_copy=auto`: on the
-/// H200 it moved 8192 scattered 16 KiB blocks at 28.6 GB/s against 8.4 with cuMemcpyBatchAsync,
-/// 64 KiB at 33.5 against 28.6, and 256 KiB at 38.1 against 40.1 (the batched copy wins there:
-/// few pieces per call, and the copy engine reads the bus better than the kernel).
-const KERNEL_PIECE_MAX: u64 = 64 << 10;
-
-/// The copy a packed buffer takes: `Auto` resolves by the pieces' mean size.
-fn packed_copy(asked: PackedCopy, pieces: &[CopyPiece]) -> PackedCopy {
-    match asked {
-        PackedCopy::Auto if pieces.iter().map(|p| p.len).sum::<u64>() <= KERNEL_PIECE_MAX * pieces.len() as u64 => PackedCopy::Kernel,
-        PackedCopy::Auto => PackedCopy::Batch,
-        other => other,
-    }
-}
-
 /// Most pieces in one buffer (one batched copy call).
 const PACK_PIECES_MAX: usize = 256;
 /// Packed pieces start on this alignment in the buffer (O_DIRECT memory alignment).
@@ -249,7 +234,7 @@ impl Staging {
         let ticket = match pieces.as_slice() {
             [one] if grp.write => unsafe { self.pool.provider.copy_to_host(device, one.host, one.dev, one.len) },
             [one] => unsafe { self.pool.provider.copy_to_device(device, one.dev, one.host, one.len) },
-            _ => unsafe { self.pool.provider.copy_batch(device, &pieces, grp.write, packed_copy(self.packed_copy, &pieces)) },
+            _ => unsafe { self.pool.provider.copy_batch(device, &pieces, grp.write, self.packed_copy) },
         }?;
         if grp.write {
             self.groups[g].io_left = pieces.len();
