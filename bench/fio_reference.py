@@ -20,28 +20,27 @@ import time
 MiB = 1 << 20
 
 
-def run_fio(fio, path, op, block, depth, seconds, span):
-    cmd = [fio, "--name=ref", f"--filename={path}", f"--size={span}", "--direct=1", "--ioengine=io_uring",
-           "--fixedbufs=1", "--registerfiles=1", f"--rw={op}", f"--bs={block}", f"--iodepth={depth}",
+def fio_job(fio, path, span, seconds, flags):
+    """Runs one time-based fio job with `flags` and returns its JSON job record."""
+    cmd = [fio, "--name=ref", f"--filename={path}", f"--size={span}", *flags,
            "--time_based=1", f"--runtime={seconds}", "--ramp_time=0.5", "--output-format=json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 10 + 60)
     if out.returncode != 0:
         raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[-300:]}")
-    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    return json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+
+
+def run_fio(fio, path, op, block, depth, seconds, span):
+    job = fio_job(fio, path, span, seconds, ["--direct=1", "--ioengine=io_uring", "--fixedbufs=1", "--registerfiles=1",
+                                             f"--rw={op}", f"--bs={block}", f"--iodepth={depth}"])
     return job["read" if op == "read" else "write"]["bw_bytes"] / 1e9
 
 
 def run_fio_buffered(fio, path, op, block, jobs, seconds, span):
-    cmd = [fio, "--name=ref", f"--filename={path}", f"--size={span}", "--direct=0", "--invalidate=0", "--ioengine=psync",
-           f"--rw=rand{op}", f"--bs={block}", f"--numjobs={jobs}", "--group_reporting=1",
-           "--time_based=1", f"--runtime={seconds}", "--ramp_time=0.5", "--output-format=json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 10 + 60)
-    if out.returncode != 0:
-        raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[-300:]}")
-    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
-    side = job["read" if op == "read" else "write"]
+    job = fio_job(fio, path, span, seconds, ["--direct=0", "--invalidate=0", "--ioengine=psync", f"--rw=rand{op}",
+                                             f"--bs={block}", f"--numjobs={jobs}", "--group_reporting=1"])
     cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * jobs
-    return side["bw_bytes"] / 1e9, cpu
+    return job["read" if op == "read" else "write"]["bw_bytes"] / 1e9, cpu
 
 
 def buffered(a, path):
