@@ -15,7 +15,7 @@ use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::cufile::CuFile;
 use crate::gpu::{self, GpuProvider};
-use crate::mem::live::{self, LiveMds};
+use crate::mem::live::Registry;
 use crate::mem::{DramRegion, FileRegion, MemKind, Registration, VramRegion};
 use crate::params::{DramDmabuf, EngineParams, FixedBuffers, VramPath};
 use crate::path::cufile_exec::{CufileExecutor, CufileProgress};
@@ -45,8 +45,9 @@ pub struct Engine {
     routes: Mutex<HashMap<(usize, FileKey), Route>>,
     /// Routes (with their reason) already logged at info level.
     routes_logged: Mutex<HashSet<String>>,
-    /// MDs NIXL holds; an MD coming back is looked up here before it is dereferenced.
-    live: LiveMds,
+    /// The live registrations, by the opaque token handed to NIXL as MD and by what
+    /// descriptors name (NIXL's MDs are only hints: mem/live.rs).
+    registry: Registry,
     /// devIds of live path-mode FILE registrations (they must be unique per file).
     path_dev_ids: Mutex<HashSet<u64>>,
     fixed_buffer_fallback_logged: AtomicBool,
@@ -105,7 +106,7 @@ impl Engine {
             ring,
             routes: Mutex::new(HashMap::new()),
             routes_logged: Mutex::new(HashSet::new()),
-            live: LiveMds::default(),
+            registry: Registry::default(),
             path_dev_ids: Mutex::new(HashSet::new()),
             fixed_buffer_fallback_logged: AtomicBool::new(false),
             failure,
@@ -134,8 +135,7 @@ impl Engine {
                 ))
             }
         };
-        let md = live::into_md(Arc::new(reg));
-        self.live.insert(md);
+        let md = self.registry.insert(reg);
         if let Some(r) = &self.recorder {
             r.register(md as usize, kind.to_nixl(), addr, len, dev_id, meta_info);
         }
@@ -283,27 +283,21 @@ impl Engine {
         Ok(region)
     }
 
-    /// Drops NIXL's reference to a registration. Requests that still use it keep it alive.
-    ///
-    /// # Safety
-    /// `md` must be a pointer returned by [`Engine::register`] of this engine, not yet
-    /// deregistered.
-    pub unsafe fn deregister(&self, md: *const c_void) -> Result<()> {
+    /// Drops NIXL's reference to a registration. Requests that still use it keep it alive. An
+    /// `md` that is not live is refused without being touched.
+    pub fn deregister(&self, md: *const c_void) -> Result<()> {
         self.failure.check()?;
         if md.is_null() {
             return Err(Error::invalid("deregisterMem: null metadata"));
         }
-        if !self.live.remove(md) {
+        let Some(reg) = self.registry.remove(md) else {
             return Err(Error::not_found(format!(
                 "deregisterMem: MD {md:p} is not a live registration of this engine (deregistered already?); NIXL's registration lists can hand an MD back twice when several threads use an agent in sync mode NONE, which takes no locks: create the agent with sync mode RW"
             )));
-        }
+        };
         if let Some(r) = &self.recorder {
             r.deregister(md as usize);
         }
-        // SAFETY: per the contract, md came from into_md in register() and NIXL's reference is
-        // still counted (it was in the live set, which we just took it out of).
-        let reg = unsafe { live::take_md(md) };
         // A later registration may reuse the address once this one is gone. A file's routes go
         // too: a client registering a file per key (LMCache's dynamic mode) would otherwise grow
         // the cache by one route per file, and a later file with the same fd, device and inode
@@ -312,7 +306,8 @@ impl Engine {
             Registration::Storage(f) => Some(f.key()),
             _ => None,
         };
-        self.failure.lock(&self.routes, "route cache")?.retain(|(m, k), _| *m != md as usize && Some(*k) != file);
+        let mem = Arc::as_ptr(&reg) as usize;
+        self.failure.lock(&self.routes, "route cache")?.retain(|(m, k), _| *m != mem && Some(*k) != file);
         if let Registration::Storage(f) = &*reg {
             if f.owned_path.is_some() {
                 self.failure.lock(&self.path_dev_ids, "path-mode devIds")?.remove(&f.dev_id);
@@ -322,12 +317,8 @@ impl Engine {
         Ok(())
     }
 
-    /// Validates the lists and prepares a request.
-    ///
-    /// # Safety
-    /// The descriptors' MD pointers must be live registrations of this engine (as NIXL
-    /// guarantees).
-    pub unsafe fn prep(
+    /// Validates the lists against the live registrations and prepares a request.
+    pub fn prep(
         &self,
         op: i32,
         local_kind: i32,
@@ -353,15 +344,7 @@ impl Engine {
             staged_write_piece_max: self.params.staged_write_piece_max,
             route: &|mem, file| self.route(mem, file),
         };
-        // MDs that NIXL hands back are checked, and held while the planner uses them.
-        let _held = self.live.hold(local.iter().chain(remote).map(|d| d.md)).map_err(|(i, md)| {
-            let (side, i) = if i < local.len() { ("local", i) } else { ("remote", i - local.len()) };
-            Error::not_found(format!(
-                "prepXfer: {side} descriptor {i}: MD {md:p} is not a live registration of this engine; NIXL handed back a deregistered registration, which happens when several threads use an agent in sync mode NONE (NIXL takes no locks there): create the agent with sync mode RW"
-            ))
-        })?;
-        // SAFETY: forwarded from the caller.
-        let plan = unsafe { plan(op, local_kind, local, remote_kind, remote, &ctx) }?;
+        let plan = plan(op, local_kind, local, remote_kind, remote, &self.registry, &ctx)?;
         for reg in &plan.registrations {
             if let Registration::Storage(f) = &**reg {
                 f.check_still_open()?;
@@ -386,13 +369,11 @@ impl Engine {
                 "postXfer: operation or descriptor lists differ from what was prepared",
             ));
         }
-        // Files in the fixed-file table were checked at prep and stay pinned to the registered
-        // file; a raw fd can be closed or reused between posts, so it is checked every time.
+        // I/O uses each registration's own fd, so it cannot reach another file; a request whose
+        // application fd was closed or reused since prep is still refused (mem/file.rs).
         for reg in &req.plan.registrations {
             if let Registration::Storage(f) = &**reg {
-                if !f.has_fixed_slot() {
-                    f.check_still_open()?;
-                }
+                f.check_still_open()?;
             }
         }
         self.fence_app_work(req)?;
@@ -496,8 +477,7 @@ mod tests {
             });
             assert!(poisoner.join().is_err());
         });
-        // SAFETY: md came from register() above and is deregistered once.
-        let err = unsafe { e.deregister(md) }.unwrap_err();
+        let err = e.deregister(md).unwrap_err();
         assert_eq!(err.to_status(), status::ERR_BACKEND);
         assert!(err.message.contains("route cache is poisoned"), "{}", err.message);
         let err = e.register(0, buf.as_ptr() as u64, buf.len() as u64, 0, "").unwrap_err();

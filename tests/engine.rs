@@ -99,12 +99,9 @@ fn roundtrip(params: &[(&str, &str)], direct: bool, unit: u64) {
         let m = mem_of(i as u64, (off, len)) as usize;
         assert!(on_disk[off as usize..(off + len) as usize] == src.bytes()[m..m + len as usize], "file block {i} differs");
     }
-    // SAFETY: the MDs came from register() and are deregistered once.
-    unsafe {
-        e.deregister(m_src).unwrap();
-        e.deregister(m_dst).unwrap();
-        e.deregister(m_file).unwrap();
-    }
+    e.deregister(m_src).unwrap();
+    e.deregister(m_dst).unwrap();
+    e.deregister(m_file).unwrap();
 }
 
 #[test]
@@ -170,8 +167,7 @@ fn direct_misalignment_is_refused_at_prep() {
     for (mem_off, file_off, len) in [(0, 100, 4096), (0, 0, 1000), (1, 0, 4096)] {
         let l = [desc(buf.addr() + mem_off, len, 0, m)];
         let r = [desc(file_off, len, fd, mf)];
-        // SAFETY: live registrations.
-        let err = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap_err();
+        let err = e.prep(WRITE, DRAM, &l, FILE, &r, AGENT).unwrap_err();
         assert_eq!(err.kind, ErrorKind::InvalidParam);
         assert!(err.message.contains("O_DIRECT"), "{}", err.message);
     }
@@ -188,14 +184,15 @@ fn prep_rejects_wrong_kinds_counts_lengths_ranges_and_agents() {
     let mf = e.register(FILE, 0, 4096, fd, "").unwrap();
     let l = [desc(buf.addr(), 4096, 0, m)];
     let r = [desc(0, 4096, fd, mf)];
-    // SAFETY (all prep calls): live registrations.
-    unsafe {
+    {
         assert_eq!(e.prep(WRITE, DRAM, &l, DRAM, &l, AGENT).unwrap_err().kind, ErrorKind::InvalidParam);
         assert_eq!(e.prep(WRITE, FILE, &r, DRAM, &l, AGENT).unwrap_err().kind, ErrorKind::InvalidParam);
         assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &[], AGENT).unwrap_err().kind, ErrorKind::Mismatch);
         assert_eq!(e.prep(WRITE, DRAM, &[desc(buf.addr(), 512, 0, m)], FILE, &r, AGENT).unwrap_err().kind, ErrorKind::Mismatch);
         assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &[desc(2048, 4096, fd, mf)], AGENT).unwrap_err().kind, ErrorKind::NotFound);
-        assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &[desc(0, 4096, fd, std::ptr::null())], AGENT).unwrap_err().kind, ErrorKind::NotFound);
+        // A null MD is only a missing hint: the descriptor is found by what it names.
+        e.release(e.prep(WRITE, DRAM, &l, FILE, &[desc(0, 4096, fd, std::ptr::null())], AGENT).unwrap()).unwrap();
+        assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &[desc(0, 4096, fd + 1, std::ptr::null())], AGENT).unwrap_err().kind, ErrorKind::NotFound);
         assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &r, "someone-else").unwrap_err().kind, ErrorKind::InvalidParam);
         assert_eq!(e.prep(7, DRAM, &l, FILE, &r, AGENT).unwrap_err().kind, ErrorKind::InvalidParam);
     }
@@ -220,11 +217,9 @@ fn path_mode_opens_the_file_and_rejects_a_reused_dev_id() {
     assert!(buf.bytes() == back.bytes());
     assert!(std::fs::read(&path).unwrap() == buf.bytes());
     // After deregistration the devId may be used again.
-    // SAFETY: registered above, deregistered once.
-    unsafe { e.deregister(mf).unwrap() };
+    e.deregister(mf).unwrap();
     let again = e.register(FILE, 0, 1 << 16, 1234, &meta).unwrap();
-    // SAFETY: as above.
-    unsafe { e.deregister(again).unwrap() };
+    e.deregister(again).unwrap();
     let missing = e.register(FILE, 0, 4096, 99, &format!("ro:{}/missing", dir.path.display())).unwrap_err();
     assert!(missing.message.contains("ENOENT"), "{}", missing.message);
 }
@@ -239,8 +234,7 @@ fn repost_after_completion_moves_new_data() {
     let mf = e.register(FILE, 0, 1 << 16, fd, "").unwrap();
     let l = [desc(buf.addr(), 1 << 16, 0, m)];
     let r = [desc(0, 1 << 16, fd, mf)];
-    // SAFETY: live registrations.
-    let req = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap();
+    let req = e.prep(WRITE, DRAM, &l, FILE, &r, AGENT).unwrap();
     for round in 0..3u8 {
         buf.bytes_mut().iter_mut().enumerate().for_each(|(i, b)| *b = (i as u8).wrapping_mul(31).wrapping_add(round + 1));
         let mut p = e.post(&req, WRITE, 1, 1).unwrap();
@@ -264,8 +258,7 @@ fn release_of_an_in_flight_request_cancels_and_drains() {
     let l = [desc(buf.addr(), total as u64, 0, m)];
     let r = [desc(0, total as u64, fd, mf)];
     for _ in 0..3 {
-        // SAFETY: live registrations.
-        let req = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap();
+        let req = e.prep(WRITE, DRAM, &l, FILE, &r, AGENT).unwrap();
         let _ = e.post(&req, WRITE, 1, 1).unwrap();
         e.release(req).map_err(|(_, err)| err).unwrap();
     }
@@ -283,13 +276,10 @@ fn deregistering_memory_in_use_keeps_it_registered_until_release() {
     let mf = e.register(FILE, 0, 1 << 20, fd, "").unwrap();
     let l = [desc(buf.addr(), 1 << 20, 0, m)];
     let r = [desc(0, 1 << 20, fd, mf)];
-    // SAFETY: live registrations.
-    let req = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap();
-    // SAFETY: deregistered once; the request holds its own reference.
-    unsafe {
-        e.deregister(m).unwrap();
-        e.deregister(mf).unwrap();
-    }
+    let req = e.prep(WRITE, DRAM, &l, FILE, &r, AGENT).unwrap();
+    e.deregister(m).unwrap();
+    e.deregister(mf).unwrap();
+
     let mut p = e.post(&req, WRITE, 1, 1).unwrap();
     while p == Progress::InFlight {
         p = e.check(&req).unwrap();
@@ -323,11 +313,8 @@ fn eight_threads_post_on_one_engine() {
                     run(&e, READ, &lr, &r).unwrap();
                     assert!(src.bytes() == dst.bytes(), "thread {t}");
                 }
-                // SAFETY: registered above, deregistered once.
-                unsafe {
-                    e.deregister(ms).unwrap();
-                    e.deregister(md).unwrap();
-                }
+                e.deregister(ms).unwrap();
+                e.deregister(md).unwrap();
             })
         })
         .collect();
@@ -336,36 +323,45 @@ fn eight_threads_post_on_one_engine() {
     }
 }
 
-/// NIXL's lists can hand back an MD after its deregistration (several threads on an agent in sync
-/// mode NONE, issue 16). The engine looks every MD up before touching it: prepXfer and a second
-/// deregisterMem fail with NOT_FOUND, and the live registrations keep working.
+/// NIXL's lists can hand back an MD after its deregistration, or another registration's MD
+/// (several threads on an agent in sync mode NONE, issue 23). MDs are only hints: a descriptor
+/// is served by whichever live registration covers it, a stale MD is never touched, and only a
+/// descriptor no live registration covers is refused (NOT_FOUND, naming it). A second
+/// deregistration is refused, not a second release.
 #[test]
-fn an_md_handed_back_after_deregistration_is_refused() {
+fn stale_and_foreign_mds_resolve_by_what_the_descriptor_names() {
     let e = engine(&[]);
     let buf = Buf::new(1 << 16, 13);
+    let other = Buf::new(1 << 16, 15);
     let (_d, f) = temp_file(false);
     let fd = f.as_raw_fd() as u64;
     let gone = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
     let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
+    let mo = e.register(DRAM, other.addr(), 1 << 16, 0, "").unwrap();
     let mf = e.register(FILE, 0, 1 << 16, fd, "").unwrap();
-    // A request holds `gone` across its deregistration; new requests may not use it.
+    // A request holds `gone` across its deregistration.
     let held = [desc(buf.addr(), 1 << 16, 0, gone)];
     let r = [desc(0, 1 << 16, fd, mf)];
-    // SAFETY: live registrations.
-    let req = unsafe { e.prep(WRITE, DRAM, &held, FILE, &r, AGENT) }.unwrap();
-    // SAFETY: registered above, deregistered once here.
-    unsafe { e.deregister(gone).unwrap() };
-    // SAFETY: `gone` is not dereferenced: the engine refuses it before.
-    let err = unsafe { e.prep(WRITE, DRAM, &held, FILE, &r, AGENT) }.unwrap_err();
+    let req = e.prep(WRITE, DRAM, &held, FILE, &r, AGENT).unwrap();
+    e.deregister(gone).unwrap();
+    // The stale MD on a range `m` covers: served through `m`.
+    run(&e, WRITE, &held, &r).unwrap();
+    // Foreign MDs (the file's on a memory descriptor, another buffer's, a null one): same.
+    run(&e, WRITE, &[desc(buf.addr(), 1 << 16, 0, mf)], &[desc(0, 1 << 16, fd, mo)]).unwrap();
+    run(&e, WRITE, &[desc(buf.addr(), 1 << 16, 0, mo)], &[desc(0, 1 << 16, fd, std::ptr::null())]).unwrap();
+    // Nothing covers: refused with the descriptor named.
+    e.deregister(m).unwrap();
+    let err = e.prep(WRITE, DRAM, &held, FILE, &r, AGENT).unwrap_err();
     assert_eq!(err.kind, ErrorKind::NotFound);
-    assert!(err.message.contains("local descriptor 0") && err.message.contains("not a live registration"), "{}", err.message);
-    // SAFETY: as above.
-    let err = unsafe { e.prep(READ, DRAM, &[desc(buf.addr(), 1 << 16, 0, m)], FILE, &[desc(0, 1 << 16, fd, gone)], AGENT) }.unwrap_err();
-    assert!(err.message.contains("remote descriptor 0"), "{}", err.message);
-    // SAFETY: as above: a second deregistration is refused, not a second release.
-    let err = unsafe { e.deregister(gone) }.unwrap_err();
+    assert!(err.message.contains("descriptor 0") && err.message.contains("not covered by any live DRAM_SEG registration"), "{}", err.message);
+    assert!(err.message.contains("deregistered, or NIXL handed back a stale MD"), "{}", err.message);
+    // A file list naming memory: the other kind is named.
+    let err = e.prep(READ, DRAM, &[desc(other.addr(), 4096, 0, mo)], FILE, &[desc(other.addr(), 4096, 0, mo)], AGENT).unwrap_err();
+    assert!(err.message.contains("a DRAM_SEG registration covers it"), "{}", err.message);
+    let err = e.deregister(gone).unwrap_err();
     assert_eq!(err.kind, ErrorKind::NotFound);
     assert!(err.message.contains("not a live registration"), "{}", err.message);
+    // The request prepared before still holds its registration and completes.
     let mut p = e.post(&req, WRITE, 1, 1).unwrap();
     while p == Progress::InFlight {
         p = e.check(&req).unwrap();
@@ -375,12 +371,9 @@ fn an_md_handed_back_after_deregistration_is_refused() {
     let mb = e.register(DRAM, back.addr(), 1 << 16, 0, "").unwrap();
     run(&e, READ, &[desc(back.addr(), 1 << 16, 0, mb)], &r).unwrap();
     assert!(back.bytes() == buf.bytes());
-    // SAFETY: registered above, deregistered once.
-    unsafe {
-        e.deregister(m).unwrap();
-        e.deregister(mb).unwrap();
-        e.deregister(mf).unwrap();
-    }
+    e.deregister(mo).unwrap();
+    e.deregister(mb).unwrap();
+    e.deregister(mf).unwrap();
 }
 
 #[test]
@@ -415,8 +408,7 @@ fn checks_after_a_sleep(params: &[(&str, &str)]) -> usize {
     let file: Vec<_> = (0..blocks).map(|i| desc(at(i), 4096, fd, m_file)).collect();
     run(&e, WRITE, &(0..blocks).map(|i| desc(src.addr() + at(i), 4096, 0, m_src)).collect::<Vec<_>>(), &file).unwrap();
     let local: Vec<_> = (0..blocks).map(|i| desc(dst.addr() + at(i), 4096, 0, m_dst)).collect();
-    // SAFETY: live registrations.
-    let req = unsafe { e.prep(READ, DRAM, &local, FILE, &file, AGENT) }.unwrap();
+    let req = e.prep(READ, DRAM, &local, FILE, &file, AGENT).unwrap();
     assert!(matches!(e.post(&req, READ, local.len(), file.len()), Ok(Progress::InFlight)), "a 16-round request is not done at post");
     std::thread::sleep(std::time::Duration::from_millis(300));
     let mut checks = 1;
@@ -438,4 +430,19 @@ fn a_request_advances_while_its_client_sleeps_between_checks() {
     // Without it, the ring is refilled only when the client comes back: the test above can fail.
     let off = checks_after_a_sleep(&[ring[0], ("progress_thread", "false")]);
     assert!(off > 1, "with progress_thread=false one check after the sleep finished a 16-round request ({off} checks)");
+}
+
+/// A FILE range whose end passes 2^64 is refused at registration, as the same DRAM range is.
+#[test]
+fn ranges_past_two_to_the_64_are_refused_for_files_and_memory() {
+    let e = engine(&[]);
+    let (_d, f) = temp_file(false);
+    let fd = f.as_raw_fd() as u64;
+    let err = e.register(FILE, u64::MAX - 4095, 8192, fd, "").unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidParam);
+    assert!(err.message.contains("ends past 2^64"), "{}", err.message);
+    let err = e.register(DRAM, u64::MAX - 4095, 8192, 0, "").unwrap_err();
+    assert_eq!(err.kind, ErrorKind::InvalidParam);
+    let ok = e.register(FILE, u64::MAX - 8192, 8192, fd, "").unwrap();
+    e.deregister(ok).unwrap();
 }

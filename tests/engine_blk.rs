@@ -76,8 +76,7 @@ fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(
 }
 
 fn prep_err(e: &Engine, local: &[iud_desc], remote: &[iud_desc]) -> Error {
-    // SAFETY: the lists' MDs are live registrations of `e`.
-    unsafe { e.prep(WRITE, DRAM, local, BLK, remote, AGENT) }.expect_err("prep must refuse")
+    e.prep(WRITE, DRAM, local, BLK, remote, AGENT).expect_err("prep must refuse")
 }
 
 /// WRITE then READ of mixed-size blocks over the whole device, verified against the device.
@@ -118,11 +117,8 @@ fn round_trip(sector: u32, path_mode: bool) {
     assert!(src.bytes() == dst.bytes(), "{name}: data read back differs");
     let image = std::fs::read(&lo.image).unwrap();
     assert!(image == src.bytes(), "{name}: backing image differs from what was written");
-    // SAFETY: each MD deregistered once.
-    unsafe {
-        for m in [ms, md, mb] {
-            e.deregister(m).unwrap();
-        }
+    for m in [ms, md, mb] {
+    e.deregister(m).unwrap();
     }
 }
 
@@ -163,9 +159,8 @@ fn blk_refuses_misalignment_and_ranges_past_the_end() {
     let err = prep_err(&e, &[desc(buf.addr(), 8192, 0, m)], &[desc(DEVICE_BYTES - 4096, 8192, 5, mb)]);
     assert_eq!(err.kind, ErrorKind::NotFound);
     // A FILE list naming a BLK registration.
-    // SAFETY: live registrations.
-    let kinds = unsafe { e.prep(WRITE, DRAM, &[desc(buf.addr(), 4096, 0, m)], FILE, &[desc(0, 4096, 5, mb)], AGENT) }.unwrap_err();
-    assert!(kinds.message.contains("remote list is FILE_SEG but the descriptor's registration is BLK_SEG"), "{}", kinds.message);
+    let kinds = e.prep(WRITE, DRAM, &[desc(buf.addr(), 4096, 0, m)], FILE, &[desc(0, 4096, 5, mb)], AGENT).unwrap_err();
+    assert!(kinds.message.contains("not covered by any live FILE_SEG registration") && kinds.message.contains("a BLK_SEG registration covers it"), "{}", kinds.message);
 
     // The capacity edge: the last block moves, and the engine still works after every refusal.
     let tail = [desc(DEVICE_BYTES - 4096, 4096, 5, mb)];

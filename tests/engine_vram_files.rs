@@ -19,8 +19,7 @@ use io_uring_dmabuf::uring::Progress;
 const MIB: u64 = 1 << 20;
 
 fn transfer(e: &Engine, op: i32, local: &[io_uring_dmabuf::bridge::iud_desc], remote: &[io_uring_dmabuf::bridge::iud_desc]) {
-    // SAFETY: every md in the lists is a live registration of `e`.
-    let req = unsafe { e.prep(op, VRAM, local, FILE, remote, AGENT) }.unwrap_or_else(|err| panic!("prep: {}", err.message));
+    let req = e.prep(op, VRAM, local, FILE, remote, AGENT).unwrap_or_else(|err| panic!("prep: {}", err.message));
     let mut res = e.post(&req, op, local.len(), remote.len());
     while let Ok(Progress::InFlight) = res {
         res = e.check(&req);
@@ -85,14 +84,12 @@ fn vram_registration_prepares_staging_and_per_key_files_leave_no_route_behind() 
         transfer(&e, READ, &pieces(dst, m_vram), &file);
         assert!(bytes(src, chunk) == bytes(dst, chunk), "key {key}: the chunk read back differs");
         assert_eq!(e.cached_routes().unwrap(), 1, "key {key}: the pair's route is cached while the file is registered");
-        // SAFETY: m_file came from register() and is deregistered once.
-        unsafe { e.deregister(m_file) }.unwrap();
+        e.deregister(m_file).unwrap();
         assert_eq!(e.cached_routes().unwrap(), 0, "key {key}: deregistering the file drops its route");
         drop(f);
         std::fs::remove_file(&path).unwrap();
     }
-    // SAFETY: as above.
-    unsafe { e.deregister(m_vram) }.unwrap();
+    e.deregister(m_vram).unwrap();
     drop(e);
     ctl.free_vram(vram);
     let _ = std::fs::remove_dir_all(&dir);
@@ -118,8 +115,7 @@ fn staged_checks_after_a_sleep(ctl: &Ctl, progress_thread: &str) -> usize {
     transfer(&e, WRITE, &(0..blocks).map(|i| desc(vram + i * block, block, 0, m_vram)).collect::<Vec<_>>(), &file);
     let back = vram + len / 2;
     let local: Vec<_> = (0..blocks).map(|i| desc(back + i * block, block, 0, m_vram)).collect();
-    // SAFETY: live registrations of `e`.
-    let req = unsafe { e.prep(READ, VRAM, &local, FILE, &file, AGENT) }.unwrap_or_else(|err| panic!("prep: {}", err.message));
+    let req = e.prep(READ, VRAM, &local, FILE, &file, AGENT).unwrap_or_else(|err| panic!("prep: {}", err.message));
     let posted = e.post(&req, READ, local.len(), file.len()).unwrap_or_else(|err| panic!("post: {}", err.message));
     assert_eq!(posted, Progress::InFlight, "16 rounds of the staging pool are not done at post");
     std::thread::sleep(std::time::Duration::from_millis(300));
@@ -137,8 +133,7 @@ fn staged_checks_after_a_sleep(ctl: &Ctl, progress_thread: &str) -> usize {
 /// fake VRAM (in that order: nothing of the engine may still use them).
 fn tear_down(e: Engine, mds: [*const c_void; 2], f: std::fs::File, path: &std::path::Path, ctl: &Ctl, vram: u64) {
     for md in mds {
-        // SAFETY: each md came from e.register() and is deregistered once.
-        unsafe { e.deregister(md) }.unwrap();
+        e.deregister(md).unwrap();
     }
     drop(e);
     drop(f);

@@ -54,14 +54,12 @@ fn an_invalid_descriptor_is_named_in_the_context() {
     let r: Vec<_> = (0..5).map(|i| desc(i * 4096, 4096, f.fd(), mf)).collect();
     // Descriptor 3 runs past the end of its memory registration.
     l[3] = desc(buf.addr() + (1 << 16) - 100, 4096, 0, m);
-    // SAFETY: live registrations.
-    let err = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap_err();
+    let err = e.prep(WRITE, DRAM, &l, FILE, &r, AGENT).unwrap_err();
     assert_eq!(err.kind, ErrorKind::NotFound);
     assert_eq!(err.context.descriptor, Some(3), "{err:?}");
     // Descriptor 2 with unequal lengths: the first invalid one is reported.
     l[2] = desc(buf.addr(), 512, 0, m);
-    // SAFETY: as above.
-    let err = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap_err();
+    let err = e.prep(WRITE, DRAM, &l, FILE, &r, AGENT).unwrap_err();
     assert_eq!((err.kind, err.context.descriptor), (ErrorKind::Mismatch, Some(2)));
 }
 
@@ -74,8 +72,7 @@ fn a_misaligned_direct_descriptor_names_descriptor_fd_and_offset() {
     let mf = e.register(FILE, 0, 1 << 16, f.fd(), "").unwrap();
     let l = [desc(buf.addr(), 4096, 0, m), desc(buf.addr() + 4096, 4096, 0, m)];
     let r = [desc(0, 4096, f.fd(), mf), desc(4196, 4096, f.fd(), mf)];
-    // SAFETY: live registrations.
-    let err = unsafe { e.prep(WRITE, DRAM, &l, FILE, &r, AGENT) }.unwrap_err();
+    let err = e.prep(WRITE, DRAM, &l, FILE, &r, AGENT).unwrap_err();
     assert!(err.message.contains("O_DIRECT"), "{}", err.message);
     let c = err.context;
     assert_eq!((c.descriptor, c.fd, c.offset), (Some(1), Some(f.fd() as i32), Some(4196)));

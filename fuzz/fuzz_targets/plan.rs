@@ -204,8 +204,7 @@ fuzz_target!(|data: &[u8]| {
     if valid && some_not_512 {
         valid = false;
     }
-    // SAFETY: every non-null md is a live registration of this engine.
-    let res = unsafe { ef.engine.prep(op, local_kind, &local, remote_kind, &remote, AGENT) };
+    let res = ef.engine.prep(op, local_kind, &local, remote_kind, &remote, AGENT);
     let req = match res {
         Ok(req) => {
             assert!(valid || direct_undecided, "prep accepted an invalid request: {local:?} {remote:?}");

@@ -118,9 +118,8 @@ unsafe extern "C" fn register_mem(engine: *mut c_void, desc: *const iud_reg_desc
 
 unsafe extern "C" fn deregister_mem(engine: *mut c_void, md: *mut c_void) -> i32 {
     boundary("deregisterMem", || {
-        // SAFETY: engine is live; md was returned by register_mem of this engine (the engine
-        // checks it against its live MDs before using it).
-        unsafe { Engine::try_ref(engine)?.deregister(md) }?;
+        // SAFETY: engine is live. md is an opaque token the engine looks up, never dereferences.
+        unsafe { Engine::try_ref(engine)? }.deregister(md)?;
         Ok(status::SUCCESS)
     })
 }
@@ -134,12 +133,13 @@ unsafe extern "C" fn prep_xfer(
     req_out: *mut *mut c_void,
 ) -> i32 {
     boundary("prepXfer", || {
-        // SAFETY: the lists point at the agent's descriptor vectors, valid during the call; their
-        // MDs are live registrations of this engine.
+        // SAFETY: the lists point at the agent's descriptor vectors, valid during the call (their
+        // MDs are opaque tokens the engine looks up, never dereferences).
         let (engine, l, r) = unsafe { (Engine::try_ref(engine)?, arg(local, "local list")?, arg(remote, "remote list")?) };
         check_out(req_out, "req_out")?;
-        // SAFETY: as above.
-        let req = unsafe { engine.prep(op, l.mem_kind, l.as_slice(), r.mem_kind, r.as_slice(), &remote_agent.as_string()) }?;
+        // SAFETY: as above: the lists' descriptor arrays and the agent name, valid for the call.
+        let (ld, rd, agent) = unsafe { (l.as_slice(), r.as_slice(), remote_agent.as_string()) };
+        let req = engine.prep(op, l.mem_kind, ld, r.mem_kind, rd, &agent)?;
         // SAFETY: req_out is a valid out-pointer (non-null, checked above); written only on success.
         unsafe { write_out(req_out, Request::into_raw(req), "req_out") }?;
         Ok(status::SUCCESS)

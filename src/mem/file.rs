@@ -4,10 +4,15 @@
 //! registration must lie within the device's capacity (BLKGETSIZE64), and descriptors must follow
 //! its logical block size (BLKSSZGET).
 //!
-//! The registration remembers the file's identity (st_dev, st_ino) so that a fd closed or reused
-//! after registration is refused at post time instead of silently reaching another file, and
-//! its O_DIRECT alignment so that misaligned descriptors are refused at prep time with a message
-//! instead of an EINVAL from the kernel.
+//! The rule for an application's fd (fd mode): the registration takes its own duplicate of the
+//! fd (`io_fd`) and every path uses only that one (ring SQEs with or without the fixed-file
+//! table, inline pwrite, preadv2, the page-cache workers, staged VRAM, DMA-BUF binding, cuFile
+//! handles), so no byte can reach another file whatever the application does with its number.
+//! It also remembers the file's identity (st_dev, st_ino) and path, and prep and every post
+//! refuse the request when the application's fd is closed or names another file (the
+//! application's view and the registration disagree: one error naming fd, file and cause).
+//! The O_DIRECT alignment is remembered so that misaligned descriptors are refused at prep time
+//! with a message instead of an EINVAL from the kernel.
 
 use std::ffi::CString;
 use std::fmt;
@@ -30,7 +35,12 @@ pub struct DirectAlign {
 pub struct FileRegion {
     /// FILE_SEG or BLK_SEG.
     pub kind: MemKind,
+    /// The fd the application named (fd mode) or the plugin opened (path mode); for messages.
     pub fd: i32,
+    /// The fd all I/O uses: in fd mode a duplicate owned by this registration, in path mode `fd`.
+    pub io_fd: i32,
+    /// Where the file was when it was registered (from /proc/self/fd), for messages.
+    pub name: String,
     pub dev_id: u64,
     pub offset: u64,
     pub len: u64,
@@ -85,7 +95,7 @@ impl FileRegion {
                 (fd, None)
             }
         };
-        let guard = ClosesOnError { fd, owned: owned_path.is_some() };
+        let mut guard = ClosesOnError { fds: [owned_path.as_ref().map(|_| fd), None] };
         let st = fstat(fd).map_err(|e| {
             Error::os(
                 format!("{what} registration: fstat(fd {fd}) failed; devId must be an fd open in this process, or use path-mode metaInfo"),
@@ -127,13 +137,27 @@ impl FileRegion {
                 .with_offset(offset));
             }
         }
+        if kind == MemKind::File && offset.checked_add(len).is_none() {
+            return Err(Error::invalid(format!("FILE registration: range [{offset}, +{len}) on fd {fd} ends past 2^64")).with_fd(fd).with_offset(offset));
+        }
         let max_direct_io = direct.and_then(|_| device_max_io(if is_block { st.st_rdev } else { st.st_dev }));
+        let io_fd = match owned_path {
+            Some(_) => fd,
+            None => {
+                let dup = duplicate(fd)?;
+                guard.fds[1] = Some(dup);
+                dup
+            }
+        };
+        let name = std::fs::read_link(format!("/proc/self/fd/{io_fd}")).map_or_else(|_| "?".to_owned(), |p| p.display().to_string());
         let key = FileKey { fd, dev: st.st_dev, ino: st.st_ino };
-        let fixed_slot = if fixed_files { ring.acquire_file(key) } else { None };
+        let fixed_slot = if fixed_files { ring.acquire_file(key, io_fd) } else { None };
         std::mem::forget(guard);
         Ok(FileRegion {
             kind,
             fd,
+            io_fd,
+            name,
             dev_id,
             offset,
             len,
@@ -158,31 +182,36 @@ impl FileRegion {
     pub fn file_ref(&self) -> FileRef {
         match self.fixed_slot {
             Some(slot) => FileRef::Fixed(slot),
-            None => FileRef::Raw(self.fd),
+            None => FileRef::Raw(self.io_fd),
         }
     }
 
-    /// Whether SQEs reach the file through the ring's fixed-file table (which holds its own
-    /// reference to the registered file, so a later close or reuse of the fd cannot redirect it).
-    pub fn has_fixed_slot(&self) -> bool {
-        self.fixed_slot.is_some()
-    }
-
-    /// Fails when an application-owned fd was closed, or now names another file, since the
-    /// registration (the fixed-file table would otherwise keep writing to the old file).
+    /// Fails when the application's fd was closed, or now names another file, since the
+    /// registration. I/O would still reach the registered file (it uses `io_fd`), but the
+    /// application no longer holds what it registered, so the request is refused instead.
     pub fn check_still_open(&self) -> Result<()> {
         if self.owned_path.is_some() {
             return Ok(());
         }
+        let what = match self.kind {
+            MemKind::Blk => "BLK_SEG",
+            _ => "FILE",
+        };
         match fstat(self.fd) {
             Ok(st) if st.st_dev == self.key.dev && st.st_ino == self.key.ino => Ok(()),
-            Ok(_) => Err(Error::new(
-                ErrorKind::NotAllowed,
-                format!("fd {} now refers to a different file than when it was registered; deregister and register the new file", self.fd),
-            )
-            .with_fd(self.fd)),
+            Ok(_) => {
+                let now = std::fs::read_link(format!("/proc/self/fd/{}", self.fd)).map_or_else(|_| "?".to_owned(), |p| p.display().to_string());
+                Err(Error::new(
+                    ErrorKind::NotAllowed,
+                    format!(
+                        "fd {} registered as {what} for {} now refers to a different file ({now}); nothing was moved; deregister it and register the new file",
+                        self.fd, self.name
+                    ),
+                )
+                .with_fd(self.fd))
+            }
             Err(e) => Err(Error::os(
-                format!("fd {} registered as FILE is no longer open; keep it open until deregistration", self.fd),
+                format!("fd {} registered as {what} for {} is no longer open; nothing was moved; keep it open until deregistration", self.fd, self.name),
                 &e,
             )
             .with_fd(self.fd)),
@@ -197,27 +226,36 @@ impl Drop for FileRegion {
         if self.fixed_slot.is_some() {
             self.ring.release_file(self.key);
         }
-        if self.owned_path.is_some() {
-            // SAFETY: the fd was opened by this registration and nothing else closes it. The
-            // fixed-file slot (if any) holds its own reference to the file.
-            unsafe { libc::close(self.fd) };
-        }
+        // SAFETY: io_fd is this registration's own fd (the plugin's duplicate, or the fd it
+        // opened in path mode) and nothing else closes it. The fixed-file slot (if any) holds
+        // its own reference to the file.
+        unsafe { libc::close(self.io_fd) };
     }
 }
 
-/// Closes a plugin-opened fd if registration fails after opening it.
+/// Closes the fds a registration opened (path mode) or duplicated if it fails after that.
 struct ClosesOnError {
-    fd: i32,
-    owned: bool,
+    fds: [Option<i32>; 2],
 }
 
 impl Drop for ClosesOnError {
     fn drop(&mut self) {
-        if self.owned {
-            // SAFETY: the fd was opened by the registration that is failing.
-            unsafe { libc::close(self.fd) };
+        for fd in self.fds.iter().flatten() {
+            // SAFETY: the fd was opened or duplicated by the registration that is failing.
+            unsafe { libc::close(*fd) };
         }
     }
+}
+
+/// The registration's own fd for the application's `fd` (close-on-exec, like the plugin's other
+/// fds).
+fn duplicate(fd: i32) -> Result<i32> {
+    // SAFETY: F_DUPFD_CLOEXEC on an fd we just fstat'ed returns a new fd or -1.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if dup < 0 {
+        return Err(Error::os(format!("FILE registration: could not duplicate fd {fd} for the registration's own use"), &io::Error::last_os_error()).with_fd(fd));
+    }
+    Ok(dup)
 }
 
 fn open_path(m: &PathMeta, dev_id: u64) -> Result<i32> {

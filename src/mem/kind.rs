@@ -1,7 +1,7 @@
 //! NIXL memory kinds (`nixl_mem_t`) and their names.
 
 /// NIXL memory kinds (`nixl_mem_t`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum MemKind {
     Dram,
     Vram,

@@ -1,95 +1,203 @@
-//! The MDs of one engine that NIXL still holds: every MD that NIXL hands back is looked up here
-//! before the plugin dereferences it.
+//! The engine's own index of its live registrations. NIXL's MDs are opaque tokens the plugin
+//! never dereferences: every descriptor is resolved here, by the token when it names a live
+//! registration that covers the descriptor, else by what the descriptor itself says (memory
+//! kind, devId and address range for DRAM/VRAM; devId and offset range for FILE/BLK).
 //!
-//! Why: NIXL passes MDs out of its own registration lists, and with an agent in sync mode NONE
-//! (the Python default without a listen thread) those lists are not locked (nixl
-//! src/core/sync.h). Threads that register and deregister at once can then leave a list holding
-//! the MD of a registration that is already deregistered (issue 16, bench/results/). Taking a
-//! reference through such a pointer would write into freed memory; looking it up here turns it
-//! into one error instead.
+//! Why: with an agent in sync mode NONE (the Python default without a listen thread) NIXL's
+//! registration lists are not locked (nixl src/core/sync.h), so threads that register,
+//! deregister and prepare at once get MDs that are stale (already deregistered) or belong to
+//! another registration (RELIABILITY.md, "Sync mode NONE"). NIXL's POSIX backend survives this
+//! because it acts on the descriptors, not the MDs; so does this index. Tokens are never
+//! reused, so a stale one can never name a newer registration.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::Registration;
+use super::{MemKind, Registration};
+use crate::bridge::iud_desc;
 
-/// Hands a registration to NIXL as its MD: NIXL's reference is the `Arc`'s count of one. The
-/// three functions below are the only casts between MDs and registrations.
-pub fn into_md(reg: Arc<Registration>) -> *const c_void {
-    Arc::into_raw(reg).cast()
-}
+/// First token handed out; tokens grow by 16 so that they look like (and are as distinct as)
+/// aligned pointers in NIXL's logs, and are never null.
+const FIRST_TOKEN: usize = 0x1000;
 
-/// Takes NIXL's reference back (deregistration).
-///
-/// # Safety
-/// `md` must come from [`into_md`] and NIXL's reference must not have been taken back yet.
-pub unsafe fn take_md(md: *const c_void) -> Arc<Registration> {
-    // SAFETY: per the contract, md came from Arc::into_raw and its reference is still counted.
-    unsafe { Arc::from_raw(md.cast::<Registration>()) }
-}
-
-/// A reference of our own on the registration behind `md`, NIXL's left in place; None for null.
-///
-/// # Safety
-/// `md` must be null or come from [`into_md`] with NIXL's reference still counted for the call.
-pub unsafe fn share_md(md: *const c_void) -> Option<Arc<Registration>> {
-    if md.is_null() {
-        return None;
-    }
-    let ptr = md.cast::<Registration>();
-    // SAFETY: per the contract ptr came from Arc::into_raw and is still counted by NIXL's
-    // reference; we add one for ourselves before rebuilding an Arc.
-    unsafe {
-        Arc::increment_strong_count(ptr);
-        Some(Arc::from_raw(ptr))
-    }
-}
-
-/// The set of MD pointers handed to NIXL by `register` and not yet taken back by `deregister`.
+/// Live registrations by token, and by what descriptors name.
 #[derive(Debug, Default)]
-pub struct LiveMds(Mutex<HashSet<usize>>);
+pub struct Registry(Mutex<Index>);
 
-impl LiveMds {
-    fn set(&self) -> MutexGuard<'_, HashSet<usize>> {
+#[derive(Debug, Default)]
+struct Index {
+    next: usize,
+    by_token: HashMap<usize, Arc<Registration>>,
+    /// DRAM and VRAM: (kind, devId, start, token) -> registration.
+    memory: BTreeMap<(MemKind, u64, u64, usize), Arc<Registration>>,
+    /// Longest memory registration per kind: a covering registration starts at most this far
+    /// below a descriptor.
+    longest: HashMap<MemKind, u64>,
+    /// FILE and BLK: (kind, devId) -> the registrations with that devId, oldest first.
+    storage: HashMap<(MemKind, u64), Vec<(usize, Arc<Registration>)>>,
+}
+
+/// Whether `reg` is of `kind` and covers the descriptor's devId and range.
+pub fn covers(reg: &Registration, kind: MemKind, d: &iud_desc) -> bool {
+    let (start, end) = reg.range();
+    reg.kind() == kind && reg.dev_id() == d.dev_id && d.addr >= start && d.addr.checked_add(d.len).is_some_and(|e| e <= end)
+}
+
+impl Index {
+    fn find(&self, kind: MemKind, d: &iud_desc) -> Option<&Arc<Registration>> {
+        match kind {
+            MemKind::Dram | MemKind::Vram => {
+                let below = d.addr.saturating_sub(*self.longest.get(&kind)?);
+                // The newest registration that starts closest below the descriptor first.
+                self.memory
+                    .range((kind, d.dev_id, below, 0)..=(kind, d.dev_id, d.addr, usize::MAX))
+                    .rev()
+                    .map(|(_, r)| r)
+                    .find(|r| covers(r, kind, d))
+            }
+            _ => self.storage.get(&(kind, d.dev_id))?.iter().rev().map(|(_, r)| r).find(|r| covers(r, kind, d)),
+        }
+    }
+}
+
+impl Registry {
+    fn index(&self) -> MutexGuard<'_, Index> {
+        // The index is consistent after every statement that mutates it, so a panic elsewhere
+        // while it was held leaves nothing half-done.
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn insert(&self, md: *const c_void) {
-        self.set().insert(md as usize);
+    /// Adds a registration; returns the token handed to NIXL as its MD.
+    pub fn insert(&self, reg: Registration) -> *const c_void {
+        let reg = Arc::new(reg);
+        let mut ix = self.index();
+        ix.next = ix.next.max(FIRST_TOKEN) + 16;
+        let token = ix.next;
+        let kind = reg.kind();
+        match kind {
+            MemKind::Dram | MemKind::Vram => {
+                let (start, end) = reg.range();
+                let longest = ix.longest.entry(kind).or_insert(0);
+                *longest = (*longest).max(end - start);
+                ix.memory.insert((kind, reg.dev_id(), start, token), Arc::clone(&reg));
+            }
+            _ => ix.storage.entry((kind, reg.dev_id())).or_default().push((token, Arc::clone(&reg))),
+        }
+        ix.by_token.insert(token, reg);
+        token as *const c_void
     }
 
-    /// Takes `md` out of the set; false when it was not in it (deregistered before, or never
-    /// returned by this engine).
-    pub fn remove(&self, md: *const c_void) -> bool {
-        self.set().remove(&(md as usize))
+    /// Takes the registration of `md` out of the index; None when `md` is not live (deregistered
+    /// before, or never handed out by this engine). Prepared requests keep their own references.
+    pub fn remove(&self, md: *const c_void) -> Option<Arc<Registration>> {
+        let token = md as usize;
+        let mut ix = self.index();
+        let reg = ix.by_token.remove(&token)?;
+        let kind = reg.kind();
+        match kind {
+            MemKind::Dram | MemKind::Vram => {
+                ix.memory.remove(&(kind, reg.dev_id(), reg.range().0, token));
+            }
+            _ => {
+                if let Some(list) = ix.storage.get_mut(&(kind, reg.dev_id())) {
+                    list.retain(|(t, _)| *t != token);
+                    if list.is_empty() {
+                        ix.storage.remove(&(kind, reg.dev_id()));
+                    }
+                }
+            }
+        }
+        Some(reg)
     }
 
-    /// A reference on the registration behind each distinct non-null MD of `mds`, taken under
-    /// the set's lock so that no deregistration frees one in between; while they are held, the
-    /// planner may turn the same pointers into registrations. `Err((i, md))`: the i-th MD is
-    /// not live.
-    pub fn hold(&self, mds: impl Iterator<Item = *const c_void>) -> Result<Vec<Arc<Registration>>, (usize, *const c_void)> {
-        // Distinct MDs first, outside the lock: lists repeat one or a few MDs.
-        let mut distinct: Vec<(usize, usize)> = Vec::new();
-        let mut seen = HashSet::new();
-        for (i, md) in mds.enumerate() {
-            let key = md as usize;
-            if key != 0 && distinct.last().map_or(true, |&(k, _)| k != key) && seen.insert(key) {
-                distinct.push((key, i));
-            }
+    /// The live registration of `kind` that covers `d`: the one `d.md` names if it does, else
+    /// any that does. `Err(stale)` when none does; `stale` says whether the MD was not live.
+    pub fn resolve(&self, kind: MemKind, d: &iud_desc) -> Result<Resolved, Unresolved> {
+        let ix = self.index();
+        let hinted = ix.by_token.get(&(d.md as usize));
+        if let Some(r) = hinted.filter(|r| covers(r, kind, d)) {
+            return Ok(Resolved { reg: Arc::clone(r), by_hint: true });
         }
-        let set = self.set();
-        let mut held = Vec::with_capacity(distinct.len());
-        for (key, i) in distinct {
-            if !set.contains(&key) {
-                return Err((i, key as *const c_void));
-            }
-            // SAFETY: `key` is in the set, so it came from into_md in Engine::register and
-            // NIXL's reference is still counted (deregistration removes it under this lock
-            // before dropping that reference).
-            held.extend(unsafe { share_md(key as *const c_void) });
+        if let Some(r) = ix.find(kind, d) {
+            return Ok(Resolved { reg: Arc::clone(r), by_hint: false });
         }
-        Ok(held)
+        let other_kind = [MemKind::Dram, MemKind::Vram, MemKind::File, MemKind::Blk].into_iter().find(|&k| k != kind && ix.find(k, d).is_some());
+        Err(Unresolved { md_live: hinted.is_some(), other_kind })
+    }
+
+    /// How many registrations are live (for tests and diagnostics).
+    pub fn len(&self) -> usize {
+        self.index().by_token.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A descriptor's registration.
+pub struct Resolved {
+    pub reg: Arc<Registration>,
+    /// Found through the descriptor's MD (false: NIXL's MD was stale or foreign).
+    pub by_hint: bool,
+}
+
+/// Why no live registration covers a descriptor.
+#[derive(Debug)]
+pub struct Unresolved {
+    /// The descriptor's MD names a live registration (which does not cover it).
+    pub md_live: bool,
+    /// A live registration of another kind covers it (a list of the wrong kind).
+    pub other_kind: Option<MemKind>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
+        iud_desc { addr, len, dev_id, md: md as *mut c_void }
+    }
+
+    fn dram(addr: u64, len: u64) -> Registration {
+        let workers = crate::uring::WorkerConfig { threads: 0, file_writers: 0 };
+        let ring = Arc::new(crate::uring::Ring::new(8, false, workers, Arc::default()).expect("ring"));
+        // SAFETY: without fixed buffers the region only records the range; nothing touches it.
+        Registration::Dram(unsafe { crate::mem::DramRegion::register(ring, addr, len, 0, false) }.0)
+    }
+
+    #[test]
+    fn a_stale_or_foreign_md_resolves_by_address_and_tokens_are_never_reused() {
+        let r = Registry::default();
+        let a = r.insert(dram(0x10000, 0x1000));
+        let b = r.insert(dram(0x20000, 0x4000));
+        // b's token on a descriptor of a: found by address, not by the token.
+        let got = r.resolve(MemKind::Dram, &d(0x10100, 0x100, 0, b)).ok().unwrap();
+        assert!(!got.by_hint && got.reg.range() == (0x10000, 0x11000));
+        assert!(r.resolve(MemKind::Dram, &d(0x20000, 0x4000, 0, b)).ok().unwrap().by_hint);
+        assert!(r.remove(a).is_some() && r.remove(a).is_none());
+        let c = r.insert(dram(0x10000, 0x1000));
+        assert_ne!(a, c);
+        // a is gone: a descriptor naming it finds c by address; a range nobody covers fails.
+        assert!(!r.resolve(MemKind::Dram, &d(0x10000, 0x1000, 0, a)).ok().unwrap().by_hint);
+        let miss = r.resolve(MemKind::Dram, &d(0x10f00, 0x200, 0, c)).err().unwrap();
+        assert!(miss.md_live && miss.other_kind.is_none());
+        assert!(r.resolve(MemKind::Vram, &d(0x20000, 0x10, 0, b)).err().unwrap().other_kind == Some(MemKind::Dram));
+        assert!(r.resolve(MemKind::Dram, &d(0x20000, 0x10, 1, b)).is_err(), "devId must match");
+    }
+
+    #[test]
+    fn the_newest_covering_registration_wins_and_long_ones_are_found() {
+        let r = Registry::default();
+        let long = r.insert(dram(0x1000, 1 << 30));
+        let short = r.insert(dram(0x4000_0000, 0x1000));
+        let hit = r.resolve(MemKind::Dram, &d(0x3000_0000, 0x10, 0, short)).ok().unwrap();
+        assert_eq!(hit.reg.range().0, 0x1000);
+        let newer = r.insert(dram(0x1000, 1 << 30));
+        let hit = r.resolve(MemKind::Dram, &d(0x2000, 0x10, 0, std::ptr::null())).ok().unwrap();
+        assert!(Arc::ptr_eq(&hit.reg, &r.resolve(MemKind::Dram, &d(0x2000, 0x10, 0, newer)).ok().unwrap().reg));
+        let _ = long;
+        assert_eq!(r.len(), 3);
     }
 }

@@ -43,7 +43,7 @@ impl Registration {
         match self {
             Registration::Dram(d) => (d.addr, d.addr + d.len),
             Registration::Vram(v) => (v.addr, v.addr + v.len),
-            Registration::Storage(f) => (f.offset, f.offset.saturating_add(f.len)),
+            Registration::Storage(f) => (f.offset, f.offset + f.len),
         }
     }
 

@@ -36,7 +36,7 @@ impl Path for Cufile {
         let Registration::Vram(vram) = mem else { return Err(Error::not_supported("cuFile moves only VRAM")) };
         let lib = CuFile::load()?;
         if file.cufile.get().is_none() {
-            let h = lib.register_handle(file.fd).map_err(|e| e.with_fd(file.fd))?;
+            let h = lib.register_handle(file.io_fd).map_err(|e| e.with_fd(file.fd))?;
             let _ = file.cufile.set(Arc::new(h));
         }
         vram.cufile.get_or_init(|| {
@@ -82,7 +82,7 @@ pub fn jobs(ops: &[IoOp], write: bool, registrations: &[Arc<Registration>], prog
     let mut jobs = Vec::with_capacity(ops.len());
     for op in ops {
         let file = registrations.iter().find_map(|r| match &**r {
-            Registration::Storage(f) if f.fd == op.fd => f.cufile.get().cloned(),
+            Registration::Storage(f) if f.io_fd == op.io_fd => f.cufile.get().cloned(),
             _ => None,
         });
         let vram = registrations.iter().find_map(|r| match &**r {

@@ -48,7 +48,7 @@ pub fn write_all(ops: &[IoOp]) -> Result<()> {
         loop {
             // SAFETY: op.addr..op.addr+op.len lies inside registered memory that NIXL's
             // contract keeps mapped while the request exists; pwrite only reads it.
-            let n = unsafe { libc::pwrite(op.fd, op.addr as *const libc::c_void, op.len as usize, op.file_offset as libc::off_t) };
+            let n = unsafe { libc::pwrite(op.io_fd, op.addr as *const libc::c_void, op.len as usize, op.file_offset as libc::off_t) };
             if n < 0 {
                 let err = io::Error::last_os_error();
                 match err.raw_os_error() {
@@ -79,7 +79,7 @@ pub fn read_cached_prefix(ops: &[IoOp]) -> usize {
         let iov = libc::iovec { iov_base: op.addr as *mut libc::c_void, iov_len: op.len as usize };
         // SAFETY: op.addr..op.addr+op.len lies inside registered memory that NIXL's contract
         // keeps mapped while the request exists, and no other op of the request targets it now.
-        let n = unsafe { libc::preadv2(op.fd, &iov, 1, op.file_offset as libc::off_t, libc::RWF_NOWAIT) };
+        let n = unsafe { libc::preadv2(op.io_fd, &iov, 1, op.file_offset as libc::off_t, libc::RWF_NOWAIT) };
         if n != op.len as isize {
             return i;
         }

@@ -55,7 +55,7 @@ impl Path for Dmabuf<'_> {
         let mut slots = Vec::with_capacity(slabs.slabs.len());
         for slab in &slabs.slabs {
             let fd = slab.dmabuf.as_ref().map(|f| f.as_raw_fd()).ok_or_else(|| Error::not_supported("slab has no DMA-BUF"))?;
-            match self.ring.register_dmabuf(fd, file.fd) {
+            match self.ring.register_dmabuf(fd, file.io_fd) {
                 Ok(slot) => slots.push(slot),
                 Err(e) => {
                     for s in slots {

@@ -26,7 +26,7 @@ pub fn dmabuf_read(ring: &Ring, slabs: &DmabufSlabs, file: &FileRegion, slot: u1
     let (saved, via_plain, via_dmabuf) = (host.addr(), host.addr() + block, host.addr() + 2 * block);
     copy(true, saved, slab.start, block)?;
     // SAFETY: reading into our own buffer.
-    let n = unsafe { libc::pread(file.fd, via_plain as *mut libc::c_void, block as usize, file.offset as libc::off_t) };
+    let n = unsafe { libc::pread(file.io_fd, via_plain as *mut libc::c_void, block as usize, file.offset as libc::off_t) };
     let errno = std::io::Error::last_os_error().raw_os_error().filter(|_| n < 0);
     if n != block as isize {
         let e = Error::backend(format!("plain O_DIRECT read of the test block failed ({n})")).with_fd(file.fd).with_offset(file.offset);
@@ -35,7 +35,7 @@ pub fn dmabuf_read(ring: &Ring, slabs: &DmabufSlabs, file: &FileRegion, slot: u1
             None => e,
         });
     }
-    let op = IoOp { file: FileRef::Raw(file.fd), fd: file.fd, file_offset: file.offset, addr: slab.dmabuf_offset_of(slab.start), len: block as u32, buf_index: Some(slot), device: None, punt: false, desc_index: 0 };
+    let op = IoOp { file: FileRef::Raw(file.io_fd), fd: file.fd, io_fd: file.io_fd, file_offset: file.offset, addr: slab.dmabuf_offset_of(slab.start), len: block as u32, buf_index: Some(slot), device: None, punt: false, desc_index: 0 };
     let result = run_one(ring, op);
     let copied = copy(true, via_dmabuf, slab.start, block);
     // Restores the user's bytes whatever happened.

@@ -29,8 +29,11 @@ pub enum FileRef {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IoOp {
     pub file: FileRef,
-    /// The caller-visible fd (or path-mode devId's fd), for error messages.
+    /// The caller-visible fd (or path-mode devId's fd), for error messages only.
     pub fd: i32,
+    /// The fd every raw system call uses: the registration's own duplicate of the caller's fd
+    /// (`FileRegion::io_fd`), so a caller closing or reusing its number cannot redirect I/O.
+    pub io_fd: i32,
     pub file_offset: u64,
     pub addr: u64,
     pub len: u32,
@@ -142,7 +145,7 @@ mod tests {
 
     #[test]
     fn remainder_continues_where_the_short_io_stopped() {
-        let op = IoOp { file: FileRef::Raw(3), fd: 3, file_offset: 4096, addr: 0x1000, len: 8192, buf_index: Some(2), device: None, punt: false, desc_index: 5 };
+        let op = IoOp { file: FileRef::Raw(3), fd: 3, io_fd: 3, file_offset: 4096, addr: 0x1000, len: 8192, buf_index: Some(2), device: None, punt: false, desc_index: 5 };
         let rest = op.remainder(1000);
         assert_eq!((rest.file_offset, rest.addr, rest.len), (5096, 0x1000 + 1000, 7192));
         assert_eq!((rest.buf_index, rest.desc_index, rest.fd), (Some(2), 5, 3));
@@ -150,7 +153,7 @@ mod tests {
 
     #[test]
     fn io_errors_carry_descriptor_fd_offset_and_errno() {
-        let op = IoOp { file: FileRef::Fixed(0), fd: 7, file_offset: 8192, addr: 0x1000, len: 4096, buf_index: None, device: None, punt: false, desc_index: 3 };
+        let op = IoOp { file: FileRef::Fixed(0), fd: 7, io_fd: 7, file_offset: 8192, addr: 0x1000, len: 4096, buf_index: None, device: None, punt: false, desc_index: 3 };
         let c = op.failed(true, libc::EIO).context;
         assert_eq!((c.descriptor, c.fd, c.offset, c.errno), (Some(3), Some(7), Some(8192), Some(libc::EIO)));
         let c = op.made_no_progress(false).context;

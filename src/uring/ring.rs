@@ -231,7 +231,8 @@ impl Ring {
 
     /// A registered-file slot for `key`, shared by every registration of the same open file.
     /// None when the table is absent or full (I/O then passes the raw fd).
-    pub fn acquire_file(&self, key: FileKey) -> Option<u32> {
+    /// `io_fd` is the registration's own fd for the file (the table takes its own reference).
+    pub fn acquire_file(&self, key: FileKey, io_fd: i32) -> Option<u32> {
         // A poisoned lock has failed the engine; the raw fd serves until the next call fails.
         let mut core = self.lock().ok()?;
         let core = &mut *core;
@@ -241,7 +242,7 @@ impl Ring {
         }
         let pool = core.file_slots.as_mut()?;
         let slot = pool.take()?;
-        match core.uring.submitter().register_files_update(slot, &[key.fd]) {
+        match core.uring.submitter().register_files_update(slot, &[io_fd]) {
             Ok(_) => {
                 core.files.insert(key, FileSlot { slot, refs: 1 });
                 Some(slot)
@@ -392,7 +393,7 @@ impl RingCore {
         }
         let Some(w) = &self.workers else { return false };
         let op = s.op;
-        let job = Job { token: s.token, fd: op.fd, offset: op.file_offset, addr: op.addr, len: op.len, write: s.write };
+        let job = Job { token: s.token, fd: op.io_fd, offset: op.file_offset, addr: op.addr, len: op.len, write: s.write };
         self.on_workers += 1;
         if u64::from(op.len) >= WORKER_JOB_BYTES {
             w.submit(job);

@@ -21,8 +21,8 @@
 //! where the workers may not get a core soon, the caller does the work itself instead of
 //! waiting for them (what made hand-offs lose on a loaded 2-core machine).
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -53,6 +53,10 @@ struct Queues {
     done: Vec<(u64, i32)>,
     /// Write batches running now, per fd (see `Shared::file_writers`).
     writing: HashMap<i32, usize>,
+    /// Tokens of the jobs in batches a worker is running now.
+    running: HashSet<u64>,
+    /// Running jobs whose request is being released: they stop at their next system call.
+    cancelled: HashSet<u64>,
 }
 
 struct Shared {
@@ -65,13 +69,35 @@ struct Shared {
     /// serializes them the same way, hashing buffered writes by inode).
     file_writers: usize,
     failure: Arc<Failure>,
+    /// Bumped by every `cancel` that reached a running job, so that workers look at
+    /// `Queues::cancelled` (under the lock) only after one did.
+    cancel_epoch: AtomicU64,
 }
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
         self.failure.lock_or_recover(&self.queues, QUEUE_LOCK)
     }
+
+    /// Whether the running job `token` was cancelled; `seen` is the epoch this worker last
+    /// looked at (updated).
+    fn cancelled(&self, token: u64, seen: &mut u64) -> bool {
+        let now = self.cancel_epoch.load(Ordering::Acquire);
+        if now == *seen {
+            return false;
+        }
+        let hit = self.lock().cancelled.contains(&token);
+        if !hit {
+            *seen = now;
+        }
+        hit
+    }
 }
+
+/// The step of a blocking page-cache read: between steps a worker checks whether its request
+/// is being released, so releasing waits for at most one step per busy worker (FUSE's default
+/// max_read, 128 KiB: one request to a slow file system per step).
+const READ_STEP: usize = 128 << 10;
 
 /// Whether `job` may join `batch`: a batch's jobs share one fd and one direction, so that the
 /// writer limit counts a batch against the right file and a caller helping with reads never
@@ -99,6 +125,7 @@ impl Queues {
         if let Some(fd) = limited_fd(&batch, limit) {
             *self.writing.entry(fd).or_insert(0) += 1;
         }
+        self.running.extend(batch.iter().map(|j| j.token));
         Some(batch)
     }
 
@@ -130,6 +157,7 @@ impl PageCacheWorkers {
             stop: AtomicBool::new(false),
             file_writers,
             failure,
+            cancel_epoch: AtomicU64::new(0),
         });
         let mut threads = Vec::new();
         for i in 0..count.max(1) {
@@ -176,9 +204,17 @@ impl PageCacheWorkers {
     }
 
     /// Takes the jobs among `tokens` that no thread has started yet out of the queue; they
-    /// complete with -ECANCELED. Started ones run to their end (a pread cannot be interrupted).
+    /// complete with -ECANCELED. Started ones stop at their next system call: a read between
+    /// its steps, a batch between its jobs (a running pread or pwrite cannot be interrupted);
+    /// they complete with what they moved, or -ECANCELED.
     pub fn cancel(&self, tokens: &[u64]) {
         let mut q = self.lock();
+        let before_running = q.cancelled.len();
+        let running: Vec<u64> = tokens.iter().copied().filter(|t| q.running.contains(t)).collect();
+        q.cancelled.extend(running);
+        if q.cancelled.len() != before_running {
+            self.shared.cancel_epoch.fetch_add(1, Ordering::Release);
+        }
         let Queues { jobs, done, .. } = &mut *q;
         let before = done.len();
         for batch in jobs.iter_mut() {
@@ -306,8 +342,16 @@ fn work(s: &Shared) {
                 q = s.job_ready.wait(q).unwrap_or_else(|p| p.into_inner());
             }
         };
-        let results: Vec<(u64, i32)> = batch.iter().map(|j| (j.token, run(j))).collect();
+        let mut seen = s.cancel_epoch.load(Ordering::Acquire);
+        let results: Vec<(u64, i32)> = batch
+            .iter()
+            .map(|j| (j.token, if s.cancelled(j.token, &mut seen) { -libc::ECANCELED } else { run(j, s, &mut seen) }))
+            .collect();
         let mut q = s.lock();
+        for j in &batch {
+            q.running.remove(&j.token);
+            q.cancelled.remove(&j.token);
+        }
         q.done.extend(results);
         q.write_ended(&batch, s.file_writers);
         // A write batch held back for this fd may run now.
@@ -320,8 +364,35 @@ fn work(s: &Shared) {
     }
 }
 
-/// One pread/pwrite; a short count is returned as is (the core issues the remainder).
-fn run(job: &Job) -> i32 {
+/// One job; a short count is returned as is (the core issues the remainder, unless the request
+/// is being released). A read first tries the whole job from the page cache in one call, then
+/// goes on in `READ_STEP`s, stopping early once its request is cancelled.
+fn run(job: &Job, s: &Shared, seen: &mut u64) -> i32 {
+    if job.write {
+        return pread_or_pwrite(job);
+    }
+    let mut done = match read_nowait(job) {
+        // 0 is the end of the file (an uncached range is EAGAIN: None).
+        Some(n) if n <= 0 || n as u32 == job.len => return n,
+        Some(n) => n as u32,
+        None => 0,
+    };
+    while done < job.len {
+        if s.cancelled(job.token, seen) {
+            return if done > 0 { done as i32 } else { -libc::ECANCELED };
+        }
+        let step = Job { offset: job.offset + u64::from(done), addr: job.addr + u64::from(done), len: (job.len - done).min(READ_STEP as u32), ..*job };
+        match pread_or_pwrite(&step) {
+            n if n < 0 => return if done > 0 { done as i32 } else { n },
+            0 => break,
+            n => done += n as u32,
+        }
+    }
+    done as i32
+}
+
+/// One pread or pwrite of the whole job.
+fn pread_or_pwrite(job: &Job) -> i32 {
     loop {
         // SAFETY: the core keeps `addr..addr+len` (user memory of a live registration, or a
         // staging buffer owned by the in-flight entry) and the fd valid until it takes this

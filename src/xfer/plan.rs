@@ -8,12 +8,12 @@
 //! other in memory and file are merged up to the same size.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
 use super::request::RequestOps;
+use crate::mem::live::{self, Registry, Unresolved};
 use crate::mem::{FileRegion, MemKind, Registration};
 use crate::path::{direct, dmabuf, staging, Route};
 use crate::uring::{IoOp, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
@@ -53,53 +53,53 @@ pub struct Plan {
     pub vram_outside_streams: bool,
 }
 
-/// Turns an MD pointer from NIXL back into a shared registration, without taking over NIXL's
-/// reference.
-///
-/// # Safety
-/// `md` must be null or a pointer produced by `Arc::into_raw` on an `Arc<Registration>` whose
-/// NIXL reference has not been released (NIXL only passes MDs of live registrations).
-unsafe fn registration_of(md: *const c_void) -> Option<Arc<Registration>> {
-    // SAFETY: forwarded from the caller.
-    unsafe { crate::mem::live::share_md(md) }
-}
-
-/// Deduplicates the registrations of a list (typically one or a few MDs for thousands of
-/// descriptors).
-#[derive(Default)]
-struct RegistrationSet {
+/// The registrations of a request's descriptors, resolved through the engine's registry and
+/// deduplicated (lists name one or a few registrations for thousands of descriptors).
+struct Registrations<'a> {
+    registry: &'a Registry,
     index: HashMap<usize, usize>,
     list: Vec<Arc<Registration>>,
-    /// The last two lookups (memory side, storage side): most lists repeat one MD per side.
-    recent: [(usize, usize); 2],
+    /// Per side (memory, storage): the last descriptor's MD and its registration's index; most
+    /// lists repeat one MD per side, so most descriptors need no lookup.
+    recent: [Option<(usize, usize)>; 2],
+    /// Descriptors whose MD did not name a registration covering them (sync mode NONE).
+    unhinted: usize,
 }
 
-impl RegistrationSet {
-    /// Index into `list` of the registration behind `md`; `side` picks the lookup cache.
-    ///
-    /// # Safety
-    /// As [`registration_of`].
-    unsafe fn get(&mut self, md: *const c_void, side: usize) -> Option<usize> {
-        let key = md as usize;
-        if key == 0 {
-            return None;
-        }
-        if self.recent[side].0 == key {
-            return Some(self.recent[side].1);
-        }
-        let i = match self.index.get(&key) {
-            Some(&i) => i,
-            None => {
-                // SAFETY: forwarded from the caller.
-                let reg = unsafe { registration_of(md) }?;
-                self.list.push(reg);
-                self.index.insert(key, self.list.len() - 1);
-                self.list.len() - 1
-            }
-        };
-        self.recent[side] = (key, i);
-        Some(i)
+impl<'a> Registrations<'a> {
+    fn new(registry: &'a Registry) -> Self {
+        Registrations { registry, index: HashMap::new(), list: Vec::new(), recent: [None; 2], unhinted: 0 }
     }
+
+    /// Index into `list` of the live registration of `kind` that covers `d`.
+    fn get(&mut self, side: usize, kind: MemKind, d: &iud_desc) -> std::result::Result<usize, Unresolved> {
+        let md = d.md as usize;
+        if let Some((m, i)) = self.recent[side] {
+            if m == md && live::covers(&self.list[i], kind, d) {
+                return Ok(i);
+            }
+        }
+        let found = self.registry.resolve(kind, d)?;
+        self.unhinted += usize::from(!found.by_hint);
+        let list = &mut self.list;
+        let i = *self.index.entry(Arc::as_ptr(&found.reg) as usize).or_insert_with(|| {
+            list.push(found.reg);
+            list.len() - 1
+        });
+        self.recent[side] = Some((md, i));
+        Ok(i)
+    }
+}
+
+/// The message for a descriptor that no live registration covers.
+fn not_covered(i: usize, what: String, kind: MemKind, d: &iud_desc, why: Unresolved) -> Error {
+    let mut m = format!("descriptor {i}: {what} is not covered by any live {} registration of this engine", kind.name());
+    if let Some(other) = why.other_kind {
+        m += &format!(" (a {} registration covers it: the list's memory type does not match)", other.name());
+    } else if !d.md.is_null() && !why.md_live {
+        m += &format!(" (its MD {:p} was deregistered, or NIXL handed back a stale MD)", d.md);
+    }
+    Error::not_found(m)
 }
 
 /// Limits and decisions the planner needs from the engine.
@@ -142,28 +142,30 @@ fn worker_piece(ctx: &PlanContext<'_>, request: u64) -> u64 {
     share.min(WORKER_PIECE_MAX).max(ctx.punt_buffered_min)
 }
 
-/// Validates the lists and builds the request's ops.
-///
-/// # Safety
-/// Every non-null `md` in the lists must satisfy [`registration_of`]'s contract.
-pub unsafe fn plan(
+/// Validates the lists against the live registrations of `registry` and builds the request's
+/// ops. The descriptors' MDs are only hints (`mem::live`).
+pub fn plan(
     op_kind: XferOp,
     local_kind: i32,
     local: &[iud_desc],
     remote_kind: i32,
     remote: &[iud_desc],
+    registry: &Registry,
     ctx: &PlanContext<'_>,
 ) -> Result<Plan> {
     let op = op_kind;
     let lk = MemKind::from_nixl(local_kind);
     let rk = MemKind::from_nixl(remote_kind);
-    if !matches!(lk, Some(MemKind::Dram) | Some(MemKind::Vram)) || !matches!(rk, Some(MemKind::File) | Some(MemKind::Blk)) {
-        return Err(Error::invalid(format!(
-            "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG or VRAM_SEG (local) <-> FILE_SEG or BLK_SEG (remote)",
-            lk.map_or("unknown", |k| k.name()),
-            rk.map_or("unknown", |k| k.name())
-        )));
-    }
+    let (lk, rk) = match (lk, rk) {
+        (Some(l @ (MemKind::Dram | MemKind::Vram)), Some(r @ (MemKind::File | MemKind::Blk))) => (l, r),
+        _ => {
+            return Err(Error::invalid(format!(
+                "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG or VRAM_SEG (local) <-> FILE_SEG or BLK_SEG (remote)",
+                lk.map_or("unknown", |k| k.name()),
+                rk.map_or("unknown", |k| k.name())
+            )))
+        }
+    };
     if local.len() != remote.len() {
         return Err(Error::new(
             ErrorKind::Mismatch,
@@ -171,10 +173,13 @@ pub unsafe fn plan(
         ));
     }
     // 1. Validate every descriptor against its registrations; no side effects yet.
-    let mut regs = RegistrationSet::default();
+    let mut regs = Registrations::new(registry);
     let mut pairs = Vec::with_capacity(local.len());
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
         pairs.push(validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?);
+    }
+    if regs.unhinted > 0 {
+        tracing::debug!("prepXfer: {} of {} descriptor pairs carried an MD of no registration covering them (NIXL's lists in sync mode NONE); resolved by address", regs.unhinted, local.len());
     }
     // 2. Bind each distinct (memory, target) pair to its path (cached by the engine: DMA-BUF
     //    registration and self-test, cuFile handles, the staging pool happen on first use).
@@ -245,51 +250,22 @@ pub unsafe fn plan(
     })
 }
 
-/// Checks one descriptor pair: equal non-zero lengths, registrations of the right kinds that
-/// cover it, the file's access mode. Returns (memory, storage) indices into `regs`.
-fn validate(
-    i: usize,
-    op: XferOp,
-    lk: Option<MemKind>,
-    rk: Option<MemKind>,
-    l: &iud_desc,
-    r: &iud_desc,
-    regs: &mut RegistrationSet,
-) -> Result<(usize, usize)> {
+/// Checks one descriptor pair: equal non-zero lengths, live registrations of the lists' kinds
+/// that cover it, the file's access mode. Returns (memory, storage) indices into `regs`.
+fn validate(i: usize, op: XferOp, lk: MemKind, rk: MemKind, l: &iud_desc, r: &iud_desc, regs: &mut Registrations<'_>) -> Result<(usize, usize)> {
     if l.len != r.len {
         return Err(Error::new(ErrorKind::Mismatch, format!("descriptor {i}: local length {} differs from remote length {}", l.len, r.len)));
     }
     if l.len == 0 {
         return Err(Error::invalid(format!("descriptor {i}: zero length")));
     }
-    // SAFETY: the caller of plan() guarantees the MDs are live registrations.
-    let Some(mi) = (unsafe { regs.get(l.md, 0) }) else {
-        return Err(Error::not_found(format!("descriptor {i}: local memory 0x{:x}+{} is not registered with this backend", l.addr, l.len)));
-    };
-    // SAFETY: as above.
-    let Some(fi) = (unsafe { regs.get(r.md, 1) }) else {
-        return Err(Error::not_found(format!("descriptor {i}: file range devId {} offset {}+{} is not registered with this backend", r.dev_id, r.addr, r.len)));
-    };
-    let (mem, file_reg) = (&*regs.list[mi], &*regs.list[fi]);
-    if Some(mem.kind()) != lk {
-        return Err(Error::invalid(format!(
-            "descriptor {i}: local list is {} but the descriptor's registration is {}",
-            lk.map_or("unknown", |k| k.name()),
-            mem.kind().name()
-        )));
-    }
-    let Registration::Storage(file) = file_reg else {
-        return Err(Error::invalid(format!("descriptor {i}: remote descriptor's registration is {}, not storage", file_reg.kind().name())));
-    };
-    if Some(file.kind) != rk {
-        return Err(Error::invalid(format!(
-            "descriptor {i}: remote list is {} but the descriptor's registration is {}",
-            rk.map_or("unknown", |k| k.name()),
-            file.kind.name()
-        )));
-    }
-    check_covered(i, "local memory", l, mem)?;
-    check_covered(i, "file range", r, file_reg)?;
+    let mi = regs
+        .get(0, lk, l)
+        .map_err(|why| not_covered(i, format!("local memory devId {} [0x{:x}, +{})", l.dev_id, l.addr, l.len), lk, l, why))?;
+    let fi = regs
+        .get(1, rk, r)
+        .map_err(|why| not_covered(i, format!("file range devId {} [{}, +{})", r.dev_id, r.addr, r.len), rk, r, why))?;
+    let Registration::Storage(file) = &*regs.list[fi] else { unreachable!("resolved as {}", rk.name()) };
     match op {
         XferOp::Write if !file.writable => return Err(Error::invalid(format!("descriptor {i}: WRITE to fd {} which is open read-only", file.fd)).with_fd(file.fd)),
         XferOp::Read if !file.readable => return Err(Error::invalid(format!("descriptor {i}: READ from fd {} which is open write-only", file.fd)).with_fd(file.fd)),
@@ -372,6 +348,7 @@ fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, fil
             IoOp {
                 file: file.file_ref(),
                 fd: file.fd,
+                io_fd: file.io_fd,
                 file_offset: r.addr + done,
                 addr: mem_addr,
                 len: piece as u32,
@@ -408,25 +385,13 @@ fn push_coalesced(ops: &mut Vec<IoOp>, op: IoOp, max_piece: u64) {
     ops.push(op);
 }
 
-fn check_covered(i: usize, what: &str, d: &iud_desc, reg: &Registration) -> Result<()> {
-    let (start, end) = reg.range();
-    let d_end = d.addr.checked_add(d.len);
-    if d.dev_id != reg.dev_id() || d.addr < start || d_end.is_none_or(|e| e > end) {
-        return Err(Error::not_found(format!(
-            "descriptor {i}: {what} devId {} [{}, +{}) is outside its registration devId {} [{}, {})",
-            d.dev_id, d.addr, d.len, reg.dev_id(), start, end
-        )));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::uring::FileRef;
 
     fn op(file_offset: u64, addr: u64, len: u32, buf_index: Option<u16>) -> IoOp {
-        IoOp { file: FileRef::Fixed(0), fd: 5, file_offset, addr, len, buf_index, device: None, punt: false, desc_index: 0 }
+        IoOp { file: FileRef::Fixed(0), fd: 5, io_fd: 5, file_offset, addr, len, buf_index, device: None, punt: false, desc_index: 0 }
     }
 
     #[test]

@@ -174,6 +174,9 @@ impl RequestProgress {
         let State::Running { error, abort, .. } = &mut self.state else { return Outcome::Over };
         if res >= 0 && res as u32 == op.len {
             Outcome::Complete
+        } else if res > 0 && *abort {
+            // Being released: nothing more is issued, so release waits for no remainder.
+            Outcome::Over
         } else if res > 0 {
             // Short transfer: finish the remainder (NIXL's POSIX fails the request here).
             Outcome::Retry(op.remainder(res as u32))
@@ -290,7 +293,7 @@ mod tests {
     use crate::uring::FileRef;
 
     fn request(n: usize, write: bool, inline_writes: bool) -> RequestProgress {
-        let op = |i: usize| IoOp { file: FileRef::Raw(3), fd: 3, file_offset: i as u64 * 4096, addr: 0x10000 + i as u64 * 4096, len: 4096, buf_index: None, device: None, punt: false, desc_index: i as u32 };
+        let op = |i: usize| IoOp { file: FileRef::Raw(3), fd: 3, io_fd: 3, file_offset: i as u64 * 4096, addr: 0x10000 + i as u64 * 4096, len: 4096, buf_index: None, device: None, punt: false, desc_index: i as u32 };
         RequestProgress::new(Arc::new(RequestOps { write, ops: (0..n).map(op).collect(), inline_writes, inline_reads: false }))
     }
 

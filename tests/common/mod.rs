@@ -90,12 +90,49 @@ pub fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
 
 /// Runs a DRAM <-> `remote_kind` transfer to completion, polling like NIXL's clients.
 pub fn run_kind(e: &Engine, op: i32, remote_kind: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), Error> {
-    // SAFETY: every md in the lists is a live registration of `e`.
-    let req = unsafe { e.prep(op, DRAM, local, remote_kind, remote, AGENT) }?;
+    let req = e.prep(op, DRAM, local, remote_kind, remote, AGENT)?;
     let mut res = e.post(&req, op, local.len(), remote.len());
     while let Ok(Progress::InFlight) = res {
         res = e.check(&req);
     }
     e.release(req).map_err(|(_, err)| err).expect("release");
     res.map(|_| ())
+}
+
+/// What an application does to a registered fd before a post (the fd rule, mem/file.rs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FdFate {
+    /// close(fd).
+    Closed,
+    /// close(fd), then another file opened under the same number (dup2 makes the reuse certain).
+    Reused,
+}
+
+/// Applies `fate` to `fd`; for `Reused`, `other` is opened (O_RDWR, plus `flags`) under `fd`.
+pub fn doom_fd(fd: i32, fate: FdFate, other: &std::path::Path, flags: i32) {
+    match fate {
+        FdFate::Closed => {
+            // SAFETY: the test owns fd.
+            assert_eq!(unsafe { libc::close(fd) }, 0);
+        }
+        FdFate::Reused => {
+            let c = std::ffi::CString::new(other.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: c is NUL-terminated; the new fd is the test's.
+            let b = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | flags) };
+            assert!(b >= 0, "open {other:?}");
+            // SAFETY: dup2 closes fd and makes it name `other`; then b is closed.
+            assert_eq!(unsafe { libc::dup2(b, fd) }, fd);
+            // SAFETY: as above.
+            unsafe { libc::close(b) };
+        }
+    }
+}
+
+/// Opens `path` read-write (creating it) with extra `flags`; the caller owns the fd.
+pub fn open_fd(path: &std::path::Path, flags: i32) -> i32 {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: c is NUL-terminated.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | flags, 0o644) };
+    assert!(fd >= 0, "open {path:?}: {}", std::io::Error::last_os_error());
+    fd
 }

@@ -70,10 +70,13 @@ class RulesFS(base.FaultFS):
     def __init__(self, mnt: str, backing: str, spec: str):
         super().__init__(mnt, backing, "full")
         self.rules = Rules(spec)
-        self.stats.update({"read_log": [], "short_reads": 0, "short_writes": 0, "enospc": 0, "eio_write": 0, "delayed": 0})
+        self.stats.update({"read_log": [], "short_reads": 0, "short_writes": 0, "enospc": 0, "eio_write": 0, "delayed": 0,
+                           "read_times": []})
 
     def handle(self, op: int, node: int, body: bytes):
         r = self.rules
+        if op == base.FUSE_READ and len(self.stats["read_times"]) < 4096:
+            self.stats["read_times"].append(time.time())  # when each READ reached the daemon
         if op in (base.FUSE_READ, base.FUSE_WRITE) and r.delay:
             self.stats["delayed"] += 1
             time.sleep(r.delay)

@@ -327,6 +327,46 @@ def test_release_while_delayed_io_in_flight(scene_factory, rng):
     print(seen)
 
 
+def test_release_on_hung_storage_waits_for_one_read_step_per_thread(scene_factory, rng):
+    """Releasing a buffered READ whose every FUSE request sleeps: each page-cache worker stops
+    at its next system call (reads run in 128 KiB steps, FUSE's default max_read, one FUSE
+    request each), so release waits for at most the step each busy worker is in, never for the
+    rest of its 1 MiB piece. Counted in FUSE requests, not seconds: the single-threaded daemon
+    logs when each READ arrives; READs arriving while release runs are the steps it waited for
+    (one per worker at most) plus the kernel's readahead for them (at most one each)."""
+    threads = 2
+    scene = scene_factory({"punt_buffered_min": "65536", "page_cache_threads": str(threads)}, bystander=False)
+    content = H.rand_bytes(rng, SIZE)
+    m = scene.mount("delay_ms:200", content)
+    buf = H.Buf(SIZE)
+    scene.reg(scene.rig.reg_dram(buf))
+    fd = scene.fd(os.open(m.path, os.O_RDONLY))
+    scene.reg(scene.rig.reg_fd(fd, SIZE))
+    seen = {}
+
+    def action():
+        h = scene.rig.xfer("READ", [(buf.addr + i, MiB) for i in range(0, SIZE, MiB)],
+                           [(i, MiB, fd) for i in range(0, SIZE, MiB)])
+        seen["state"] = scene.agent.transfer(h)
+        time.sleep(0.5)  # the workers are inside their pieces
+        t0 = time.time()
+        scene.rig.release(h)
+        seen["release"] = (t0, time.time())
+        snap = buf.arr.copy()
+        time.sleep(0.5)
+        seen["quiet"] = bool(np.array_equal(snap, buf.arr))
+        return rel.Result("done", "NIXL_SUCCESS")
+
+    scene.check("release on hung storage", action, "NIXL_SUCCESS", ("done",), log_lines=0)
+    t0, t1 = seen["release"]
+    times = m.stop()["read_times"]
+    during = sum(t0 <= t <= t1 for t in times)
+    print(f"release took {t1 - t0:.2f} s; FUSE READs arriving meanwhile: {during}; in all: {len(times)}")
+    assert seen["state"] == "PROC", seen
+    assert seen["quiet"], "memory changed after release returned"
+    assert during <= 2 * threads, f"release waited for {during} FUSE READs with {threads} workers"
+
+
 # ---- misuse on ordinary files -------------------------------------------------------------------
 
 def test_read_past_eof(scene, rng):

@@ -267,8 +267,7 @@ impl EngineBench {
             self.buf.bytes_mut()[..bytes].fill(0);
         }
         let nop = if op == Op::Read { READ } else { WRITE };
-        // SAFETY: both MDs are live registrations of self.e until Drop.
-        let req = unsafe { self.e.prep(nop, DRAM, &local, BLK, &remote, AGENT) }.map_err(|e| format!("prep: {:?}: {}", e.kind, e.message))?;
+        let req = self.e.prep(nop, DRAM, &local, BLK, &remote, AGENT).map_err(|e| format!("prep: {:?}: {}", e.kind, e.message))?;
         let once = |req: &io_uring_dmabuf::engine::Request| -> Result<(), String> {
             let mut r = self.e.post(req, nop, local.len(), remote.len());
             while let Ok(Progress::InFlight) = r {
@@ -322,11 +321,8 @@ impl EngineBench {
 
 impl Drop for EngineBench {
     fn drop(&mut self) {
-        // SAFETY: registered in new(), deregistered once; no request is left.
-        unsafe {
-            let _ = self.e.deregister(self.md_blk);
-            let _ = self.e.deregister(self.md_dram);
-        }
+        let _ = self.e.deregister(self.md_blk);
+        let _ = self.e.deregister(self.md_dram);
     }
 }
 

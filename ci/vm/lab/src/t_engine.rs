@@ -30,8 +30,7 @@ pub(crate) fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_d
 }
 
 pub(crate) fn run(e: &Engine, op: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), Error> {
-    // SAFETY: every md in the lists is a live registration of `e` (deregistered only after).
-    let req = unsafe { e.prep(op, DRAM, local, BLK, remote, AGENT) }?;
+    let req = e.prep(op, DRAM, local, BLK, remote, AGENT)?;
     let mut res = e.post(&req, op, local.len(), remote.len());
     while let Ok(Progress::InFlight) = res {
         res = e.check(&req);
@@ -71,8 +70,7 @@ fn not_supported_message(e: &Engine, meta: &str, dev_id: u64) -> String {
     match e.register(BLK, BASE, 4096, dev_id, meta) {
         Err(err) => format!("engine refuses BLK_SEG: {:?}: {}", err.kind, err.message),
         Ok(md) => {
-            // SAFETY: registered just above, deregistered once.
-            let _ = unsafe { e.deregister(md) };
+            let _ = e.deregister(md);
             "engine refused BLK_SEG once and accepted it on retry".to_owned()
         }
     }
@@ -126,12 +124,10 @@ pub fn round_trip(device: &str, fd_mode: bool) -> TestResult {
         run(&e, READ, &lr, &remote).map_err(|err| format!("READ: {:?}: {}", err.kind, err.message))?;
         compare("data read back through the engine", &dst.bytes()[..total as usize], &src.bytes()[..total as usize])
     })();
-    // SAFETY: each MD came from register() above and is deregistered once, after its last use.
-    unsafe {
-        for m in [ms, md, mb] {
-            e.deregister(m).map_err(|err| format!("deregister: {}", err.message))?;
-        }
+    for m in [ms, md, mb] {
+    e.deregister(m).map_err(|err| format!("deregister: {}", err.message))?;
     }
+
     result?;
     Ok(Outcome::Pass(format!(
         "{how}: {} descriptors of {} .. {} ({} in all) written and read back at device offset {base}: identical in memory and on disk",
@@ -150,8 +146,7 @@ pub fn refusals(device: &str) -> TestResult {
     let Some(probe) = register_blk(&e, BASE, 4096, 4243, &format!("rw,direct:{device}"))? else {
         return Ok(Outcome::Skip(not_supported_message(&e, &format!("rw,direct:{device}"), 4243)));
     };
-    // SAFETY: registered just above, deregistered once.
-    unsafe { e.deregister(probe) }.map_err(|err| err.message)?;
+    e.deregister(probe).map_err(|err| err.message)?;
     let mut seen = Vec::new();
     let buffered = OpenOptions::new().read(true).write(true).open(device).map_err(|e| format!("open({device}): {e}"))?;
     match e.register(BLK, BASE, 4096, buffered.as_raw_fd() as u64, "") {
@@ -167,11 +162,9 @@ pub fn refusals(device: &str) -> TestResult {
     let m = e.register(DRAM, buf.ptr() as u64, 1 << 20, 0, "").map_err(|e| e.message)?;
     let odd = dev.lbs as u64 / 2;
     let r = run(&e, WRITE, &[desc(buf.ptr() as u64, odd, 0, m)], &[desc(BASE, odd, 4245, mb)]);
-    // SAFETY: registered above, deregistered once.
-    unsafe {
-        let _ = e.deregister(m);
-        let _ = e.deregister(mb);
-    }
+    let _ = e.deregister(m);
+    let _ = e.deregister(mb);
+
     match r {
         Err(err) => seen.push(format!("{odd}-byte descriptor -> {:?} \"{}\"", err.kind, err.message)),
         Ok(()) => return Err(format!("a {odd}-byte WRITE on a {}-byte-sector device was accepted", dev.lbs)),

@@ -117,8 +117,7 @@ fn round_trip(device: &str, probe: Option<Probe>, region: usize, mem_start: usiz
         Err(err) => return Err(format!("registerMem(DRAM memfd {}, dram_dmabuf=on): {:?}: {}", size_str(region as u64), err.kind, err.message)),
     };
     if !supported {
-        // SAFETY: registered just above, deregistered once.
-        let _ = unsafe { e.deregister(ms) };
+        let _ = e.deregister(ms);
         return Err("registerMem(dram_dmabuf=on) was accepted on a kernel whose probe says the uAPI is absent".into());
     }
     let md = e.register(DRAM, dst.ptr as u64, region as u64, 0, "").map_err(|err| format!("registerMem(dst): {:?}: {}", err.kind, err.message))?;
@@ -156,11 +155,9 @@ fn round_trip(device: &str, probe: Option<Probe>, region: usize, mem_start: usiz
             size_str(window as u64)
         ))
     })();
-    // SAFETY: each MD came from register() above and is deregistered once, after its last use.
-    unsafe {
-        for m in mds {
-            e.deregister(m).map_err(|err| format!("deregister: {}", err.message))?;
-        }
+    for m in mds {
+    e.deregister(m).map_err(|err| format!("deregister: {}", err.message))?;
     }
+
     result.map(Outcome::Pass)
 }

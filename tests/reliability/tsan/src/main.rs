@@ -60,8 +60,7 @@ fn d(addr: u64, len: u64, dev: u64, md: usize) -> iud_desc {
 }
 
 fn run(e: &Engine, op: i32, l: &[iud_desc], r: &[iud_desc]) {
-    // SAFETY: every md is a live registration of e.
-    let req = unsafe { e.prep(op, DRAM, l, FILE, r, AGENT) }.expect("prep");
+    let req = e.prep(op, DRAM, l, FILE, r, AGENT).expect("prep");
     let mut s = e.post(&req, op, l.len(), r.len());
     while let Ok(Progress::InFlight) = s {
         s = e.check(&req);
@@ -146,8 +145,7 @@ fn main() {
                         // Direct reads go to the kernel, buffered ones to the page-cache workers.
                         let (rfd, rmd) = if rng.next() % 2 == 0 { (fds[1], mfd) } else { (fds[0], mf) };
                         let r: Vec<_> = (0..4u64).map(|k| d(base + k * (1 << 20), 1 << 20, rfd, rmd)).collect();
-                        // SAFETY: live registrations.
-                        let req = unsafe { e.prep(READ, DRAM, &l, FILE, &r, AGENT) }.expect("prep");
+                        let req = e.prep(READ, DRAM, &l, FILE, &r, AGENT).expect("prep");
                         if let Ok(Progress::InFlight) = e.post(&req, READ, 4, 4) {
                             inflight.fetch_add(1, Relaxed);
                         }
@@ -165,8 +163,7 @@ fn main() {
                         let pm = e.register(FILE, base, REGION as u64, dev, &meta).unwrap() as usize;
                         let l = [d(scratch.addr(), 1 << 16, 0, sm)];
                         let r = [d(base, 1 << 16, dev, pm)];
-                        // SAFETY: live registrations.
-                        let req = unsafe { e.prep(READ, DRAM, &l, FILE, &r, AGENT) }.expect("prep");
+                        let req = e.prep(READ, DRAM, &l, FILE, &r, AGENT).expect("prep");
                         for _ in 0..3 {
                             let mut s = e.post(&req, READ, 1, 1);
                             while let Ok(Progress::InFlight) = s {
@@ -175,30 +172,22 @@ fn main() {
                             s.expect("repost");
                         }
                         e.release(req).map_err(|(_, e)| e).expect("release");
-                        // SAFETY: registered above, not yet deregistered.
-                        unsafe {
-                            e.deregister(pm as *const c_void).unwrap();
-                            e.deregister(sm as *const c_void).unwrap();
-                        }
+                        e.deregister(pm as *const c_void).unwrap();
+                        e.deregister(sm as *const c_void).unwrap();
                     }
                 }
                 ops.fetch_add(1, Relaxed);
             }
-            // SAFETY: registered above, not yet deregistered.
-            unsafe {
-                e.deregister(ms as *const c_void).unwrap();
-                e.deregister(md as *const c_void).unwrap();
-            }
+            e.deregister(ms as *const c_void).unwrap();
+            e.deregister(md as *const c_void).unwrap();
         }));
     }
     for h in th {
         h.join().expect("thread panicked");
     }
-    // SAFETY: registered above.
-    unsafe {
-        e.deregister(mf as *const c_void).unwrap();
-        e.deregister(mfd as *const c_void).unwrap();
-    }
+    e.deregister(mf as *const c_void).unwrap();
+    e.deregister(mfd as *const c_void).unwrap();
+
     drop(e);
     drop(f);
     drop(fdirect);
