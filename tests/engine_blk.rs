@@ -191,3 +191,56 @@ fn dram_dmabuf_on_is_refused_with_the_reason_when_the_kernel_lacks_the_uapi() {
     run(&auto, WRITE, &[desc(buf.addr(), 1 << 16, 0, m)], &[desc(0, 1 << 16, 9, mb)]).unwrap();
     assert!(std::fs::read(&lo.image).unwrap()[..1 << 16] == buf.bytes()[..]);
 }
+
+/// The fd rule (mem/file.rs) on BLK_SEG: a block-device fd closed, or closed and its number
+/// reused for another file, before the first post or between posts, is refused naming fd and
+/// cause; the device, the other file and memory are unchanged. (Other tests of this binary open
+/// files meanwhile, so a closed number may already name theirs: either cause is a refusal.)
+#[test]
+fn blk_a_closed_or_reused_fd_is_refused() {
+    let Some(lo) = loop_device(512) else { return };
+    let other = format!("{}.other", lo.image);
+    let other_bytes = Buf::new(1 << 20, 21).bytes().to_vec();
+    for op in [WRITE, READ] {
+        for fate in [FdFate::Closed, FdFate::Reused] {
+            for between_posts in [false, true] {
+                let case = format!("op {op} / {fate:?} / between posts {between_posts}");
+                std::fs::write(&other, &other_bytes).unwrap();
+                let e = Engine::new(AGENT, std::iter::empty()).expect("engine");
+                let buf = Buf::new(1 << 20, 22);
+                let fd = open_fd(std::path::Path::new(&lo.dev), libc::O_DIRECT);
+                let m = e.register(DRAM, buf.addr(), 1 << 20, 0, "").unwrap();
+                let mb = e.register(BLK, 0, DEVICE_BYTES, fd as u64, "").unwrap();
+                let local: Vec<_> = (0..8).map(|i| desc(buf.addr() + i * 65536, 65536, 0, m)).collect();
+                let remote: Vec<_> = (0..8).map(|i| desc(i * 3 * 65536, 65536, fd as u64, mb)).collect();
+                let req = e.prep(op, DRAM, &local, BLK, &remote, AGENT).unwrap_or_else(|err| panic!("{case}: prep: {}", err.message));
+                let post = |e: &Engine| -> Result<(), String> {
+                    let mut p = e.post(&req, op, 8, 8).map_err(|err| err.message)?;
+                    while p == io_uring_dmabuf::uring::Progress::InFlight {
+                        p = e.check(&req).map_err(|err| err.message)?;
+                    }
+                    Ok(())
+                };
+                if between_posts {
+                    post(&e).unwrap_or_else(|err| panic!("{case}: first post: {err}"));
+                }
+                let (dev_before, mem_before) = (std::fs::read(&lo.image).unwrap(), buf.bytes().to_vec());
+                doom_fd(fd, fate, std::path::Path::new(&other), libc::O_DIRECT);
+                let err = post(&e).expect_err(&format!("{case}: the post must be refused"));
+                assert!(err.contains(&format!("fd {fd} registered as BLK_SEG for {}", lo.dev)), "{case}: {err}");
+                assert!(err.contains("is no longer open") || err.contains("now refers to a different file"), "{case}: {err}");
+                assert!(std::fs::read(&lo.image).unwrap() == dev_before, "{case}: the device changed");
+                assert!(std::fs::read(&other).unwrap() == other_bytes, "{case}: the other file changed");
+                assert!(buf.bytes() == mem_before.as_slice(), "{case}: memory changed");
+                e.release(req).map_err(|(_, err)| err.message).unwrap();
+                e.deregister(mb).unwrap();
+                e.deregister(m).unwrap();
+                if fate == FdFate::Reused {
+                    // SAFETY: fd names the other file now, opened by doom_fd for the test.
+                    unsafe { libc::close(fd) };
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&other);
+}

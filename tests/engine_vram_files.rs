@@ -188,3 +188,67 @@ fn staged_blocks_round_trip_whatever_the_pack_size() {
         tear_down(e, [m_file, m_vram], f, &path, &ctl, vram);
     }
 }
+
+/// The fd rule (mem/file.rs) on the staging path: a staged VRAM request whose FILE fd was closed,
+/// or closed and its number reused for another file, before the first post or between posts, is
+/// refused naming fd, file and cause, and neither file nor the VRAM changes. (Other tests of this
+/// binary open files meanwhile, so a closed number may already name their file: either cause
+/// is a refusal.)
+#[test]
+fn a_closed_or_reused_fd_is_refused_on_the_staging_path() {
+    let ctl = double_ctl();
+    let len = 4 * MIB;
+    let dir = std::env::temp_dir().join(format!("iud-vram-fd-rule-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for op in [WRITE, READ] {
+        for fate in [FdFate::Closed, FdFate::Reused] {
+            for between_posts in [false, true] {
+                let case = format!("op {op} / {fate:?} / between posts {between_posts}");
+                let e = Engine::new(AGENT, [("gpu_provider", "rocm"), ("staging_buffer_size", "1048576"), ("staging_buffers", "4")]).expect("engine");
+                let vram = ctl.alloc_vram(len as usize);
+                fill_random(vram, len, 11);
+                let m_vram = e.register(VRAM, vram, len, 0, "").unwrap();
+                let (a, b) = (dir.join("registered"), dir.join("other"));
+                fill_random(vram, len, 12);
+                std::fs::write(&a, bytes(vram, len)).unwrap();
+                fill_random(vram, len, 13);
+                std::fs::write(&b, bytes(vram, len)).unwrap();
+                let b_bytes = bytes(vram, len);
+                fill_random(vram, len, 14);
+                let fd = open_fd(&a, 0);
+                let m_file = e.register(FILE, 0, len, fd as u64, "").unwrap();
+                let local: Vec<_> = (0..16).map(|i| desc(vram + i * (len / 16), len / 32, 0, m_vram)).collect();
+                let remote: Vec<_> = (0..16).map(|i| desc(((i * 5) % 16) * (len / 16), len / 32, fd as u64, m_file)).collect();
+                let req = e.prep(op, VRAM, &local, FILE, &remote, AGENT).unwrap_or_else(|err| panic!("{case}: prep: {}", err.message));
+                let post = |e: &Engine| -> Result<(), String> {
+                    let mut p = e.post(&req, op, 16, 16).map_err(|err| err.message)?;
+                    while p == Progress::InFlight {
+                        p = e.check(&req).map_err(|err| err.message)?;
+                    }
+                    Ok(())
+                };
+                if between_posts {
+                    post(&e).unwrap_or_else(|err| panic!("{case}: first post: {err}"));
+                }
+                let (a_before, vram_before) = (std::fs::read(&a).unwrap(), bytes(vram, len));
+                doom_fd(fd, fate, &b, 0);
+                let err = post(&e).expect_err(&format!("{case}: the post must be refused"));
+                assert!(err.contains(&format!("fd {fd} registered as FILE for {}", a.display())), "{case}: {err}");
+                assert!(err.contains("is no longer open") || err.contains("now refers to a different file"), "{case}: {err}");
+                assert!(std::fs::read(&a).unwrap() == a_before, "{case}: the registered file changed");
+                assert!(std::fs::read(&b).unwrap() == b_bytes, "{case}: the other file changed");
+                assert!(bytes(vram, len) == vram_before, "{case}: VRAM changed");
+                e.release(req).map_err(|(_, err)| err.message).unwrap();
+                e.deregister(m_file).unwrap();
+                e.deregister(m_vram).unwrap();
+                drop(e);
+                if fate == FdFate::Reused {
+                    // SAFETY: fd names the other file now, opened by doom_fd for the test.
+                    unsafe { libc::close(fd) };
+                }
+                ctl.free_vram(vram);
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -393,3 +393,62 @@ def test_four_threads_stage_concurrently_on_one_agent():
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+@pytest.mark.parametrize("path", ["staging", "cufile"])
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+@pytest.mark.parametrize("fate", ["closed", "reused"])
+def test_a_closed_or_reused_fd_is_refused_and_nothing_moves(path, op, fate, capfd):
+    """The fd rule on the VRAM paths (mem/file.rs): after one post, the application closes the
+    registered fd (or closes it and opens another file under its number); the next post is
+    refused naming fd and cause, and neither file nor the VRAM changes. Through I/O the
+    registration's own duplicate fd would still reach the registered file, so the refusal is
+    what keeps the application's view and the registration's in agreement."""
+    size = 8 * MiB
+    agent = make_agent({"vram_path": path})
+    a, b = f"{SCRATCH}/iud-gpu-fdrule-{path}-a.bin", f"{SCRATCH}/iud-gpu-fdrule-{path}-b.bin"
+    direct = path == "cufile"  # cuFile wants O_DIRECT files
+    with open(b, "wb") as f:
+        f.write(os.urandom(size))
+    b_bytes = file_bytes(b, size)
+    vram = random_tensor(size)
+    fd = open_file(a, direct, size)
+    m_vram = agent.register_memory([(vram.data_ptr(), size, 0, "")], "VRAM")
+    m_file = agent.register_memory([(0, size, fd, "")], "FILE")
+    local = agent.get_xfer_descs([(vram.data_ptr() + i * MiB, MiB, 0) for i in range(8)], "VRAM")
+    remote = agent.get_xfer_descs([((7 - i) * MiB, MiB, fd) for i in range(8)], "FILE")
+    h = agent.initialize_xfer(op, local, remote, agent.name)
+    state = agent.transfer(h)
+    while state == "PROC":
+        state = agent.check_xfer_state(h)
+    assert state == "DONE", state
+    torch.cuda.synchronize()
+    a_before, vram_before = file_bytes(a, size), vram.clone()
+    if fate == "closed":
+        os.close(fd)
+    else:
+        other = os.open(b, os.O_RDWR | (os.O_DIRECT if direct else 0))
+        os.dup2(other, fd)
+        os.close(other)
+    capfd.readouterr()
+    try:
+        try:
+            state = agent.transfer(h)
+        except Exception as e:  # NIXL raises the backend's error status
+            state = f"raised {type(e).__name__}"
+        assert state not in ("DONE", "PROC"), f"the post after the fd was {fate} returned {state}"
+        cause = "is no longer open" if fate == "closed" else "now refers to a different file"
+        lines = [ln for ln in capfd.readouterr().err.splitlines() if f"fd {fd} registered as FILE for {a}" in ln]
+        assert len(lines) == 1 and cause in lines[0], lines
+        torch.cuda.synchronize()
+        assert torch.equal(file_bytes(a, size), a_before), "the registered file changed"
+        assert torch.equal(file_bytes(b, size), b_bytes), "the other file changed"
+        assert torch.equal(vram, vram_before), "VRAM changed"
+    finally:
+        agent.release_xfer_handle(h)
+        agent.deregister_memory(m_file)
+        agent.deregister_memory(m_vram)
+        if fate == "reused":
+            os.close(fd)
+        os.unlink(a)
+        os.unlink(b)
