@@ -1,0 +1,117 @@
+"""Sync mode NONE, many runs: the plugin against NIXL's POSIX backend (RELIABILITY.md, "Sync mode
+NONE"). Each run is one process of tests/python/concurrent_reg_child.py: one agent in sync mode
+NONE (nixl_agent_config(backends=[]) without a listen thread), 4 threads, each registering its
+own 16 MiB DRAM buffer and file, 3 verified WRITE/READ round trips of 64 x 64 KiB, then
+deregistering. The backends alternate run by run, so both see the same machine load.
+
+    .venv/bin/python tests/reliability/none_mode_runs.py [--runs 100] [--backends IO_URING_DMABUF,POSIX]
+        [--gdb-crashes N]
+
+Prints one line per run and a table: ok, error (exit 1: a NIXL error or a wrong byte, with its
+first line), crash (a signal, with glibc's message), timeout. With --gdb-crashes N, afterwards
+runs each backend's child under gdb until N crashes were caught (at most 10 x N tries) and
+prints the crashing thread's frames, so a crash can be placed (inside libnixl or the plugin).
+Needs the plugin installed as ci/build.sh does (NIXL_PLUGIN_DIR from ci/env.sh)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD = os.path.join(HERE, "..", "python", "concurrent_reg_child.py")
+# A run needs < 4 GiB; NIXL's POSIX backend with corrupted lists was seen allocating 23 GiB.
+CHILD_AS = 6 << 30
+
+
+def cap_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_AS, CHILD_AS))
+
+
+def classify(rc: int | None, err: str) -> tuple[str, str]:
+    if rc is None:
+        return "timeout", "still running after 180 s"
+    if rc == 0:
+        return "ok", ""
+    if rc < 0:
+        glibc = [ln for ln in err.splitlines() if re.search(r"free|corrupt|malloc|chunk|abort", ln)]
+        return "crash", f"{signal.Signals(-rc).name}" + (f": {glibc[-1].strip()}" if glibc else "")
+    lines = [ln.strip() for ln in err.splitlines() if "Error" in ln or "ERROR" in ln or "thread" in ln]
+    return "error", lines[0][:200] if lines else err.strip().splitlines()[-1][:200] if err.strip() else f"exit {rc}"
+
+
+def one_run(backend: str, d: str) -> tuple[str, str]:
+    args = [sys.executable, CHILD, backend, "none", d, "4", "3"]
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, timeout=180, preexec_fn=cap_memory)
+    except subprocess.TimeoutExpired:
+        return classify(None, "")
+    return classify(p.returncode, p.stderr)
+
+
+def gdb_frames(backend: str, d: str) -> str | None:
+    """Runs the child under gdb; the crashing thread's frames, or None when it did not crash."""
+    cmd = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "handle SIGPIPE nostop",
+           "-ex", "run", "-ex", "bt 25", "--args", sys.executable, CHILD, backend, "none", d, "4", "3"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    if "received signal" not in out:
+        return None
+    start = out.index("received signal")
+    return "\n".join(ln for ln in out[start:].splitlines() if ln.startswith("#") or "received signal" in ln)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=100)
+    ap.add_argument("--backends", default="IO_URING_DMABUF,POSIX")
+    ap.add_argument("--gdb-crashes", type=int, default=0)
+    a = ap.parse_args()
+    backends = a.backends.split(",")
+    counts = {b: collections.Counter() for b in backends}
+    examples = {b: collections.defaultdict(list) for b in backends}
+    for i in range(a.runs):
+        for b in (backends if i % 2 == 0 else list(reversed(backends))):
+            d = tempfile.mkdtemp(prefix="iud-none-", dir="/var/tmp")
+            try:
+                kind, what = one_run(b, d)
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+            counts[b][kind] += 1
+            if what and len(examples[b][kind]) < 5:
+                examples[b][kind].append(what)
+            print(f"run {i + 1} {b}: {kind} {what}", flush=True)
+    print("\n| backend | runs | ok | error | crash | timeout |\n|---|---:|---:|---:|---:|---:|")
+    for b in backends:
+        c = counts[b]
+        print(f"| {b} | {sum(c.values())} | {c['ok']} | {c['error']} | {c['crash']} | {c['timeout']} |")
+    for b in backends:
+        for kind, whats in examples[b].items():
+            for w in whats:
+                print(f"- {b} {kind}: {w}")
+    for b in backends:
+        caught = 0
+        for _ in range(10 * a.gdb_crashes):
+            if caught >= a.gdb_crashes:
+                break
+            d = tempfile.mkdtemp(prefix="iud-none-gdb-", dir="/var/tmp")
+            try:
+                frames = gdb_frames(b, d)
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+            if frames:
+                caught += 1
+                print(f"\n{b}: crash under gdb:\n{frames}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
