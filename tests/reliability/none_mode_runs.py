@@ -9,7 +9,8 @@ deregistering. The backends alternate run by run, so both see the same machine l
 
 Prints one line per run and a table: ok, error (exit 1: a NIXL error or a wrong byte, with its
 first line), crash (a signal, with glibc's message), timeout. With --gdb-crashes N, afterwards
-runs each backend's child under gdb until N crashes were caught (at most 10 x N tries) and
+runs each backend's child under gdb until N crashes were caught (at most --gdb-tries, default
+10 x N, tries) and
 prints the crashing thread's frames, so a crash can be placed (inside libnixl or the plugin).
 Needs the plugin installed as ci/build.sh does (NIXL_PLUGIN_DIR from ci/env.sh)."""
 
@@ -44,8 +45,13 @@ def classify(rc: int | None, err: str) -> tuple[str, str]:
     if rc < 0:
         glibc = [ln for ln in err.splitlines() if re.search(r"free|corrupt|malloc|chunk|abort", ln)]
         return "crash", f"{signal.Signals(-rc).name}" + (f": {glibc[-1].strip()}" if glibc else "")
-    lines = [ln.strip() for ln in err.splitlines() if "Error" in ln or "ERROR" in ln or "thread" in ln]
-    return "error", lines[0][:200] if lines else err.strip().splitlines()[-1][:200] if err.strip() else f"exit {rc}"
+    # Who raised it: the plugin logs one ERROR line per failure; NIXL's own refusals (its lists
+    # lost a registration) come without one.
+    plugin = [ln.strip() for ln in err.splitlines() if re.search(r"\bERROR\b.*io_uring_dmabuf", ln)]
+    nixl = [ln.strip() for ln in err.splitlines() if re.match(r"E\d{4} ", ln.strip())]
+    raised = [ln.strip() for ln in err.splitlines() if "Error" in ln and "thread" in ln]
+    first = (plugin or nixl or raised or err.strip().splitlines()[-1:] or [f"exit {rc}"])[0]
+    return "error", f"{'plugin' if plugin else 'NIXL'}: {first[:240]}"
 
 
 def one_run(backend: str, d: str) -> tuple[str, str]:
@@ -74,6 +80,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--backends", default="IO_URING_DMABUF,POSIX")
     ap.add_argument("--gdb-crashes", type=int, default=0)
+    ap.add_argument("--gdb-tries", type=int, default=0, help="runs under gdb per backend (default 10 x --gdb-crashes)")
     a = ap.parse_args()
     backends = a.backends.split(",")
     counts = {b: collections.Counter() for b in backends}
@@ -99,7 +106,7 @@ def main() -> int:
                 print(f"- {b} {kind}: {w}")
     for b in backends:
         caught = 0
-        for _ in range(10 * a.gdb_crashes):
+        for _ in range(a.gdb_tries or 10 * a.gdb_crashes):
             if caught >= a.gdb_crashes:
                 break
             d = tempfile.mkdtemp(prefix="iud-none-gdb-", dir="/var/tmp")
