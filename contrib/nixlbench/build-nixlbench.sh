@@ -114,7 +114,12 @@ for v in orig patched; do
     mkdir -p "$src/benchmark"
     cp -r "$S/benchmark/nixlbench" "$src/benchmark/"
     if [ "$v" = patched ]; then
-        (cd "$src" && git apply "$here/0001-nixlbench-add-IO_URING_DMABUF-storage-backend.patch")
+        # git apply outside any repository: inside one (OUT in a checkout) it would silently
+        # skip paths outside the current folder; the ceiling stops the search for one at OUT.
+        (cd "$src" && GIT_CEILING_DIRECTORIES="$out" git apply \
+            "$here/0001-nixlbench-add-IO_URING_DMABUF-storage-backend.patch")
+        grep -q XFERBENCH_BACKEND_IO_URING_DMABUF "$src/benchmark/nixlbench/src/utils/utils.h" ||
+            die "the patch did not apply to $src"
     fi
     LDFLAGS="$link" PKG_CONFIG_PATH="$out/pc" meson setup "$out/build-$v" "$src/benchmark/nixlbench" \
         -Dnixl_path="$P" --buildtype=release >"$out/meson-$v.log" 2>&1 ||
