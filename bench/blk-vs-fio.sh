@@ -76,7 +76,7 @@ echo "# DRAM <-> BLK: IO_URING_DMABUF (NIXL, iud-bench) vs fio on the same devic
 echo "date:     $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
 echo "command:  $cmdline"
 echo "git:      $rev"
-echo "cpu:      $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1) ($(nproc) CPUs)"
+echo "cpu:      $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | sed -n 1p) ($(nproc) CPUs)"
 echo "memory:   $(awk '/MemTotal/ {printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
 echo "kernel:   $(uname -r)"
 echo "fio:      $(fio --version)"

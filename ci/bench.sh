@@ -10,7 +10,8 @@
 #      blocks of a request shuffled (--randomize_location_mode blockaligned), one run per point.
 # Every row has GB/s and CPU seconds per GB (getrusage of the benchmark process over the timed
 # loop). Runs setup, the plugin build and the bench crate (bench/, binary iud-bench) first, and
-# installs matplotlib into .venv for the plot (the test suite does not need it).
+# installs matplotlib into .venv for the plot (ci/env.sh pins it; ci/test.sh installs it too, for
+# the tests of the plot).
 #
 # Results go to target/bench-results/<UTC time>-<host>/ (results.md, results.csv, results.png,
 # stdout.txt); the last line printed names that folder. target/ because it is git-ignored build
@@ -40,7 +41,6 @@ defaults=(
     --num_iter 0 --duration_ms 500 --warmup_iter 10
     --check_consistency
 )
-MATPLOTLIB=matplotlib==3.11.2
 
 for a in "$@"; do
     case "$a" in
@@ -48,8 +48,8 @@ for a in "$@"; do
         cat <<EOF
 bash ci/bench.sh [iud-bench flags...]
 
-The main benchmark job: sets up (ci/setup.sh, plus $MATPLOTLIB in .venv), builds the plugin
-and iud-bench, runs iud-bench through the real NIXL runtime, and writes results.md, results.csv,
+The main benchmark job: sets up (ci/setup.sh, plus matplotlib in .venv, pinned in
+ci/env.sh), builds the plugin and iud-bench, runs iud-bench through the real NIXL runtime, and writes results.md, results.csv,
 results.png and stdout.txt into target/bench-results/<UTC time>-<host>/ (or --out_dir DIR). The
 last line printed names that folder.
 
@@ -85,10 +85,7 @@ out="$(cd "$out" && pwd)"
 
 bash ci/setup.sh
 source ci/env.sh  # again: the plugin dir is known only once the wheel is installed
-if ! "$IUD_PY" -c 'import matplotlib' 2>/dev/null; then
-    echo "ci/bench.sh: installing $MATPLOTLIB into $IUD_VENV (for results.png)"
-    "$IUD_PY" -m pip install -q --disable-pip-version-check "$MATPLOTLIB"
-fi
+iud_ensure_matplotlib ci/bench.sh
 bash ci/build.sh
 cargo build --release -p iud-bench
 

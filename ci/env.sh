@@ -5,6 +5,8 @@ export IUD_VENV="${IUD_VENV:-$IUD_ROOT/.venv}"
 export IUD_PY="$IUD_VENV/bin/python"
 # NIXL wheel pinned by the project; cu12 runs without CUDA on the CPU machines.
 export IUD_NIXL_WHEEL="${IUD_NIXL_WHEEL:-nixl-cu12==1.5.1}"
+# matplotlib for the benchmark's plot (ci/bench.sh) and the tests of that plot (ci/test.sh).
+export IUD_MATPLOTLIB="${IUD_MATPLOTLIB:-matplotlib==3.11.2}"
 export IUD_TARGET="${CARGO_TARGET_DIR:-$IUD_ROOT/target}"
 export IUD_PLUGIN_SO="$IUD_TARGET/release/libio_uring_dmabuf.so"
 # The private plugin directory: our plugin under its NIXL name plus links to the wheel's own
@@ -21,6 +23,14 @@ iud_plugin_dir() {
 }
 IUD_PLUGIN_DIR="$(iud_plugin_dir || true)"
 export IUD_PLUGIN_DIR
+# Installs $IUD_MATPLOTLIB into the venv unless matplotlib imports already (a side effect only
+# when called: ci/bench.sh and ci/test.sh call it after ci/setup.sh).
+iud_ensure_matplotlib() {
+    if ! "$IUD_PY" -c 'import matplotlib' 2>/dev/null; then
+        echo "${1:-ci}: installing $IUD_MATPLOTLIB into $IUD_VENV (for results.png)"
+        "$IUD_PY" -m pip install -q --disable-pip-version-check "$IUD_MATPLOTLIB"
+    fi
+}
 iud_nixl_libs() {
     "$IUD_PY" - <<'PY'
 import importlib.util, os, sys

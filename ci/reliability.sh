@@ -152,7 +152,7 @@ stage_tsan() {
         cargo +nightly run -q -Zbuild-std --release --target x86_64-unknown-linux-gnu \
         -- "$work" "$TSAN_ITERS" ) > "$IUD_REL_OUT/tsan.log" 2>&1
     local rc=$?
-    grep -E "^stress:|WARNING: ThreadSanitizer|SUMMARY" "$IUD_REL_OUT/tsan.log" | head -20
+    grep -E "^stress:|WARNING: ThreadSanitizer|SUMMARY" "$IUD_REL_OUT/tsan.log" | sed -n 1,20p
     [ "$rc" -eq 0 ] || { echo "tsan failed (exit $rc); last lines of $IUD_REL_OUT/tsan.log:"; tail -n 15 "$IUD_REL_OUT/tsan.log"; }
     return $rc
 }
@@ -168,7 +168,7 @@ stage_fuzz() {
             -max_total_time="$FUZZ_S" -print_final_stats=1 ) > "$IUD_REL_OUT/fuzz-$t.log" 2>&1 || rc=1
         echo "-- $t: $(grep -E '^Done [0-9]+ runs' "$IUD_REL_OUT/fuzz-$t.log" | tail -1)" \
              "$(grep -E 'plan stats' "$IUD_REL_OUT/fuzz-$t.log" | tail -1)"
-        grep -E "panicked|ERROR: AddressSanitizer|SUMMARY: libFuzzer" "$IUD_REL_OUT/fuzz-$t.log" | head -5
+        grep -E "panicked|ERROR: AddressSanitizer|SUMMARY: libFuzzer" "$IUD_REL_OUT/fuzz-$t.log" | sed -n 1,5p
     done
     return $rc
 }

@@ -38,6 +38,14 @@ if [ -z "$etcd_bin" ]; then
         apt_update
         (cd "$tools/debs" && apt-get download -qq etcd-server)
     fi
-    dpkg-deb -x "$(ls -t "$tools"/debs/etcd-server_*.deb | head -n 1)" "$tools"
-    "$tools/usr/bin/etcd" --version | head -n 1
+    # The newest download, picked without `ls | head`: under pipefail a reader that stops early
+    # can kill the writer with SIGPIPE (exit 141) and the whole script with it.
+    deb=""
+    for d in "$tools"/debs/etcd-server_*.deb; do
+        if [ -z "$deb" ] || [ "$d" -nt "$deb" ]; then deb="$d"; fi
+    done
+    dpkg-deb -x "$deb" "$tools"
+    # etcd prints 4 lines; `| head -n 1` exited after the first and etcd died of SIGPIPE when it
+    # wrote the rest (35 of 200 tries), failing the script on fresh machines. sed reads to the end.
+    "$tools/usr/bin/etcd" --version | sed -n 1p
 fi

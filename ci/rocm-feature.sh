@@ -16,7 +16,7 @@
 #   2. only with IUD_ROCM_FEATURE_TEST=1: build and run the ROCm tests with the feature, linked
 #      against Debian's libamdhip64 (which finds no GPU here, so HIP reports no device and the HSA
 #      view decides), in target/rocm-feature so that the shared libio_uring_dmabuf.so is not
-#      replaced by a build that needs libamdhip64. A build from scratch: see README (ROCm).
+#      replaced by a build that needs libamdhip64. A build from scratch: docs/semantics.md (ROCm memory).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$IUD_ROOT"

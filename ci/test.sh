@@ -14,6 +14,7 @@ bash ci/remote-setup.sh  # iproute2 (apt) and an unpacked etcd for tests/remote 
 source ci/env.sh  # again: IUD_PLUGIN_DIR is known only once the wheel is installed
 bash ci/build.sh
 bash ci/clients-setup.sh  # torch (CPU use), lmcache==0.5.6 and vllm==0.33.0 for tests/python/clients
+iud_ensure_matplotlib ci/test.sh  # tests/python/test_bench.py checks the benchmark's plot
 
 # The wheel's libraries: libnixl_capi.so for the nixl-sys integration tests.
 libs="$(iud_nixl_libs)"
@@ -106,9 +107,18 @@ echo "rocm feature: $rocm_feature"
 echo "NVMe lab: ${lab_line:-not run}"
 echo "reliability: $([ "$rel_fail" -eq 0 ] && echo ok || echo FAILED) (figures in target/reliability)"
 [ -f "$logs/reliability.log" ] && sed -n '/^== reliability summary/,$p' "$logs/reliability.log" | tail -n +2 | sed 's/^/  /'
-rel_skip=0
-[ -f "$logs/reliability.log" ] && rel_skip=$(sed -n '/^== reliability summary/,$p' "$logs/reliability.log" | grep -c ': SKIP' || true)
-rocm_fail=0
-case "$rocm_feature" in FAILED*) rocm_fail=1 ;; esac
-echo "total: $((c_pass + p_pass + lab_pass)) passed, $((c_fail + p_fail + lab_fail + rel_fail + rocm_fail)) failed, $((c_skip + p_skip + lab_skip + rel_skip)) skipped"
+# Reliability and the rocm feature check count one per stage: pass, FAIL or SKIP (with its reason
+# above), so that the total holds every stage that ran, not only its skips.
+rel_pass=0 rel_skip=0 rel_failed=0
+if [ -f "$logs/reliability.log" ]; then
+    rel_summary="$(sed -n '/^== reliability summary/,$p' "$logs/reliability.log")"
+    rel_pass=$(grep -c ': pass' <<<"$rel_summary" || true)
+    rel_skip=$(grep -c ': SKIP' <<<"$rel_summary" || true)
+    rel_failed=$(grep -c ': FAIL' <<<"$rel_summary" || true)
+fi
+# a failed reliability run without a FAIL line (it died before its summary) still counts once
+[ "$rel_fail" -eq 0 ] || [ "$rel_failed" -gt 0 ] || rel_failed=1
+rocm_pass=0 rocm_fail=0
+case "$rocm_feature" in ok) rocm_pass=1 ;; FAILED*) rocm_fail=1 ;; esac
+echo "total: $((c_pass + p_pass + lab_pass + rel_pass + rocm_pass)) passed, $((c_fail + p_fail + lab_fail + rel_failed + rocm_fail)) failed, $((c_skip + p_skip + lab_skip + rel_skip)) skipped"
 exit "$status"

@@ -1,6 +1,7 @@
 //! The backend's identity, memory kinds and parameters, generated from
 //! `plugin-manifest/IO_URING_DMABUF.toml` by build.rs. This is the single source for
-//! `get_backend_options`, `get_backend_mems`, the parameter parser and the README table.
+//! `get_backend_options`, `get_backend_mems`, the parameter parser and the table in
+//! docs/parameters.md.
 
 use std::ffi::CStr;
 

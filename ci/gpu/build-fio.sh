@@ -16,7 +16,7 @@ if [ ! -x "$work/fio-static" ]; then
         apt-get update -qq -o Dir::Etc::sourcelist=/etc/apt/sources.list.d/iud-src.sources -o Dir::Etc::sourceparts=-
     fi
     (cd "$work" && apt-get source -qq --download-only fio && tar xzf fio_*.orig.tar.gz)
-    src=$(find "$work" -maxdepth 1 -type d -name 'fio-*' | head -1)
+    src=$(find "$work" -maxdepth 1 -type d -name 'fio-*' -print -quit)
     (cd "$src" && ./configure --build-static --disable-native --disable-rdma --disable-gfapi --disable-rados \
         --disable-rbd --disable-pmem --disable-numa --disable-http --disable-libzbc --disable-xnvme \
         --disable-tcmalloc --disable-dfs --disable-libnfs >/dev/null && make -j"$(nproc)" fio >/dev/null)

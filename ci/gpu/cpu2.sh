@@ -21,5 +21,5 @@ for mode in quiet busy; do
         --kv_region_size 256M --kv_rounds 3 --num_iter 0 --duration_ms 250 --warmup_iter 10 \
         --check_consistency --filepath /tmp --out_dir "${OUT:-/tmp}/cpu2-$mode" "${load[@]}" "$@" \
         > "${OUT:-/tmp}/cpu2-$mode.txt" 2>&1
-    echo "exit $?"; grep -A14 "summary" "${OUT:-/tmp}/cpu2-$mode.txt" | head -40
+    echo "exit $?"; grep -A14 "summary" "${OUT:-/tmp}/cpu2-$mode.txt" | sed -n 1,40p
 done

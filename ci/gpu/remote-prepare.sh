@@ -37,7 +37,7 @@ while [ ${#todo[@]} -gt 0 ]; do
     f=${todo[0]}; todo=("${todo[@]:1}")
     for n in $(readelf -d "$f" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
         [ -e "$out/lib/$n" ] && continue
-        src=$(find "$work/root" -name "$n" | head -n 1)
+        src=$(find "$work/root" -name "$n" -print -quit)
         [ -n "$src" ] || continue
         cp -L "$src" "$out/lib/$n"; todo+=("$out/lib/$n")
     done

@@ -121,7 +121,7 @@ kernel=""
 for c in "$dest/usr/lib/modules/$KVER/vmlinuz" "$dest/lib/modules/$KVER/vmlinuz" "$dest/boot/vmlinuz-$KVER"; do
     [ -f "$c" ] && { kernel="$c"; break; }
 done
-[ -n "$kernel" ] || kernel="$(find "$dest" -name 'vmlinuz*' -type f | head -1)"
+[ -n "$kernel" ] || kernel="$(find "$dest" -name 'vmlinuz*' -type f -print -quit)"
 [ -n "$kernel" ] || die "no vmlinuz in $dest"
 modules=""
 for c in "$dest/usr/lib/modules/$KVER" "$dest/lib/modules/$KVER"; do

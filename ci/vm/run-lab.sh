@@ -103,7 +103,8 @@ chmod 755 "$root/init"
 # The kernel opens /dev/console for /init before devtmpfs is mounted.
 mknod -m 600 "$root/dev/console" c 5 1 2>/dev/null || log "cannot mknod /dev/console (not root?); relying on the kernel's built-in one"
 
-if ldd "$bin" >/dev/null 2>&1 && ! ldd "$bin" 2>&1 | grep -q 'statically linked'; then
+# (grep without -q: it reads to the end, so ldd never meets a closed pipe under pipefail)
+if ldd "$bin" >/dev/null 2>&1 && ! ldd "$bin" 2>&1 | grep 'statically linked' >/dev/null; then
     log "dynamic binary: copying its libraries and the loader"
     # "libc.so.6 => /lib/.../libc.so.6 (0x...)" and the loader "/lib64/ld-linux-x86-64.so.2 (0x...)"
     ldd "$bin" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }' | while read -r lib; do
@@ -137,7 +138,9 @@ fi
 packed=()
 ko_path() {
     local a="${1//_/-}" b="${1//-/_}"
-    find "$MODULES" -type f \( -name "$a.ko" -o -name "$a.ko.*" -o -name "$b.ko" -o -name "$b.ko.*" \) 2>/dev/null | head -1
+    # -print -quit: find stops at the first match itself (no `| head`, whose early exit could
+    # kill find with SIGPIPE under pipefail)
+    find "$MODULES" -type f \( -name "$a.ko" -o -name "$a.ko.*" -o -name "$b.ko" -o -name "$b.ko.*" \) -print -quit 2>/dev/null
 }
 ko_cat() {
     case "$1" in
@@ -154,7 +157,7 @@ add_module() {
     [ -n "$path" ] || return 0
     mkdir -p "$root/lab/modules"
     ko_cat "$path" >"$root/lab/modules/$name.ko"
-    for dep in $(tr '\0' '\n' <"$root/lab/modules/$name.ko" | sed -n 's/^depends=//p' | head -1 | tr ',' ' '); do
+    for dep in $(tr '\0' '\n' <"$root/lab/modules/$name.ko" | sed -n 's/^depends=//p' | sed -n 1p | tr ',' ' '); do
         add_module "$dep"
     done
     packed+=("$name")
@@ -208,7 +211,7 @@ if [ -n "${LAB_BENCH:-}" ]; then
     echo "date:     $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
     echo "git:      $(cd "$repo" && git rev-parse --short HEAD 2>/dev/null || echo unknown)$(cd "$repo" && [ -n "$(git status --porcelain -- src Cargo.toml Cargo.lock ci/vm/lab 2>/dev/null)" ] && echo ' + uncommitted changes in src/ or ci/vm/lab/')"
     echo "command:  LAB_BENCH=1${LAB_BENCH_ARGS:+ LAB_BENCH_ARGS=\"$LAB_BENCH_ARGS\"} ci/vm/run-lab.sh"
-    echo "host:     $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1) ($(nproc) CPUs), kernel $(uname -r), $(qemu-system-x86_64 --version | head -1)"
+    echo "host:     $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | sed -n 1p) ($(nproc) CPUs), kernel $(uname -r), $(qemu-system-x86_64 --version | sed -n 1p)"
     echo "VM:       kernel $KVER, TCG (thread=single), -smp ${LAB_SMP:-2} -m ${LAB_MEM:-1G}, -device nvme on a sparse raw file (QEMU default cache: host page cache)"
     echo "in VM:    iud-lab --bench $bench_cmd"
     printf '%s\n' "$clean" | grep -a -e '^INFO /dev/nvme0n1' -e '^INFO bench' | sed 's/^INFO /info:     /'

@@ -53,15 +53,32 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--direct", action="store_true", help="open the file with O_DIRECT")
     b.add_argument("--iters", type=int, default=3, help="round trips per backend (default 3)")
     a = p.parse_args(argv)
+    try:
+        return _run(a)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # never a raw traceback: one line, and how to see more
+        if os.environ.get("IUD_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        print("  (python -m nixl_io_uring_dmabuf doctor checks this environment; IUD_DEBUG=1 "
+              "shows the traceback)", file=sys.stderr)
+        return 1
 
+
+def _run(a: argparse.Namespace) -> int:
     if a.cmd == "install":
         from nixl_io_uring_dmabuf.install import InstallError, install, uninstall
 
+        rerun = "python -m nixl_io_uring_dmabuf install" + "".join(
+            f" --as {x}" for x in (a.aliases or [])) + (
+            f" --plugin-dir {a.plugin_dir}" if a.plugin_dir else "")
         try:
             if a.uninstall:
                 uninstall(_aliases(a.aliases) or None, a.plugin_dir, a.force)
             else:
-                install(_aliases(a.aliases), a.plugin_dir)
+                install(_aliases(a.aliases), a.plugin_dir, rerun=rerun)
         except (InstallError, FileNotFoundError, PermissionError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -70,8 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         from nixl_io_uring_dmabuf.doctor import report
 
         return report(live=not a.no_live, directory=a.dir)
+    from nixl_io_uring_dmabuf import nixlenv
     from nixl_io_uring_dmabuf.bench import bench
 
+    env = nixlenv.check()
+    if not env.ok:
+        lines = env.error_lines("python -m nixl_io_uring_dmabuf bench ...")
+        print("error: " + "\n".join(lines), file=sys.stderr)
+        return 1
     return bench(a.dir, _size(a.size), _size(a.block), _aliases([a.backends]), a.direct, a.iters)
 
 

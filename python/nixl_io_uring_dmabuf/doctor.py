@@ -1,8 +1,11 @@
 """`doctor`: what a NIXL process on this machine would load under each backend name, and whether
 it moves bytes.
 
-The static part (folders, which file is whose) reads the file system only. The live part runs in
-a child process, because NIXL reads NIXL_PLUGIN_DIR once per process: it creates each backend
+First what `import nixl` loads in this environment (nixlenv.py: torch's CUDA build, the NIXL
+packages, an `import nixl` in a child); when it fails, the report ends there with the one command
+that fixes it. The static part (folders, which file is whose) reads the file system only; the
+folder that counts is the one NIXL reads: NIXL_PLUGIN_DIR, else the plugins/ folder of the
+runtime wheel `import nixl` loads. The live part runs in a child process, because NIXL reads NIXL_PLUGIN_DIR once per process: it creates each backend
 that the plugin serves, prints the memory kinds NIXL reports for it, and does a small DRAM ->
 FILE -> DRAM round trip in a temporary folder.
 """
@@ -16,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from nixl_io_uring_dmabuf import ALIASES, PLUGIN_NAME, __version__, plugin_library
+from nixl_io_uring_dmabuf import ALIASES, PLUGIN_NAME, __version__, nixlenv, plugin_library
 from nixl_io_uring_dmabuf.install import MANIFEST, plugin_file, sha256
 from nixl_io_uring_dmabuf.locate import find_wheels
 
@@ -37,48 +40,67 @@ def _owner(path: str, ours: str) -> str:
 
 
 def report(live: bool = True, directory: str | None = None, out=print) -> int:
-    """Prints the report; returns 0 when every name the plugin serves passed the live check."""
-    out(f"nixl_io_uring_dmabuf {__version__}, Python {platform.python_version()}, "
-        f"kernel {platform.release()}")
+    """Prints the report; returns 0 when every name the plugin serves passed the live check.
+    Every problem it finds ends the report with one `error:` line and one `fix:` command."""
+    out(f"nixl_io_uring_dmabuf {__version__}, Python {platform.python_version()} "
+        f"({sys.executable}), kernel {platform.release()}")
     try:
         lib = plugin_library()
         ours = sha256(lib)
         out(f"plugin library: {lib}")
     except FileNotFoundError as e:
-        out(f"plugin library: MISSING ({e})")
+        out(f"error: plugin library missing: {e}")
+        out("fix: pip install target/wheels/nixl_io_uring_dmabuf-*.whl  (built by bash ci/wheel.sh)")
         return 1
     disabled = "/proc/sys/kernel/io_uring_disabled"
     if os.path.exists(disabled):
-        v = open(disabled).read().strip()
+        with open(disabled) as f:
+            v = f.read().strip()
         out(f"io_uring_disabled = {v}" + ("" if v == "0" else " (io_uring is restricted: the "
                                             "plugin cannot create its ring)"))
-    wheels = find_wheels()
-    if not wheels:
-        out("NIXL wheels: none (pip install nixl-cu12 or nixl-cu13)")
+    env = nixlenv.check()
+    for line in env.describe():
+        out(line)
+    if not env.ok:
+        lines = env.error_lines("python -m nixl_io_uring_dmabuf doctor")
+        out("error: " + lines[0])
+        for line in lines[1:]:
+            out(line)
         return 1
+    wheels = find_wheels()
     env_dir = os.environ.get("NIXL_PLUGIN_DIR")
-    folders = []
+    loaded = next((w for w in wheels if w.module == env.loads), None)
     for w in wheels:
-        out(f"NIXL wheel {w.module}: {w.libs}")
-        folders.append(w.plugins)
+        out(f"NIXL wheel {w.module}: {w.libs}"
+            + (" (the one `import nixl` loads)" if w is loaded else ""))
     if env_dir:
         out(f"NIXL_PLUGIN_DIR={env_dir}: NIXL reads this folder instead of the wheel's plugins/")
-        folders = [env_dir]
+        read = env_dir
+    elif loaded is not None:
+        read = loaded.plugins
+    else:
+        out(f"error: `import nixl` loads {env.loads}, whose library folder (libnixl.so and "
+            "plugins/) was not found")
+        out(f"fix: {nixlenv.pip_command(['--force-reinstall', env.loads.replace('_', '-')])}")
+        return 1
     served = []
-    for folder in folders:
-        out(f"plugin folder {folder}:")
+    for folder in dict.fromkeys([read] + [w.plugins for w in wheels]):
+        tag = "" if folder == read else " (not read by NIXL in this environment)"
+        out(f"plugin folder {folder}:{tag}")
         for name in (PLUGIN_NAME,) + ALIASES:
             owner = _owner(plugin_file(folder, name), ours)
             out(f"  {name:16s} {owner}")
-            if owner.startswith("IO_URING_DMABUF") and name not in served:
+            if folder == read and owner.startswith("IO_URING_DMABUF") and name not in served:
                 served.append(name)
     if not served:
-        out("the plugin is not installed where NIXL looks: python -m nixl_io_uring_dmabuf install")
+        out(f"error: the plugin is not in the folder NIXL reads here ({read})")
+        out("fix: python -m nixl_io_uring_dmabuf install"
+            + (f" --plugin-dir {env_dir}" if env_dir else ""))
         return 1
     if not live:
         return 0
     out("live check (child process; one 1 MiB round trip per name):")
-    env = dict(os.environ)
+    env_vars = dict(os.environ)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         code = ("import sys, json\nfrom nixl_io_uring_dmabuf import roundtrip\n"
                 "a = roundtrip.new_agent('iud-doctor')\n"
@@ -91,8 +113,14 @@ def report(live: bool = True, directory: str | None = None, out=print) -> int:
                 "'FAILED: ' + r.detail), flush=True)\n"
                 "    except Exception as e:\n"
                 "        print(f'  {n:16s} FAILED: {e!r}', flush=True)\n")
-        p = subprocess.run([sys.executable, "-c", code, json.dumps(served), tmp], env=env,
-                           capture_output=True, text=True, timeout=300)
+        try:
+            p = subprocess.run([sys.executable, "-c", code, json.dumps(served), tmp], env=env_vars,
+                               capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            out("error: the live check did not finish within 300 s")
+            out("fix: NIXL_LOG_LEVEL=INFO IO_URING_DMABUF_LOG=debug python -m nixl_io_uring_dmabuf "
+                "doctor  (shows where it stops)")
+            return 1
     for line in p.stdout.splitlines():
         if line.startswith("  "):  # the child's own lines, not NIXL's INFO logging
             out(line)
@@ -101,5 +129,12 @@ def report(live: bool = True, directory: str | None = None, out=print) -> int:
             out(f"  plugin log: {line.strip()}")
     ok = p.returncode == 0 and "FAILED" not in p.stdout and p.stdout.strip() != ""
     if p.returncode != 0:
-        out(f"  the child process failed (exit {p.returncode}): {p.stderr.strip()[-500:]}")
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        out(f"error: the live check's process failed (exit {p.returncode}): {last}")
+        out("fix: NIXL_LOG_LEVEL=INFO python -m nixl_io_uring_dmabuf doctor  (NIXL reports plugin "
+            "load failures only at that level)")
+    elif not ok:
+        out("error: a live round trip failed (lines above)")
+        out("fix: NIXL_LOG_LEVEL=INFO IO_URING_DMABUF_LOG=debug python -m nixl_io_uring_dmabuf "
+            "doctor  (the plugin's reason is in its log)")
     return 0 if ok else 1

@@ -27,7 +27,7 @@ import os
 import shutil
 from typing import Callable
 
-from nixl_io_uring_dmabuf import ALIASES, PLUGIN_NAME, __version__, plugin_library
+from nixl_io_uring_dmabuf import ALIASES, PLUGIN_NAME, __version__, nixlenv, plugin_library
 from nixl_io_uring_dmabuf.locate import NixlWheel, find_wheels, wheel_for_folder
 
 MANIFEST = ".iud-install.json"
@@ -60,10 +60,10 @@ class Target:
 def targets(plugin_dir: str | None, wheels: list[NixlWheel]) -> list[Target]:
     if plugin_dir:
         return [Target(os.path.abspath(plugin_dir), wheel_for_folder(plugin_dir, wheels), False)]
-    if not wheels:
+    if not wheels:  # nixlenv.check() says so first, with the fix; this is the last guard
         raise InstallError(
-            "no NIXL wheel found for this Python: install nixl-cu12 or nixl-cu13 first "
-            "(pip install nixl-cu12), or name a folder with --plugin-dir")
+            "no NIXL wheel found for this Python (neither nixl-cu12 nor nixl-cu13 is installed); "
+            "python -m nixl_io_uring_dmabuf doctor prints the command that installs one")
     return [Target(w.plugins, w, True) for w in wheels]
 
 
@@ -113,13 +113,22 @@ def _backup(folder: str, dest: str, say: Callable[[str], None]) -> str:
 
 
 def install(aliases: list[str], plugin_dir: str | None = None,
-            say: Callable[[str], None] = print) -> list[Target]:
+            say: Callable[[str], None] = print, rerun: str | None = None) -> list[Target]:
+    """Installs into the plugin folder of every NIXL runtime wheel of this environment (or into
+    `plugin_dir`). Without `plugin_dir` it first checks that `import nixl` works here and
+    refuses, with the one command that fixes it, when it does not: a plugin in a folder that
+    the environment's NIXL never loads would only look installed."""
     for a in aliases:
         if a not in ALIASES:
             raise InstallError(f"--as {a}: must be one of {', '.join(ALIASES)}")
     lib = plugin_library()
     digest = sha256(lib)
     names = [PLUGIN_NAME] + [a for a in dict.fromkeys(aliases) if a != PLUGIN_NAME]
+    env = nixlenv.check()
+    if not env.ok:
+        if plugin_dir is None:
+            raise InstallError("\n".join(env.error_lines(rerun)))
+        say(f"note: Python clients here cannot use NIXL yet: {env.problem} Fix: {env.fix}")
     done = targets(plugin_dir, find_wheels())
     for t in done:
         created = not os.path.isdir(t.folder)
@@ -145,7 +154,11 @@ def install(aliases: list[str], plugin_dir: str | None = None,
             what = "the plugin" if name == PLUGIN_NAME else f"the plugin serving as {name}"
             say(f"  installed {what}: {dest}")
         _save(t.folder, manifest)
-        _explain(t, names, say)
+        _explain(t, names, say, env)
+    if os.environ.get("NIXL_PLUGIN_DIR") and plugin_dir is None:
+        say(f"note: NIXL_PLUGIN_DIR={os.environ['NIXL_PLUGIN_DIR']} is set in this shell: NIXL "
+            "reads that folder instead of the wheel's plugins/ folder, so unset it (or use "
+            "--plugin-dir) for processes that should load what was installed here")
     say("undo: python -m nixl_io_uring_dmabuf install --uninstall"
         + (f" --plugin-dir {plugin_dir}" if plugin_dir else ""))
     return done
@@ -176,9 +189,15 @@ def _link_wheel_plugins(t: Target, manifest: dict, names: list[str],
     say(f"  linked the wheel's plugins from {t.wheel.plugins}")
 
 
-def _explain(t: Target, names: list[str], say: Callable[[str], None]) -> None:
+def _explain(t: Target, names: list[str], say: Callable[[str], None],
+             env: nixlenv.NixlEnv | None = None) -> None:
     if t.default:
         say("  NIXL reads this folder by default (when NIXL_PLUGIN_DIR is not set)")
+        if env is not None and env.loads and t.wheel is not None:
+            say(f"  `import nixl` loads {env.loads} in this environment"
+                + (": this is its folder" if env.loads == t.wheel.module
+                   else f", not {t.wheel.module}: this folder is used only by programs that load "
+                        f"{t.wheel.module}'s libnixl.so directly (e.g. a nixlbench built against it)"))
     else:
         say(f"  use it with: export NIXL_PLUGIN_DIR={t.folder}  (it replaces NIXL's default folder)")
     replaced = [n for n in names if n != PLUGIN_NAME]

@@ -1,6 +1,7 @@
 """What NIXL reports about the plugin (get_plugin_params / get_plugin_mem_types /
-get_backend_mem_types), the parameters create_backend accepts, and the README's parameter table
-all agree with plugin-manifest/IO_URING_DMABUF.toml, the single source of these facts."""
+get_backend_mem_types), the parameters create_backend accepts, and the parameter table of
+docs/parameters.md all agree with plugin-manifest/IO_URING_DMABUF.toml, the single source of
+these facts."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import iud_helpers as H
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MANIFEST = os.path.join(REPO, "plugin-manifest", f"{H.PLUGIN}.toml")
-README = os.path.join(REPO, "README.md")
+PARAMS_DOC = os.path.join(REPO, "docs", "parameters.md")
 
 
 def manifest():
@@ -91,7 +92,7 @@ def test_create_backend_accepts(plugin_so, rng, tmp_path, params):
     small_roundtrip(agent, rng, tmp_path, "create")
 
 
-# ---- README parameter table ------------------------------------------------------------------
+# ---- the parameter table of docs/parameters.md ------------------------------------------------
 
 def _cells(line):
     line = line.strip()
@@ -108,13 +109,13 @@ def _unquote(cell):
     return cell
 
 
-def readme_param_table():
-    """Rows of the README table whose first column holds manifest param names in backticks:
-    {name: (default, description)}."""
-    if not os.path.exists(README):
-        pytest.fail(f"{README} does not exist; it must document the backend parameters in a "
+def doc_param_table():
+    """Rows of the docs/parameters.md table whose first column holds manifest param names in
+    backticks: {name: (default, description)}."""
+    if not os.path.exists(PARAMS_DOC):
+        pytest.fail(f"{PARAMS_DOC} does not exist; it must document the backend parameters in a "
                     "markdown table: | `name` | default | description |")
-    with open(README, encoding="utf-8") as f:
+    with open(PARAMS_DOC, encoding="utf-8") as f:
         lines = f.read().splitlines()
     _, params = manifest()
     tables, cur = [], []
@@ -133,19 +134,19 @@ def readme_param_table():
                 rows[m.group(1)] = (_unquote(cells[1]), cells[2])
         if set(rows) & set(params):
             return rows
-    pytest.fail("README.md has no parameter table: expected a markdown table with rows like "
+    pytest.fail("docs/parameters.md has no parameter table: expected a markdown table with rows like "
                 "'| `ring_entries` | `512` | description |' whose first column names the "
                 f"parameters of {os.path.relpath(MANIFEST, REPO)}")
 
 
-def test_readme_param_table_matches_manifest():
+def test_doc_param_table_matches_manifest():
     _, params = manifest()
-    rows = readme_param_table()
+    rows = doc_param_table()
     missing = sorted(set(params) - set(rows))
     extra = sorted(set(rows) - set(params))
-    assert not missing and not extra, (f"README parameter table vs manifest: missing "
+    assert not missing and not extra, (f"docs/parameters.md table vs manifest: missing "
                                        f"{missing}, not in the manifest {extra}")
     wrong = {k: (rows[k][0], params[k]) for k in params if rows[k][0] != params[k]}
-    assert not wrong, f"README defaults differ from the manifest (readme, manifest): {wrong}"
+    assert not wrong, f"docs/parameters.md defaults differ from the manifest (doc, manifest): {wrong}"
     empty = [k for k in params if not rows[k][1].strip()]
-    assert not empty, f"README parameter rows without a description: {empty}"
+    assert not empty, f"docs/parameters.md rows without a description: {empty}"

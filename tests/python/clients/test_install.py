@@ -182,7 +182,13 @@ def test_refusals_name_the_cause(env):
     # -S: no site-packages, so the project venv's own NIXL wheel is out of sight too.
     p = E.run([sys.executable, "-S", "-m", "nixl_io_uring_dmabuf", "install"],
               E.child_env(env["path"][1:]))
-    assert p.returncode == 1 and "no NIXL wheel found" in p.stderr
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "error: `import nixl` fails in this Python environment (ModuleNotFoundError: No module " \
+           "named 'nixl')" in p.stderr, p.stderr
+    assert f"\nfix: {sys.executable} -m pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy\n" \
+        in p.stderr, p.stderr
+    assert not os.listdir(env["plugins"]) or "libplugin_IO_URING_DMABUF.so" not in os.listdir(
+        env["plugins"]), "a refused install left the plugin behind"
 
 
 def test_dynamo_recipe_install_as_gds_mt_and_posix(env):

@@ -2,7 +2,7 @@
 
 Each replay drives the plugin through NIXL's Python API with the exact sequence of agent calls
 and the descriptor shapes of one client (vLLM, LMCache, Dynamo KVBM, nixlbench), as written down
-in ../shared/reference/nixl-clients.md. This module only holds what they share:
+in docs/clients.md. This module only holds what they share:
 
 * ``Ledger``: unique per-chunk fill patterns (a counter hashed with a per-chunk seed; no byte is
   ever 0) and a byte-for-byte check that, on a mismatch, says what the wrong bytes are: zeros
