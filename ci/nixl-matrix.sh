@@ -92,12 +92,16 @@ run_cell() {  # cell ("cu13-1.3.2")
         return
     fi
 
+    # At debug level the plugin names the release it found: proof that this cell's
+    # libnixl_capi.so (not another wheel's) ran the tests.
     rc=0
-    LD_LIBRARY_PATH="$ldpath" NIXL_PLUGIN_DIR="$pdir" IUD_PLUGIN_DIR="$pdir" \
-        cargo test -q --release --test nixl_sys_roundtrip > "$LOGS/$cell-capi.log" 2>&1 || rc=$?
+    LD_LIBRARY_PATH="$ldpath" NIXL_PLUGIN_DIR="$pdir" IUD_PLUGIN_DIR="$pdir" IO_URING_DMABUF_LOG=debug \
+        "$CAPI_TEST" --test-threads=1 > "$LOGS/$cell-capi.log" 2>&1 || rc=$?
     line="$(grep -E '^test result: ' "$LOGS/$cell-capi.log" | tail -n 1 || true)"
-    if [ "$rc" -eq 0 ]; then result "$cell" capi ok "${line#test result: }"
-    else result "$cell" capi FAIL "exit $rc: ${line:-see $LOGS/$cell-capi.log}"; fi
+    if [ "$rc" -ne 0 ]; then result "$cell" capi FAIL "exit $rc: ${line:-see $LOGS/$cell-capi.log}"
+    elif ! grep -q "IO_URING_DMABUF: NIXL $r (" "$LOGS/$cell-capi.log"; then
+        result "$cell" capi FAIL "the plugin did not report NIXL $r: $(grep -o 'IO_URING_DMABUF: NIXL [^ ]*' "$LOGS/$cell-capi.log" | head -n 1)"
+    else result "$cell" capi ok "${line#test result: }"; fi
 
     if [ -f "$v/.iud-needs-torch" ] && [ "$w" != cu13 ]; then
         result "$cell" python skip "nixl $r imports torch; the only torch here is CUDA 13, with which the nixl package loads nixl_cu13"
@@ -134,6 +138,15 @@ run_refused() {  # cell: a release the plugin must refuse
 
 : > "$LOGS/summary.txt"
 start=$(date +%s)
+# The C API test binary, built once in this environment and then run per cell: cargo itself
+# would rebuild for every cell, as clang-sys (bindgen) reruns when LD_LIBRARY_PATH changes.
+CAPI_TEST="$(cargo test -q --release --test nixl_sys_roundtrip --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("executable") and m.get("target", {}).get("name") == "nixl_sys_roundtrip":
+        print(m["executable"])')"
+[ -x "$CAPI_TEST" ] || { echo "ci/nixl-matrix.sh: could not build tests/nixl_sys_roundtrip.rs" >&2; exit 1; }
 for c in $cells; do run_cell "$c"; done
 for c in $refused; do run_refused "$c"; done
 echo "nixl matrix: $pass passed, $fail failed, $skip skipped in $(( $(date +%s) - start )) s (logs in $LOGS)"
