@@ -11,16 +11,19 @@
 //   [src]   ai-dynamo/nixl at v1.3.2 and release/1.4.1: src/api/cpp/backend/backend_plugin.h,
 //           backend_engine.h, backend_aux.h, src/api/cpp/nixl_types.h, nixl_descriptors.h,
 //           src/core/telemetry/telemetry_event.h. backend_engine.h is byte-identical from v1.3.0
-//           to release/1.4.1; the other files differ only in what a plugin does not see (1.4
-//           adds the agent-internal nixlStrideDesc to backend_aux.h, default member
-//           initializers to nixlBackendInitParams, reserve()/emplace() to nixlDescList). The
-//           1.3.2 wheels embed git 75ead3d7, whose copies of these files equal v1.3.2's. No
-//           1.5.x tag or branch was in the mirror, so 1.5.0/1.5.1 rest on [probe] alone.
+//           to release/1.4.1; between v1.3.2 and release/1.4.1 the others change no layout
+//           declared here (1.4 adds the agent-internal nixlStrideDesc to backend_aux.h, default
+//           member initializers to nixlBackendInitParams, inline reserve()/emplace() to
+//           nixlDescList, an event type to telemetry_event.h, and std::string statics inside
+//           backend_plugin.h's creator template, which this plugin does not use). The 1.3.2
+//           wheels embed git 75ead3d7, whose copies of these files equal v1.3.2's. No 1.5.x tag
+//           or branch was in the mirror, so 1.5.0/1.5.1 rest on [probe] alone.
 //   [probe] ci/nixl_abi_probe.py on the nixl-cu12 and nixl-cu13 wheels 1.3.2, 1.4.1, 1.5.0 and
-//           1.5.1 (cu12 1.3.0, 1.3.1, 1.4.0 too): libnixl.so's plugin loader and plugin handle,
-//           libnixl_build.so's descriptor lists, the POSIX and GDS_MT engine vtables and
-//           constructors, each compared with this plugin's binary built from this file. The
-//           identical result for every wheel is why one header serves all three release lines.
+//           1.5.1 in CI (and once, by hand, on cu12 1.3.0, 1.3.1, 1.4.0): libnixl.so's plugin
+//           loader and plugin handle, libnixl_build.so's descriptor lists, the POSIX and GDS_MT
+//           engine vtables and constructors, each compared with this plugin's binary built from
+//           this file. The identical result for every wheel is why one header serves all three
+//           release lines.
 //
 // Only what a storage plugin touches is declared. Out-of-line members of NIXL's classes (the
 // descriptor constructors and serializers in libnixl_build.so, the descriptor-list virtuals) are
