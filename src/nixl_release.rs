@@ -9,9 +9,10 @@
 //! Policy (docs/nixl-releases.md): a release of a line in `NIXL_ABI_LINES` loads, with a warning
 //! when it is not one of `NIXL_VERSIONS_TESTED`; a release of any other line is refused (the plugin
 //! returns no plugin struct, NIXL reports the backend as not found) unless
-//! `IO_URING_DMABUF_ALLOW_UNTESTED_NIXL=1`; a process with no identifiable NIXL (the project's C++
-//! test driver, a NIXL build without the string) loads with an info line: there is nothing to
-//! compare, and refusing would only break hosts that are not NIXL.
+//! `IO_URING_DMABUF_ALLOW_UNTESTED_NIXL=1`; a libnixl_common.so without a readable version string
+//! loads with a warning that the release could not be checked; a process with no NIXL library
+//! (the project's C++ test driver) loads with an info line: there is nothing to compare, and
+//! refusing would only break hosts that are not NIXL.
 
 use std::ffi::{c_int, c_void, CStr};
 
@@ -88,6 +89,8 @@ fn version_at(rest: &[u8]) -> Option<&str> {
 struct Search<'a> {
     wanted: &'a dyn Fn(&str) -> bool,
     found: Option<Runtime>,
+    /// The first wanted object, whether or not it held a version string.
+    seen: Option<String>,
 }
 
 unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
@@ -104,6 +107,7 @@ unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *m
     if !(search.wanted)(&name) {
         return 0;
     }
+    search.seen.get_or_insert_with(|| name.clone());
     for i in 0..info.dlpi_phnum as usize {
         // SAFETY: dlpi_phdr points at dlpi_phnum program headers.
         let ph = unsafe { &*info.dlpi_phdr.add(i) };
@@ -126,17 +130,36 @@ unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *m
 /// The first loaded object `wanted` accepts (by path; "" is the main program) that embeds a
 /// NIXL version string, and that version.
 pub fn scan_loaded(wanted: &dyn Fn(&str) -> bool) -> Option<Runtime> {
-    let mut search = Search { wanted, found: None };
+    scan(wanted).0
+}
+
+/// The version found, and the first wanted object seen (with or without a version).
+fn scan(wanted: &dyn Fn(&str) -> bool) -> (Option<Runtime>, Option<String>) {
+    let mut search = Search { wanted, found: None, seen: None };
     // SAFETY: visit only reads the headers and segments the dynamic linker reports.
     unsafe { libc::dl_iterate_phdr(Some(visit), &mut search as *mut Search as *mut c_void) };
-    search.found
+    (search.found, search.seen)
+}
+
+/// What this process holds of NIXL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    Release(Runtime),
+    /// libnixl_common.so is loaded, but no version string could be read from it.
+    Unreadable(String),
+    /// No NIXL library (a host that is not NIXL, or NIXL linked statically without the string).
+    Nothing,
 }
 
 /// The NIXL runtime of this process: the wheel's (or a source build's) libnixl_common.so, else a
 /// program NIXL is linked into statically.
-pub fn find_runtime() -> Option<Runtime> {
+pub fn find_runtime() -> Found {
     let common = |p: &str| p.rsplit('/').next().is_some_and(|f| f.starts_with("libnixl_common"));
-    scan_loaded(&common).or_else(|| scan_loaded(&|p: &str| p.is_empty()))
+    match scan(&common) {
+        (Some(rt), _) => Found::Release(rt),
+        (None, Some(lib)) => Found::Unreadable(lib),
+        (None, None) => scan_loaded(&|p: &str| p.is_empty()).map_or(Found::Nothing, Found::Release),
+    }
 }
 
 /// Whether the plugin may hand NIXL its plugin struct. Decided and logged once per process.
@@ -145,12 +168,21 @@ pub fn admit() -> bool {
     *ADMIT
 }
 
-fn decide(runtime: Option<Runtime>, allow_untested: bool) -> bool {
+fn decide(found: Found, allow_untested: bool) -> bool {
     let lines = NIXL_ABI_LINES.join(", ");
     let tested = NIXL_VERSIONS_TESTED.join(", ");
-    let Some(rt) = runtime else {
-        tracing::info!("{PLUGIN_NAME}: no NIXL version string in this process (no libnixl_common.so); loading with the NIXL {lines} plugin ABI");
-        return true;
+    let rt = match found {
+        Found::Release(rt) => rt,
+        Found::Nothing => {
+            tracing::info!("{PLUGIN_NAME}: no NIXL library in this process; loading with the NIXL {lines} plugin ABI");
+            return true;
+        }
+        // A warning, not a refusal: the string is the plugin's only way to tell releases apart,
+        // and a build that merged or dropped it is not evidence of another ABI.
+        Found::Unreadable(lib) => {
+            tracing::warn!("{PLUGIN_NAME}: no NIXL version string found in {lib}, so the release cannot be checked; loading with the NIXL {lines} plugin ABI (tested: {tested})");
+            return true;
+        }
     };
     let (v, lib) = (&rt.version, &rt.library);
     match classify(v) {
@@ -204,12 +236,13 @@ mod tests {
 
     #[test]
     fn only_unverified_lines_are_refused_and_the_override_admits_them() {
-        let rt = |v: &str| Some(Runtime { version: v.into(), library: "/x/libnixl_common.so".into() });
+        let rt = |v: &str| Found::Release(Runtime { version: v.into(), library: "/x/libnixl_common.so".into() });
         assert!(decide(rt("1.5.1"), false));
         assert!(decide(rt("1.4.0"), false));
         assert!(!decide(rt("0.10.1"), false));
         assert!(decide(rt("0.10.1"), true));
-        assert!(decide(None, false));
+        assert!(decide(Found::Nothing, false));
+        assert!(decide(Found::Unreadable("/x/libnixl_common.so".into()), false));
     }
 
     // A version string in this test program's own read-only data, found the way the plugin finds
