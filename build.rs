@@ -77,6 +77,19 @@ fn generate_manifest(out: &Path) {
     writeln!(code, "pub const PLUGIN_VERSION_C: &std::ffi::CStr = c{version:?};").unwrap();
     let api = plugin["plugin_api_version"].as_integer().expect("plugin_api_version");
     writeln!(code, "pub const PLUGIN_API_VERSION: i32 = {api};").unwrap();
+    let strings = |k: &str| -> Vec<String> {
+        plugin[k].as_array().unwrap_or_else(|| panic!("{MANIFEST}: {k} is not a list")).iter()
+            .map(|v| v.as_str().unwrap_or_else(|| panic!("{MANIFEST}: {k} holds a non-string")).to_owned())
+            .collect()
+    };
+    let tested = strings("nixl_versions_tested");
+    let lines = strings("nixl_abi_lines");
+    for v in &tested {
+        let line = v.splitn(3, '.').take(2).collect::<Vec<_>>().join(".");
+        assert!(lines.contains(&line), "{MANIFEST}: tested release {v} is not of an nixl_abi_lines line");
+    }
+    writeln!(code, "pub static NIXL_VERSIONS_TESTED: [&str; {}] = {tested:?};", tested.len()).unwrap();
+    writeln!(code, "pub static NIXL_ABI_LINES: [&str; {}] = {lines:?};", lines.len()).unwrap();
     let mems: Vec<i32> = plugin["mems"]
         .as_array()
         .expect("mems")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's one test command: setup, release build, Rust tests (unit + nixl-sys integration),
 # the `rocm` feature check (ci/rocm-feature.sh), then the Python suite (tests/python; tests/gpu
-# skips without a GPU) against the real NIXL runtime from the wheel, then the NVMe lab in QEMU
-# (ci/vm).
+# skips without a GPU) against the real NIXL runtime from the wheel, then the NIXL release matrix
+# (ci/nixl-matrix.sh), then the NVMe lab in QEMU (ci/vm).
 # Every test stage runs even if an earlier one failed; the exit status is non-zero if any did.
 # Extra arguments go to pytest (e.g. ci/test.sh -k roundtrip).
 set -euo pipefail
@@ -52,6 +52,21 @@ echo "== pytest tests/python tests/gpu tests/remote (backend ${IUD_TEST_BACKEND:
 py_rc=0
 "$IUD_PY" -m pytest -rs tests/python tests/gpu tests/remote "$@" 2>&1 | tee "$logs/pytest.log" || py_rc=${PIPESTATUS[0]}
 [ "$py_rc" -eq 0 ] || status=1
+
+# --- NIXL release matrix (ci/nixl-matrix.sh, docs/nixl-releases.md) ---------------------------
+# The plugin on every NIXL release it claims, cu12 and cu13 wheels: ABI probe, the nixl-sys test
+# and a Python subset per (release, wheel), and the refusal of 0.10.1. About 15 minutes on 2 CPUs;
+# IUD_SKIP_NIXL_MATRIX=1 leaves it out. Each leg counts as one check in the total.
+mx_line="skipped (IUD_SKIP_NIXL_MATRIX=1)" mx_pass=0 mx_fail=0 mx_skip=0
+if [ "${IUD_SKIP_NIXL_MATRIX:-0}" != 1 ]; then
+    echo "== NIXL release matrix (ci/nixl-matrix.sh)"
+    mx_rc=0
+    bash ci/nixl-matrix.sh 2>&1 | tee "$logs/nixl-matrix.log" || mx_rc=${PIPESTATUS[0]}
+    mx_line="$(grep -E '^nixl matrix: ' "$logs/nixl-matrix.log" | tail -n 1 || true)"
+    read -r mx_pass mx_fail mx_skip < <(sed -E 's/^nixl matrix: ([0-9]+) passed, ([0-9]+) failed, ([0-9]+) skipped.*/\1 \2 \3/;t;s/.*/0 0 0/' <<<"${mx_line:-x}")
+    if [ "$mx_rc" -ne 0 ]; then status=1; [ "$mx_fail" -gt 0 ] || mx_fail=1; fi
+fi
+# ---------------------------------------------------------------------------------------------
 
 # The NVMe lab: a Debian kernel in QEMU with an emulated NVMe disk (ci/vm/README.md). Set
 # IUD_SKIP_LAB=1 to leave it out of a local run.
@@ -105,6 +120,7 @@ p_pass=$(count passed); p_fail=$(( $(count failed) + $(count error) )); p_skip=$
 echo "pytest: exit $py_rc, ${py_line:-(no summary line)}"
 echo "rocm feature: $rocm_feature"
 echo "NVMe lab: ${lab_line:-not run}"
+echo "NIXL matrix: ${mx_line:-no summary line} (per leg: $logs/nixl-matrix.log)"
 echo "reliability: $([ "$rel_fail" -eq 0 ] && echo ok || echo FAILED) (figures in target/reliability)"
 [ -f "$logs/reliability.log" ] && sed -n '/^== reliability summary/,$p' "$logs/reliability.log" | tail -n +2 | sed 's/^/  /'
 # Reliability and the rocm feature check count one per stage: pass, FAIL or SKIP (with its reason
@@ -120,5 +136,5 @@ fi
 [ "$rel_fail" -eq 0 ] || [ "$rel_failed" -gt 0 ] || rel_failed=1
 rocm_pass=0 rocm_fail=0
 case "$rocm_feature" in ok) rocm_pass=1 ;; FAILED*) rocm_fail=1 ;; esac
-echo "total: $((c_pass + p_pass + lab_pass + rel_pass + rocm_pass)) passed, $((c_fail + p_fail + lab_fail + rel_failed + rocm_fail)) failed, $((c_skip + p_skip + lab_skip + rel_skip)) skipped"
+echo "total: $((c_pass + p_pass + lab_pass + rel_pass + rocm_pass + mx_pass)) passed, $((c_fail + p_fail + lab_fail + rel_failed + rocm_fail + mx_fail)) failed, $((c_skip + p_skip + lab_skip + rel_skip + mx_skip)) skipped"
 exit "$status"

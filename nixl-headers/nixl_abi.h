@@ -1,10 +1,29 @@
 // SPDX-License-Identifier: Apache-2.0
 //
-// The project's own declarations of the NIXL 1.5.x backend-plugin ABI (x86-64, libstdc++ with
-// _GLIBCXX_USE_CXX11_ABI=1, C++20). NIXL's wheel ships no headers, so these are written from the
-// facts in shared/reference/nixl-plugin-abi.md and checked against the 1.5.1 binaries. Every size
-// and offset the plugin depends on is frozen by a static_assert at the end of this file: a NIXL
-// release that moves a field fails the build instead of corrupting memory at run time.
+// The project's own declarations of NIXL's backend-plugin ABI as the releases 1.3, 1.4 and 1.5
+// share it (x86-64, libstdc++ with _GLIBCXX_USE_CXX11_ABI=1, C++20). NIXL's wheels ship no
+// headers; these are written from NIXL's sources and checked against the wheels' binaries. Every
+// size and offset the plugin depends on is frozen by a static_assert at the end of this file: a
+// change to these declarations that moves a field fails the build.
+//
+// Sources, cited as [src] and [probe] below (docs/nixl-releases.md has the per-release table and
+// the commands):
+//   [src]   ai-dynamo/nixl at v1.3.2 and release/1.4.1: src/api/cpp/backend/backend_plugin.h,
+//           backend_engine.h, backend_aux.h, src/api/cpp/nixl_types.h, nixl_descriptors.h,
+//           src/core/telemetry/telemetry_event.h. backend_engine.h is byte-identical from v1.3.0
+//           to release/1.4.1; between v1.3.2 and release/1.4.1 the others change no layout
+//           declared here (1.4 adds the agent-internal nixlStrideDesc to backend_aux.h, default
+//           member initializers to nixlBackendInitParams, inline reserve()/emplace() to
+//           nixlDescList, an event type to telemetry_event.h, and std::string statics inside
+//           backend_plugin.h's creator template, which this plugin does not use). The 1.3.2
+//           wheels embed git 75ead3d7, whose copies of these files equal v1.3.2's. No 1.5.x tag
+//           or branch was in the mirror, so 1.5.0/1.5.1 rest on [probe] alone.
+//   [probe] ci/nixl_abi_probe.py on the nixl-cu12 and nixl-cu13 wheels 1.3.2, 1.4.1, 1.5.0 and
+//           1.5.1 in CI (and once, by hand, on cu12 1.3.0, 1.3.1, 1.4.0): libnixl.so's plugin
+//           loader and plugin handle, libnixl_build.so's descriptor lists, the POSIX and GDS_MT
+//           engine vtables and constructors, each compared with this plugin's binary built from
+//           this file. The identical result for every wheel is why one header serves all three
+//           release lines.
 //
 // Only what a storage plugin touches is declared. Out-of-line members of NIXL's classes (the
 // descriptor constructors and serializers in libnixl_build.so, the descriptor-list virtuals) are
@@ -15,7 +34,7 @@
 #error "nixl-headers: layouts are verified for x86-64 only (std::mutex differs on aarch64)"
 #endif
 #if !defined(_GLIBCXX_USE_CXX11_ABI) || _GLIBCXX_USE_CXX11_ABI != 1
-#error "nixl-headers: NIXL 1.5.x is built with the new libstdc++ string ABI"
+#error "nixl-headers: NIXL 1.3-1.5 wheels are built with the new libstdc++ string ABI"
 #endif
 
 #include <chrono>
@@ -168,7 +187,10 @@ struct nixlTelemetryEvent {
 
 // ---- the engine base class (backend_engine.h) -------------------------------------------------
 //
-// The 27 vtable slots, in the order the 1.5.1 binaries use. Slot numbers are in the comments.
+// The 27 vtable slots, in declaration order [src]; [probe] reads the same 27 signatures in the
+// same order from every wheel's POSIX and GDS_MT vtables and from this plugin's ShimEngine vtable.
+// (0.10.1 has 31: four GPU-transfer slots after releaseReqH; that is what the load-time release
+// check in src/nixl_release.rs guards against.) Slot numbers are in the comments.
 
 class nixlBackendEngine {
 private:
@@ -286,10 +308,7 @@ struct nixlBackendPlugin {
     nixl_mem_list_t (*get_backend_mems)();
 };
 
-// ---- layout guards (x86-64, NIXL 1.5.1) ---------------------------------------------------------
-
-// offsetof on a class with virtuals is "conditionally supported"; GCC supports it and these
-// classes have no virtual bases, so the values are exact.
+// ---- layout guards (x86-64, NIXL 1.3-1.5) -------------------------------------------------------
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Winvalid-offsetof"
 
@@ -301,12 +320,18 @@ constexpr size_t nixlBackendEngine::enableTelemetryOffset() {
     return offsetof(nixlBackendEngine, enableTelemetry_);
 }
 
+// libstdc++'s CXX11 ABI on x86-64 (the containers inside NIXL's classes); [probe]: the offsets
+// below, read from NIXL's binaries, are consistent only with these sizes.
 static_assert(sizeof(std::string) == 32, "CXX11 std::string is 32 bytes");
 static_assert(sizeof(nixl_b_params_t) == 56, "std::unordered_map is 56 bytes");
 static_assert(sizeof(std::mutex) == 40, "std::mutex is 40 bytes on x86-64 glibc");
 
+// [src] nixl_types.h: plain enums of int range.
 static_assert(sizeof(nixl_status_t) == 4 && sizeof(nixl_mem_t) == 4 && sizeof(nixl_xfer_op_t) == 4);
 
+// [src] backend_plugin.h; [probe] nixlBackendPluginHandle::createEngine/destroyEngine/getName/
+// getVersion/getBackendOptions/getBackendMems load their pointer from 8/16/24/32/40/48, and the
+// loader (backendLoader) compares api_version at 0 with 1, in every wheel.
 static_assert(sizeof(nixlBackendPlugin) == 56);
 static_assert(offsetof(nixlBackendPlugin, api_version) == 0);
 static_assert(offsetof(nixlBackendPlugin, create_engine) == 8);
@@ -316,11 +341,19 @@ static_assert(offsetof(nixlBackendPlugin, get_plugin_version) == 32);
 static_assert(offsetof(nixlBackendPlugin, get_backend_options) == 40);
 static_assert(offsetof(nixlBackendPlugin, get_backend_mems) == 48);
 
+// [src] backend_engine.h; [probe] the base constructor inlined into POSIX's, GDS_MT's and this
+// plugin's engine constructors writes backendType at 8, customParams at 40, telemetryEvents_ at
+// 96, the mutex at 120, initErr at 160, localAgent at 168, enableTelemetry_ at 200 and nothing
+// from 208 on; nixlAgent::createBackend reads initErr at 160 (getInitErr).
 static_assert(sizeof(nixlBackendEngine) == 208);
 static_assert(nixlBackendEngine::initErrOffset() == 160);
 static_assert(nixlBackendEngine::localAgentOffset() == 168);
 static_assert(nixlBackendEngine::enableTelemetryOffset() == 200);
 
+// [src] backend_aux.h; [probe] the engine constructors read localAgent at 0, type at 32,
+// customParams at 64, enableTelemetry_ at 92. enableProgTh (72), pthrDelay (80) and syncMode (88)
+// are [src] only (by hand: UCX's create reads 72 in every wheel, 1.3.x POSIX reads 88); the
+// plugin only logs them.
 static_assert(sizeof(nixlBackendInitParams) == 96);
 static_assert(offsetof(nixlBackendInitParams, localAgent) == 0);
 static_assert(offsetof(nixlBackendInitParams, type) == 32);
@@ -330,11 +363,17 @@ static_assert(offsetof(nixlBackendInitParams, pthrDelay) == 80);
 static_assert(offsetof(nixlBackendInitParams, syncMode) == 88);
 static_assert(offsetof(nixlBackendInitParams, enableTelemetry_) == 92);
 
+// [src] backend_aux.h only: the shim never reads the optional args (it ignores notifMsg and
+// customParam), so no release's layout of them can reach the plugin.
 static_assert(sizeof(nixlBackendOptionalArgs) == 72);
 static_assert(offsetof(nixlBackendOptionalArgs, notifMsg) == 0);
 static_assert(offsetof(nixlBackendOptionalArgs, hasNotif) == 32);
 static_assert(offsetof(nixlBackendOptionalArgs, customParam) == 40);
 
+// [src] nixl_descriptors.h, backend_aux.h; [probe] nixlDescList<T>::descCount divides by 24, 56,
+// 32 and 64 for nixlBasicDesc, nixlBlobDesc, nixlMetaDesc and nixlRemoteMetaDesc (so metaInfo and
+// metadataP, the members after the 24-byte base, sit at 24), and getType/descCount read the
+// list's type at 8 and its vector at 16, in every wheel.
 static_assert(sizeof(nixlBasicDesc) == 24);
 static_assert(offsetof(nixlBasicDesc, addr) == 0);
 static_assert(offsetof(nixlBasicDesc, len) == 8);
@@ -351,6 +390,9 @@ static_assert(offsetof(nixl_meta_dlist_t, type) == 8);
 static_assert(offsetof(nixl_meta_dlist_t, descs) == 16);
 static_assert(sizeof(nixl_reg_dlist_t) == 40);
 
+// [src] backend_aux.h, telemetry_event.h (1.3.0 on; 1.2.0's event also had a category). NIXL
+// never dereferences MDs or request handles, and the telemetry vector stays empty (the plugin
+// adds no events).
 static_assert(sizeof(nixlBackendMD) == 16);
 static_assert(sizeof(nixlBackendReqH) == 8);
 static_assert(sizeof(nixlTelemetryEvent) == 16);

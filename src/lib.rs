@@ -25,6 +25,7 @@ pub mod gpu;
 pub mod log;
 pub mod manifest;
 pub mod mem;
+pub mod nixl_release;
 pub mod params;
 pub mod path;
 pub mod record;

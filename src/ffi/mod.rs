@@ -19,7 +19,7 @@ use crate::bridge::{iud_desc_list, iud_engine_config, iud_file_info, iud_param_d
 use crate::engine::{Engine, Request};
 use crate::error::{status, Result};
 use crate::uring::Progress;
-use crate::{alias, log, manifest};
+use crate::{alias, log, manifest, nixl_release};
 use handle::{arg, check_out, write_out, Handle};
 
 pub mod handle;
@@ -268,6 +268,11 @@ static API: Lazy<ApiTable> = Lazy::new(|| {
 pub extern "C" fn nixl_plugin_init() -> *mut c_void {
     catch_unwind(|| {
         log::init();
+        // A NIXL release line whose plugin ABI is not the one nixl-headers/ declares gets no
+        // plugin struct (one error line says why): src/nixl_release.rs.
+        if !nixl_release::admit() {
+            return ptr::null_mut();
+        }
         // SAFETY: API is a 'static table that outlives every use the shim makes of it.
         unsafe { iud_shim_plugin(&API.api) }
     })
