@@ -84,7 +84,7 @@ run_cell() {  # cell ("cu13-1.3.2")
 
     rc=0; python3 ci/nixl_abi_probe.py "$libs" --plugin "$IUD_PLUGIN_SO" > "$LOGS/$cell-abi.log" 2>&1 || rc=$?
     if [ "$rc" -eq 0 ]; then result "$cell" abi ok "$(grep -c '^ok' "$LOGS/$cell-abi.log") checks"
-    else result "$cell" abi FAIL "$(grep '^FAIL' "$LOGS/$cell-abi.log" | head -n 2 | tr '\n' ' ')"; fi
+    else result "$cell" abi FAIL "$(grep '^FAIL' "$LOGS/$cell-abi.log" | sed -n 1,2p | tr '\n' ' ')"; fi
 
     if [ "$cell" = "$default" ]; then
         result "$cell" capi skip "the main cargo stage runs it on the default wheel"
@@ -100,7 +100,7 @@ run_cell() {  # cell ("cu13-1.3.2")
     line="$(grep -E '^test result: ' "$LOGS/$cell-capi.log" | tail -n 1 || true)"
     if [ "$rc" -ne 0 ]; then result "$cell" capi FAIL "exit $rc: ${line:-see $LOGS/$cell-capi.log}"
     elif ! grep -q "IO_URING_DMABUF: NIXL $r (" "$LOGS/$cell-capi.log"; then
-        result "$cell" capi FAIL "the plugin did not report NIXL $r: $(grep -o 'IO_URING_DMABUF: NIXL [^ ]*' "$LOGS/$cell-capi.log" | head -n 1)"
+        result "$cell" capi FAIL "the plugin did not report NIXL $r: $(grep -o 'IO_URING_DMABUF: NIXL [^ ]*' "$LOGS/$cell-capi.log" | sed -n 1p)"
     else result "$cell" capi ok "${line#test result: }"; fi
 
     if [ -f "$v/.iud-needs-torch" ] && [ "$w" != cu13 ]; then

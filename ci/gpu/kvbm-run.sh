@@ -27,6 +27,6 @@ for variant in "${variants[@]}"; do
     timeout 280 python3 ci/gpu/kvbm-disk-tier.py --variant "$variant" --out "$OUT/kvbm-$variant.json" \
         > "$OUT/kvbm-$variant.log" 2>&1 || rc=1
     grep -E '^(ok  |FAIL|== )' "$OUT/kvbm-$variant.log"
-    grep -E 'serving as|NIXL version' "$OUT/kvbm-$variant.log" | head -n 4
+    grep -E 'serving as|NIXL version' "$OUT/kvbm-$variant.log" | sed -n 1,4p
 done
 exit "$rc"

@@ -1,6 +1,6 @@
 """Where the installed NIXL wheels keep their libraries and plugins (without importing NIXL).
 
-The nixl-cu12 / nixl-cu13 wheels (1.5.1) put libnixl.so in site-packages/.nixl_cuXX.mesonpy.libs
+The nixl-cu12 / nixl-cu13 wheels (1.3-1.5) put libnixl.so in site-packages/.nixl_cuXX.mesonpy.libs
 and the backend plugins in its plugins/ subfolder. libnixl finds that folder through dladdr on
 itself (NIXL src/core/nixl_plugin_manager.cpp, getPluginDir), so it is the folder NIXL reads when
 NIXL_PLUGIN_DIR is not set. NIXL_PLUGIN_DIR, when set, replaces it.
