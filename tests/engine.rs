@@ -28,7 +28,8 @@ fn temp_file(direct: bool) -> (tempdir::Dir, File) {
     if direct {
         opts.custom_flags(libc::O_DIRECT);
     }
-    let f = opts.open(dir.path.join("data")).expect("open temp file");
+    // A number of its own: a test that closes it must not see another test's file under it.
+    let f = lone_file(opts.open(dir.path.join("data")).expect("open temp file"));
     (dir, f)
 }
 

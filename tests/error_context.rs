@@ -29,7 +29,8 @@ impl TempFile {
         if direct {
             std::os::unix::fs::OpenOptionsExt::custom_flags(&mut opts, libc::O_DIRECT);
         }
-        let file = opts.open(&path).expect("open temp file");
+        // A number of its own: a test that closes it must not see another test's file under it.
+        let file = lone_file(opts.open(&path).expect("open temp file"));
         TempFile { path, file }
     }
     fn fd(&self) -> u64 {

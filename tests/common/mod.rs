@@ -128,11 +128,49 @@ pub fn doom_fd(fd: i32, fate: FdFate, other: &std::path::Path, flags: i32) {
     }
 }
 
-/// Opens `path` read-write (creating it) with extra `flags`; the caller owns the fd.
+/// Opens `path` read-write (creating it) with extra `flags`; the caller owns the fd, a number of
+/// its own (`lone_fd`).
 pub fn open_fd(path: &std::path::Path, flags: i32) -> i32 {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: c is NUL-terminated.
     let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | flags, 0o644) };
     assert!(fd >= 0, "open {path:?}: {}", std::io::Error::last_os_error());
-    fd
+    lone_fd(fd)
+}
+
+/// Moves `fd` (closing it) to a number that no other open in this process takes while a test
+/// has it closed: the kernel hands out the lowest free number, and these sit high above it, each
+/// used once. Without it a test that closes its fd races the binary's other tests, whose next
+/// open may get the number (then the test sees a reused fd, not a closed one).
+pub fn lone_fd(fd: i32) -> i32 {
+    use std::sync::atomic::{AtomicI32, Ordering};
+    static NEXT: AtomicI32 = AtomicI32::new(0);
+    static BASE: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    let base = *BASE.get_or_init(|| {
+        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: r is a valid rlimit to fill and then to set (soft limit up to the hard one).
+        unsafe {
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+            r.rlim_cur = r.rlim_max.min(1 << 16);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        }
+        (r.rlim_cur / 2) as i32
+    });
+    let n = base + NEXT.fetch_add(1, Ordering::Relaxed);
+    assert!(n < 2 * base, "lone_fd: out of numbers under RLIMIT_NOFILE ({})", 2 * base);
+    // SAFETY: dup2 onto a number nothing else in the process uses (see above); then the
+    // original is closed, as the caller handed it over.
+    let moved = unsafe { libc::dup2(fd, n) };
+    assert_eq!(moved, n, "dup2({fd}, {n}): {}", std::io::Error::last_os_error());
+    // SAFETY: the caller handed fd over.
+    unsafe { libc::close(fd) };
+    n
+}
+
+/// `f` under a number of its own (`lone_fd`).
+pub fn lone_file(f: std::fs::File) -> std::fs::File {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    // SAFETY: lone_fd returns an fd that now owns f's open file, and nothing else owns it.
+    unsafe { std::fs::File::from_raw_fd(lone_fd(f.into_raw_fd())) }
 }

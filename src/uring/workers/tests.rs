@@ -1,0 +1,194 @@
+//! Tests of the page-cache workers: results and counts, a poisoned queue, batching, the writer limit, callers helping.
+
+use super::*;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+
+#[test]
+fn reads_and_writes_land_and_report_their_counts() {
+    let mut f = tempfile_in_tmp();
+    let data: Vec<u8> = (0..(1u32 << 20))
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    f.write_all(&data).unwrap();
+    let w = PageCacheWorkers::new(3, 0, Arc::default()).unwrap();
+    let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; 128 << 10]).collect();
+    for (i, b) in bufs.iter_mut().enumerate() {
+        w.submit(Job {
+            token: i as u64,
+            fd: f.as_raw_fd(),
+            offset: (i as u64) << 17,
+            addr: b.as_mut_ptr() as u64,
+            len: 128 << 10,
+            write: false,
+        });
+    }
+    // A read past the end returns 0; a bad fd returns -EBADF.
+    let mut tail = vec![0u8; 4096];
+    w.submit(Job {
+        token: 100,
+        fd: f.as_raw_fd(),
+        offset: 2 << 20,
+        addr: tail.as_mut_ptr() as u64,
+        len: 4096,
+        write: false,
+    });
+    w.submit(Job {
+        token: 101,
+        fd: -1,
+        offset: 0,
+        addr: tail.as_mut_ptr() as u64,
+        len: 4096,
+        write: false,
+    });
+    let mut done = Vec::new();
+    while done.len() < 10 {
+        w.wait_done(Duration::from_millis(100));
+        w.take_done(&mut done);
+    }
+    done.sort();
+    for (i, b) in bufs.iter().enumerate() {
+        assert_eq!(done[i], (i as u64, 128 << 10));
+        assert_eq!(&b[..], &data[i << 17..(i + 1) << 17]);
+    }
+    assert_eq!(done[8], (100, 0));
+    assert_eq!(done[9], (101, -libc::EBADF));
+    let patch = vec![0xa5u8; 4096];
+    w.submit(Job {
+        token: 7,
+        fd: f.as_raw_fd(),
+        offset: 8192,
+        addr: patch.as_ptr() as u64,
+        len: 4096,
+        write: true,
+    });
+    let mut done = Vec::new();
+    while done.is_empty() {
+        w.wait_done(Duration::from_millis(100));
+        w.take_done(&mut done);
+    }
+    assert_eq!(done, vec![(7, 4096)]);
+    let mut back = vec![0u8; 4096];
+    // SAFETY: reads into a live local buffer.
+    let n = unsafe { libc::pread(f.as_raw_fd(), back.as_mut_ptr().cast(), 4096, 8192) };
+    assert_eq!(n, 4096);
+    assert_eq!(back, patch);
+}
+
+#[test]
+fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
+    let failure = Arc::new(Failure::default());
+    let w = PageCacheWorkers::new(1, 0, Arc::clone(&failure)).unwrap();
+    crate::error::poison(&w.shared.queues);
+    let f = tempfile_in_tmp();
+    let mut buf = vec![0u8; 4096];
+    w.submit(Job { token: 9, fd: f.as_raw_fd(), offset: 0, addr: buf.as_mut_ptr() as u64, len: 4096, write: false });
+    let mut done = Vec::new();
+    while done.is_empty() {
+        w.wait_done(Duration::from_millis(100));
+        w.take_done(&mut done);
+    }
+    assert_eq!(done, vec![(9, 0)]);
+    let e = failure.check().unwrap_err();
+    assert!(e.message.contains("page-cache workers' queue is poisoned"), "{}", e.message);
+}
+
+fn idle_queue(file_writers: usize) -> Arc<Shared> {
+    Arc::new(Shared {
+        queues: Mutex::default(),
+        job_ready: Condvar::new(),
+        done_ready: Condvar::new(),
+        stop: AtomicBool::new(false),
+        file_writers,
+        failure: Arc::default(),
+        cancel_epoch: AtomicU64::new(0),
+    })
+}
+
+fn job(token: u64, fd: i32, write: bool) -> Job {
+    Job { token, fd, offset: 0, addr: 0, len: 0, write }
+}
+
+#[test]
+fn the_caller_runs_queued_reads_and_leaves_writes_to_the_workers() {
+    let mut f = tempfile_in_tmp();
+    let data: Vec<u8> = (0..(256u32 << 10)).map(|i| (i.wrapping_mul(40503) >> 7) as u8).collect();
+    f.write_all(&data).unwrap();
+    // No worker thread: only the caller can run anything here.
+    let shared = idle_queue(0);
+    let helper = QueueHelper { shared: Arc::clone(&shared) };
+    let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 64 << 10]).collect();
+    let reads: Vec<Job> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| Job { token: i as u64, fd: f.as_raw_fd(), offset: (i as u64) << 16, addr: b.as_mut_ptr() as u64, len: 64 << 10, write: false })
+        .collect();
+    let patch = [7u8; 4096];
+    let write = Job { token: 9, fd: f.as_raw_fd(), offset: 0, addr: patch.as_ptr() as u64, len: 4096, write: true };
+    {
+        let mut q = shared.queues.lock().unwrap();
+        q.jobs.push_back(reads[..2].to_vec());
+        q.jobs.push_back(reads[2..].to_vec());
+        q.jobs.push_back(vec![write]);
+    }
+    assert_eq!(helper.run_queued_reads(), 4);
+    let mut done = std::mem::take(&mut shared.queues.lock().unwrap().done);
+    done.sort();
+    assert_eq!(done, (0..4).map(|i| (i, 64 << 10)).collect::<Vec<_>>());
+    for (i, b) in bufs.iter().enumerate() {
+        assert_eq!(&b[..], &data[i << 16..(i + 1) << 16]);
+    }
+    // The write stays queued for a worker, and the file is unchanged.
+    assert_eq!(shared.queues.lock().unwrap().jobs.len(), 1);
+    assert_eq!(helper.run_queued_reads(), 0);
+}
+
+#[test]
+fn a_batch_takes_only_jobs_of_its_fd_and_direction() {
+    let batch = vec![job(1, 5, false), job(2, 5, false)];
+    assert!(joins_batch(&[], &job(0, 7, true)));
+    assert!(joins_batch(&batch, &job(3, 5, false)));
+    assert!(!joins_batch(&batch, &job(3, 6, false)), "another fd starts a new batch");
+    assert!(!joins_batch(&batch, &job(3, 5, true)), "a write does not join reads");
+}
+
+#[test]
+fn a_file_gets_at_most_its_writers_while_reads_and_other_files_go_on() {
+    let mut q = Queues::default();
+    q.jobs.push_back(vec![job(1, 5, true)]);
+    q.jobs.push_back(vec![job(2, 5, true)]);
+    q.jobs.push_back(vec![job(3, 6, true)]);
+    q.jobs.push_back(vec![job(4, 5, false)]);
+    let first = q.take_runnable(1).unwrap();
+    assert_eq!(first[0].token, 1);
+    // fd 5 has its one writer: the next write to it waits, fd 6 and the read do not.
+    assert_eq!(q.take_runnable(1).unwrap()[0].token, 3);
+    assert_eq!(q.take_runnable(1).unwrap()[0].token, 4);
+    assert!(q.take_runnable(1).is_none());
+    q.write_ended(&first, 1);
+    assert_eq!(q.take_runnable(1).unwrap()[0].token, 2);
+    // Without a limit, writes run in queue order regardless of the fd.
+    let mut q = Queues::default();
+    q.jobs.push_back(vec![job(1, 5, true)]);
+    q.jobs.push_back(vec![job(2, 5, true)]);
+    assert_eq!(q.take_runnable(0).unwrap()[0].token, 1);
+    assert_eq!(q.take_runnable(0).unwrap()[0].token, 2);
+    assert!(q.writing.is_empty());
+}
+
+fn tempfile_in_tmp() -> std::fs::File {
+    let path = std::env::temp_dir().join(format!(
+        "iud-workers-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    f
+}
