@@ -38,7 +38,8 @@ VLLM_DEPS=(cbor2 openai openai-harmony pillow pybase64 cloudpickle uvloop "fasta
 ENGINE_DEPS=("transformers>=5.16.1,<5.20" "tokenizers>=0.23.2" safetensors regex sentencepiece
              blake3 pydantic einops compressed-tensors==0.17.0 xgrammar==0.2.8
              "llguidance>=1.7,<1.8")
-spec="${TORCH[*]} | ${NODEPS[*]} | $VLLM033 in vllm-0.33 | ${LMCACHE_DEPS[*]} | ${VLLM_DEPS[*]} | ${ENGINE_DEPS[*]}"
+spec="${TORCH[*]} | ${NODEPS[*]} | $VLLM033 in vllm-0.33 | ${LMCACHE_DEPS[*]} | ${VLLM_DEPS[*]}"
+spec+=" | ${ENGINE_DEPS[*]}"
 stamp="$V/.iud-clients-spec"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$spec" ]; then
     echo "ci/clients-setup.sh: $V is up to date"
@@ -70,7 +71,7 @@ echo "ci/clients-setup.sh: installing ${NODEPS[*]} without their dependencies"
 echo "ci/clients-setup.sh: installing $VLLM033 without its dependencies into $VLLM033_DIR"
 rm -rf "$VLLM033_DIR"
 "${pip[@]}" --no-deps --target "$VLLM033_DIR" "$VLLM033"
-echo "ci/clients-setup.sh: installing what LMCache's storage path, vLLM's tiering and the CPU engine import"
+echo "ci/clients-setup.sh: installing what LMCache's storage path, vLLM's tiering and CPU engine use"
 "${pip[@]}" "${TORCH[@]}" "${LMCACHE_DEPS[@]}" "${VLLM_DEPS[@]}" "${ENGINE_DEPS[@]}"  # torch held
 "$V/bin/python" - <<'PY'
 import nixl, torch, vllm
@@ -78,7 +79,8 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: F
 from vllm import LLM  # noqa: F401
 assert vllm.__version__ == "0.32.0", vllm.__version__
 print(f"clients venv ready: torch {torch.__version__} (CUDA {torch.version.cuda}, available: "
-      f"{torch.cuda.is_available()}), vllm {vllm.__version__} (CPU), nixl from {nixl._pkg.__name__}")
+      f"{torch.cuda.is_available()}), vllm {vllm.__version__} (CPU), "
+      f"nixl from {nixl._pkg.__name__}")
 PY
 PYTHONPATH="$VLLM033_DIR" "$V/bin/python" - <<'PY'
 import vllm

@@ -77,7 +77,8 @@ class ProbeSpec(OffloadingSpec):
             "groups": [{"tokens_per_block": g.tokens_per_block, "layer_names": list(g.layer_names),
                         "group_id": g.group_id} for g in c.groups],
             "worker_kv_bytes_per_block": c.worker_kv_bytes_per_block,
-            "tokens_per_hash": c.cache.tokens_per_hash, "blocks_per_chunk": c.cache.blocks_per_chunk,
+            "tokens_per_hash": c.cache.tokens_per_hash,
+            "blocks_per_chunk": c.cache.blocks_per_chunk,
             "engine_id": c.engine_id, "model": {"name": c.model.name, "dtype": c.model.dtype},
             "rank": c.parallel.rank, "world_size": c.parallel.world_size,
             "kv_cache_layout": c.kv_cache_layout, "extra_config": dict(c.extra_config)})
