@@ -138,7 +138,7 @@ pub fn open(i: usize, spec: &BackendSpec, ctx: &Ctx, regions: &[AlignedBuf]) -> 
     println!(
         "registered {} DRAM region(s) of {} bytes each and the storage (0, {}, fd {})",
         regions.len(),
-        ctx.cfg.kv.region_size,
+        regions.first().map_or(0, |b| b.len()),
         ctx.file_len,
         ctx.fd
     );

@@ -63,17 +63,19 @@ struct Registrations<'a> {
     registry: &'a Registry,
     index: HashMap<usize, usize>,
     list: Vec<Arc<Registration>>,
-    /// Per side (memory, storage): the first `HINTS` distinct MDs seen and the index of the
-    /// registration each resolved to; a descriptor with one of them whose registration covers
-    /// it needs no registry lookup (no lock, no hash), whatever order the regions come in.
+    /// Per side (memory, storage): up to `HINTS` recent distinct MDs and the index of the
+    /// registration each last resolved to; a descriptor with one of them whose registration
+    /// covers it needs no registry lookup (no lock, no hash), whatever order the regions come in.
     hints: [Vec<(usize, usize)>; 2],
+    /// Per side: the hint a new MD replaces when all are taken (the oldest).
+    victim: [usize; 2],
     /// Descriptors whose MD did not name a registration covering them (sync mode NONE).
     unhinted: usize,
 }
 
 impl<'a> Registrations<'a> {
     fn new(registry: &'a Registry) -> Self {
-        Registrations { registry, index: HashMap::new(), list: Vec::new(), hints: [Vec::new(), Vec::new()], unhinted: 0 }
+        Registrations { registry, index: HashMap::new(), list: Vec::new(), hints: [Vec::new(), Vec::new()], victim: [0; 2], unhinted: 0 }
     }
 
     /// Index into `list` of the live registration of `kind` that covers `d`.
@@ -91,9 +93,16 @@ impl<'a> Registrations<'a> {
             list.push(found.reg);
             list.len() - 1
         });
+        // A new MD takes a free hint, else the oldest one's place: a list naming more than
+        // `HINTS` MDs in runs (one region after another) still finds each run's MD here.
         let hints = &mut self.hints[side];
-        if hints.len() < HINTS && !hints.iter().any(|&(m, _)| m == md) {
+        if let Some(h) = hints.iter_mut().find(|(m, _)| *m == md) {
+            h.1 = i;
+        } else if hints.len() < HINTS {
             hints.push((md, i));
+        } else {
+            hints[self.victim[side]] = (md, i);
+            self.victim[side] = (self.victim[side] + 1) % HINTS;
         }
         Ok(i)
     }
@@ -440,6 +449,37 @@ mod tests {
 
     fn op(file_offset: u64, addr: u64, len: u32, buf_index: Option<u16>) -> IoOp {
         IoOp { file: FileRef::Fixed(0), fd: 5, io_fd: 5, file_offset, addr, len, buf_index, device: None, punt: false, desc_index: 0 }
+    }
+
+    #[test]
+    fn registrations_resolve_every_descriptor_to_its_region_with_more_regions_than_hints() {
+        let workers = crate::uring::WorkerConfig { threads: 0, file_writers: 0 };
+        let ring = Arc::new(crate::uring::Ring::new(8, false, workers, Arc::default()).expect("ring"));
+        let registry = Registry::default();
+        // 12 regions (more than HINTS) of 64 KiB, 1 MiB apart.
+        let mds: Vec<*const std::ffi::c_void> = (0..12u64)
+            .map(|k| {
+                // SAFETY: without fixed buffers the region only records the range; nothing touches it.
+                let (r, _) = unsafe { crate::mem::DramRegion::register(Arc::clone(&ring), 0x100_0000 + (k << 20), 0x1_0000, 0, false) };
+                registry.insert(Registration::Dram(r))
+            })
+            .collect();
+        let mut regs = Registrations::new(&registry);
+        let desc = |k: u64, j: u64, md: *const std::ffi::c_void| iud_desc { addr: 0x100_0000 + (k << 20) + j * 0x1000, len: 0x1000, dev_id: 0, md: md as *mut _ };
+        // Runs (region after region), then interleaved, then stale MDs (another region's).
+        let order: Vec<(u64, u64)> = (0..12).flat_map(|k| (0..4).map(move |j| (k, j)))
+            .chain((0..48).map(|i| (i % 12, i % 16)))
+            .collect();
+        for (pass, &(k, j)) in order.iter().enumerate() {
+            for md in [mds[k as usize], mds[(k as usize + 5) % 12]] {
+                let i = regs.get(0, MemKind::Dram, &desc(k, j, md)).unwrap_or_else(|_| panic!("descriptor {pass} unresolved"));
+                assert_eq!(regs.list[i].range().0, 0x100_0000 + (k << 20), "descriptor {pass} (region {k}) resolved elsewhere");
+            }
+        }
+        assert_eq!(regs.list.len(), 12);
+        assert!(regs.hints[0].len() <= HINTS);
+        // A range no region covers is refused, whatever the hints hold.
+        assert!(regs.get(0, MemKind::Dram, &desc(3, 16, mds[3])).is_err());
     }
 
     #[test]
