@@ -122,6 +122,8 @@ BACKENDS = [
     # more CPUs before session 21), or from 4 KiB (auto now).
     ("IUD-punt-256K", "IO_URING_DMABUF", {"punt_buffered_min": "262144"}),
     ("IUD-punt-4K", "IO_URING_DMABUF", {"punt_buffered_min": "4096"}),
+    # Page-cache writers per file: four (issue 26's WRITE profile; fw0 = no limit, fw1 = one).
+    ("IUD-fw4", "IO_URING_DMABUF", {"page_cache_file_writers": "4"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),
@@ -129,7 +131,7 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch")
 
 
 
@@ -706,6 +708,8 @@ def main():
     ap.add_argument("--req_seconds", type=float, default=0.25, help="req: summed request time per measurement")
     ap.add_argument("--req_processes", type=int, default=1,
                     help="req: processes per backend at once (one agent and one file each; prepped mode only)")
+    ap.add_argument("--req_prefill_write", type=int, default=64 * MiB,
+                    help="req: bytes per write when the file is prefilled (small writes: small page-cache folios)")
     ap.add_argument("--prep_descs", default="8192,65536", help="prep: descriptors per list")
     ap.add_argument("--prep_block", type=int, default=4096)
     ap.add_argument("--prep_ops", default="READ,WRITE")

@@ -81,21 +81,29 @@ def req_file(args, proc):
     return os.path.join(args.dir, f"iud-req-bench.p{proc}.bin")
 
 
-def prefill(path, nbytes):
+def prefill(path, nbytes, write_size=64 * MiB):
     """One random 64 MiB chunk repeated, every 4 KiB page stamped with its own file offset (so a
-    block read from or written to a wrong place never matches), written through the page cache."""
+    block read from or written to a wrong place never matches), written through the page cache
+    in writes of `write_size` bytes. The write size decides the page cache's folio sizes: on
+    Linux 6.18's ext4 a 16 KiB write into a file written in 64 MiB writes (large folios) cost
+    13x one into a file written 4 KiB at a time (bench/results/2026-12-02-per-request-cpu.md)."""
     import numpy as np
     chunk = 64 * MiB
     base = np.frombuffer(np.random.default_rng(0xF11E).bytes(chunk), dtype=np.uint8).copy()
-    with open(path, "wb") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
         off = 0
         while off < nbytes:
             k = min(chunk, nbytes - off)
             buf = base[:k].copy()
             stamps = buf.view(np.uint64).reshape(-1, 512)
             stamps[:, 0] = np.arange(off, off + k, 4096, dtype=np.uint64)
-            f.write(buf.tobytes())
+            mv = memoryview(buf)
+            for o in range(0, k, write_size):
+                os.pwrite(fd, mv[o:o + write_size], off + o)
             off += k
+    finally:
+        os.close(fd)
 
 
 def layout(g, args, layout_kind, block, n):
@@ -407,8 +415,8 @@ def table(g, args, deadline):
     nprocs = args.req_processes
     t = time.perf_counter()
     for i in range(nprocs):
-        prefill(req_file(args, i), args.req_file_bytes)
-    print(f"req: {nprocs} file(s) of {args.req_file_bytes} bytes written in {time.perf_counter() - t:.1f} s",
+        prefill(req_file(args, i), args.req_file_bytes, args.req_prefill_write)
+    print(f"req: {nprocs} file(s) of {args.req_file_bytes} bytes written in {args.req_prefill_write}-byte writes in {time.perf_counter() - t:.1f} s",
           file=sys.stderr, flush=True)
     samples = {}
     notes = []
@@ -471,7 +479,7 @@ def print_table(g, args, labels, pts, samples, notes):
            "to back, the warm-up and the last request of every loop verified byte for byte)") if nprocs > 1 else "one process"
     print(f"## Table 0: per request (make_prepped_xfer + post + poll to DONE + release), {args.memory.upper()} <-> FILE ({kind}), {who}\n")
     print(f"{args.kv_regions} {args.memory.upper()} region(s) of {args.kv_region_mib} MiB; file of {args.req_file_bytes // MiB} MiB "
-          f"per process in {args.dir}; {'every request' if nprocs == 1 else 'requests'} verified byte for byte outside its timed span; GB/s = bytes / "
+          f"per process in {args.dir} (prefilled in {args.req_prefill_write}-byte writes); {'every request' if nprocs == 1 else 'requests'} verified byte for byte outside its timed span; GB/s = bytes / "
           f"{'summed request time' if nprocs == 1 else 'the longest loop'}, >= {args.req_seconds} s (>= 3 requests) per measurement after one warm-up; medians of "
           f"{args.kv_rounds} rounds, backends alternated (each round in its own processes, order rotated); "
           "prep / post->DONE / release = mean ms per request.\n")

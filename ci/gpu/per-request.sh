@@ -7,7 +7,9 @@
 #   2. the same with 4 processes at once per backend (one agent and one file each), make_prepped;
 #   3. the prep profile: make_prepped_xfer / initialize_xfer + release at 8192 descriptors.
 # Every request is verified byte for byte. Needs .device/gpu from ci/gpu/prepare.sh (carried).
-# Writes $OUT/per-request-{1proc,4proc,prep}.{md,log} and $OUT/machine.txt.
+# Writes $OUT/per-request-<step>.{md,log} and $OUT/machine.txt.
+#   bash ci/gpu/per-request.sh            # steps 1proc 4proc prep (about 8 minutes)
+#   bash ci/gpu/per-request.sh write      # the buffered WRITE profile (about 4 minutes)
 #
 # IUD_GPU_DRYRUN=1 runs the same three steps here, on the CPU machine, with the project's .venv
 # and plugin (ci/build.sh), host memory (--memory dram), POSIX in place of GDS_MT and tiny points:
@@ -59,11 +61,29 @@ step() {  # name budget_s args...: one benchmark run, its table on stdout and in
         > "$OUT/$name.md" 2> "$OUT/$name.log" || { echo "$name: exit $?"; rc=1; }
     grep -E '^(\||## |- )' "$OUT/$name.md" | cut -c1-400
 }
-# Single process: make_prepped per request and the repost figure (initialize_xfer's prep cost is
-# in step 3), READ, WRITE and contiguous READ.
-step per-request-1proc "${budget[0]}" --tables req --req_modes prepped,repost "${small[@]}"
-# 4 processes at once per backend, each its own agent and file; make_prepped only, no contiguous.
-step per-request-4proc "${budget[1]}" --tables req --req_processes 4 --req_no_contig "${small[@]}" --kv_rounds 2
-step per-request-prep "${budget[2]}" --tables prep "${prep[@]}"
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(1proc 4proc prep)
+for st in "${steps[@]}"; do
+    case "$st" in
+    1proc)  # make_prepped per request and the repost figure (initialize_xfer's prep is in `prep`)
+        step per-request-1proc "${budget[0]}" --tables req --req_modes prepped,repost "${small[@]}" ;;
+    4proc)  # 4 processes at once per backend, each its own agent and file; make_prepped only
+        step per-request-4proc "${budget[1]}" --tables req --req_processes 4 --req_no_contig "${small[@]}" --kv_rounds 2 ;;
+    prep)
+        step per-request-prep "${budget[2]}" --tables prep "${prep[@]}" ;;
+    write)  # the buffered WRITE profile (about 4 minutes: its own device call): writers per file
+        # (auto = 2, 1, 4, no limit) against GDS_MT, per request, on the usual file (large
+        # page-cache folios) and on one prefilled 4 KiB at a time (small folios)
+        wv=(--tables req --req_ops WRITE --req_no_contig --req_modes prepped)
+        if [ "${IUD_GPU_DRYRUN:-0}" = 1 ]; then
+            wv+=(--req_backends IO_URING_DMABUF,POSIX+copy,IUD-fw1,IUD-fw4,IUD-fw0 "${small[@]}"); b=60
+        else
+            wv+=(--req_backends IO_URING_DMABUF,GDS_MT,IUD-fw1,IUD-fw4,IUD-fw0 --req_points 64K:4096,256K:2048,2M:512
+                 --req_seconds 0.2 --kv_rounds 2); b=110
+        fi
+        step per-request-write-large-folios "$b" "${wv[@]}"
+        step per-request-write-small-folios "$b" "${wv[@]}" --req_prefill_write 4096 ;;
+    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write)" >&2; rc=2 ;;
+    esac
+done
 echo "total: exit $rc ($(date -u +%T))"
 exit "$rc"
