@@ -144,7 +144,13 @@ pub fn run(ctx: &Ctx) -> Outcome {
                 lay.mem.iter().zip(&lay.file).map(|(&(ri, off), &f)| (regions[ri].addr() + off as usize, f)).collect();
             let mut point = Point { op, contig, block, blocks: n, samples: vec![Default::default(); nb] };
             for round in 0..cfg.kv.rounds {
-                let mut line = format!("{op} {} x {n} round {}/{}:", human_size(block), round + 1, cfg.kv.rounds);
+                let mut line = format!(
+                    "{op}{} {} x {n} round {}/{}:",
+                    if contig { " contiguous" } else { "" },
+                    human_size(block),
+                    round + 1,
+                    cfg.kv.rounds
+                );
                 for j in 0..nb {
                     let b = (j + round) % nb;
                     for &m in &ms {
