@@ -12,7 +12,7 @@ S=/tmp/iud-kvbm-site
 OUT=${OUT:-/tmp/iud-kvbm-out}
 rm -rf "$S"; mkdir -p "$S" "$OUT"
 tar -C "$S" -xzf "$K/site.tgz"
-(cd "$S" && unzip -q -o "$K"/kvbm-1.6.1-*.whl)
+python3 -m zipfile -e "$(ls "$K"/kvbm-1.6.1-*.whl)" "$S"  # the GPU machine has no unzip
 LIBS=$S/.nixl_cu13.mesonpy.libs
 mkdir -p "$LIBS/kvbm-plugins"
 ln -sf ../plugins/libplugin_UCX.so "$LIBS/kvbm-plugins/"

@@ -213,11 +213,16 @@ pub fn plan(
     let op = op_kind;
     let lk = MemKind::from_nixl(local_kind);
     let rk = MemKind::from_nixl(remote_kind);
-    let (lk, rk) = match (lk, rk) {
-        (Some(l @ (MemKind::Dram | MemKind::Vram)), Some(r @ (MemKind::File | MemKind::Blk))) => (l, r),
+    let (lk, rk, local, remote) = match (lk, rk) {
+        (Some(l @ (MemKind::Dram | MemKind::Vram)), Some(r @ (MemKind::File | MemKind::Blk))) => (l, r, local, remote),
+        // The storage side as the local list: NIXL's own storage backends (GDS, GDS_MT, HF3FS,
+        // AIS) take either list as the file and read the op as the file's direction (READ: file
+        // -> memory), and Dynamo's KVBM onboards disk blocks this way (local FILE, remote VRAM,
+        // READ). The same op on swapped lists moves the same bytes the same way.
+        (Some(s @ (MemKind::File | MemKind::Blk)), Some(m @ (MemKind::Dram | MemKind::Vram))) => (m, s, remote, local),
         _ => {
             return Err(Error::invalid(format!(
-                "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG or VRAM_SEG (local) <-> FILE_SEG or BLK_SEG (remote)",
+                "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG or VRAM_SEG <-> FILE_SEG or BLK_SEG (either list may be the storage side; the op names the storage's direction: READ from it, WRITE to it)",
                 lk.map_or("unknown", |k| k.name()),
                 rk.map_or("unknown", |k| k.name())
             )))

@@ -276,8 +276,15 @@ void phase_errors() {
     std::printf("phase errors (plugin statuses):\n");
     {
         Lists l;
+        // MDs are hints: the descriptor's range lies in a live DRAM registration (mb).
         l.add(buf.a(), nullptr, 0, 4096, fd, mf);
-        expect("null local MD", run(eng, NIXL_READ, l), NIXL_ERR_NOT_FOUND);
+        expect("null local MD, range registered", run(eng, NIXL_READ, l), NIXL_SUCCESS);
+    }
+    {
+        Buf other(4096);
+        Lists l;
+        l.add(other.a(), nullptr, 0, 4096, fd, mf);
+        expect("null local MD, range not registered", run(eng, NIXL_READ, l), NIXL_ERR_NOT_FOUND);
     }
     {
         Lists l;
@@ -401,13 +408,22 @@ void phase_errors() {
     }
     {
         // An MD handed back after its deregistration (what NIXL's unlocked lists do in sync mode
-        // NONE, issue 16) is refused, never dereferenced or released a second time.
+        // NONE) is never dereferenced or released a second time: the descriptor resolves by its
+        // range (here still covered by mb), and where no live registration covers it, it is
+        // refused.
         nixlBackendMD *gone = nullptr;
         CHECK(eng.reg(buf.a(), n, 0, DRAM_SEG, gone) == NIXL_SUCCESS, "reg");
         CHECK(eng->deregisterMem(gone) == NIXL_SUCCESS, "dereg");
         Lists l;
         l.add(buf.a(), gone, 0, 4096, fd, mf);
-        expect("deregistered local MD", run(eng, NIXL_READ, l), NIXL_ERR_NOT_FOUND);
+        expect("deregistered local MD, range still registered", run(eng, NIXL_READ, l), NIXL_SUCCESS);
+        Buf lone(4096);
+        nixlBackendMD *lone_md = nullptr;
+        CHECK(eng.reg(lone.a(), 4096, 0, DRAM_SEG, lone_md) == NIXL_SUCCESS, "reg");
+        CHECK(eng->deregisterMem(lone_md) == NIXL_SUCCESS, "dereg");
+        Lists l2;
+        l2.add(lone.a(), lone_md, 0, 4096, fd, mf);
+        expect("deregistered local MD, range not registered", run(eng, NIXL_READ, l2), NIXL_ERR_NOT_FOUND);
         expect("deregisterMem twice", eng->deregisterMem(gone), NIXL_ERR_NOT_FOUND);
     }
     for (auto *m : {mb, mf, md, mr}) CHECK(eng->deregisterMem(m) == NIXL_SUCCESS, "dereg");

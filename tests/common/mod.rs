@@ -90,7 +90,12 @@ pub fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
 
 /// Runs a DRAM <-> `remote_kind` transfer to completion, polling like NIXL's clients.
 pub fn run_kind(e: &Engine, op: i32, remote_kind: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), Error> {
-    let req = e.prep(op, DRAM, local, remote_kind, remote, AGENT)?;
+    run_lists(e, op, DRAM, local, remote_kind, remote)
+}
+
+/// Runs a transfer of any list kinds to completion, polling like NIXL's clients.
+pub fn run_lists(e: &Engine, op: i32, local_kind: i32, local: &[iud_desc], remote_kind: i32, remote: &[iud_desc]) -> Result<(), Error> {
+    let req = e.prep(op, local_kind, local, remote_kind, remote, AGENT)?;
     let mut res = e.post(&req, op, local.len(), remote.len());
     while let Ok(Progress::InFlight) = res {
         res = e.check(&req);
