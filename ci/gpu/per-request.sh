@@ -45,7 +45,7 @@ else
     common=(--req_backends IO_URING_DMABUF,GDS_MT --dir /tmp)
     small=(--req_seconds 0.2 --kv_rounds 3)
     prep=(--prep_descs 8192 --prep_seconds 0.3 --kv_rounds 3)
-    budget=(230 170 50)
+    budget=(220 170 70)
 fi
 {
     date -u; uname -r; nproc; free -g | head -2
