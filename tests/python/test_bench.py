@@ -252,3 +252,21 @@ def test_gpu_bench_per_request_and_prep_tables_on_host_memory(tmp_path, plugin_s
     assert len(rows) == 4 and all(l.endswith("| yes |") and "n/a" not in l for l in rows), rows
     assert r2.stderr.count(" proc 1 round 1 ") == 8, r2.stderr[-3000:]
     assert os.listdir(tmp_path) == [], "a benchmark file was left behind"
+
+
+def test_gpu_per_request_script_dry_run_on_cpu(tmp_path, plugin_so):
+    """ci/gpu/per-request.sh with IUD_GPU_DRYRUN=1: its three steps' command lines run here (host
+    memory, POSIX for GDS_MT, tiny points), so a typo cannot waste a GPU call."""
+    env = dict(os.environ, IUD_GPU_DRYRUN="1", IUD_DRYRUN_DIR=str(tmp_path / "files"), OUT=str(tmp_path / "out"))
+    os.makedirs(env["IUD_DRYRUN_DIR"])
+    r = subprocess.run(["bash", os.path.join(REPO, "ci", "gpu", "per-request.sh")], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.stdout.rstrip().splitlines()[-1].startswith("total: exit 0")
+    out = tmp_path / "out"
+    assert {"machine.txt", "per-request-1proc.md", "per-request-4proc.md", "per-request-prep.md"} <= set(os.listdir(out))
+    for name, n in (("per-request-1proc.md", 9), ("per-request-4proc.md", 6)):
+        rows = [l for l in open(out / name) if re.match(r"^\| (READ|WRITE)", l)]
+        assert len(rows) == n and all(l.rstrip().endswith("| yes |") for l in rows), (name, rows)
+    assert "## Prep profile" in open(out / "per-request-prep.md").read()
+    assert os.listdir(tmp_path / "files") == []
