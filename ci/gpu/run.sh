@@ -71,7 +71,7 @@ fi
 if [ "$step" = per-request ]; then
     # Issue 26's per-request tables and prep profile (ci/gpu/per-request.sh; its steps may follow:
     # `bash ci/gpu/run.sh per-request write` for the buffered WRITE profile).
-    bash ci/gpu/per-request.sh "${@:2}"
+    OUT="$OUT" bash ci/gpu/per-request.sh "${@:2}"
 fi
 if [ "$step" = bench-args ]; then
     # One page-cache benchmark run with the given arguments (IUD_BENCH_ARGS), e.g. opt-in variants.
