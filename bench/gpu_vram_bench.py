@@ -2,6 +2,14 @@
 machine (ci/gpu/run.sh); without torch, CUDA or NIXL it stops at once with the reason (exit 2).
 
 Tables, in this order (--tables):
+0. req: what clients wait for (issue 26, bench/per_request.py): per request make_prepped_xfer
+   over prepped lists + post + poll to DONE + release, split into prep / post to DONE / release,
+   beside initialize_xfer per request and the repost figure of table 1, for scattered KV blocks
+   (16 KiB x 8192 .. 2 MiB x 512) and a contiguous READ of the same descriptors;
+   IO_URING_DMABUF against GDS_MT (--req_backends), alternated, every request verified;
+   --req_processes N runs N processes per backend at once, each with its own agent and file.
+   prep: the prep profile, make_prepped_xfer / initialize_xfer + release without a post, for
+   lists of 8192 and 65536 descriptors (--prep_descs).
 1. kv: the KV-cache pattern (issue 13): per block size B (4 KiB .. 2 MiB), N blocks at random
    slots of --kv_regions large VRAM regions (torch.cuda tensors, each registered on its own)
    against random file offsets of one shared file, no two file blocks adjacent (nothing can
@@ -31,6 +39,9 @@ import resource
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import per_request  # noqa: E402 - bench/per_request.py, beside this file
 
 MiB = 1 << 20
 
@@ -111,6 +122,8 @@ BACKENDS = [
     # more CPUs before session 21), or from 4 KiB (auto now).
     ("IUD-punt-256K", "IO_URING_DMABUF", {"punt_buffered_min": "262144"}),
     ("IUD-punt-4K", "IO_URING_DMABUF", {"punt_buffered_min": "4096"}),
+    # Page-cache writers per file: four (issue 26's WRITE profile; fw0 = no limit, fw1 = one).
+    ("IUD-fw4", "IO_URING_DMABUF", {"page_cache_file_writers": "4"}),
     ("GDS", "GDS", {}),
     ("GDS_MT", "GDS_MT", {}),
     ("POSIX+copy", "POSIX", {"use_uring": "true"}),
@@ -118,7 +131,7 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch")
 
 
 
@@ -660,7 +673,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--direct", action="store_true")
-    ap.add_argument("--tables", default="kv,contig", help="kv, contig or kv,contig (the order printed is always kv first)")
+    ap.add_argument("--tables", default="req,kv,contig",
+                    help="any of req, prep, kv, contig (printed in that order: req, what clients wait for, first)")
     ap.add_argument("--sizes", default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)),
                     help="contig block sizes")
     ap.add_argument("--seconds", type=float, default=0.3, help="contig: timed seconds per point")
@@ -681,17 +695,42 @@ def main():
     ap.add_argument("--kv_timeout", type=float, default=150, help="seconds allowed per backend and round")
     ap.add_argument("--kv_poll_sleep_us", type=float, default=0,
                     help="sleep between checkXfer calls (0 = spin; LMCache sleeps 1000 us)")
+    # Table 0 and the prep profile (bench/per_request.py).
+    ap.add_argument("--req_backends", default="IO_URING_DMABUF,GDS_MT",
+                    help="req and prep: backends (the second is the ratio's reference)")
+    ap.add_argument("--req_points", default="16K:8192,32K:8192,64K:4096,256K:2048,2M:512",
+                    help="req: block:descriptors per point")
+    ap.add_argument("--req_ops", default="READ,WRITE")
+    ap.add_argument("--req_modes", default="prepped,init,repost",
+                    help="req: make_prepped_xfer per request (always), initialize_xfer per request, repost of one request")
+    ap.add_argument("--req_no_contig", dest="req_contig", action="store_false",
+                    help="req: leave out the contiguous READ per size")
+    ap.add_argument("--req_seconds", type=float, default=0.25, help="req: summed request time per measurement")
+    ap.add_argument("--req_processes", type=int, default=1,
+                    help="req: processes per backend at once (one agent and one file each; prepped mode only)")
+    ap.add_argument("--req_prefill_write", type=int, default=64 * MiB,
+                    help="req: bytes per write when the file is prefilled (small writes: small page-cache folios)")
+    ap.add_argument("--prep_descs", default="8192,65536", help="prep: descriptors per list")
+    ap.add_argument("--prep_block", type=int, default=4096)
+    ap.add_argument("--prep_ops", default="READ,WRITE")
+    ap.add_argument("--prep_seconds", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--budget_s", type=float, default=450,
                     help="wall-clock budget of the whole run: backends and rounds that would start later are reported as not run")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--kv_one", help=argparse.SUPPRESS)
+    ap.add_argument("--req_one", help=argparse.SUPPRESS)
+    ap.add_argument("--req_proc", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--prep_one", help=argparse.SUPPRESS)
     ap.add_argument("--kv_round", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     start = time.monotonic()
     tables = [t for t in args.tables.split(",") if t]
-    if not tables or any(t not in ("kv", "contig") for t in tables):
-        fail(f"--tables {args.tables}: kv, contig or kv,contig")
+    if not tables or any(t not in ("req", "prep", "kv", "contig") for t in tables):
+        fail(f"--tables {args.tables}: any of req, prep, kv, contig")
+    args.req_points = per_request.parse_points(args.req_points)
+    args.prep_descs = [int(x) for x in args.prep_descs.split(",")]
+    args.req_file_bytes = per_request.file_bytes(args)
     args.kv_sizes = parse_sizes(args.kv_sizes)
     args.kv_region_bytes = args.kv_region_mib * MiB
     if any(args.kv_region_bytes % b for b in args.kv_sizes):
@@ -702,6 +741,10 @@ def main():
         need = max((2 * min(kv_blocks(b, args.kv_blocks), args.kv_regions * (args.kv_region_bytes // b)) - 1) * b
                    for b in args.kv_sizes)
         args.kv_file_bytes = -(-need // MiB) * MiB
+    if "req" in tables and (why := per_request.check_fit(args)):
+        fail(f"req: {why}")
+    if args.req_processes < 1:
+        fail("--req_processes must be at least 1")
     # Fail fast, before any file or child: what the chosen tables need.
     if args.memory == "vram" or "contig" in tables or args.one:
         need_torch()
@@ -709,6 +752,14 @@ def main():
     if args.kv_one:
         label, name, params = next(b for b in BACKENDS if b[0] == args.kv_one)
         kv_child(label, name, params, args)
+        return
+    if args.req_one:
+        label, name, params = next(b for b in BACKENDS if b[0] == args.req_one)
+        per_request.child(sys.modules[__name__], label, name, params, args)
+        return
+    if args.prep_one:
+        label, name, params = next(b for b in BACKENDS if b[0] == args.prep_one)
+        per_request.prep_child(sys.modules[__name__], label, name, params, args)
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.one:
@@ -723,6 +774,13 @@ def main():
     print(f"command: python3 {' '.join(sys.argv)}\n", flush=True)
     deadline = start + args.budget_s
     failures = 0
+    g = sys.modules[__name__]
+    if "req" in tables:
+        failures += per_request.print_table(g, args, *per_request.table(g, args, deadline))
+        sys.stdout.flush()
+    if "prep" in tables:
+        per_request.prep_table(g, args, deadline)
+        sys.stdout.flush()
     if "kv" in tables:
         failures += print_kv_table(args, *kv_table(args, deadline))
         sys.stdout.flush()

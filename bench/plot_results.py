@@ -20,12 +20,15 @@ def load(path):
 
 def groups(rows):
     """(title, key) per panel row: KV rows by op (their descriptor count varies with the block);
-    contiguous rows by op and descriptors per request."""
+    per-request rows by mode, op and layout; contiguous rows by op and descriptors per request."""
     out = []
     for r in rows:
         if r["workload"] == "kv":
             key = ("kv", r["op"], None)
             title = f"KV-cache {r['op']} (scattered, medians of {r['rounds']} rounds)"
+        elif r["workload"].startswith("req"):
+            key = ("req", r["workload"], r["op"], r["layout"])
+            title = f"per request ({r['workload']}) {r['op']}, {'contiguous' if r['layout'] == 'contig' else 'scattered'}"
         else:
             key = ("contig", r["op"], r["descs"], r["layout"])
             title = f"contiguous sweep {r['op']}, {r['descs']} desc/request ({r['layout']})"
@@ -37,6 +40,8 @@ def groups(rows):
 def in_group(r, key):
     if key[0] == "kv":
         return r["workload"] == "kv" and r["op"] == key[1]
+    if key[0] == "req":
+        return (r["workload"], r["op"], r["layout"]) == key[1:]
     return r["workload"] == "contig" and (r["op"], r["descs"], r["layout"]) == key[1:]
 
 

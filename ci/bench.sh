@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The project's main benchmark job: IO_URING_DMABUF against NIXL's own POSIX backend (io_uring and
 # libaio queues), DRAM <-> FILE, READ and WRITE, through the real NIXL runtime of the wheel, on a
-# temporary 1 GiB file in /tmp (buffered), every point verified outside the timed loop:
+# temporary file in /tmp (buffered), every point verified outside the timed loop:
+#   0. per request, what clients wait for (printed first): makeXferReq over prepped lists + post +
+#      poll to done + release per request, split prep / post->done / release, beside createXferReq
+#      per request and the repost figure; scattered KV blocks 16 KiB x 8192 .. 2 MiB x 512 and a
+#      contiguous READ of the same descriptors; every request verified (2 x 1 GiB DRAM regions,
+#      a 2 GiB file);
 #   1. the KV-cache pattern: 4 KiB .. 2 MiB blocks at random slots of two registered 256 MiB DRAM
 #      regions against random, pairwise non-adjacent file offsets (nothing can merge), up to
 #      64 MiB (at most 8192 blocks) per request; all backends alive at once, 3 rounds with the
@@ -11,7 +16,7 @@
 # Every row has GB/s and CPU seconds per GB (getrusage of the benchmark process over the timed
 # loop). Runs setup, the plugin build and the bench crate (bench/, binary iud-bench) first, and
 # installs matplotlib into .venv for the plot (ci/env.sh pins it; ci/test.sh installs it too, for
-# the tests of the plot).
+# the tests of the plot). `--workload kv,contig` leaves the per-request tables out.
 #
 # Results go to target/bench-results/<UTC time>-<host>/ (results.md, results.csv, results.png,
 # stdout.txt); the last line printed names that folder. target/ because it is git-ignored build
@@ -32,7 +37,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 defaults=(
     --backend 'IO_URING_DMABUF,POSIX:use_uring=true,POSIX:use_aio=true'
     --op_type BOTH
-    --workload kv,contig
+    --workload req,kv,contig
     --total_buffer_size 1G
     --kv_start_block_size 4K --kv_max_block_size 2M --kv_request_size 64M
     --kv_regions 2 --kv_region_size 256M --kv_rounds 3

@@ -104,6 +104,9 @@ pub struct Config {
     /// --workload: run the KV-cache pattern.
     pub run_kv: bool,
     pub kv: KvConfig,
+    /// --workload: run the per-request tables (req.rs), printed first.
+    pub run_req: bool,
+    pub req: ReqConfig,
     pub background_load: usize,
     pub out_dir: Option<String>,
 }
@@ -119,6 +122,37 @@ pub struct KvConfig {
     pub regions: usize,
     pub region_size: u64,
     pub rounds: usize,
+}
+
+/// The per-request workload's shape (see usage.txt); regions, rounds and the time per
+/// measurement come from the KV flags and --duration_ms.
+#[derive(Clone, Debug)]
+pub struct ReqConfig {
+    /// (block, descriptors) per point.
+    pub points: Vec<(u64, u64)>,
+    pub region_size: u64,
+    /// make_prepped_xfer per request always; initialize_xfer per request; repost of one request.
+    pub init: bool,
+    pub repost: bool,
+    /// A contiguous READ of the same descriptors per size.
+    pub contig: bool,
+}
+
+impl ReqConfig {
+    /// File bytes the largest scattered point needs (no two blocks adjacent).
+    pub fn file_len(&self) -> u64 {
+        self.points.iter().map(|&(b, n)| (2 * n).saturating_sub(1) * b).max().unwrap_or(0)
+    }
+}
+
+pub fn parse_points(v: &str) -> Result<Vec<(u64, u64)>, String> {
+    v.split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| {
+            let (b, n) = x.split_once(':').ok_or_else(|| format!("--req_points: BLOCK:COUNT, got '{x}'"))?;
+            Ok((parse_size(b)?, n.trim().parse::<u64>().map_err(|_| format!("--req_points: bad count '{n}'"))?))
+        })
+        .collect()
 }
 
 /// Upper bound of the automatic KV block count (the largest count in issue 13's table).
@@ -189,6 +223,14 @@ impl Default for Config {
                 regions: 2,
                 region_size: 256 << 20,
                 rounds: 3,
+            },
+            run_req: false,
+            req: ReqConfig {
+                points: parse_points("16K:8192,32K:8192,64K:4096,256K:2048,2M:512").unwrap(),
+                region_size: 1 << 30,
+                init: true,
+                repost: true,
+                contig: true,
             },
             background_load: 0,
             out_dir: None,
@@ -296,6 +338,7 @@ const BOOL_FLAGS: &[&str] = &[
     "recreate_xfer",
     "prepared_xfer",
     "enable_pt",
+    "req_contig",
     "help",
 ];
 
@@ -332,6 +375,9 @@ const VALUE_FLAGS: &[&str] = &[
     "kv_regions",
     "kv_region_size",
     "kv_rounds",
+    "req_points",
+    "req_region_size",
+    "req_modes",
     "background_load",
     "out_dir",
 ];
@@ -369,6 +415,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                 "recreate_xfer" => c.recreate_xfer = v,
                 "prepared_xfer" => c.prepared_xfer = v,
                 "enable_pt" => c.enable_pt = v,
+                "req_contig" => c.req.contig = v,
                 "help" => return Ok(Parsed::Help),
                 _ => unreachable!(),
             }
@@ -462,12 +509,14 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "workload" => {
                 c.contig = false;
                 c.run_kv = false;
+                c.run_req = false;
                 for w in val.split(',').map(|w| w.trim().to_ascii_lowercase()) {
                     match w.as_str() {
                         "contig" => c.contig = true,
                         "kv" => c.run_kv = true,
+                        "req" => c.run_req = true,
                         "" => {}
-                        _ => return Err(format!("--workload: contig|kv|contig,kv, got '{val}'")),
+                        _ => return Err(format!("--workload: any of req, kv, contig, got '{val}'")),
                     }
                 }
             }
@@ -478,6 +527,20 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "kv_regions" => c.kv.regions = num(&val)? as usize,
             "kv_region_size" => c.kv.region_size = parse_size(&val)?,
             "kv_rounds" => c.kv.rounds = num(&val)? as usize,
+            "req_points" => c.req.points = parse_points(&val)?,
+            "req_region_size" => c.req.region_size = parse_size(&val)?,
+            "req_modes" => {
+                c.req.init = false;
+                c.req.repost = false;
+                for m in val.split(',').map(|m| m.trim().to_ascii_lowercase()) {
+                    match m.as_str() {
+                        "prepped" | "" => {}
+                        "init" => c.req.init = true,
+                        "repost" => c.req.repost = true,
+                        _ => return Err(format!("--req_modes: any of prepped, init, repost, got '{val}'")),
+                    }
+                }
+            }
             "background_load" => c.background_load = num(&val)? as usize,
             "out_dir" => c.out_dir = Some(val),
             "worker_type" => {
@@ -515,8 +578,25 @@ fn validate(c: &Config) -> Result<(), String> {
     if c.num_iter == 0 && c.duration_ms == 0 {
         return Err("--num_iter 0 needs --duration_ms > 0".into());
     }
-    if !c.contig && !c.run_kv {
+    if !c.contig && !c.run_kv && !c.run_req {
         return Err("--workload names no workload".into());
+    }
+    if c.run_req {
+        let r = &c.req;
+        if r.points.is_empty() || r.points.iter().any(|&(b, n)| b == 0 || b % 512 != 0 || n == 0) {
+            return Err("--req_points: every block a multiple of 512, every count >= 1".into());
+        }
+        if c.kv.regions == 0 || c.kv.rounds == 0 {
+            return Err("--kv_regions and --kv_rounds must be >= 1".into());
+        }
+        for &(b, n) in &r.points {
+            if r.region_size % b != 0 || b * n > r.region_size {
+                return Err(format!(
+                    "--req_region_size {} must be a multiple of every block and hold one point's blocks (the contiguous READ): {b} x {n}",
+                    r.region_size
+                ));
+            }
+        }
     }
     if c.run_kv {
         let k = &c.kv;

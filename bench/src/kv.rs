@@ -117,14 +117,15 @@ pub struct Outcome {
 }
 
 /// A backend with its agent and registrations, alive for the whole workload.
-struct Live {
-    agent: Agent,
-    name: String,
-    backend: Backend,
+pub struct Live {
+    pub agent: Agent,
+    pub name: String,
+    pub backend: Backend,
     _regs: Vec<RegistrationHandle>,
 }
 
-fn open(i: usize, spec: &BackendSpec, ctx: &Ctx, regions: &[AlignedBuf]) -> Result<Live, String> {
+/// Backend `i` in its own agent, with `regions` and the storage registered.
+pub fn open(i: usize, spec: &BackendSpec, ctx: &Ctx, regions: &[AlignedBuf]) -> Result<Live, String> {
     let name = format!("iud-bench-kv-{i}");
     let (agent, backend) = open_backend(&name, spec, ctx.cfg, ThreadSync::Default)?;
     let mut regs = Vec::new();
@@ -137,7 +138,7 @@ fn open(i: usize, spec: &BackendSpec, ctx: &Ctx, regions: &[AlignedBuf]) -> Resu
     println!(
         "registered {} DRAM region(s) of {} bytes each and the storage (0, {}, fd {})",
         regions.len(),
-        ctx.cfg.kv.region_size,
+        regions.first().map_or(0, |b| b.len()),
         ctx.file_len,
         ctx.fd
     );
@@ -326,7 +327,7 @@ fn measure(
 }
 
 /// Every block of the request against the file (read through the buffered fd).
-fn verify(ctx: &Ctx, regions: &[AlignedBuf], lay: &Layout) -> Result<(), String> {
+pub fn verify(ctx: &Ctx, regions: &[AlignedBuf], lay: &Layout) -> Result<(), String> {
     let mut tmp = vec![0u8; lay.block as usize];
     for (i, (&(r, off), &f)) in lay.mem.iter().zip(&lay.file).enumerate() {
         pread_full(ctx.verify_fd, &mut tmp, f).map_err(|e| format!("pread at {f}: {e}"))?;

@@ -8,6 +8,7 @@ mod kv;
 mod load;
 mod mem;
 mod report;
+mod req;
 mod results;
 mod runner;
 mod sysinfo;
@@ -197,11 +198,12 @@ fn config_rows(cfg: &Config) -> Vec<(&'static str, String)> {
         ("csv", cfg.csv.clone().unwrap_or_else(|| "(none)".into())),
         (
             "workload",
-            match (cfg.run_kv, cfg.contig) {
-                (true, true) => "kv,contig (KV-cache pattern first, then the contiguous sweep)".into(),
-                (true, false) => "kv".into(),
-                _ => "contig".into(),
-            },
+            [(cfg.run_req, "req (per request, printed first)"), (cfg.run_kv, "kv"), (cfg.contig, "contig")]
+                .iter()
+                .filter(|(on, _)| *on)
+                .map(|(_, n)| *n)
+                .collect::<Vec<_>>()
+                .join(", "),
         ),
     ];
     if cfg.run_kv {
@@ -307,7 +309,9 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
     }
 
     let total = cfg.region_per_thread() * cfg.num_threads as u64;
-    let files = match setup_file(cfg, total) {
+    // The per-request points may need a longer file than the other workloads' region.
+    let file_total = if cfg.run_req { total.max(cfg.req.file_len().div_ceil(1 << 20) << 20) } else { total };
+    let files = match setup_file(cfg, file_total) {
         Ok(f) => f,
         Err(e) => {
             eprintln!("iud-bench: {e}");
@@ -399,6 +403,39 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
             }
         ),
     ];
+
+    let mut first = String::new();
+    if cfg.run_req {
+        println!();
+        println!("########## per-request workload (what clients wait for) ##########");
+        let rctx = kv::Ctx {
+            cfg,
+            fd: files.fd,
+            verify_fd: files.verify_fd,
+            storage_kind,
+            file_len: file_total,
+            page_cache_note: &note,
+        };
+        let o = req::run(&rctx);
+        for (b, e) in &o.errors {
+            let l = labels.get(*b).cloned().unwrap_or_default();
+            if !failed.contains(&l) {
+                failed.push(l);
+            }
+            println!("PER-REQUEST ERROR: {e}");
+        }
+        consistency_failures += o.consistency_failures;
+        println!("per-request consistency: {} measurement(s) failed", o.consistency_failures);
+        first = o.text;
+        rows.extend(results::req_rows(&o.points));
+        notes.push(format!(
+            "Per request: blocks at random slots of {} DRAM region(s) of {} bytes against random, non-adjacent file \
+             offsets (a contiguous READ lays the same descriptors end to end); every request verified byte for byte \
+             outside its timed span; backend order rotated each round; medians of {} rounds; {} ms of summed request \
+             time per measurement (>= 3 requests).",
+            cfg.kv.regions, cfg.req.region_size, cfg.kv.rounds, cfg.duration_ms
+        ));
+    }
 
     if cfg.run_kv {
         println!();
@@ -497,7 +534,7 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
         notes.push(format!("FAILED backends: {}", failed.join(", ")));
         rc = 1;
     }
-    if cfg.check_consistency || cfg.run_kv {
+    if cfg.check_consistency || cfg.run_kv || cfg.run_req {
         println!("consistency: {consistency_failures} point(s) failed in total");
         notes.push(format!("consistency: {consistency_failures} point(s) failed in total"));
         if consistency_failures > 0 {
@@ -505,7 +542,7 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
         }
     }
     if let Some(dir) = &cfg.out_dir {
-        let md = results::markdown(&inf, &labels, &rows, &notes);
+        let md = results::markdown(&inf, &labels, &rows, &notes, &first);
         let csv = results::csv(&labels, &rows, cfg.background_load);
         match results::write(Path::new(dir), &md, &csv) {
             Ok(()) => println!("results written: {dir}/results.md, {dir}/results.csv"),

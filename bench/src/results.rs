@@ -65,6 +65,42 @@ pub fn kv_rows(points: &[kv::Point]) -> Vec<Row> {
     rows
 }
 
+/// The per-request workload's rows (results.csv): workload req (make_prepped per request),
+/// req-init or req-repost; layout kv (scattered) or contig.
+pub fn req_rows(points: &[crate::req::Point]) -> Vec<Row> {
+    use crate::req::Mode;
+    let mut rows = Vec::new();
+    for p in points {
+        for (b, per_mode) in p.samples.iter().enumerate() {
+            for m in Mode::ALL {
+                let s = &per_mode[m as usize];
+                if s.is_empty() {
+                    continue;
+                }
+                rows.push(Row {
+                    workload: match m {
+                        Mode::Prepped => "req",
+                        Mode::Init => "req-init",
+                        Mode::Repost => "req-repost",
+                    },
+                    op: p.op,
+                    layout: if p.contig { "contig" } else { "kv" },
+                    block: p.block,
+                    descs: p.blocks,
+                    threads: 1,
+                    backend: b,
+                    gbps: p.med(b, m, |x| x.gbps),
+                    cpu_s_per_gb: p.med(b, m, |x| x.cpu_s_per_gb),
+                    avg_lat_us: Some(p.med(b, m, |x| (x.prep_ms + x.post_ms + x.release_ms) * 1e3)),
+                    gbps_rounds: s.iter().map(|x| x.gbps).collect(),
+                    verified: p.verified(b, m),
+                });
+            }
+        }
+    }
+    rows
+}
+
 pub fn contig_rows(results: &[Vec<PointResult>], randomized: bool) -> Vec<Row> {
     let mut rows = Vec::new();
     for (b, res) in results.iter().enumerate() {
@@ -193,7 +229,7 @@ fn md_table(labels: &[String], rows: &[Row], workload: &str, op: Op) -> String {
 }
 
 /// results.md: what ran where, then the tables (KV first), then how to read them.
-pub fn markdown(info: &[(String, String)], labels: &[String], rows: &[Row], notes: &[String]) -> String {
+pub fn markdown(info: &[(String, String)], labels: &[String], rows: &[Row], notes: &[String], first: &str) -> String {
     let mut s = String::from("# iud-bench results\n\n");
     for (k, v) in info {
         s.push_str(&format!("- {k}: {}\n", v.replace('|', "\\|")));
@@ -208,6 +244,9 @@ pub fn markdown(info: &[(String, String)], labels: &[String], rows: &[Row], note
         s.push_str(&format!("- [{}] `{l}`{role}\n", letter(i)));
     }
     s.push('\n');
+    if !first.is_empty() {
+        s.push_str(&format!("## Per request (what clients wait for)\n\n{first}\n"));
+    }
     for (workload, title) in [
         ("kv", "KV-cache pattern: scattered blocks, random non-adjacent file offsets, medians of rounds"),
         ("contig", "nixlbench-style sweep (one run per point)"),
@@ -265,7 +304,7 @@ mod tests {
         assert_eq!(lines[0], CSV_HEADER);
         assert_eq!(lines[1], "kv,READ,kv,16384,64,1,0,\"IUD\",4.000000,244140.6,0.5000,,3,4.000000;5.000000;3.000000,2.0000,yes,2");
         assert!(lines[3].contains(",0.5000,yes,2"), "{}", lines[3]);
-        let md = markdown(&[("date".into(), "now".into())], &labels, &rows, &["n".into()]);
+        let md = markdown(&[("date".into(), "now".into())], &labels, &rows, &["n".into()], "");
         assert!(md.contains("| READ | 16K | 64 | 4.000 | 0.500 | 2.000 | 0.500 | 1.000 | 0.500 | 2.00x | 0.50x | yes |"), "{md}");
     }
 }

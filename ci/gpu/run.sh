@@ -68,6 +68,11 @@ if [ "$step" = all ] || [ "$step" = bench ]; then
     timeout 560 python3 bench/gpu_vram_bench.py --dir /tmp --timeout 30 2>"$OUT/bench-pagecache.log" | tee "$OUT/bench-pagecache.md"
     timeout 560 python3 bench/gpu_vram_bench.py --dir /root --direct --timeout 30 2>"$OUT/bench-direct.log" | tee "$OUT/bench-direct.md"
 fi
+if [ "$step" = per-request ]; then
+    # Issue 26's per-request tables and prep profile (ci/gpu/per-request.sh; its steps may follow:
+    # `bash ci/gpu/run.sh per-request write` for the buffered WRITE profile).
+    OUT="$OUT" bash ci/gpu/per-request.sh "${@:2}"
+fi
 if [ "$step" = bench-args ]; then
     # One page-cache benchmark run with the given arguments (IUD_BENCH_ARGS), e.g. opt-in variants.
     # shellcheck disable=SC2086

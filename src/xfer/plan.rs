@@ -53,28 +53,35 @@ pub struct Plan {
     pub vram_outside_streams: bool,
 }
 
+/// How many (MD, registration) hints each side keeps; lists name one or a few registrations per
+/// side (KV caches: one per layer or region), and a short scan is cheaper than any lookup.
+const HINTS: usize = 8;
+
 /// The registrations of a request's descriptors, resolved through the engine's registry and
 /// deduplicated (lists name one or a few registrations for thousands of descriptors).
 struct Registrations<'a> {
     registry: &'a Registry,
     index: HashMap<usize, usize>,
     list: Vec<Arc<Registration>>,
-    /// Per side (memory, storage): the last descriptor's MD and its registration's index; most
-    /// lists repeat one MD per side, so most descriptors need no lookup.
-    recent: [Option<(usize, usize)>; 2],
+    /// Per side (memory, storage): up to `HINTS` recent distinct MDs and the index of the
+    /// registration each last resolved to; a descriptor with one of them whose registration
+    /// covers it needs no registry lookup (no lock, no hash), whatever order the regions come in.
+    hints: [Vec<(usize, usize)>; 2],
+    /// Per side: the hint a new MD replaces when all are taken (the oldest).
+    victim: [usize; 2],
     /// Descriptors whose MD did not name a registration covering them (sync mode NONE).
     unhinted: usize,
 }
 
 impl<'a> Registrations<'a> {
     fn new(registry: &'a Registry) -> Self {
-        Registrations { registry, index: HashMap::new(), list: Vec::new(), recent: [None; 2], unhinted: 0 }
+        Registrations { registry, index: HashMap::new(), list: Vec::new(), hints: [Vec::new(), Vec::new()], victim: [0; 2], unhinted: 0 }
     }
 
     /// Index into `list` of the live registration of `kind` that covers `d`.
     fn get(&mut self, side: usize, kind: MemKind, d: &iud_desc) -> std::result::Result<usize, Unresolved> {
         let md = d.md as usize;
-        if let Some((m, i)) = self.recent[side] {
+        for &(m, i) in &self.hints[side] {
             if m == md && live::covers(&self.list[i], kind, d) {
                 return Ok(i);
             }
@@ -86,8 +93,58 @@ impl<'a> Registrations<'a> {
             list.push(found.reg);
             list.len() - 1
         });
-        self.recent[side] = Some((md, i));
+        // A new MD takes a free hint, else the oldest one's place: a list naming more than
+        // `HINTS` MDs in runs (one region after another) still finds each run's MD here.
+        let hints = &mut self.hints[side];
+        if let Some(h) = hints.iter_mut().find(|(m, _)| *m == md) {
+            h.1 = i;
+        } else if hints.len() < HINTS {
+            hints.push((md, i));
+        } else {
+            hints[self.victim[side]] = (md, i);
+            self.victim[side] = (self.victim[side] + 1) % HINTS;
+        }
         Ok(i)
+    }
+}
+
+/// The distinct (memory, storage) registration pairs of a request in order of first use, each
+/// with the first descriptor that uses it; descriptors refer to them by position. Consecutive
+/// descriptors mostly share a pair, and a request has few: the last one and a short scan serve
+/// almost every descriptor, a map the rest (a client with a file per key).
+#[derive(Default)]
+struct Pairs {
+    list: Vec<((usize, usize), usize)>,
+    map: HashMap<(usize, usize), u32>,
+    last: u32,
+}
+
+impl Pairs {
+    const SCAN: usize = 16;
+
+    fn index(&mut self, pair: (usize, usize), desc: usize) -> u32 {
+        if self.list.get(self.last as usize).is_some_and(|&(p, _)| p == pair) {
+            return self.last;
+        }
+        let found = if self.list.len() <= Self::SCAN {
+            self.list.iter().position(|&(p, _)| p == pair).map(|k| k as u32)
+        } else {
+            self.map.get(&pair).copied()
+        };
+        let k = found.unwrap_or_else(|| {
+            self.list.push((pair, desc));
+            let k = (self.list.len() - 1) as u32;
+            if self.list.len() > Self::SCAN {
+                if self.map.is_empty() {
+                    self.map.extend(self.list.iter().enumerate().map(|(j, &(p, _))| (p, j as u32)));
+                } else {
+                    self.map.insert(pair, k);
+                }
+            }
+            k
+        });
+        self.last = k;
+        k
     }
 }
 
@@ -179,25 +236,24 @@ pub fn plan(
     }
     // 1. Validate every descriptor against its registrations; no side effects yet.
     let mut regs = Registrations::new(registry);
-    let mut pairs = Vec::with_capacity(local.len());
+    let mut distinct = Pairs::default();
+    let mut pairs: Vec<u32> = Vec::with_capacity(local.len());
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
-        pairs.push(validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?);
+        let pair = validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?;
+        pairs.push(distinct.index(pair, i));
     }
     if regs.unhinted > 0 {
         tracing::debug!("prepXfer: {} of {} descriptor pairs carried an MD of no registration covering them (NIXL's lists in sync mode NONE); resolved by address", regs.unhinted, local.len());
     }
     // 2. Bind each distinct (memory, target) pair to its path (cached by the engine: DMA-BUF
     //    registration and self-test, cuFile handles, the staging pool happen on first use).
-    let mut routes: HashMap<(usize, usize), Route> = HashMap::new();
-    for (i, &pair) in pairs.iter().enumerate() {
-        if let std::collections::hash_map::Entry::Vacant(v) = routes.entry(pair) {
-            let Registration::Storage(file) = &*regs.list[pair.1] else { unreachable!("validated as storage") };
-            // A pair that cannot be bound names the first descriptor that uses it.
-            v.insert((ctx.route)(&regs.list[pair.0], file).map_err(|e| e.at_descriptor(i).with_fd(file.fd))?);
-        }
+    let mut routes: Vec<Route> = Vec::with_capacity(distinct.list.len());
+    for &((m, f), first) in &distinct.list {
+        let Registration::Storage(file) = &*regs.list[f] else { unreachable!("validated as storage") };
+        // A pair that cannot be bound names the first descriptor that uses it.
+        routes.push((ctx.route)(&regs.list[m], file).map_err(|e| e.at_descriptor(first).with_fd(file.fd))?);
     }
-    let route_of = |pair: (usize, usize)| &routes[&pair];
-    let cufile_ops = pairs.iter().filter(|&&p| *route_of(p) == Route::Cufile).count();
+    let cufile_ops = if routes.contains(&Route::Cufile) { pairs.iter().filter(|&&k| routes[k as usize] == Route::Cufile).count() } else { 0 };
     if cufile_ops > 0 && cufile_ops < local.len() {
         return Err(Error::invalid(
             "descriptors of one request take different paths (cuFile for some, io_uring for others); split the request by memory region",
@@ -220,9 +276,10 @@ pub fn plan(
     let mut ops = Vec::with_capacity(local.len());
     let (mut all_buffered, mut all_host) = (true, true);
     let mut vram_outside_streams = false;
-    for (i, ((l, r), &pair)) in local.iter().zip(remote).zip(&pairs).enumerate() {
-        let (mem, route) = (&*regs.list[pair.0], route_of(pair));
-        let Registration::Storage(file) = &*regs.list[pair.1] else { unreachable!("validated as storage") };
+    for (i, ((l, r), &k)) in local.iter().zip(remote).zip(&pairs).enumerate() {
+        let ((m, f), _) = distinct.list[k as usize];
+        let (mem, route) = (&*regs.list[m], &routes[k as usize]);
+        let Registration::Storage(file) = &*regs.list[f] else { unreachable!("validated as storage") };
         check_alignment(i, l, r, mem, file, route).map_err(|e| e.at_descriptor(i).with_fd(file.fd).with_offset(r.addr))?;
         cut(i, op, l, r, mem, file, route, &limits, &mut ops).map_err(|e| e.at_descriptor(i))?;
         vram_outside_streams |= matches!(mem, Registration::Vram(_)) && *route != Route::Staging;
@@ -397,6 +454,60 @@ mod tests {
 
     fn op(file_offset: u64, addr: u64, len: u32, buf_index: Option<u16>) -> IoOp {
         IoOp { file: FileRef::Fixed(0), fd: 5, io_fd: 5, file_offset, addr, len, buf_index, device: None, punt: false, desc_index: 0 }
+    }
+
+    #[test]
+    fn registrations_resolve_every_descriptor_to_its_region_with_more_regions_than_hints() {
+        let workers = crate::uring::WorkerConfig { threads: 0, file_writers: 0 };
+        let ring = Arc::new(crate::uring::Ring::new(8, false, workers, Arc::default()).expect("ring"));
+        let registry = Registry::default();
+        // 12 regions (more than HINTS) of 64 KiB, 1 MiB apart.
+        let mds: Vec<*const std::ffi::c_void> = (0..12u64)
+            .map(|k| {
+                // SAFETY: without fixed buffers the region only records the range; nothing touches it.
+                let (r, _) = unsafe { crate::mem::DramRegion::register(Arc::clone(&ring), 0x100_0000 + (k << 20), 0x1_0000, 0, false) };
+                registry.insert(Registration::Dram(r))
+            })
+            .collect();
+        let mut regs = Registrations::new(&registry);
+        let desc = |k: u64, j: u64, md: *const std::ffi::c_void| iud_desc { addr: 0x100_0000 + (k << 20) + j * 0x1000, len: 0x1000, dev_id: 0, md: md as *mut _ };
+        // Runs (region after region), then interleaved, then stale MDs (another region's).
+        let order: Vec<(u64, u64)> = (0..12).flat_map(|k| (0..4).map(move |j| (k, j)))
+            .chain((0..48).map(|i| (i % 12, i % 16)))
+            .collect();
+        for (pass, &(k, j)) in order.iter().enumerate() {
+            for md in [mds[k as usize], mds[(k as usize + 5) % 12]] {
+                let i = regs.get(0, MemKind::Dram, &desc(k, j, md)).unwrap_or_else(|_| panic!("descriptor {pass} unresolved"));
+                assert_eq!(regs.list[i].range().0, 0x100_0000 + (k << 20), "descriptor {pass} (region {k}) resolved elsewhere");
+            }
+        }
+        assert_eq!(regs.list.len(), 12);
+        assert!(regs.hints[0].len() <= HINTS);
+        // A range no region covers is refused, whatever the hints hold.
+        assert!(regs.get(0, MemKind::Dram, &desc(3, 16, mds[3])).is_err());
+    }
+
+    #[test]
+    fn pairs_keep_their_positions_and_first_descriptors_past_the_scan() {
+        let mut p = Pairs::default();
+        // 40 distinct pairs in a scattered order, each seen again later: positions never move,
+        // whether found by the last-hit check, the scan or (past 16 pairs) the map.
+        let order: Vec<usize> = (0..200).map(|i| (i * 7 + i / 13) % 40).collect();
+        let mut seen: Vec<Option<u32>> = vec![None; 40];
+        for (desc, &x) in order.iter().enumerate() {
+            let k = p.index((x, 1000 + x), desc);
+            match seen[x] {
+                Some(was) => assert_eq!(was, k, "pair {x} moved"),
+                None => {
+                    assert_eq!(p.list[k as usize], ((x, 1000 + x), desc), "first use of pair {x}");
+                    seen[x] = Some(k);
+                }
+            }
+        }
+        assert_eq!(p.list.len(), 40);
+        let mut ks: Vec<u32> = seen.iter().map(|k| k.unwrap()).collect();
+        ks.sort_unstable();
+        assert_eq!(ks, (0..40).collect::<Vec<u32>>());
     }
 
     #[test]

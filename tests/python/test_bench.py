@@ -200,3 +200,73 @@ def test_gpu_bench_kv_logic_on_host_memory(tmp_path, plugin_so):
     assert re.search(r"^\| READ \| 64 KiB \| 32 \|", r.stdout, re.M), r.stdout
     assert r.stderr.count(" round 0 ") == 8 and r.stderr.count(" round 1 ") == 8, r.stderr[-3000:]
     assert os.listdir(tmp_path) == [], "the KV file was left behind"
+
+
+def test_per_request_workload_is_printed_first_and_verifies_every_request(iud_bench, tmp_path, plugin_so):
+    """--workload req: make_prepped / initialize / repost per backend, scattered and contiguous,
+    every request checked; its table comes before the KV table in stdout and results.md."""
+    out = tmp_path / "results"
+    r = subprocess.run([iud_bench, "--backend", BACKENDS, "--op_type", "BOTH", "--workload", "kv,req",
+                        "--req_points", "16K:32,64K:8", "--req_region_size", "2M", "--total_buffer_size", "2M",
+                        "--kv_region_size", "1M", "--kv_request_size", "256K", "--kv_start_block_size", "16K",
+                        "--kv_max_block_size", "16K", "--kv_rounds", "2", "--duration_ms", "10", "--warmup_iter", "1",
+                        "--filepath", str(tmp_path), "--out_dir", str(out)],
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr
+    assert r.stdout.index("Per request (what clients wait for)") < r.stdout.index("KV-cache READ summary")
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    req = [x for x in rows if x["workload"].startswith("req")]
+    want = {(w, op, lay, b, be) for w in ("req", "req-init", "req-repost") for be in range(3)
+            for (op, lay) in (("READ", "kv"), ("WRITE", "kv"), ("READ", "contig")) for b in (16384, 65536)}
+    assert {(x["workload"], x["op"], x["layout"], int(x["block"]), int(x["backend_index"])) for x in req} == want
+    for x in req:
+        assert x["verified"] == "yes" and x["rounds"] == "2" and float(x["gbps"]) > 0, x
+        assert int(x["descs"]) == (32 if x["block"] == "16384" else 8), x
+    md = open(out / "results.md").read()
+    assert md.index("## Per request") < md.index("## KV-cache pattern")
+    assert re.search(r"^\| READ contiguous \| 64K \| 8 \| [0-9.]+ \| [0-9.]+ / [0-9.]+ / [0-9.]+ \|", md, re.M), md
+    assert "Scattered READ per request (make_prepped) as a share of the contiguous READ" in md
+    assert "per-request consistency: 0 measurement(s) failed" in r.stdout
+
+
+def test_gpu_bench_per_request_and_prep_tables_on_host_memory(tmp_path, plugin_so):
+    """Table 0 (per request) and the prep profile with numpy host memory: IO_URING_DMABUF against
+    POSIX, one process and 2 processes at once, every request verified."""
+    base = [sys.executable, os.path.join(REPO, "bench", "gpu_vram_bench.py"), "--memory", "dram",
+            "--req_backends", "IO_URING_DMABUF,POSIX+copy", "--req_points", "16K:32,64K:8", "--kv_region_mib", "2",
+            "--req_seconds", "0.01", "--kv_rounds", "2", "--prep_descs", "256", "--prep_seconds", "0.01",
+            "--dir", str(tmp_path)]
+    r = subprocess.run(base + ["--tables", "req,prep"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    heads = [l for l in r.stdout.splitlines() if l.startswith("## ")]
+    assert heads[0].startswith("## Table 0: per request") and heads[1].startswith("## Prep profile"), heads
+    rows = [l for l in r.stdout.splitlines() if re.match(r"^\| (READ|WRITE)( contiguous)? \| \d+ KiB \|", l)]
+    assert len(rows) == 6 and all(l.endswith("| yes |") and "n/a" not in l for l in rows), rows
+    prep = [l for l in r.stdout.splitlines() if re.match(r"^\| (READ|WRITE) \| 256 \|", l)]
+    assert len(prep) == 4 and all("n/a" not in l for l in prep), prep
+    r2 = subprocess.run(base + ["--tables", "req", "--req_processes", "2", "--req_no_contig"],
+                        capture_output=True, text=True, timeout=600)
+    assert r2.returncode == 0, r2.stdout + r2.stderr[-4000:]
+    assert "2 processes at once" in r2.stdout
+    rows = [l for l in r2.stdout.splitlines() if re.match(r"^\| (READ|WRITE) \| \d+ KiB \|", l)]
+    assert len(rows) == 4 and all(l.endswith("| yes |") and "n/a" not in l for l in rows), rows
+    assert r2.stderr.count(" proc 1 round 1 ") == 8, r2.stderr[-3000:]
+    assert os.listdir(tmp_path) == [], "a benchmark file was left behind"
+
+
+def test_gpu_per_request_script_dry_run_on_cpu(tmp_path, plugin_so):
+    """ci/gpu/per-request.sh with IUD_GPU_DRYRUN=1: its three steps' command lines run here (host
+    memory, POSIX for GDS_MT, tiny points), so a typo cannot waste a GPU call."""
+    env = dict(os.environ, IUD_GPU_DRYRUN="1", IUD_DRYRUN_DIR=str(tmp_path / "files"), OUT=str(tmp_path / "out"))
+    os.makedirs(env["IUD_DRYRUN_DIR"])
+    r = subprocess.run(["bash", os.path.join(REPO, "ci", "gpu", "per-request.sh")], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.stdout.rstrip().splitlines()[-1].startswith("total: exit 0")
+    out = tmp_path / "out"
+    assert {"machine.txt", "per-request-1proc.md", "per-request-4proc.md", "per-request-prep.md"} <= set(os.listdir(out))
+    for name, n in (("per-request-1proc.md", 9), ("per-request-4proc.md", 6)):
+        rows = [l for l in open(out / name) if re.match(r"^\| (READ|WRITE)", l)]
+        assert len(rows) == n and all(l.rstrip().endswith("| yes |") for l in rows), (name, rows)
+    assert "## Prep profile" in open(out / "per-request-prep.md").read()
+    assert os.listdir(tmp_path / "files") == []

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Issue 26 on the GPU machine, in one device call of at most ~8 minutes: what clients wait for,
+# VRAM <-> page-cache file, IO_URING_DMABUF against GDS_MT alternated (bench/gpu_vram_bench.py
+# --tables req, bench/per_request.py):
+#   1. per request (make_prepped_xfer + post + DONE + release, and the repost figure), READ and
+#      WRITE, 16 KiB x 8192 .. 2 MiB x 512 plus a contiguous READ per size, one process;
+#   2. the same with 4 processes at once per backend (one agent and one file each), make_prepped;
+#   3. the prep profile: make_prepped_xfer / initialize_xfer + release at 8192 descriptors.
+# Every request is verified byte for byte. Needs .device/gpu from ci/gpu/prepare.sh (carried).
+# Writes $OUT/per-request-<step>.{md,log} and $OUT/machine.txt.
+#   bash ci/gpu/per-request.sh            # steps 1proc 4proc prep (about 8 minutes)
+#   bash ci/gpu/per-request.sh write      # the buffered WRITE profile (about 4 minutes)
+#
+# IUD_GPU_DRYRUN=1 runs the same three steps here, on the CPU machine, with the project's .venv
+# and plugin (ci/build.sh), host memory (--memory dram), POSIX in place of GDS_MT and tiny points:
+# a check of this script's command lines and the benchmark's code paths, not a measurement.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+OUT=${OUT:-/tmp/iud-per-request-out}
+mkdir -p "$OUT"
+if [ "${IUD_GPU_DRYRUN:-0}" = 1 ]; then
+    source ci/env.sh
+    libs="$(iud_nixl_libs)"
+    export LD_LIBRARY_PATH="$libs:$(dirname "$libs")/nixl_cu12.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export NIXL_PLUGIN_DIR=$IUD_PLUGIN_DIR
+    PY=$IUD_PY
+    common=(--memory dram --req_backends IO_URING_DMABUF,POSIX+copy --dir "${IUD_DRYRUN_DIR:-/tmp}")
+    small=(--req_points 16K:64,64K:32,2M:4 --kv_region_mib 16 --req_seconds 0.02 --kv_rounds 2)
+    prep=(--prep_descs 1024 --prep_seconds 0.02 --kv_rounds 2)
+    budget=(120 120 60)
+else
+    G=$PWD/.device/gpu
+    SITE=$G/site
+    LIBS=$SITE/.nixl_cu13.mesonpy.libs
+    [ -f "$G/libplugin_IO_URING_DMABUF.so" ] || { echo "ci/gpu/per-request.sh: no $G (run ci/gpu/prepare.sh and carry .device/gpu)" >&2; exit 2; }
+    mkdir -p "$LIBS/iud-plugins"
+    for p in "$LIBS"/plugins/libplugin_*.so; do ln -sf "../plugins/$(basename "$p")" "$LIBS/iud-plugins/"; done
+    cp -f "$G/libplugin_IO_URING_DMABUF.so" "$LIBS/iud-plugins/"
+    export NIXL_PLUGIN_DIR=$LIBS/iud-plugins PYTHONPATH=$SITE PYTHONUNBUFFERED=1
+    export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export IO_URING_DMABUF_LOG=${IO_URING_DMABUF_LOG:-info}
+    PY=python3
+    # cuFile (GDS_MT) needs udev data for the disk.
+    bash ci/gpu/udev-shim.sh /tmp /root > "$OUT/udev-shim.txt" 2>&1
+    common=(--req_backends IO_URING_DMABUF,GDS_MT --dir /tmp)
+    small=(--req_seconds 0.2 --kv_rounds 3)
+    prep=(--prep_descs 8192 --prep_seconds 0.3 --kv_rounds 3)
+    budget=(220 170 70)
+fi
+{
+    date -u; uname -r; nproc; free -g | head -2
+    nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
+    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda devices", torch.cuda.device_count())' 2>/dev/null || echo "no torch"
+    echo "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+} 2>&1 | tee "$OUT/machine.txt"
+rc=0
+step() {  # name budget_s args...: one benchmark run, its table on stdout and in $OUT/NAME.md
+    local name=$1 b=$2; shift 2
+    echo "== $name ($(date -u +%T)): gpu_vram_bench.py $*"
+    timeout $((b + 60)) "$PY" bench/gpu_vram_bench.py "${common[@]}" --budget_s "$b" "$@" \
+        > "$OUT/$name.md" 2> "$OUT/$name.log" || { echo "$name: exit $?"; rc=1; }
+    grep -E '^(\||## |- )' "$OUT/$name.md" | cut -c1-400
+}
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(1proc 4proc prep)
+for st in "${steps[@]}"; do
+    case "$st" in
+    1proc)  # make_prepped per request and the repost figure (initialize_xfer's prep is in `prep`)
+        step per-request-1proc "${budget[0]}" --tables req --req_modes prepped,repost "${small[@]}" ;;
+    4proc)  # 4 processes at once per backend, each its own agent and file; make_prepped only
+        step per-request-4proc "${budget[1]}" --tables req --req_processes 4 --req_no_contig "${small[@]}" --kv_rounds 2 ;;
+    prep)
+        step per-request-prep "${budget[2]}" --tables prep "${prep[@]}" ;;
+    write)  # the buffered WRITE profile (about 4 minutes: its own device call): writers per file
+        # (auto = 2, 1, 4, no limit) against GDS_MT, per request, on the usual file (large
+        # page-cache folios) and on one prefilled 4 KiB at a time (small folios)
+        wv=(--tables req --req_ops WRITE --req_no_contig --req_modes prepped)
+        if [ "${IUD_GPU_DRYRUN:-0}" = 1 ]; then
+            wv+=(--req_backends IO_URING_DMABUF,POSIX+copy,IUD-fw1,IUD-fw4,IUD-fw0 "${small[@]}"); b=60
+        else
+            wv+=(--req_backends IO_URING_DMABUF,GDS_MT,IUD-fw1,IUD-fw4,IUD-fw0 --req_points 64K:4096,256K:2048,2M:512
+                 --req_seconds 0.2 --kv_rounds 2); b=110
+        fi
+        step per-request-write-large-folios "$b" "${wv[@]}"
+        step per-request-write-small-folios "$b" "${wv[@]}" --req_prefill_write 4096 ;;
+    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write)" >&2; rc=2 ;;
+    esac
+done
+echo "total: exit $rc ($(date -u +%T))"
+exit "$rc"
