@@ -266,7 +266,10 @@ def scheduler(run: Run, variant: str, device: str, disk_dir: str, record: str) -
         matched = new_request("B", tokens_b, blocks_b, 0)
         run.check("B matches A's blocks", matched and matched[0] == NBLK * PAGE, str(matched))
         n = matched[0] or 0
-        lead.update_state_after_alloc("B", blocks_b, n)
+        # vLLM allocates, for a request whose external tokens load asynchronously, blocks for
+        # those tokens only (its scheduler sets num_new_tokens = 0 while the load runs) and hands
+        # them over; KVBM counts any further block as locally computed tokens.
+        lead.update_state_after_alloc("B", blocks_b[:n // PAGE], n)
         loaded = False
         deadline = time.time() + TIMEOUT_S
         while not loaded and time.time() < deadline:  # vLLM: B waits for its remote KVs
