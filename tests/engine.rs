@@ -215,7 +215,7 @@ fn prep_rejects_wrong_kinds_counts_lengths_ranges_and_agents() {
     let r = [desc(0, 4096, fd, mf)];
     {
         assert_eq!(e.prep(WRITE, DRAM, &l, DRAM, &l, AGENT).unwrap_err().kind, ErrorKind::InvalidParam);
-        assert_eq!(e.prep(WRITE, FILE, &r, DRAM, &l, AGENT).unwrap_err().kind, ErrorKind::InvalidParam);
+        assert_eq!(e.prep(WRITE, FILE, &r, FILE, &r, AGENT).unwrap_err().kind, ErrorKind::InvalidParam);
         assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &[], AGENT).unwrap_err().kind, ErrorKind::Mismatch);
         assert_eq!(e.prep(WRITE, DRAM, &[desc(buf.addr(), 512, 0, m)], FILE, &r, AGENT).unwrap_err().kind, ErrorKind::Mismatch);
         assert_eq!(e.prep(WRITE, DRAM, &l, FILE, &[desc(2048, 4096, fd, mf)], AGENT).unwrap_err().kind, ErrorKind::NotFound);

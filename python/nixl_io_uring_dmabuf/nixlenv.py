@@ -34,7 +34,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 
 #: The NIXL release this project is built and tested against (ci/env.sh IUD_NIXL_WHEEL); the
 #: version the fixes name when nothing of NIXL is installed yet.
@@ -161,12 +160,23 @@ def probe_import(timeout: float = 120.0) -> tuple[str | None, str | None]:
     return None, f"the interpreter exited with {p.returncode} while importing nixl: {tail}"
 
 
+def _pip_in_plain_interpreter() -> bool:
+    try:
+        p = subprocess.run([sys.executable, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('pip') is None)"],
+                           capture_output=True, timeout=30, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return p.returncode == 0
+
+
 def pip_command(packages: list[str]) -> str:
     """The command that installs `packages` into this interpreter's environment, without their
     dependencies."""
     py = shlex.quote(sys.executable)
-    # pip as the command will see it: the interpreter's own site-packages (also under -S)
-    if _present("pip") or os.path.isdir(os.path.join(sysconfig.get_paths()["purelib"], "pip")):
+    # pip as the command will see it: the interpreter started plainly (under -S, or with a
+    # trimmed sys.path, this process may not see the venv's own site-packages, and with -S
+    # sysconfig names the base Python's, not the venv's)
+    if _present("pip") or _pip_in_plain_interpreter():
         return f"{py} -m pip install --no-deps {' '.join(packages)}"
     if shutil.which("uv"):  # uv-made venvs have no pip
         return f"uv pip install --python {py} --no-deps {' '.join(packages)}"
