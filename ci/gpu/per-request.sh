@@ -49,7 +49,7 @@ else
     budget=(220 170 70)
 fi
 {
-    date -u; uname -r; nproc; free -g | head -2
+    date -u; uname -r; nproc; free -g | sed -n 1,2p
     nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda devices", torch.cuda.device_count())' 2>/dev/null || echo "no torch"
     echo "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
