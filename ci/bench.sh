@@ -29,7 +29,9 @@
 #   bash ci/bench.sh --storage_enable_direct --filepath /var/tmp
 #   bash ci/bench.sh --workload kv --op_type READ --kv_max_block_size 256K
 # `bash ci/bench.sh --help` prints this job's defaults and iud-bench's flags (bench/src/usage.txt,
-# the text the binary prints) without setup or a build. Takes about 5 minutes on the 2-core machine.
+# the text the binary prints) without setup or a build. Takes about 25 minutes on the 2-core machine,
+# 20 of them the per-request tables (scattered 16-32 KiB buffered WRITEs of 128-256 MiB take about
+# a second each there); `--workload kv,contig` is the former 5-minute job.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 

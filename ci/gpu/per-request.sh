@@ -7,7 +7,8 @@
 #   2. the same with 4 processes at once per backend (one agent and one file each), make_prepped;
 #   3. the prep profile: make_prepped_xfer / initialize_xfer + release at 8192 descriptors.
 # Every request is verified byte for byte. Needs .device/gpu from ci/gpu/prepare.sh (carried).
-# Writes $OUT/per-request-<step>.{md,log} and $OUT/machine.txt.
+# Writes $OUT/per-request-<step>.md, $OUT/machine.txt and the steps' logs in
+# $OUT/per-request-logs.tgz (the device tool brings back at most 8 files).
 #   bash ci/gpu/per-request.sh            # steps 1proc 4proc prep (about 8 minutes)
 #   bash ci/gpu/per-request.sh write      # the buffered WRITE profile (about 4 minutes)
 #
@@ -48,7 +49,7 @@ else
     budget=(220 170 70)
 fi
 {
-    date -u; uname -r; nproc; free -g | head -2
+    date -u; uname -r; nproc; free -g | sed -n 1,2p
     nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda devices", torch.cuda.device_count())' 2>/dev/null || echo "no torch"
     echo "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -85,5 +86,8 @@ for st in "${steps[@]}"; do
     *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write)" >&2; rc=2 ;;
     esac
 done
+# The device tool brings back at most 8 files: the tables stay, the logs go into one archive.
+(cd "$OUT" && ls ./*.log >/dev/null 2>&1 && tar czf per-request-logs.tgz ./*.log && rm -f ./*.log)
+echo "files: $(cd "$OUT" && ls | tr '\n' ' ')"
 echo "total: exit $rc ($(date -u +%T))"
 exit "$rc"

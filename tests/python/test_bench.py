@@ -264,7 +264,9 @@ def test_gpu_per_request_script_dry_run_on_cpu(tmp_path, plugin_so):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert r.stdout.rstrip().splitlines()[-1].startswith("total: exit 0")
     out = tmp_path / "out"
-    assert {"machine.txt", "per-request-1proc.md", "per-request-4proc.md", "per-request-prep.md"} <= set(os.listdir(out))
+    files = set(os.listdir(out))
+    assert {"machine.txt", "per-request-1proc.md", "per-request-4proc.md", "per-request-prep.md",
+            "per-request-logs.tgz"} <= files and len(files) <= 8, files
     for name, n in (("per-request-1proc.md", 9), ("per-request-4proc.md", 6)):
         rows = [l for l in open(out / name) if re.match(r"^\| (READ|WRITE)", l)]
         assert len(rows) == n and all(l.rstrip().endswith("| yes |") for l in rows), (name, rows)
