@@ -45,7 +45,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$spec" ]; then
     echo "ci/clients-setup.sh: $V is up to date"
     exit 0
 fi
-if ! ldconfig -p 2>/dev/null | grep 'libnuma\.so\.1 ' >/dev/null; then
+if ! ldconfig -p 2>/dev/null | grep -c 'libnuma\.so\.1 ' >/dev/null; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     echo "ci/clients-setup.sh: installing libnuma1 (apt-get; vLLM's CPU extension links it)"

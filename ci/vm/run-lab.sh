@@ -104,7 +104,7 @@ chmod 755 "$root/init"
 mknod -m 600 "$root/dev/console" c 5 1 2>/dev/null || log "cannot mknod /dev/console (not root?); relying on the kernel's built-in one"
 
 # (grep without -q: it reads to the end, so ldd never meets a closed pipe under pipefail)
-if ldd "$bin" >/dev/null 2>&1 && ! ldd "$bin" 2>&1 | grep 'statically linked' >/dev/null; then
+if ldd "$bin" >/dev/null 2>&1 && ! ldd "$bin" 2>&1 | grep -c 'statically linked' >/dev/null; then
     log "dynamic binary: copying its libraries and the loader"
     # "libc.so.6 => /lib/.../libc.so.6 (0x...)" and the loader "/lib64/ld-linux-x86-64.so.2 (0x...)"
     ldd "$bin" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }' | while read -r lib; do

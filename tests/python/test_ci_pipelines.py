@@ -6,8 +6,11 @@ reader that stops before the end of its input (`head`, `grep -q`, `grep -m`, `se
 SIGPIPE (exit 141) whenever it writes after the reader left, a race that depends on timing.
 `ci/remote-setup.sh` ran `etcd --version | head -n 1` that way and failed `bash ci/test.sh` on
 fresh machines (etcd prints 4 lines; 44 of 200 tries failed when this was measured on the 2-core
-machine, 0 of 200 with `sed -n 1p`, which reads to the end). Safe forms: `sed -n 1p`,
-`grep PATTERN >/dev/null`, `find ... -print -quit`, or a variable and parameter expansion.
+machine, 0 of 200 with `sed -n 1p`, which reads to the end). `grep PATTERN >/dev/null` is NOT
+safe: GNU grep stops at the first match when its output is /dev/null (checked with grep 3.8:
+`yes | head -c 100000000 | grep y >/dev/null` exits 141 under pipefail). Safe forms: `sed -n
+1p`, `grep -c PATTERN >/dev/null` (counting reads to the end), `find ... -print -quit`, or a
+variable and parameter expansion.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ EARLY_READERS = [
     (re.compile(r"^sed\b.*(\d+q\b|;\s*q\b|'q'|\bq;)"), "sed with q"),
     (re.compile(r"^awk\b.*\bexit\b"), "awk with exit"),
     (re.compile(r"^(read|cmp)\b"), "read/cmp"),
+    # GNU grep quits at the first match when stdout is /dev/null (unless it counts, -c)
+    (re.compile(r"^grep\b(?!.*\s-[a-zA-Z0-9]*c)(.*\s)?(1?>|&>)\s*/dev/null"), "grep into /dev/null stops at a match"),
 ]
 
 
@@ -128,12 +133,13 @@ def test_the_check_finds_the_pipelines_that_failed_and_spares_the_safe_forms():
         "cmd | sed 1q",
         "cmd | awk '{print; exit}'",
         "cmd | read -r first",
+        "ldd \"$bin\" 2>&1 | grep 'statically linked' >/dev/null",
     ]
     for line in bad:
         assert early_reader_pipes(line + "\n"), line
     good = [
         '"$tools/usr/bin/etcd" --version | sed -n 1p',
-        "ldd \"$bin\" 2>&1 | grep 'statically linked' >/dev/null",
+        "ldd \"$bin\" 2>&1 | grep -c 'statically linked' >/dev/null",
         "x=$(find . -name a -print -quit)",
         "a || head -n 1 file",
         "grep -q pattern file",
@@ -156,4 +162,4 @@ def test_no_script_pipes_into_a_reader_that_stops_early():
             for n, reason, line in early_reader_pipes(fh.read()):
                 problems.append(f"{f}:{n}: {reason}: {line}")
     assert not problems, ("pipelines whose writer can die of SIGPIPE under pipefail (use sed -n "
-                          "1p, grep >/dev/null or find -print -quit):\n" + "\n".join(problems))
+                          "1p, grep -c >/dev/null or find -print -quit):\n" + "\n".join(problems))
