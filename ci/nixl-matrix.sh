@@ -11,7 +11,7 @@
 # mismatch and the plugin must refuse to load (tests/python/test_nixl_release.py).
 #
 # A release whose nixl_cuXX/_api.py imports torch at the top (1.3.x, 0.10.x) gets torch from the
-# clients venv (ci/clients-setup.sh: torch 2.15, the CUDA 13 build, runs on CPU) through a .pth
+# clients venv (ci/clients-setup.sh: torch 2.13, the CUDA 13 build, runs on CPU) through a .pth
 # file naming a folder of links to that venv's packages, NIXL's own left out. With a CUDA 13
 # torch the `nixl` package loads nixl_cu13 only, so such a release's cu12 wheel runs abi and capi.
 #

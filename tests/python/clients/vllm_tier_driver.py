@@ -40,7 +40,9 @@ def main(spec: dict) -> dict:
     original = arr[:n].copy()
     keys = [make_offload_key(os.urandom(32), 0) for _ in range(n)]
     ctx = ReqContext(req_id="r")
-    out = {"tier": type(tier).__name__, "problems": []}
+    import vllm
+
+    out = {"tier": type(tier).__name__, "problems": [], "vllm": vllm.__version__}
 
     def wait(ids):
         results, deadline = {}, time.monotonic() + 120
