@@ -17,9 +17,20 @@ from .layout import Geometry
 logger = logging.getLogger(__name__)
 
 
+def _log_like_vllm() -> None:
+    """The package's log lines go where vLLM's go (vLLM configures only its own logger)."""
+    pkg, v = logging.getLogger("nixl_io_uring_dmabuf"), logging.getLogger("vllm")
+    if not pkg.handlers and v.handlers:
+        for h in v.handlers:
+            pkg.addHandler(h)
+        pkg.setLevel(v.level or logging.INFO)
+        pkg.propagate = False
+
+
 class NixlStorageOffloadingSpec(OffloadingSpec):
     def __init__(self, config):
         self.vllm_release = versions.check()
+        _log_like_vllm()
         super().__init__(config)
         self.store_config = StoreConfig.from_extra(self.extra_config)
         if len(config.groups) != 1:
