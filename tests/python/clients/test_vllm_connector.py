@@ -87,3 +87,148 @@ def test_a_new_engine_loads_what_an_earlier_one_stored(clients, vllm_model, plai
     assert ob["num_cached_tokens"] >= (full_blocks - 1) * VE.BLOCK_SIZE
     assert ob["token_ids"] == plain[7]
     assert "serving as" not in b["stdout_tail"] + b["stderr_tail"]
+
+
+@pytest.fixture(scope="module")
+def stored(clients, vllm_model, plain, tmp_path_factory):
+    """A store that engine A (IO_URING_DMABUF) filled with prompt 7's blocks; copy before use."""
+    store = tmp_path_factory.mktemp("stored") / "kv"
+    a = run(clients, vllm_model, [prompt()], kv_transfer_config=kv_config(store))
+    (oa,) = a["outputs"]
+    assert oa["token_ids"] == plain[7]
+    assert committed(store) == oa["prompt_len"] // VE.BLOCK_SIZE
+    return {"path": store, "blocks": committed(store), "engine_s": a["engine_s"]}
+
+
+def copy_store(stored, dest):
+    import shutil
+
+    shutil.copytree(stored["path"], dest)
+    return dest
+
+
+def zero_slot_data(path) -> int:
+    """Overwrites every stored block's bytes with zeros; returns the slots zeroed."""
+    n = 0
+    for f in glob.glob(os.path.join(path, "rank*", "slots-*.bin")):
+        size = os.path.getsize(f)
+        with open(f, "r+b") as fh:
+            for off in range(0, size, SLOT):
+                fh.seek(off)
+                fh.write(bytes(BLOCK_BYTES))
+                n += 1
+    return n
+
+
+def test_zeroed_data_is_a_miss_and_the_tokens_stay_right(clients, vllm_model, plain, stored,
+                                                          tmp_path):
+    store = copy_store(stored, tmp_path / "kv")
+    assert zero_slot_data(store) >= stored["blocks"]
+    b = run(clients, vllm_model, [prompt()], kv_transfer_config=kv_config(store))
+    (ob,) = b["outputs"]
+    assert ob["num_cached_tokens"] == 0  # the first block fails its check: nothing is loaded
+    assert ob["token_ids"] == plain[7]
+    assert "fails its check" in b["stdout_tail"] + b["stderr_tail"]
+
+
+def test_zeroed_data_found_after_the_load_is_recomputed_under_the_connector_subclass(
+        clients, vllm_model, plain, stored, tmp_path):
+    """No check on lookup: the worker's check after the load finds the damage and vLLM's
+    load-error path (kv_load_failure_policy recompute) recomputes the blocks."""
+    store = copy_store(stored, tmp_path / "kv")
+    zero_slot_data(store)
+    cfg = kv_config(store, connector="NixlStorageOffloadingConnector", verify_on_lookup=False)
+    b = run(clients, vllm_model, [prompt()], kv_transfer_config=cfg)
+    (ob,) = b["outputs"]
+    assert ob["token_ids"] == plain[7]
+    assert "failed their checksum; vLLM recomputes them" in b["stdout_tail"] + b["stderr_tail"]
+
+
+def test_zeroed_data_found_after_the_load_stops_the_plain_connector(clients, vllm_model, stored,
+                                                                     tmp_path):
+    store = copy_store(stored, tmp_path / "kv")
+    zero_slot_data(store)
+    with pytest.raises(RuntimeError, match="failed their checksum") as e:
+        run(clients, vllm_model, [prompt()],
+            kv_transfer_config=kv_config(store, verify_on_lookup=False))
+    assert "NixlStorageOffloadingConnector" in str(e.value)
+
+
+# torch aligns CPU tensors of 2 MiB and more to 2 MiB only with this set; otherwise vLLM's CPU
+# KV tensors start 64 B into a page and the spec refuses O_DIRECT at start-up (tested below).
+THP = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def test_o_direct_store_and_load(clients, vllm_model, plain, tmp_path):
+    store = tmp_path / "kv"
+    cfg = kv_config(store, o_direct=True, durable=True)
+    a = run(clients, vllm_model, [prompt(8)], kv_transfer_config=cfg, env=THP)
+    assert a["outputs"][0]["token_ids"] == plain[8]
+    b = run(clients, vllm_model, [prompt(8)], kv_transfer_config=cfg, env=THP)
+    (ob,) = b["outputs"]
+    assert ob["num_cached_tokens"] > 0 and ob["token_ids"] == plain[8]
+
+
+def test_o_direct_on_unaligned_kv_tensors_is_refused_at_start_up(clients, vllm_model, tmp_path):
+    with pytest.raises(RuntimeError, match="o_direct cannot serve this KV cache layout"):
+        run(clients, vllm_model, [prompt(8)],
+            kv_transfer_config=kv_config(tmp_path / "kv", o_direct=True),
+            env={"THP_MEM_ALLOC_ENABLE": "0"})
+
+
+def test_multiprocess_engines(clients, vllm_model, plain, tmp_path):
+    """Scheduler in EngineCore, worker in its own process; vLLM tears EngineCore down with
+    SIGTERM: the commit records must already be there."""
+    store = tmp_path / "kv"
+    a = run(clients, vllm_model, [prompt(9)], kv_transfer_config=kv_config(store),
+            multiprocess=True)
+    assert a["outputs"][0]["token_ids"] == plain[9]
+    b = run(clients, vllm_model, [prompt(9)], kv_transfer_config=kv_config(store),
+            multiprocess=True)
+    (ob,) = b["outputs"]
+    assert ob["num_cached_tokens"] > 0 and ob["token_ids"] == plain[9]
+
+
+def test_capacity_evicts_the_older_prompt(clients, vllm_model, plain, tmp_path):
+    store = tmp_path / "kv"
+    cfg = kv_config(store, slots=24)  # one prompt's 18 blocks fit, two do not
+    a = run(clients, vllm_model, [prompt(7), prompt(8)], kv_transfer_config=cfg)
+    assert [o["token_ids"] for o in a["outputs"]] == [plain[7], plain[8]]
+    b = run(clients, vllm_model, [prompt(8), prompt(7)], kv_transfer_config=cfg)
+    o8, o7 = b["outputs"]
+    assert o8["num_cached_tokens"] >= 17 * VE.BLOCK_SIZE  # the newer prompt stayed
+    assert o7["num_cached_tokens"] == 0  # its first blocks were evicted first
+    assert o8["token_ids"] == plain[8] and o7["token_ids"] == plain[7]
+
+
+def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, stored, tmp_path):
+    """Engine A is SIGKILLed while it stores many prompts; every block a new engine finds must
+    pass its checksum from storage, and the tokens stay right."""
+    import sys
+
+    store = tmp_path / "kv"
+    prompts = [prompt(100 + i) for i in range(40)]
+    try:
+        run(clients, vllm_model, prompts, kv_transfer_config=kv_config(store, slots=1000),
+            timeout=int(stored["engine_s"] + 12))
+        pytest.skip("engine A finished before it was killed: nothing was cut short")
+    except RuntimeError as e:
+        assert "did not finish" in str(e)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "python"))
+    from nixl_io_uring_dmabuf.vllm_connector import catalog as C
+    from nixl_io_uring_dmabuf.vllm_connector import layout as L
+
+    with open(os.path.join(store, "store.json")) as f:
+        m = json.load(f)
+    geo = L.Geometry(m["rank_block_bytes"], m["blocks_per_chunk"], m["world_size"],
+                     m["num_slots"] * m["slot_bytes"], m["slots_per_file"] * m["slot_bytes"])
+    cat = C.Catalog(str(store), geo, {k: m[k] for k in m if k not in geo.manifest()})
+    found = cat.committed()
+    bad = [k for k in found if not cat.lookup(k)]
+    cat.close()
+    print(f"engine A was killed after committing {len(found)} block(s)")
+    assert found and not bad
+    b = run(clients, vllm_model, [prompts[0], prompt(7)], kv_transfer_config=kv_config(
+        store, slots=1000))
+    assert b["outputs"][0]["num_cached_tokens"] > 0
+    assert b["outputs"][1]["token_ids"] == plain[7]
