@@ -142,6 +142,10 @@ class RankStore:
             raise
         self._jobs: dict[int, _Job] = {}
         self._done: list[Result] = []
+        # Per direction: jobs, bytes, seconds (post to the poll that saw DONE); loads also
+        # blocks checked and blocks found damaged.
+        self.stats = {d: {"jobs": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "blocks": 0,
+                          "bad_blocks": 0} for d in ("store", "load")}
         logger.info("KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
                     "backend %s%s", rank, geo.num_slots, geo.slot_bytes, len(self._fds),
                     len(self.pages), backend, " O_DIRECT" if o_direct else "")
@@ -297,6 +301,13 @@ class RankStore:
         self._release(job)
         del self._jobs[job.job_id]
         self._done.append(res)
+        st = self.stats["store" if job.store else "load"]
+        st["jobs"] += 1
+        st["failed"] += not res.ok
+        st["bytes"] += res.nbytes
+        st["seconds"] += res.seconds
+        st["blocks"] += len(job.blocks) if res.ok else 0
+        st["bad_blocks"] += len(res.bad_blocks)
         return res
 
     def _finish(self, job: _Job) -> Result:

@@ -18,7 +18,9 @@ under plain OffloadingConnector the worker stops the engine with an error naming
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -112,6 +114,8 @@ class NixlStorageWorker(OffloadingWorker):
         self.report_load_errors = False  # NixlStorageOffloadingConnector sets it
         self._load_blocks: dict[int, np.ndarray] = {}
         self._failed_blocks: set[int] = set()
+        # Benchmarks: the RankStore's job counters, rewritten after each poll that ended jobs.
+        self._stats_file = os.environ.get("IUD_KV_STATS_FILE")
 
     def _sums(self, piece: int, blocks: np.ndarray):
         if self._side is None:
@@ -157,7 +161,15 @@ class NixlStorageWorker(OffloadingWorker):
                                r.job_id, r.error)
             out.append(TransferResult(r.job_id, True, r.nbytes or None,
                                       r.seconds if r.nbytes else None))
+        if out and self._stats_file:
+            self._write_stats()
         return out
+
+    def _write_stats(self) -> None:
+        tmp = f"{self._stats_file}.{self.rank}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"rank": self.rank, "backend": self.store.backend, **self.store.stats}, f)
+        os.replace(tmp, f"{self._stats_file}.{self.rank}")
 
     def _load_failed(self, r, bad: list[int]) -> None:
         what = (f"{len(bad)} KV block(s) of load job {r.job_id} "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
+import subprocess
 
 import pytest
 
@@ -201,19 +203,39 @@ def test_capacity_evicts_the_older_prompt(clients, vllm_model, plain, tmp_path):
     assert o8["token_ids"] == plain[8] and o7["token_ids"] == plain[7]
 
 
-def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, stored, tmp_path):
-    """Engine A is SIGKILLed while it stores many prompts; every block a new engine finds must
-    pass its checksum from storage, and the tokens stay right."""
+def start_engine(clients, model, prompts, kv_transfer_config, tmp) -> subprocess.Popen:
+    """run_engine's child, started without waiting (same environment as run_engine)."""
+    spec = {"model": model, "prompts": prompts, "kv_transfer_config": kv_transfer_config,
+            "engine_args": {}, "max_tokens": 8, "sequential": True}
+    spec_path = os.path.join(tmp, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = VE._base_env({"PYTHONPATH": os.pathsep.join([*child_path(clients, "IO_URING_DMABUF"),
+                                                       VE.HERE]),
+                        "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0",
+                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return subprocess.Popen([clients["py"], VE.THIS, "run", spec_path,
+                             os.path.join(tmp, "out.json")], env=env, cwd=tmp,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, tmp_path):
+    """Engine A is SIGKILLed while it stores many prompts (once 60 blocks are committed); every
+    block a new engine finds must pass its check from storage, and the tokens stay right."""
     import sys
+    import time
 
     store = tmp_path / "kv"
     prompts = [prompt(100 + i) for i in range(40)]
-    try:
-        run(clients, vllm_model, prompts, kv_transfer_config=kv_config(store, slots=1000),
-            timeout=int(stored["engine_s"] + 12))
-        pytest.skip("engine A finished before it was killed: nothing was cut short")
-    except RuntimeError as e:
-        assert "did not finish" in str(e)
+    p = start_engine(clients, vllm_model, prompts, kv_config(store, slots=1000), str(tmp_path))
+    log = os.path.join(store, "rank0of1", "commits.log")
+    deadline = time.monotonic() + 300
+    while not (os.path.exists(log) and committed(store) >= 60):
+        assert p.poll() is None, "engine A ended before it stored 60 blocks"
+        assert time.monotonic() < deadline, "engine A stored nothing in 300 s"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "python"))
     from nixl_io_uring_dmabuf.vllm_connector import catalog as C
     from nixl_io_uring_dmabuf.vllm_connector import layout as L
@@ -227,7 +249,7 @@ def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, 
     bad = [k for k in found if not cat.lookup(k)]
     cat.close()
     print(f"engine A was killed after committing {len(found)} block(s)")
-    assert found and not bad
+    assert len(found) >= 60 and not bad
     b = run(clients, vllm_model, [prompts[0], prompt(7)], kv_transfer_config=kv_config(
         store, slots=1000))
     assert b["outputs"][0]["num_cached_tokens"] > 0
