@@ -83,6 +83,7 @@ class _Job:
     sums: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)
     handle: object = None
     t0: float = 0.0
+    post_s: float = 0.0  # time the engine's thread spent starting and finishing it
 
 
 def _merge(regions: Sequence[Region]) -> list[tuple[int, int, int]]:
@@ -142,10 +143,11 @@ class RankStore:
             raise
         self._jobs: dict[int, _Job] = {}
         self._done: list[Result] = []
-        # Per direction: jobs, bytes, seconds (post to the poll that saw DONE); loads also
-        # blocks checked and blocks found damaged.
-        self.stats = {d: {"jobs": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "blocks": 0,
-                          "bad_blocks": 0} for d in ("store", "load")}
+        # Per direction: jobs, bytes, seconds (post to the poll that saw DONE), post_seconds
+        # (the engine's thread: checksums, make_prepped_xfer, post, commit or check); loads
+        # also blocks checked and blocks found damaged.
+        self.stats = {d: {"jobs": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "post_seconds": 0.0,
+                          "blocks": 0, "bad_blocks": 0} for d in ("store", "load")}
         logger.info("KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
                     "backend %s%s", rank, geo.num_slots, geo.slot_bytes, len(self._fds),
                     len(self.pages), backend, " O_DIRECT" if o_direct else "")
@@ -277,7 +279,9 @@ class RankStore:
         a = self._agent
         job.handle = a.make_prepped_xfer("WRITE" if job.store else "READ", self._local, local,
                                          self._remote, remote, backends=[self.backend])
-        if a.transfer(job.handle) == "ERR":
+        state = a.transfer(job.handle)
+        job.post_s = time.perf_counter() - job.t0
+        if state == "ERR":
             raise RuntimeError("NIXL refused to post the transfer")
 
     def _advance(self, job: _Job) -> Result | None:
@@ -293,7 +297,9 @@ class RankStore:
                     return None
                 if state != "DONE":
                     raise RuntimeError(f"NIXL transfer state {state}")
+            t = time.perf_counter()
             res = self._finish(job)
+            job.post_s += time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - the job is over, reported failed
             logger.error("KV store rank %d: %s job %d failed: %s", self.rank,
                          "store" if job.store else "load", job.job_id, e)
@@ -306,6 +312,7 @@ class RankStore:
         st["failed"] += not res.ok
         st["bytes"] += res.nbytes
         st["seconds"] += res.seconds
+        st["post_seconds"] += job.post_s
         st["blocks"] += len(job.blocks) if res.ok else 0
         st["bad_blocks"] += len(res.bad_blocks)
         return res
