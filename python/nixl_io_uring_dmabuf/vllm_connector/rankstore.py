@@ -15,6 +15,7 @@ DONE; a block that does not match is reported and gets a DAMAGED record.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import logging
@@ -84,6 +85,9 @@ class _Job:
     handle: object = None
     t0: float = 0.0
     post_s: float = 0.0  # time the engine's thread spent starting and finishing it
+    phase: str = "wait"
+    future: object = None
+    got: list[int] = dataclasses.field(default_factory=list)
 
 
 def _merge(regions: Sequence[Region]) -> list[tuple[int, int, int]]:
@@ -143,6 +147,8 @@ class RankStore:
             raise
         self._jobs: dict[int, _Job] = {}
         self._done: list[Result] = []
+        # Checksums run here, off the engine's thread (torch and numpy release the GIL).
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="iud-kv-sums")
         # Per direction: jobs, bytes, seconds (post to the poll that saw DONE), post_seconds
         # (the engine's thread: checksums, make_prepped_xfer, post, commit or check); loads
         # also blocks checked and blocks found damaged.
@@ -267,36 +273,57 @@ class RankStore:
         return [checksum.fold(per_piece[p][i] for p in range(self._npg))
                 for i in range(len(blocks))]
 
-    def _start(self, job: _Job) -> None:
-        job.t0 = time.perf_counter()
-        if len(job.blocks) == 0:
-            return
-        if job.store:
-            for s, sub, h in zip(job.slots.tolist(), job.subs.tolist(),
-                                 self._block_sums(job.blocks)):
-                job.sums.setdefault(s, {})[sub] = h
+    def _post(self, job: _Job) -> None:
+        t = time.perf_counter()
         local, remote = self._indices(job)
         a = self._agent
         job.handle = a.make_prepped_xfer("WRITE" if job.store else "READ", self._local, local,
                                          self._remote, remote, backends=[self.backend])
         state = a.transfer(job.handle)
-        job.post_s = time.perf_counter() - job.t0
+        job.post_s += time.perf_counter() - t
         if state == "ERR":
             raise RuntimeError("NIXL refused to post the transfer")
 
     def _advance(self, job: _Job) -> Result | None:
-        """One step of a job; its Result once it is over."""
+        """One step of a job (never waits); its Result once it is over. Phases: wait for the
+        device work it follows, checksums (store; in the checksum thread), post, transfer,
+        check (load; in the checksum thread), finish."""
         try:
-            if job.handle is None and job.t0 == 0.0:
+            if job.phase == "wait":
                 if job.ready is not None and not job.ready():
                     return None
-                self._start(job)
-            if job.handle is not None:
+                job.t0 = time.perf_counter()
+                if not len(job.blocks):
+                    job.phase = "finish"
+                elif job.store:
+                    job.phase = "sums"
+                    job.future = self._pool.submit(self._block_sums, job.blocks)
+                else:
+                    job.phase = "post"
+            if job.phase == "sums":
+                if not job.future.done():
+                    return None
+                for s, sub, h in zip(job.slots.tolist(), job.subs.tolist(),
+                                     job.future.result()):
+                    job.sums.setdefault(s, {})[sub] = h
+                job.phase = "post"
+            if job.phase == "post":
+                self._post(job)
+                job.phase = "xfer"
+            if job.phase == "xfer":
                 state = self._agent.check_xfer_state(job.handle)
                 if state == "PROC":
                     return None
                 if state != "DONE":
                     raise RuntimeError(f"NIXL transfer state {state}")
+                job.phase = "finish"
+                if not job.store:
+                    job.phase = "check"
+                    job.future = self._pool.submit(self._block_sums, job.blocks)
+            if job.phase == "check":
+                if not job.future.done():
+                    return None
+                job.got = job.future.result()
             t = time.perf_counter()
             res = self._finish(job)
             job.post_s += time.perf_counter() - t
@@ -336,7 +363,7 @@ class RankStore:
                     os.fdatasync(self._fds[fi])
             self._log.append(recs)
             return res
-        got = self._block_sums(job.blocks)
+        got = job.got
         bad = [i for i, (g, e) in enumerate(zip(got, job.expected)) if g != e]
         if bad:
             res.bad_blocks = [int(job.blocks[i]) for i in bad]
@@ -398,4 +425,5 @@ class RankStore:
         a.deregister_memory(self._mem_reg, backends=be)
         self._close_files()
         self._log.close()
+        self._pool.shutdown(wait=False)
         os.close(self._lock_fd)

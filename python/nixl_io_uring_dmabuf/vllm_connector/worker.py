@@ -6,8 +6,9 @@ Ordering with the device (CUDA): a job records an event on the engine's current 
 is submitted and is posted only once that event has completed (polled, never waited for), so a
 store reads the blocks after the forward pass that wrote them and a load writes its blocks
 after the work queued on them before (vLLM's zeroing); vLLM uses loaded blocks only after the
-job is reported finished. Checksums run on a side stream. On the CPU platform compute is
-synchronous and jobs start at once.
+job is reported finished. Checksums run in the RankStore's checksum thread, off the engine's
+thread (on CUDA on a side stream). On the CPU platform compute is synchronous and jobs start at
+once.
 
 Failures: vLLM 0.32/0.33 assert that every job succeeded (offloading/worker.py), so a store
 that failed is reported finished and simply not committed (the scheduler then drops the block).
@@ -120,7 +121,7 @@ class NixlStorageWorker(OffloadingWorker):
     def _sums(self, piece: int, blocks: np.ndarray):
         if self._side is None:
             return self._torch_rows.sums(piece, blocks)
-        with self._torch.cuda.stream(self._side):
+        with self._torch.cuda.device(self._device), self._torch.cuda.stream(self._side):
             return self._torch_rows.sums(piece, blocks)
 
     def _ready(self):
