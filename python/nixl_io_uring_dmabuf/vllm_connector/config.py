@@ -1,0 +1,80 @@
+"""The connector's parameters, read from vLLM's `kv_connector_extra_config` (the same dict in the
+scheduler and in every worker), validated once, with one error naming the bad key."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+# Keys of kv_connector_extra_config that vLLM itself reads (offloading/config.py, base.py).
+VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blocks_per_chunk",
+                       "canonical_layout", "self_describing_kv_events", "offload_prompt_only"})
+
+
+def _bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return v.lower() in ("true", "1", "yes", "on")
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    raise ValueError(f"kv_connector_extra_config[{key!r}] must be a boolean, not {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """path: the store's folder (one per engine; a rank folder per TP rank inside).
+    capacity_bytes: bytes of slot files of all ranks together (capacity_gb in the config).
+    backend / backend_params: the NIXL backend that moves the bytes (IO_URING_DMABUF, POSIX,
+    GDS_MT, ...) and its parameters. o_direct: open the slot files with O_DIRECT. durable:
+    fdatasync the slot file before a block's commit record and the journals after each append
+    (survives power loss; costs the worker a sync per store job). verify_on_lookup: the
+    scheduler reads and checks a block from storage the first time it would answer HIT for it
+    in this process (see docs/vllm-connector.md). max_file_bytes: size of one slot file."""
+
+    path: str
+    capacity_bytes: int
+    backend: str = "IO_URING_DMABUF"
+    backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    o_direct: bool = False
+    durable: bool = False
+    verify_on_lookup: bool = True
+    max_file_bytes: int = 64 << 30
+    preallocate: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> StoreConfig:
+        ours = {"path", "capacity_gb", "capacity_bytes", "backend", "backend_params", "o_direct",
+                "durable", "verify_on_lookup", "max_file_gb", "preallocate"}
+        unknown = sorted(k for k in extra if k not in ours and k not in VLLM_KEYS)
+        if unknown:
+            raise ValueError(f"NixlStorageOffloadingSpec: unknown kv_connector_extra_config keys "
+                             f"{unknown} (known: {sorted(ours)})")
+        path = extra.get("path")
+        if not path or not isinstance(path, str):
+            raise ValueError("NixlStorageOffloadingSpec: kv_connector_extra_config['path'] "
+                             "(the store's folder) is required")
+        if "capacity_bytes" in extra:
+            cap = int(extra["capacity_bytes"])
+        elif "capacity_gb" in extra:
+            cap = int(float(extra["capacity_gb"]) * (1 << 30))
+        else:
+            raise ValueError("NixlStorageOffloadingSpec: kv_connector_extra_config['capacity_gb']"
+                             " (bytes of storage for KV blocks, all ranks) is required")
+        if cap <= 0:
+            raise ValueError(f"NixlStorageOffloadingSpec: capacity must be positive, not {cap}")
+        params = extra.get("backend_params") or {}
+        if not isinstance(params, Mapping):
+            raise ValueError("kv_connector_extra_config['backend_params'] must be a dict")
+        max_file = int(float(extra.get("max_file_gb", 64)) * (1 << 30))
+        if max_file <= 0:
+            raise ValueError("kv_connector_extra_config['max_file_gb'] must be positive")
+        return cls(path=path, capacity_bytes=cap,
+                   backend=str(extra.get("backend", "IO_URING_DMABUF")),
+                   backend_params={str(k): str(v) for k, v in params.items()},
+                   o_direct=_bool("o_direct", extra.get("o_direct", False)),
+                   durable=_bool("durable", extra.get("durable", False)),
+                   verify_on_lookup=_bool("verify_on_lookup", extra.get("verify_on_lookup", True)),
+                   max_file_bytes=max_file,
+                   preallocate=_bool("preallocate", extra.get("preallocate", True)))

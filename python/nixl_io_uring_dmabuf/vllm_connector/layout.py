@@ -1,0 +1,152 @@
+"""Where a block's bytes live: the slot geometry shared by scheduler and workers, the folders
+and file names per rank, the store's manifest (refuses a store made for another model or
+layout) and the O_DIRECT alignment of a file.
+
+    <path>/store.json                 manifest, written once by the first manager
+    <path>/manager.log                TOMB records (manager, the only writer)
+    <path>/.lock                      flock of the live manager
+    <path>/rank<r>of<W>/layout.json   the rank's pages per block (worker)
+    <path>/rank<r>of<W>/commits.log   COMMIT / DAMAGED records (that rank's worker)
+    <path>/rank<r>of<W>/slots-<i>.bin slot files, preallocated; slot s at file s // slots_per_file
+    <path>/rank<r>of<W>/.lock         flock of the live worker of that rank
+
+A slot holds one offloaded chunk (blocks_per_chunk vLLM blocks) of one rank: for each block,
+for each KV page (layer) in order, the page's bytes; its size is rounded up to 4096.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import struct
+
+SLOT_ALIGN = 4096
+FORMAT = "iud-vllm-kv-store/1"
+
+
+def round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class StoreMismatch(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    rank_block_bytes: int  # bytes one rank keeps per vLLM block (all layers)
+    blocks_per_chunk: int
+    world_size: int
+    capacity_bytes: int
+    max_file_bytes: int
+
+    def __post_init__(self):
+        if self.rank_block_bytes <= 0:
+            raise ValueError(f"no KV bytes per block ({self.rank_block_bytes}): the engine's KV "
+                             "cache is not sized yet")
+        if self.num_slots < 1:
+            raise ValueError(
+                f"capacity {self.capacity_bytes} B holds no slot: one slot takes {self.slot_bytes} B"
+                f" on each of {self.world_size} rank(s) ({self.blocks_per_chunk} block(s) of "
+                f"{self.rank_block_bytes} B, rounded up to {SLOT_ALIGN})")
+
+    @property
+    def slot_bytes(self) -> int:
+        return round_up(self.rank_block_bytes * self.blocks_per_chunk, SLOT_ALIGN)
+
+    @property
+    def num_slots(self) -> int:
+        return self.capacity_bytes // (self.slot_bytes * self.world_size)
+
+    @property
+    def slots_per_file(self) -> int:
+        return max(1, min(self.num_slots, self.max_file_bytes // self.slot_bytes))
+
+    @property
+    def num_files(self) -> int:
+        return -(-self.num_slots // self.slots_per_file)
+
+    def file_slots(self, i: int) -> int:
+        return min(self.slots_per_file, self.num_slots - i * self.slots_per_file)
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(file index, byte offset in that file) of a slot."""
+        return slot // self.slots_per_file, (slot % self.slots_per_file) * self.slot_bytes
+
+    def manifest(self, **extra) -> dict:
+        return {"format": FORMAT, "rank_block_bytes": self.rank_block_bytes,
+                "blocks_per_chunk": self.blocks_per_chunk, "world_size": self.world_size,
+                "slot_bytes": self.slot_bytes, "num_slots": self.num_slots,
+                "slots_per_file": self.slots_per_file, **extra}
+
+
+def rank_dir(root: str, rank: int, world_size: int) -> str:
+    return os.path.join(root, f"rank{rank}of{world_size}")
+
+
+def slot_file(root: str, rank: int, world_size: int, i: int) -> str:
+    return os.path.join(rank_dir(root, rank, world_size), f"slots-{i:03d}.bin")
+
+
+def commits_log(root: str, rank: int, world_size: int) -> str:
+    return os.path.join(rank_dir(root, rank, world_size), "commits.log")
+
+
+def manager_log(root: str) -> str:
+    return os.path.join(root, "manager.log")
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def ensure_json(path: str, wanted: dict, what: str) -> None:
+    """Writes `wanted` to `path` if absent; else refuses a store whose file says otherwise."""
+    try:
+        with open(path) as f:
+            have = json.load(f)
+    except FileNotFoundError:
+        _write_json(path, wanted)
+        return
+    diff = {k: (have.get(k), wanted.get(k)) for k in set(have) | set(wanted)
+            if have.get(k) != wanted.get(k)}
+    if diff:
+        raise StoreMismatch(
+            f"{what} at {path} was made for another model or layout: "
+            + ", ".join(f"{k} is {a!r} there, {b!r} here" for k, (a, b) in sorted(diff.items()))
+            + ". Give this engine another path, or delete that store.")
+
+
+def read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+_AT_EMPTY_PATH = 0x1000
+_STATX_DIOALIGN = 0x2000
+
+
+def direct_alignment(fd: int) -> tuple[int, int]:
+    """(memory, offset/length) alignment O_DIRECT needs on this file: statx(STATX_DIOALIGN) where
+    the kernel and file system report it, else 512, as the plugin decides (src/mem/file.rs)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)
+        rc = libc.statx(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, buf)
+        mask = struct.unpack_from("<I", buf, 0)[0]
+        mem, off = struct.unpack_from("<II", buf, 152)
+        if rc == 0 and mask & _STATX_DIOALIGN and off > 0:
+            return max(mem, 1), off
+    except (OSError, AttributeError):
+        pass
+    return 512, 512

@@ -1,0 +1,429 @@
+"""One rank's half of the store: its slot files and commit journal, and the NIXL agent that
+moves blocks between the engine's KV memory and those files. No vLLM and no torch in here: KV
+memory comes as regions (address, row stride, rows, page bytes, device) and checksums from a
+callable, so the same code serves vLLM's tensors (VRAM or DRAM) and the unit tests' buffers.
+
+Set-up, once: the KV regions are registered with NIXL (DRAM or VRAM), each slot file once as
+FILE (fd mode), and two descriptor lists are prepped: every (block, page) of the KV memory and
+every (slot, sub-block, page) of the files. A job is one `make_prepped_xfer` by indices, posted
+when its `ready` callable says the device work it must follow is done (never waited for), polled
+by `poll()`, then released. A store's COMMIT records (with the checksums computed from the KV
+memory before the transfer) are appended only after the transfer is DONE - after fdatasync of
+the slot files when `durable`. A load is checked against the expected checksums after it is
+DONE; a block that does not match is reported and gets a DAMAGED record.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from . import checksum, journal
+from . import layout as L
+
+logger = logging.getLogger(__name__)
+
+SumsFn = Callable[[int, np.ndarray], list[tuple[int, int]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One KV tensor as rows: row b (block b) starts at addr + b * stride, page bytes long."""
+    addr: int
+    stride: int
+    num_blocks: int
+    page: int
+    dev: int = 0
+
+
+class HostRows:
+    """Page sums of host-memory regions (by address), for DRAM without torch."""
+
+    def __init__(self, regions: Sequence[Region]):
+        self._regions = list(regions)
+
+    def sums(self, piece: int, block_ids: np.ndarray) -> list[tuple[int, int]]:
+        r = self._regions[piece]
+        out = []
+        for b in np.asarray(block_ids).tolist():
+            buf = (ctypes.c_uint8 * r.page).from_address(r.addr + int(b) * r.stride)
+            out.append(checksum.page_sums(np.frombuffer(buf, dtype=np.uint8)))
+        return out
+
+
+@dataclasses.dataclass
+class Result:
+    job_id: int
+    store: bool
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    bad_blocks: list[int] = dataclasses.field(default_factory=list)  # loads: damaged blocks
+    error: str = ""
+
+
+@dataclasses.dataclass
+class _Job:
+    job_id: int
+    store: bool
+    blocks: np.ndarray
+    slots: np.ndarray
+    subs: np.ndarray
+    ready: Callable[[], bool] | None
+    commits: list[tuple[bytes, int, int]] = dataclasses.field(default_factory=list)
+    expected: list[int] = dataclasses.field(default_factory=list)
+    gens: list[int] = dataclasses.field(default_factory=list)
+    sums: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)
+    handle: object = None
+    t0: float = 0.0
+    post_s: float = 0.0  # time the engine's thread spent starting and finishing it
+    phase: str = "wait"
+    future: object = None
+    got: list[int] = dataclasses.field(default_factory=list)
+
+
+def _merge(regions: Sequence[Region]) -> list[tuple[int, int, int]]:
+    """Registration ranges (addr, length, dev): the regions' extents merged where they touch,
+    so views into one allocation are registered as that allocation once."""
+    spans = sorted((r.dev, r.addr, r.addr + (r.num_blocks - 1) * r.stride + r.page)
+                   for r in regions)
+    out: list[list[int]] = []
+    for dev, a, e in spans:
+        if out and out[-1][2] == dev and a <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], e - out[-1][0])
+        else:
+            out.append([a, e - a, dev])
+    return [(a, n, d) for a, n, d in out]
+
+
+class RankStore:
+    def __init__(self, root: str, geo: L.Geometry, rank: int, regions: Sequence[Region],
+                 mem_kind: str, backend: str = "IO_URING_DMABUF",
+                 backend_params: dict | None = None, o_direct: bool = False,
+                 durable: bool = False, preallocate: bool = True,
+                 sums: SumsFn | None = None):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.geo, self.rank, self.backend = geo, rank, backend
+        self.regions = list(regions)
+        self.pages = [r.page for r in self.regions]
+        self.durable = durable
+        W = geo.world_size
+        if sum(self.pages) > geo.rank_block_bytes:
+            raise ValueError(f"rank {rank}: the KV cache has {sum(self.pages)} B per block, more "
+                             f"than the {geo.rank_block_bytes} B vLLM announced to the scheduler")
+        for p in self.pages:
+            checksum.check_page_bytes(p)
+        self._sums = sums or HostRows(self.regions).sums
+        rdir = L.rank_dir(root, rank, W)
+        os.makedirs(rdir, exist_ok=True)
+        self._fds: list[int] = []
+        self._lock_fd = journal.lock_exclusive(os.path.join(rdir, ".lock"),
+                                               f"vLLM KV store rank {rank}")
+        try:
+            L.ensure_json(os.path.join(rdir, "layout.json"),
+                          {"pages": self.pages, "blocks_per_chunk": geo.blocks_per_chunk,
+                           "slot_bytes": geo.slot_bytes, "rank": rank, "world_size": W},
+                          f"vLLM KV store rank {rank}")
+            self._log = journal.Appender(L.commits_log(root, rank, W), durable)
+            self._open_files(root, o_direct, preallocate)
+            if o_direct:
+                self._check_direct(mem_kind)
+            self._agent = nixl_agent(f"iud-kv-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                                     nixl_agent_config(backends=[]))
+            self._agent.create_backend(backend, dict(backend_params or {}))
+            self._setup_nixl(mem_kind)
+        except BaseException:
+            self._close_files()
+            os.close(self._lock_fd)
+            raise
+        self._jobs: dict[int, _Job] = {}
+        self._done: list[Result] = []
+        # Checksums run here, off the engine's thread (torch and numpy release the GIL).
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="iud-kv-sums")
+        # Per direction: jobs, bytes, seconds (post to the poll that saw DONE), post_seconds
+        # (the engine's thread: checksums, make_prepped_xfer, post, commit or check); loads
+        # also blocks checked and blocks found damaged.
+        self.stats = {d: {"jobs": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "post_seconds": 0.0,
+                          "blocks": 0, "bad_blocks": 0} for d in ("store", "load")}
+        logger.info("KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
+                    "backend %s%s", rank, geo.num_slots, geo.slot_bytes, len(self._fds),
+                    len(self.pages), backend, " O_DIRECT" if o_direct else "")
+
+    # ---- set-up --------------------------------------------------------------------------
+    def _open_files(self, root: str, o_direct: bool, preallocate: bool) -> None:
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
+        for i in range(self.geo.num_files):
+            path = L.slot_file(root, self.rank, self.geo.world_size, i)
+            fd = os.open(path, flags, 0o644)
+            self._fds.append(fd)
+            size = self.geo.file_slots(i) * self.geo.slot_bytes
+            if os.fstat(fd).st_size < size:
+                try:
+                    if not preallocate:
+                        raise OSError("preallocate off")
+                    os.posix_fallocate(fd, 0, size)
+                except OSError:
+                    os.ftruncate(fd, size)
+
+    def _check_direct(self, mem_kind: str) -> None:
+        mem_align, off_align = L.direct_alignment(self._fds[0])
+        problems = []
+        offsets = np.cumsum([0] + self.pages)
+        if self.geo.slot_bytes % off_align:
+            problems.append(f"slot size {self.geo.slot_bytes} B is not a multiple of {off_align}")
+        for p in list(self.pages) + [int(o) for o in offsets[1:]] + [sum(self.pages)]:
+            if p % off_align:
+                problems.append(f"a KV page boundary ({p} B into a block) is not a multiple of "
+                                f"{off_align} B")
+                break
+        if mem_kind == "DRAM":
+            for i, r in enumerate(self.regions):
+                if r.addr % mem_align or r.stride % mem_align:
+                    problems.append(f"KV tensor {i} at 0x{r.addr:x} (row stride {r.stride} B) is "
+                                    f"not aligned to {mem_align} B")
+        if problems:
+            raise ValueError("o_direct cannot serve this KV cache layout: " + "; ".join(problems)
+                             + ". Set o_direct to false.")
+
+    def _setup_nixl(self, mem_kind: str) -> None:
+        a, be = self._agent, [self.backend]
+        self._mem_reg = a.register_memory([(ad, n, d, "") for ad, n, d in _merge(self.regions)],
+                                          mem_kind, backends=be)
+        self._file_reg = a.register_memory(
+            [(0, self.geo.file_slots(i) * self.geo.slot_bytes, fd, "")
+             for i, fd in enumerate(self._fds)], "FILE", backends=be)
+        npg, nb = len(self.pages), self.regions[0].num_blocks
+        if any(r.num_blocks != nb for r in self.regions):
+            raise ValueError("the KV tensors have different numbers of blocks")
+        mem = np.empty((nb, npg, 3), dtype=np.int64)
+        for p, r in enumerate(self.regions):
+            mem[:, p, 0] = r.addr + np.arange(nb, dtype=np.int64) * r.stride
+            mem[:, p, 1] = r.page
+            mem[:, p, 2] = r.dev
+        geo, bpc = self.geo, self.geo.blocks_per_chunk
+        starts = np.cumsum([0] + self.pages[:-1]).astype(np.int64)
+        files = np.empty((geo.num_slots, bpc, npg, 3), dtype=np.int64)
+        slots = np.arange(geo.num_slots, dtype=np.int64)
+        base = (slots % geo.slots_per_file) * geo.slot_bytes
+        fds = np.asarray(self._fds, dtype=np.int64)[slots // geo.slots_per_file]
+        block_bytes = sum(self.pages)
+        for j in range(bpc):
+            for p in range(npg):
+                files[:, j, p, 0] = base + j * block_bytes + starts[p]
+                files[:, j, p, 1] = self.pages[p]
+                files[:, j, p, 2] = fds
+        self._nb, self._npg = nb, npg
+        self._local = a.prep_xfer_dlist("NIXL_INIT_AGENT", mem.reshape(-1, 3), mem_kind,
+                                        backends=be)
+        self._remote = a.prep_xfer_dlist(a.name, files.reshape(-1, 3), "FILE", backends=be)
+
+    # ---- jobs ----------------------------------------------------------------------------
+    def _indices(self, job: _Job) -> tuple[np.ndarray, np.ndarray]:
+        p = np.arange(self._npg, dtype=np.int64)
+        local = (job.blocks.astype(np.int64)[:, None] * self._npg + p).reshape(-1)
+        chunk = job.slots.astype(np.int64) * self.geo.blocks_per_chunk + job.subs
+        remote = (chunk[:, None] * self._npg + p).reshape(-1)
+        return local.astype(np.int32), remote.astype(np.int32)
+
+    def _check_pairs(self, blocks, slots, subs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        blocks, slots, subs = (np.asarray(x, dtype=np.int64) for x in (blocks, slots, subs))
+        if not (len(blocks) == len(slots) == len(subs)):
+            raise ValueError("blocks, slots and sub-blocks differ in length")
+        if len(blocks) and (blocks.min() < 0 or blocks.max() >= self._nb or slots.min() < 0
+                            or slots.max() >= self.geo.num_slots or subs.min() < 0
+                            or subs.max() >= self.geo.blocks_per_chunk):
+            raise ValueError("a block, slot or sub-block index is out of range")
+        return blocks, slots, subs
+
+    def submit_store(self, job_id: int, blocks, slots, subs,
+                     commits: Sequence[tuple[bytes, int, int]],
+                     ready: Callable[[], bool] | None = None) -> None:
+        """Store KV rows `blocks[i]` into (slots[i], subs[i]); commit (key, slot, gen) for each
+        slot once the transfer is DONE (every sub-block of the slot must be in the job)."""
+        blocks, slots, subs = self._check_pairs(blocks, slots, subs)
+        job = _Job(job_id, True, blocks, slots, subs, ready, commits=list(commits))
+        self._add(job)
+
+    def submit_load(self, job_id: int, blocks, slots, subs, expected: Sequence[int],
+                    gens: Sequence[int], ready: Callable[[], bool] | None = None) -> None:
+        """Load (slots[i], subs[i]) into KV rows `blocks[i]`; `expected[i]` is that sub-block's
+        checksum on this rank, `gens[i]` the store generation (for DAMAGED records)."""
+        blocks, slots, subs = self._check_pairs(blocks, slots, subs)
+        job = _Job(job_id, False, blocks, slots, subs, ready, expected=list(expected),
+                   gens=list(gens))
+        self._add(job)
+
+    def _add(self, job: _Job) -> None:
+        if job.job_id in self._jobs:
+            raise ValueError(f"job {job.job_id} is already in flight")
+        self._jobs[job.job_id] = job
+        self._advance(job)
+
+    def _block_sums(self, blocks: np.ndarray) -> list[int]:
+        per_piece = [self._sums(p, blocks) for p in range(self._npg)]
+        return [checksum.fold(per_piece[p][i] for p in range(self._npg))
+                for i in range(len(blocks))]
+
+    def _post(self, job: _Job) -> None:
+        t = time.perf_counter()
+        local, remote = self._indices(job)
+        a = self._agent
+        job.handle = a.make_prepped_xfer("WRITE" if job.store else "READ", self._local, local,
+                                         self._remote, remote, backends=[self.backend])
+        state = a.transfer(job.handle)
+        job.post_s += time.perf_counter() - t
+        if state == "ERR":
+            raise RuntimeError("NIXL refused to post the transfer")
+
+    def _advance(self, job: _Job) -> Result | None:
+        """One step of a job (never waits); its Result once it is over. Phases: wait for the
+        device work it follows, checksums (store; in the checksum thread), post, transfer,
+        check (load; in the checksum thread), finish."""
+        try:
+            if job.phase == "wait":
+                if job.ready is not None and not job.ready():
+                    return None
+                job.t0 = time.perf_counter()
+                if not len(job.blocks):
+                    job.phase = "finish"
+                elif job.store:
+                    job.phase = "sums"
+                    job.future = self._pool.submit(self._block_sums, job.blocks)
+                else:
+                    job.phase = "post"
+            if job.phase == "sums":
+                if not job.future.done():
+                    return None
+                for s, sub, h in zip(job.slots.tolist(), job.subs.tolist(),
+                                     job.future.result()):
+                    job.sums.setdefault(s, {})[sub] = h
+                job.phase = "post"
+            if job.phase == "post":
+                self._post(job)
+                job.phase = "xfer"
+            if job.phase == "xfer":
+                state = self._agent.check_xfer_state(job.handle)
+                if state == "PROC":
+                    return None
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL transfer state {state}")
+                job.phase = "finish"
+                if not job.store:
+                    job.phase = "check"
+                    job.future = self._pool.submit(self._block_sums, job.blocks)
+            if job.phase == "check":
+                if not job.future.done():
+                    return None
+                job.got = job.future.result()
+            t = time.perf_counter()
+            res = self._finish(job)
+            job.post_s += time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001 - the job is over, reported failed
+            logger.error("KV store rank %d: %s job %d failed: %s", self.rank,
+                         "store" if job.store else "load", job.job_id, e)
+            res = Result(job.job_id, job.store, False, error=str(e))
+        self._release(job)
+        del self._jobs[job.job_id]
+        self._done.append(res)
+        st = self.stats["store" if job.store else "load"]
+        st["jobs"] += 1
+        st["failed"] += not res.ok
+        st["bytes"] += res.nbytes
+        st["seconds"] += res.seconds
+        st["post_seconds"] += job.post_s
+        st["blocks"] += len(job.blocks) if res.ok else 0
+        st["bad_blocks"] += len(res.bad_blocks)
+        return res
+
+    def _finish(self, job: _Job) -> Result:
+        nbytes = len(job.blocks) * sum(self.pages)
+        res = Result(job.job_id, job.store, True, nbytes, time.perf_counter() - job.t0)
+        if job.store:
+            recs = []
+            bpc = self.geo.blocks_per_chunk
+            for key, slot, gen in job.commits:
+                subs = job.sums.get(slot, {})
+                if len(subs) != bpc:
+                    logger.warning("KV store rank %d: slot %d got %d of %d sub-blocks; not "
+                                   "committed", self.rank, slot, len(subs), bpc)
+                    continue
+                recs.append(journal.commit(key, slot, gen, bpc * sum(self.pages),
+                                           [subs[j] for j in range(bpc)]))
+            if self.durable:
+                for fi in sorted({self.geo.locate(int(s))[0] for s in job.slots}):
+                    os.fdatasync(self._fds[fi])
+            self._log.append(recs)
+            return res
+        got = job.got
+        bad = [i for i, (g, e) in enumerate(zip(got, job.expected)) if g != e]
+        if bad:
+            res.bad_blocks = [int(job.blocks[i]) for i in bad]
+            slots = sorted({(int(job.slots[i]), int(job.gens[i])) for i in bad})
+            logger.warning("KV store rank %d: load job %d: %d block(s) do not match their "
+                           "checksum (slots %s)", self.rank, job.job_id, len(bad),
+                           [s for s, _ in slots])
+            self._log.append([journal.damaged(s, g) for s, g in slots])
+        return res
+
+    def _release(self, job: _Job) -> None:
+        if job.handle is not None:
+            try:
+                self._agent.release_xfer_handle(job.handle)
+            except Exception as e:  # noqa: BLE001
+                logger.error("KV store rank %d: releasing job %d: %s", self.rank, job.job_id, e)
+            job.handle = None
+
+    def poll(self) -> list[Result]:
+        for job in list(self._jobs.values()):
+            self._advance(job)
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, job_ids, timeout: float = 600.0) -> None:
+        """Blocks until the given jobs are over; their results stay for the next poll()."""
+        deadline = time.monotonic() + timeout
+        while any(j in self._jobs for j in job_ids):
+            for j in list(job_ids):
+                job = self._jobs.get(j)
+                if job is not None:
+                    self._advance(job)
+            if any(j in self._jobs for j in job_ids):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"KV store jobs {sorted(job_ids)} not over in {timeout} s")
+                time.sleep(0.0002)
+
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    # ---- teardown ------------------------------------------------------------------------
+    def _close_files(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def close(self) -> None:
+        try:
+            self.wait(list(self._jobs), timeout=60)
+        except Exception as e:  # noqa: BLE001
+            logger.error("KV store rank %d: jobs still in flight at close: %s", self.rank, e)
+        a, be = self._agent, [self.backend]
+        for h in (self._local, self._remote):
+            try:
+                a.release_dlist_handle(h)
+            except Exception:  # noqa: BLE001
+                pass
+        a.deregister_memory(self._file_reg, backends=be)
+        a.deregister_memory(self._mem_reg, backends=be)
+        self._close_files()
+        self._log.close()
+        self._pool.shutdown(wait=False)
+        os.close(self._lock_fd)

@@ -1,0 +1,76 @@
+"""NixlStorageOffloadingSpec: the OffloadingSpec vLLM's OffloadingConnector loads by name
+(`spec_name` + `spec_module_path`). It reads the parameters, refuses what it cannot serve, and
+builds the scheduler's manager (over the catalog) and each rank's worker (over a RankStore).
+Scheduler and workers may be different processes: they share only the store's files."""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
+
+from . import versions
+from .catalog import Catalog
+from .config import StoreConfig
+from .layout import Geometry
+
+logger = logging.getLogger(__name__)
+
+
+def _log_like_vllm() -> None:
+    """The package's log lines go where vLLM's go (vLLM configures only its own logger)."""
+    pkg, v = logging.getLogger("nixl_io_uring_dmabuf"), logging.getLogger("vllm")
+    if not pkg.handlers and v.handlers:
+        for h in v.handlers:
+            pkg.addHandler(h)
+        pkg.setLevel(v.level or logging.INFO)
+        pkg.propagate = False
+
+
+class NixlStorageOffloadingSpec(OffloadingSpec):
+    def __init__(self, config):
+        self.vllm_release = versions.check()
+        _log_like_vllm()
+        super().__init__(config)
+        self.store_config = StoreConfig.from_extra(self.extra_config)
+        if len(config.groups) != 1:
+            raise ValueError(
+                f"NixlStorageOffloadingSpec: the model has {len(config.groups)} offloaded KV cache "
+                "groups (a hybrid model); only models with one group are served")
+        if config.canonical_layout:
+            raise ValueError("NixlStorageOffloadingSpec: canonical_layout is not served; leave it "
+                             "off (each rank stores its own blocks in its own files)")
+        self._manager = None
+        self._worker = None
+
+    @property
+    def geometry(self) -> Geometry:
+        c = self.store_config
+        return Geometry(rank_block_bytes=int(self.config.worker_kv_bytes_per_block),
+                        blocks_per_chunk=int(self.blocks_per_chunk),
+                        world_size=int(self.config.parallel.world_size),
+                        capacity_bytes=c.capacity_bytes, max_file_bytes=c.max_file_bytes)
+
+    def manifest(self) -> dict:
+        g = self.config.groups[0]
+        return {"model": str(self.config.model.name), "dtype": str(self.config.model.dtype),
+                "tokens_per_block": int(g.tokens_per_block),
+                "tokens_per_hash": int(self.tokens_per_hash),
+                "kv_cache_layout": str(self.config.kv_cache_layout)}
+
+    def get_manager(self):
+        if self._manager is None:
+            from .manager import NixlStorageManager
+
+            c = self.store_config
+            self._manager = NixlStorageManager(Catalog(
+                c.path, self.geometry, self.manifest(), durable=c.durable,
+                verify_on_lookup=c.verify_on_lookup))
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches):
+        if self._worker is None:
+            from .worker import NixlStorageWorker
+
+            self._worker = NixlStorageWorker(self, kv_caches)
+        return self._worker

@@ -1,0 +1,418 @@
+"""The vLLM connector's store without vLLM: the scheduler's catalog (index, journals, eviction,
+replay) and one rank's RankStore (slot files, NIXL transfers, checksums) through the real NIXL
+runtime and the backend under test (IO_URING_DMABUF, or POSIX with IUD_TEST_BACKEND=POSIX).
+KV memory is page-aligned anonymous mmap standing in for vLLM's per-layer KV tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+
+from nixl_io_uring_dmabuf.vllm_connector import catalog as C  # noqa: E402
+from nixl_io_uring_dmabuf.vllm_connector import checksum, journal  # noqa: E402
+from nixl_io_uring_dmabuf.vllm_connector import layout as L  # noqa: E402
+from nixl_io_uring_dmabuf.vllm_connector import rankstore as R  # noqa: E402
+
+import iud_helpers as H  # noqa: E402
+
+PAGES = (16384, 8192)  # two "layers" per block
+NUM_BLOCKS = 24
+
+
+class Kv:
+    """KV memory of one rank: one mmap per layer, rows of PAGES[i] bytes."""
+
+    def __init__(self, num_blocks=NUM_BLOCKS, pages=PAGES):
+        self.maps = [mmap.mmap(-1, num_blocks * p) for p in pages]
+        self.arrays = [np.frombuffer(m, dtype=np.uint8).reshape(num_blocks, p)
+                       for m, p in zip(self.maps, pages)]
+        self.regions = [R.Region(ctypes.addressof(ctypes.c_char.from_buffer(m)), p, num_blocks, p)
+                        for m, p in zip(self.maps, pages)]
+
+    def fill(self, block: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for a in self.arrays:
+            a[block] = rng.integers(0, 256, a.shape[1], dtype=np.uint8)
+
+    def block(self, block: int) -> bytes:
+        return b"".join(a[block].tobytes() for a in self.arrays)
+
+
+def geometry(slots: int, bpc: int = 1, world: int = 1) -> L.Geometry:
+    return L.Geometry(rank_block_bytes=sum(PAGES), blocks_per_chunk=bpc, world_size=world,
+                      capacity_bytes=slots * world * L.round_up(sum(PAGES) * bpc, 4096),
+                      max_file_bytes=4 * L.round_up(sum(PAGES) * bpc, 4096))
+
+
+def open_rank(root, geo, kv, backend, rank=0, **kw) -> R.RankStore:
+    return R.RankStore(str(root), geo, rank, kv.regions, "DRAM", backend=backend,
+                       backend_params=H.default_params(backend), **kw)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + (0).to_bytes(4, "big")
+
+
+_job = iter(range(1, 1 << 30))
+
+
+def wait_jobs(store, ids, timeout=60):
+    ids, got, deadline = set(ids), {}, time.monotonic() + timeout
+    while not ids <= set(got):
+        for r in store.poll():
+            got[r.job_id] = r
+        assert time.monotonic() < deadline, f"jobs {ids - set(got)} not over"
+        time.sleep(0.0005)
+    return got
+
+
+def store_keys(cat, store, keys, blocks, commit=True):
+    """One store job the way the connector runs it: catalog slots, RankStore job, completion."""
+    out = cat.prepare_store(keys)
+    assert out is not None
+    acc, evicted = out
+    by_key = dict(zip(keys, blocks))
+    j = next(_job)
+    store.submit_store(j, [by_key[k] for k, _, _ in acc], [s for _, s, _ in acc], [0] * len(acc),
+                       acc if commit else [])
+    res = wait_jobs(store, [j])[j]
+    assert res.ok, res.error
+    return cat.complete_store([k for k, _, _ in acc]), evicted
+
+
+def load_keys(cat, store, keys, blocks, rank=0):
+    items = cat.prepare_load(keys)
+    j = next(_job)
+    store.submit_load(j, blocks, [it.slot for it in items], [0] * len(items),
+                      [it.sums[rank][0] for it in items], [it.gen for it in items])
+    res = wait_jobs(store, [j])[j]
+    cat.complete_load(keys)
+    return res
+
+
+@pytest.fixture
+def kv():
+    return Kv()
+
+
+def test_stored_blocks_are_found_again_by_a_new_catalog_and_load_byte_for_byte(
+        tmp_path, kv, backend):
+    geo = geometry(slots=10)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    for b in range(6):
+        kv.fill(b, seed=100 + b)
+    want = {key(b): kv.block(b) for b in range(6)}
+    done, evicted = store_keys(cat, store, [key(b) for b in range(6)], list(range(6)))
+    assert sorted(done) == sorted(want) and evicted == []
+    assert all(cat.lookup(k) for k in want) and not cat.lookup(key(99))
+    store.close()
+    cat.close()
+
+    cat = C.Catalog(str(tmp_path), geo)  # a new engine: replay
+    assert sorted(cat.committed()) == sorted(want)
+    assert all(cat.lookup(k) for k in want)  # verified from the files
+    store = open_rank(tmp_path, geo, kv, backend)
+    targets = list(range(10, 16))
+    for b in targets:
+        kv.arrays[0][b] = 0xA5
+        kv.arrays[1][b] = 0x5A
+    res = load_keys(cat, store, list(want), targets)
+    assert res.ok and res.bad_blocks == []
+    for k, b in zip(want, targets):
+        assert kv.block(b) == want[k]
+    store.close()
+    cat.close()
+
+
+def test_a_store_without_a_commit_record_is_never_served(tmp_path, kv, backend):
+    """The data reached the slot but no COMMIT was written (a crash between data and commit)."""
+    geo = geometry(slots=4)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    kv.fill(0, seed=1)
+    done, _ = store_keys(cat, store, [key(0)], [0], commit=False)
+    assert done == [] and not cat.lookup(key(0))
+    store.close()
+    cat.close()
+    cat = C.Catalog(str(tmp_path), geo)
+    assert cat.committed() == [] and not cat.lookup(key(0))
+    cat.close()
+
+
+def test_a_torn_journal_tail_is_ignored_then_cut_before_the_next_append(tmp_path, kv, backend):
+    geo = geometry(slots=8)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    for b in range(3):
+        kv.fill(b, seed=b)
+    store_keys(cat, store, [key(b) for b in range(3)], [0, 1, 2])
+    store.close()
+    cat.close()
+    log = L.commits_log(str(tmp_path), 0, 1)
+    whole = os.path.getsize(log)
+    rec = journal.commit(key(7), 5, 999, 10, [1])
+    with open(log, "ab") as f:  # a process died in the middle of its append
+        f.write(rec[:len(rec) // 2])
+    cat = C.Catalog(str(tmp_path), geo)
+    assert sorted(cat.committed()) == sorted(key(b) for b in range(3))
+    store = open_rank(tmp_path, geo, kv, backend)  # the worker cuts the tail
+    assert os.path.getsize(log) == whole
+    kv.fill(3, seed=3)
+    done, _ = store_keys(cat, store, [key(3)], [3])
+    assert done == [key(3)]
+    store.close()
+    cat.close()
+    cat = C.Catalog(str(tmp_path), geo)
+    assert sorted(cat.committed()) == sorted(key(b) for b in range(4))
+    cat.close()
+
+
+def test_damaged_data_is_a_miss_on_lookup_and_a_reported_failure_on_load(tmp_path, kv, backend):
+    geo = geometry(slots=8)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    for b in range(3):
+        kv.fill(b, seed=50 + b)
+    store_keys(cat, store, [key(b) for b in range(3)], [0, 1, 2])
+    slot0, gen0 = cat.slot_of(key(0))
+    slot1, _ = cat.slot_of(key(1))
+    store.close()
+    cat.close()
+    for slot in (slot0, slot1):  # zero the stored data of two blocks
+        fi, off = geo.locate(slot)
+        with open(L.slot_file(str(tmp_path), 0, 1, fi), "r+b") as f:
+            f.seek(off)
+            f.write(bytes(sum(PAGES)))
+
+    cat = C.Catalog(str(tmp_path), geo)
+    assert not cat.lookup(key(0))  # checked against its checksum: a miss, and dropped
+    assert cat.lookup(key(2))
+    cat.close()
+    cat = C.Catalog(str(tmp_path), geo)
+    assert key(0) not in cat.committed()  # the drop is in manager.log
+
+    # Without the check on lookup the worker's check after the load reports the block.
+    cat.verify_on_lookup = False
+    assert cat.lookup(key(1))
+    store = open_rank(tmp_path, geo, kv, backend)
+    res = load_keys(cat, store, [key(1), key(2)], [20, 21])
+    assert res.ok and res.bad_blocks == [20]
+    assert kv.block(21) == _fill_bytes(kv, 52)
+    cat.complete_load([])  # reads the DAMAGED record
+    assert not cat.lookup(key(1)) and cat.lookup(key(2))
+    store.close()
+    cat.close()
+    cat = C.Catalog(str(tmp_path), geo)
+    assert sorted(cat.committed()) == [key(2)]
+    assert gen0  # (gens start at 1)
+    cat.close()
+
+
+def _fill_bytes(kv, seed):
+    rng = np.random.default_rng(seed)
+    return b"".join(rng.integers(0, 256, p, dtype=np.uint8).tobytes() for p in PAGES)
+
+
+def test_capacity_evicts_least_recently_used_unpinned_blocks_and_reuses_their_slots(
+        tmp_path, kv, backend):
+    geo = geometry(slots=4)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    for b in range(8):
+        kv.fill(b, seed=200 + b)
+    store_keys(cat, store, [key(b) for b in range(4)], [0, 1, 2, 3])
+    cat.touch([key(0)])  # 1 is now the oldest
+    items = cat.prepare_load([key(1)])  # pinned by a load in flight: not evictable
+    assert items[0].key == key(1)
+    done, evicted = store_keys(cat, store, [key(4), key(5)], [4, 5])
+    assert done == [key(4), key(5)] and evicted == [key(2), key(3)]
+    cat.complete_load([key(1)])
+    done, evicted = store_keys(cat, store, [key(6)], [6])
+    assert evicted == [key(0)]
+    live = {key(1), key(4), key(5), key(6)}
+    assert set(cat.committed()) == live
+    store.close()
+    cat.close()
+    cat = C.Catalog(str(tmp_path), geo)
+    assert set(cat.committed()) == live
+    store = open_rank(tmp_path, geo, kv, backend)
+    res = load_keys(cat, store, [key(6), key(4)], [10, 11])
+    assert res.ok and res.bad_blocks == []
+    assert kv.block(10) == kv.block(6) and kv.block(11) == kv.block(4)
+    store.close()
+    cat.close()
+
+
+def test_a_full_store_with_every_block_pinned_refuses_new_stores(tmp_path, kv, backend):
+    geo = geometry(slots=2)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    store_keys(cat, store, [key(0), key(1)], [0, 1])
+    cat.prepare_load([key(0), key(1)])
+    assert cat.prepare_store([key(2)]) is None
+    assert cat.prepare_store([key(0)]) == ([], [])  # already there: nothing to do
+    store.close()
+    cat.close()
+
+
+def test_chunks_of_several_blocks_load_from_the_middle_of_a_slot(tmp_path, kv, backend):
+    """blocks_per_chunk = 3: a slot holds 3 blocks; a load may start inside a chunk."""
+    geo = geometry(slots=4, bpc=3)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    for b in range(6):
+        kv.fill(b, seed=300 + b)
+    acc, _ = cat.prepare_store([key(0), key(1)])
+    slots = [s for _, s, _ in acc]
+    j = next(_job)
+    store.submit_store(j, list(range(6)), [slots[0]] * 3 + [slots[1]] * 3, [0, 1, 2] * 2, acc)
+    assert wait_jobs(store, [j])[j].ok
+    assert cat.complete_store([key(0), key(1)]) == [key(0), key(1)]
+    items = cat.prepare_load([key(0), key(1)])
+    j = next(_job)  # the first chunk's first block is already on the "GPU": skip 1
+    store.submit_load(j, [12, 13, 14, 15, 16], [slots[0]] * 2 + [slots[1]] * 3, [1, 2, 0, 1, 2],
+                      [items[0].sums[0][1], items[0].sums[0][2]] + list(items[1].sums[0]),
+                      [items[0].gen] * 2 + [items[1].gen] * 3)
+    res = wait_jobs(store, [j])[j]
+    assert res.ok and res.bad_blocks == []
+    assert [kv.block(b) for b in range(12, 17)] == [kv.block(b) for b in range(1, 6)]
+    store.close()
+    cat.close()
+
+
+def test_o_direct_slot_files(tmp_path, kv, backend, need_direct):
+    geo = geometry(slots=6)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend, o_direct=True, durable=True)
+    for b in range(4):
+        kv.fill(b, seed=400 + b)
+    store_keys(cat, store, [key(b) for b in range(4)], [0, 1, 2, 3])
+    res = load_keys(cat, store, [key(b) for b in range(4)], [8, 9, 10, 11])
+    assert res.ok and res.bad_blocks == []
+    assert [kv.block(b) for b in range(8, 12)] == [kv.block(b) for b in range(4)]
+    store.close()
+    cat.close()
+
+
+def test_o_direct_refuses_unaligned_kv_memory_at_start_up(tmp_path, backend, need_direct):
+    kv = Kv()
+    kv.regions = [R.Region(r.addr + 64, r.stride, r.num_blocks - 1, r.page) for r in kv.regions]
+    with pytest.raises(ValueError, match="o_direct cannot serve this KV cache layout"):
+        open_rank(tmp_path, geometry(slots=2), kv, backend, o_direct=True)
+
+
+def test_a_store_made_for_another_layout_or_in_use_is_refused(tmp_path, kv, backend):
+    cat = C.Catalog(str(tmp_path), geometry(slots=4), {"model": "a"})
+    with pytest.raises(journal.StoreBusy, match="locked by another live process"):
+        C.Catalog(str(tmp_path), geometry(slots=4), {"model": "a"})
+    cat.close()
+    with pytest.raises(L.StoreMismatch, match="model is 'a' there, 'b' here"):
+        C.Catalog(str(tmp_path), geometry(slots=4), {"model": "b"})
+    with pytest.raises(L.StoreMismatch, match="num_slots"):
+        C.Catalog(str(tmp_path), geometry(slots=5), {"model": "a"})
+
+
+def test_tensor_parallel_blocks_need_every_ranks_commit(tmp_path, backend):
+    geo = geometry(slots=4, world=2)
+    kvs = [Kv(), Kv()]
+    cat = C.Catalog(str(tmp_path), geo)
+    stores = [open_rank(tmp_path, geo, kvs[r], backend, rank=r) for r in range(2)]
+    for r in range(2):
+        kvs[r].fill(0, seed=10 + r)
+        kvs[r].fill(1, seed=20 + r)
+    acc, _ = cat.prepare_store([key(0), key(1)])
+    for r in range(2):  # rank 1 "dies" before committing key(1)
+        j = next(_job)
+        stores[r].submit_store(j, [0, 1], [acc[0][1], acc[1][1]], [0, 0],
+                               acc if r == 0 else acc[:1])
+        assert wait_jobs(stores[r], [j])[j].ok
+    assert cat.complete_store([key(0), key(1)]) == [key(0)]
+    assert os.path.isfile(L.slot_file(str(tmp_path), 1, 2, 0))
+    for s in stores:
+        s.close()
+    cat.close()
+    cat = C.Catalog(str(tmp_path), geo)
+    assert cat.committed() == [key(0)] and cat.lookup(key(0))
+    cat.close()
+
+
+CHILD = r"""
+import os, sys, time
+sys.path[:0] = sys.argv[1].split(os.pathsep)
+import test_vllm_connector_store as T
+from nixl_io_uring_dmabuf.vllm_connector import catalog as C
+root, backend = sys.argv[2], sys.argv[3]
+geo = T.geometry(slots=8)
+kv = T.Kv()
+cat = C.Catalog(root, geo)
+store = T.open_rank(root, geo, kv, backend)
+i = 0
+while True:  # store forever, every block's content derived from its key number
+    b = i % T.NUM_BLOCKS
+    kv.fill(b, seed=i)
+    T.store_keys(cat, store, [T.key(i)], [b])
+    i += 1
+    if i == 3:
+        print("storing", flush=True)
+"""
+
+
+def test_sigkill_during_stores_leaves_only_whole_blocks_visible(tmp_path, backend):
+    env = dict(os.environ)
+    path = os.pathsep.join([os.path.dirname(__file__),
+                            os.path.join(os.path.dirname(__file__), "..", "..", "python")])
+    for delay in (0.05, 0.3):
+        root = tmp_path / f"kill-{delay}"
+        p = subprocess.Popen([sys.executable, "-c", CHILD, path, str(root), backend], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in p.stdout:  # NIXL logs to stdout too
+            lines.append(line)
+            if line.strip() == "storing":
+                break
+        assert lines and lines[-1].strip() == "storing", "".join(lines)
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        geo = geometry(slots=8)
+        cat = C.Catalog(str(root), geo)
+        kv = Kv()
+        store = open_rank(root, geo, kv, backend)
+        found = cat.committed()
+        assert found, "the child committed nothing"
+        for n, k in enumerate(found):
+            i = int.from_bytes(k[:32], "big")
+            assert cat.lookup(k)
+            res = load_keys(cat, store, [k], [n % NUM_BLOCKS])
+            assert res.ok and res.bad_blocks == []
+            kv.fill(NUM_BLOCKS - 1, seed=i)
+            assert kv.block(n % NUM_BLOCKS) == kv.block(NUM_BLOCKS - 1)
+        store.close()
+        cat.close()
+
+
+def test_checksums_see_zeroing_flips_and_swaps():
+    rng = np.random.default_rng(5)
+    page = rng.integers(0, 256, 8192, dtype=np.uint8)
+    base = checksum.fold([checksum.page_sums(page)])
+    flipped = page.copy()
+    flipped[1000] ^= 1
+    swapped = page.copy()
+    swapped[[0, 1, 2, 3]] = swapped[[2, 3, 0, 1]]
+    for other in (np.zeros_like(page), flipped, swapped):
+        if not np.array_equal(other, page):
+            assert checksum.fold([checksum.page_sums(other)]) != base
+    halves = [checksum.page_sums(page[:4096]), checksum.page_sums(page[4096:])]
+    assert checksum.fold(halves) != checksum.fold(halves[::-1])
