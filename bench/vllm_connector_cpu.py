@@ -141,7 +141,8 @@ def write_report(a, rows, base, load_before, t0, t1, versions) -> None:
         "(backend order alternated). Store / load GB/s = job bytes / job time, one job per "
         "request step, time from post to the engine-step poll that saw it DONE (so it includes "
         "up to one step of waiting). Engine thread per job = time the job took from the thread "
-        "that runs the model: checksums, make_prepped_xfer, post, then commit (store) or check (load)."
+        "that runs the model: make_prepped_xfer, post, then commit (store) or check (load); "
+        "checksums run in the worker's checksum thread."
         " TTFT = `generate(max_tokens=1)` time per prompt. Every "
         "loaded block was checked: from the file on lookup, and in KV memory after the load.",
         "",
