@@ -31,7 +31,13 @@ sys.path.insert(0, os.path.join(REPO, "tests", "python", "clients"))
 import clients_env as E  # noqa: E402
 import vllm_engine as VE  # noqa: E402
 
-BACKENDS = ("IO_URING_DMABUF", "POSIX")
+# name -> (NIXL backend, its parameters). The second variant leaves the engine's thread only
+# the post: buffered writes and cached reads go to the plugin's ring and page-cache workers.
+VARIANTS = {"IO_URING_DMABUF": ("IO_URING_DMABUF", {}),
+            "IO_URING_DMABUF (inline_write_max=0, page_cache_caller_reads=false)":
+                ("IO_URING_DMABUF", {"inline_write_max": "0", "page_cache_caller_reads": "false"}),
+            "POSIX": ("POSIX", {})}
+BACKENDS = tuple(VARIANTS)
 
 
 def stats(prefix: str) -> dict:
@@ -55,7 +61,7 @@ def main() -> int:
     E.copy_nixl(site, E.wheel_module_of(py))
     p = E.run([py, "-m", "nixl_io_uring_dmabuf", "install"], E.child_env([site, pkgs]))
     assert p.returncode == 0, p.stderr
-    paths = {"IO_URING_DMABUF": [site, pkgs], "POSIX": [pkgs]}
+    paths = {"IO_URING_DMABUF": [site, pkgs], "POSIX": [pkgs]}  # POSIX: NIXL's own wheel
     model = VE.tiny_model(os.path.join(tmp, "model"), python=py)
     prompts = [VE.prompt_text(a.words, seed=1000 + i) for i in range(a.prompts)]
     head = VE.MODEL["hidden_size"] // VE.MODEL["num_attention_heads"]
@@ -74,19 +80,22 @@ def main() -> int:
         base["decode"].append(r64["generate_s"])
         tokens1 = [o["token_ids"] for o in r1["outputs"]]
         tokens64 = [o["token_ids"] for o in r64["outputs"]]
-        for backend in (BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
-            store = os.path.join(tmp, f"store-{rep}-{backend}")
+        for vi, name in enumerate(BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
+            backend, params = VARIANTS[name]
+            store = os.path.join(tmp, f"store-{rep}-{vi}-{backend}")
             cfg = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                    "kv_connector_extra_config": {
                        "spec_name": "NixlStorageOffloadingSpec",
                        "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
-                       "path": store, "capacity_bytes": capacity, "backend": backend}}
-            sa, sb = os.path.join(tmp, f"stats-a-{rep}-{backend}"), \
-                os.path.join(tmp, f"stats-b-{rep}-{backend}")
+                       "path": store, "capacity_bytes": capacity, "backend": backend,
+                       "backend_params": params}}
+            sa = os.path.join(tmp, f"stats-a-{rep}-{vi}")
+            sb = os.path.join(tmp, f"stats-b-{rep}-{vi}")
             ra = VE.run_engine(model, prompts, max_tokens=64, kv_transfer_config=cfg, python=py,
                                path=paths[backend], env={"IUD_KV_STATS_FILE": sa})
             rb = VE.run_engine(model, prompts, max_tokens=1, kv_transfer_config=cfg, python=py,
                                path=paths[backend], env={"IUD_KV_STATS_FILE": sb})
+            backend = name
             st, ld = stats(sa)["store"], stats(sb)["load"]
             rows[backend].append({
                 "store_gbps": st["bytes"] / st["seconds"] / 1e9 if st["seconds"] else 0.0,
@@ -131,8 +140,9 @@ def write_report(a, rows, base, load_before, t0, t1, versions) -> None:
         f"{a.prompts} prompts of about {a.words + 1} tokens each. Medians of {a.reps} rounds "
         "(backend order alternated). Store / load GB/s = job bytes / job time, one job per "
         "request step, time from post to the engine-step poll that saw it DONE (so it includes "
-        "up to one step of waiting). Engine thread per job = time the job took from the thread that "
-        "runs the model: checksums, make_prepped_xfer, post, then commit (store) or check (load)."
+        "up to one step of waiting). Engine thread per job = time the job took from the thread "
+        "that runs the model: make_prepped_xfer, post, then commit (store) or check (load); "
+        "checksums run in the worker's checksum thread."
         " TTFT = `generate(max_tokens=1)` time per prompt. Every "
         "loaded block was checked: from the file on lookup, and in KV memory after the load.",
         "",

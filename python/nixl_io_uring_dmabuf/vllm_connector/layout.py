@@ -48,9 +48,10 @@ class Geometry:
                              "cache is not sized yet")
         if self.num_slots < 1:
             raise ValueError(
-                f"capacity {self.capacity_bytes} B holds no slot: one slot takes {self.slot_bytes} B"
-                f" on each of {self.world_size} rank(s) ({self.blocks_per_chunk} block(s) of "
-                f"{self.rank_block_bytes} B, rounded up to {SLOT_ALIGN})")
+                f"capacity {self.capacity_bytes} B holds no slot: one slot takes "
+                f"{self.slot_bytes} B on each of {self.world_size} rank(s) "
+                f"({self.blocks_per_chunk} block(s) of {self.rank_block_bytes} B, rounded up to "
+                f"{SLOT_ALIGN})")
 
     @property
     def slot_bytes(self) -> int:
