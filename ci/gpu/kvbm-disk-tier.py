@@ -290,10 +290,10 @@ def scheduler(run: Run, variant: str, device: str, disk_dir: str, record: str) -
         lines = [json.loads(ln) for ln in open(record)] if os.path.exists(record) else []
         # The file may be either list (KVBM onboards with the disk as the local list, READ):
         # the op names the file's direction either way.
-        preps = [ln for ln in lines if ln.get("event") == "prep" and "FILE" in (ln.get("local_kind"), ln.get("remote_kind"))]
+        preps = [ln for ln in lines if ln.get("event") == "prep" and "FILE_SEG" in (ln.get("local_kind"), ln.get("remote_kind"))]
         writes = [p for p in preps if p["op"] == "WRITE"]
         reads = [p for p in preps if p["op"] == "READ"]
-        kinds = sorted({p["remote_kind"] if p["local_kind"] == "FILE" else p["local_kind"] for p in preps})
+        kinds = sorted({p["remote_kind"] if p["local_kind"] == "FILE_SEG" else p["local_kind"] for p in preps})
         run.result["record"] = {"file_writes": len(writes), "file_reads": len(reads), "local_kinds": kinds,
                                 "bytes_written": sum(p["bytes"] for p in writes), "bytes_read": sum(p["bytes"] for p in reads)}
         run.check("FILE writes and reads went through the plugin", writes and reads, run.result["record"])
