@@ -406,11 +406,7 @@ def kv_child(label, name, params, args):
             msg = r.get("error") or f"{r['gbps']:.3f} GB/s {r['cpu_s_per_gb']:.3f} CPU s/GB {r['requests']} req {'ok' if r['verified'] is True else r['verified']}"
             print(f"kv {label} round {args.kv_round} {op} {block} x {n}: {msg}", file=sys.stderr, flush=True)
     finally:
-        for h in regs:
-            try:
-                agent.deregister_memory(h, backends=[name])
-            except Exception:  # noqa: BLE001
-                pass
+        deregister_all(agent, name, regs)
         os.close(fd)
         os.close(vfd)
     print("RESULTS " + json.dumps(results), flush=True)
@@ -522,6 +518,16 @@ def prefill(path, nbytes, direct):
         f.flush()
         if direct:
             os.fsync(f.fileno())
+
+
+def deregister_all(agent, name, regs):
+    """Deregisters `regs` from backend `name` at the end of a benchmark child, each on its own: a
+    failure (the child is already reporting another) must not leave the rest registered."""
+    for h in regs:
+        try:
+            agent.deregister_memory(h, backends=[name])
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def median(v):

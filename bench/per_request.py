@@ -295,11 +295,7 @@ def child(g, label, name, params, args):
             if op == "WRITE" and not args.direct:
                 os.fdatasync(fd)  # not timed: one point's dirty pages stay out of the next
     finally:
-        for h in regs:
-            try:
-                agent.deregister_memory(h, backends=[name])
-            except Exception:  # noqa: BLE001
-                pass
+        g.deregister_all(agent, name, regs)
         os.close(fd)
         os.close(vfd)
     print("RESULTS " + json.dumps(results), flush=True)
@@ -605,11 +601,7 @@ def prep_child(g, label, name, params, args):
             agent.release_dlist_handle(lh)
             agent.release_dlist_handle(rh)
     finally:
-        for h in regs:
-            try:
-                agent.deregister_memory(h, backends=[name])
-            except Exception:  # noqa: BLE001
-                pass
+        g.deregister_all(agent, name, regs)
         os.close(fd)
         os.unlink(path)
     print("RESULTS " + json.dumps(results), flush=True)
