@@ -66,11 +66,44 @@ def slot_checksums(data: np.ndarray, pages: Sequence[int], count: int) -> list[i
     return out
 
 
-class TorchRows:
-    """Page sums of rows of 2-D int8 tensors (vLLM's per-layer KV views, CPU or CUDA) with the
-    same results as `page_sums`. Work runs on the tensors' device; only the sums come back."""
+def fold_columns(s1: np.ndarray, s2: np.ndarray) -> list[int]:
+    """`fold` of many sub-blocks at once: s1, s2 are (pages, blocks) int64 arrays of page sums,
+    pages in slot order; returns one checksum per block."""
+    h = np.full(s1.shape[1], _FNV_OFFSET, dtype=np.uint64)
+    prime = np.uint64(_FNV_PRIME)
+    a1, a2 = s1.astype(np.int64).view(np.uint64), s2.astype(np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        for p in range(s1.shape[0]):
+            h = (h ^ a1[p]) * prime
+            h = (h ^ a2[p]) * prime
+    return [int(x) for x in h]
 
-    def __init__(self, tensors: Sequence, pages: Sequence[int], max_bytes: int = 64 << 20):
+
+class PendingSums:
+    """Block checksums being computed on a device; `done()` polls, `result()` reads them."""
+
+    def __init__(self, host, event):
+        self._host, self._event = host, event
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        s = self._host.numpy()
+        return fold_columns(s[0], s[1])
+
+
+class TorchRows:
+    """Block checksums of rows of 2-D int8 tensors (vLLM's per-layer KV views, CPU or CUDA), the
+    same values as `fold(page_sums(...))` over the block's pages. The page sums of all of a job's
+    blocks run on the tensors' device as a few large operations per layer, queued without
+    waiting (`launch`) on the caller's current stream; one copy brings them to host memory,
+    where they are folded. Queued from the engine's own thread, the work needs no Python
+    thread, so it never waits for the GIL while the engine's thread runs."""
+
+    def __init__(self, tensors: Sequence, pages: Sequence[int], max_bytes: int = 256 << 20):
         import torch
 
         self._torch = torch
@@ -84,23 +117,49 @@ class TorchRows:
         w = self._weights.get(k)
         if w is None:
             t = self._torch
-            w = (t.arange(n, dtype=t.int64, device=device) % _MOD) + 1
+            # (i mod 65521) + 1 <= 65521 and |w_i| <= 32768: each product fits in int32.
+            w = ((t.arange(n, dtype=t.int64, device=device) % _MOD) + 1).to(t.int32)
             self._weights[k] = w
         return w
 
-    def sums(self, piece: int, block_ids: np.ndarray) -> list[tuple[int, int]]:
-        """(s1, s2) of page `piece` of each block in `block_ids` (blocks = tensor rows)."""
+    def launch(self, block_ids: np.ndarray) -> PendingSums:
         t = self._torch
-        tensor, page = self._tensors[piece], self._pages[piece]
-        n = page // 2
-        out: list[tuple[int, int]] = []
-        step = max(1, self._max_bytes // (page * 8))  # int64 working copy per batch
-        ids = t.as_tensor(np.asarray(block_ids, dtype=np.int64), device=tensor.device)
-        w = self._w(n, tensor.device)
-        for i in range(0, len(ids), step):
-            rows = tensor.index_select(0, ids[i:i + step])[:, :page].contiguous()
-            words = rows.view(t.int16).to(t.int64)
-            s1 = words.sum(dim=1)
-            s2 = (words * w).sum(dim=1)
-            out.extend(zip(s1.tolist(), s2.tolist()))
-        return out
+        dev = self._tensors[0].device
+        n = len(block_ids)
+        ids = t.as_tensor(np.asarray(block_ids, dtype=np.int64)).to(dev, non_blocking=True)
+        out = t.empty((2, len(self._tensors), n), dtype=t.int64, device=dev)
+        for p, (tensor, page) in enumerate(zip(self._tensors, self._pages)):
+            w = self._w(page // 2, dev)
+            step = max(1, self._max_bytes // (page * 2))  # int32 working copy per batch
+            for i in range(0, n, step):
+                rows = tensor.index_select(0, ids[i:i + step])[:, :page].contiguous()
+                words = rows.view(t.int16)
+                t.sum(words, dim=1, dtype=t.int64, out=out[0, p, i:i + step])
+                t.sum(words.to(t.int32) * w, dim=1, dtype=t.int64, out=out[1, p, i:i + step])
+        if dev.type != "cuda":
+            return PendingSums(out, None)
+        host = t.empty(out.shape, dtype=t.int64, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        ev = t.cuda.Event()
+        ev.record()
+        return PendingSums(host, ev)
+
+    def block_sums(self, block_ids: np.ndarray) -> list[int]:
+        """The checksum of each block in `block_ids` (rows of every tensor, pages in order)."""
+        return self.launch(block_ids).result() if len(block_ids) else []
+
+    def self_check(self) -> None:
+        """The device's arithmetic gives exactly the host algorithm's values (a store's checksums
+        are compared across the two); RuntimeError if not."""
+        t = self._torch
+        dev = self._tensors[0].device
+        gen = np.random.default_rng(1)
+        pages = [4096, 2048]
+        host = [gen.integers(-128, 128, size=(3, p), dtype=np.int8) for p in pages]
+        host[0][0, :2] = [0, -128]  # the word -32768, times the largest weight used here
+        rows = TorchRows([t.as_tensor(x).to(dev) for x in host], pages, 1 << 12)
+        got = rows.block_sums(np.array([2, 0, 1]))
+        want = [fold(page_sums(host[p][b].view(np.uint8)) for p in range(2)) for b in (2, 0, 1)]
+        if got != want:
+            raise RuntimeError(f"KV checksums on {dev} differ from the host algorithm "
+                               f"({got} != {want})")

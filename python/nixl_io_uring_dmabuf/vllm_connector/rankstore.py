@@ -31,7 +31,11 @@ from . import layout as L
 
 logger = logging.getLogger(__name__)
 
-SumsFn = Callable[[int, np.ndarray], list[tuple[int, int]]]
+# block ids -> one checksum per block (checksum.fold over the block's pages, in order)
+BlockSumsFn = Callable[[np.ndarray], list[int]]
+# block ids -> a pending result with done() and result() (checksum.PendingSums), started in
+# the calling thread without waiting (device work)
+LaunchSumsFn = Callable[[np.ndarray], object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +54,14 @@ class HostRows:
     def __init__(self, regions: Sequence[Region]):
         self._regions = list(regions)
 
-    def sums(self, piece: int, block_ids: np.ndarray) -> list[tuple[int, int]]:
-        r = self._regions[piece]
+    def block_sums(self, block_ids: np.ndarray) -> list[int]:
         out = []
         for b in np.asarray(block_ids).tolist():
-            buf = (ctypes.c_uint8 * r.page).from_address(r.addr + int(b) * r.stride)
-            out.append(checksum.page_sums(np.frombuffer(buf, dtype=np.uint8)))
+            pages = []
+            for r in self._regions:
+                buf = (ctypes.c_uint8 * r.page).from_address(r.addr + int(b) * r.stride)
+                pages.append(checksum.page_sums(np.frombuffer(buf, dtype=np.uint8)))
+            out.append(checksum.fold(pages))
         return out
 
 
@@ -109,7 +115,8 @@ class RankStore:
                  mem_kind: str, backend: str = "IO_URING_DMABUF",
                  backend_params: dict | None = None, o_direct: bool = False,
                  durable: bool = False, preallocate: bool = True,
-                 sums: SumsFn | None = None):
+                 block_sums: BlockSumsFn | None = None,
+                 launch_sums: LaunchSumsFn | None = None):
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.geo, self.rank, self.backend = geo, rank, backend
@@ -122,7 +129,8 @@ class RankStore:
                              f"than the {geo.rank_block_bytes} B vLLM announced to the scheduler")
         for p in self.pages:
             checksum.check_page_bytes(p)
-        self._sums = sums or HostRows(self.regions).sums
+        self._block_sums = block_sums or HostRows(self.regions).block_sums
+        self._launch_sums = launch_sums
         rdir = L.rank_dir(root, rank, W)
         os.makedirs(rdir, exist_ok=True)
         self._fds: list[int] = []
@@ -153,7 +161,8 @@ class RankStore:
         # (the engine's thread: checksums, make_prepped_xfer, post, commit or check); loads
         # also blocks checked and blocks found damaged.
         self.stats = {d: {"jobs": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "post_seconds": 0.0,
-                          "blocks": 0, "bad_blocks": 0} for d in ("store", "load")}
+                          "blocks": 0, "bad_blocks": 0, "sum_seconds": 0.0}
+                      for d in ("store", "load")}
         logger.info("KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
                     "backend %s%s", rank, geo.num_slots, geo.slot_bytes, len(self._fds),
                     len(self.pages), backend, " O_DIRECT" if o_direct else "")
@@ -268,10 +277,24 @@ class RankStore:
         self._jobs[job.job_id] = job
         self._advance(job)
 
-    def _block_sums(self, blocks: np.ndarray) -> list[int]:
-        per_piece = [self._sums(p, blocks) for p in range(self._npg)]
-        return [checksum.fold(per_piece[p][i] for p in range(self._npg))
-                for i in range(len(blocks))]
+    def _start_sums(self, job: _Job):
+        """The job's checksums, pending: queued on the device from this thread where the worker
+        can (launch_sums), else computed in the checksum thread."""
+        if self._launch_sums is None:
+            return self._pool.submit(self._timed_sums, job)
+        t = time.perf_counter()
+        pending = self._launch_sums(job.blocks)
+        self.stats["store" if job.store else "load"]["sum_seconds"] += time.perf_counter() - t
+        return pending
+
+    def _timed_sums(self, job: _Job) -> list[int]:
+        """The job's block checksums, in the checksum thread; its time goes to the job counters."""
+        t = time.perf_counter()
+        try:
+            return self._block_sums(job.blocks)
+        finally:
+            self.stats["store" if job.store else "load"]["sum_seconds"] += \
+                time.perf_counter() - t
 
     def _post(self, job: _Job) -> None:
         t = time.perf_counter()
@@ -297,7 +320,7 @@ class RankStore:
                     job.phase = "finish"
                 elif job.store:
                     job.phase = "sums"
-                    job.future = self._pool.submit(self._block_sums, job.blocks)
+                    job.future = self._start_sums(job)
                 else:
                     job.phase = "post"
             if job.phase == "sums":
@@ -319,7 +342,7 @@ class RankStore:
                 job.phase = "finish"
                 if not job.store:
                     job.phase = "check"
-                    job.future = self._pool.submit(self._block_sums, job.blocks)
+                    job.future = self._start_sums(job)
             if job.phase == "check":
                 if not job.future.done():
                     return None
