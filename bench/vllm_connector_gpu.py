@@ -201,7 +201,7 @@ class Engine:
     def stored_blocks(self) -> int:
         kind = VARIANTS[self.variant][0]
         if kind == "fs":
-            return len(glob.glob(os.path.join(self.work, "fs_r0", "**", "*.bin"), recursive=True))
+            return len(glob.glob(os.path.join(self.work, "fs", "**", "*.bin"), recursive=True))
         from nixl_io_uring_dmabuf.vllm_connector import journal
 
         path = os.path.join(self.work, f"store-{self.variant}", "rank0of1", "commits.log")

@@ -26,6 +26,9 @@ setup_env() {
     export IO_URING_DMABUF_LOG=${IO_URING_DMABUF_LOG:-info} PYTHONHASHSEED=0
     export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+    # flashinfer is not carried: vLLM 0.33's sampler imports it unguarded unless this is 0
+    # (vllm/v1/sample/ops/topk_topp_sampler.py, flashinfer_sampler_supported).
+    export VLLM_USE_FLASHINFER_SAMPLER=0
     # cuFile (GDS_MT behind the connector) needs udev data for the disk.
     bash ci/gpu/udev-shim.sh /root >/dev/null 2>&1 || true
 }

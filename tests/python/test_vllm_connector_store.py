@@ -416,3 +416,23 @@ def test_checksums_see_zeroing_flips_and_swaps():
             assert checksum.fold([checksum.page_sums(other)]) != base
     halves = [checksum.page_sums(page[:4096]), checksum.page_sums(page[4096:])]
     assert checksum.fold(halves) != checksum.fold(halves[::-1])
+
+
+def test_the_plugin_gets_engine_thread_light_parameters_unless_the_config_sets_them():
+    from nixl_io_uring_dmabuf.vllm_connector.config import StoreConfig
+
+    base = {"path": "/kv", "capacity_gb": 1}
+    assert StoreConfig.from_extra(base).backend_params == {
+        "inline_write_max": "0", "page_cache_caller_reads": "false"}
+    mine = StoreConfig.from_extra({**base, "backend_params": {"inline_write_max": "65536"}})
+    assert mine.backend_params == {"inline_write_max": "65536", "page_cache_caller_reads": "false"}
+    # Another backend (NIXL's own) gets exactly what the config gives.
+    assert StoreConfig.from_extra({**base, "backend": "GDS_MT"}).backend_params == {}
+
+
+def test_fold_columns_is_fold_for_every_block():
+    rng = np.random.default_rng(3)
+    s1 = rng.integers(-(1 << 40), 1 << 40, size=(5, 7), dtype=np.int64)
+    s2 = rng.integers(-(1 << 46), 1 << 46, size=(5, 7), dtype=np.int64)
+    want = [checksum.fold(zip(s1[:, b].tolist(), s2[:, b].tolist())) for b in range(7)]
+    assert checksum.fold_columns(s1, s2) == want

@@ -12,6 +12,14 @@ VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blocks_pe
                        "canonical_layout", "self_describing_kv_events", "offload_prompt_only"})
 
 
+# IO_URING_DMABUF's parameters unless the config sets them: the engine's thread only posts
+# (buffered writes and cached reads go to the plugin's workers). On the H200 this gave the
+# fastest prefix hits from storage and the least decode slowdown while stores run; on CPU the
+# same hits and less engine-thread time per store job (bench/results/2026-12-02-vllm-gpu-h200.md,
+# 2026-12-02-vllm-connector-cpu.md). Other backends get exactly what the config gives.
+IUD_DEFAULT_PARAMS = {"inline_write_max": "0", "page_cache_caller_reads": "false"}
+
+
 def _bool(key: str, v: Any) -> bool:
     if isinstance(v, bool):
         return v
@@ -70,9 +78,11 @@ class StoreConfig:
         max_file = int(float(extra.get("max_file_gb", 64)) * (1 << 30))
         if max_file <= 0:
             raise ValueError("kv_connector_extra_config['max_file_gb'] must be positive")
-        return cls(path=path, capacity_bytes=cap,
-                   backend=str(extra.get("backend", "IO_URING_DMABUF")),
-                   backend_params={str(k): str(v) for k, v in params.items()},
+        backend = str(extra.get("backend", "IO_URING_DMABUF"))
+        given = {str(k): str(v) for k, v in params.items()}
+        if backend == "IO_URING_DMABUF":
+            given = {**IUD_DEFAULT_PARAMS, **given}
+        return cls(path=path, capacity_bytes=cap, backend=backend, backend_params=given,
                    o_direct=_bool("o_direct", extra.get("o_direct", False)),
                    durable=_bool("durable", extra.get("durable", False)),
                    verify_on_lookup=_bool("verify_on_lookup", extra.get("verify_on_lookup", True)),
