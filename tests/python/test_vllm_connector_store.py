@@ -255,6 +255,48 @@ def test_capacity_evicts_least_recently_used_unpinned_blocks_and_reuses_their_sl
     cat.close()
 
 
+def test_a_full_store_evicts_stores_every_rank_committed_before_vllm_completes_them(
+        tmp_path, kv, backend):
+    geo = geometry(slots=3)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    for b in range(6):
+        kv.fill(b, seed=300 + b)
+    acc, _ = cat.prepare_store([key(0), key(1), key(2)])
+    j = next(_job)
+    store.submit_store(j, [0, 1, 2], [s for _, s, _ in acc], [0, 0, 0], acc[:2])  # 2 committed
+    assert wait_jobs(store, [j])[j].ok
+    # vLLM has not called complete_store yet; the committed blocks can still make room, the
+    # block in flight cannot: all or nothing, so three new blocks wait (vLLM retries them)
+    assert cat.prepare_store([key(3), key(4), key(5)]) is None
+    acc2, evicted = cat.prepare_store([key(3), key(4)])
+    assert evicted == [key(0), key(1)] and [k for k, _, _ in acc2] == [key(3), key(4)]
+    assert cat.complete_store([key(0), key(1), key(2)]) == []  # 2 was never committed
+    j = next(_job)
+    store.submit_store(j, [3, 4], [s for _, s, _ in acc2], [0, 0], acc2)
+    assert wait_jobs(store, [j])[j].ok
+    assert cat.complete_store([key(3), key(4)]) == [key(3), key(4)]
+    res = load_keys(cat, store, [key(4), key(3)], [10, 11])
+    assert res.ok and res.bad_blocks == []
+    assert kv.block(10) == kv.block(4) and kv.block(11) == kv.block(3)
+    store.close()
+    cat.close()
+
+
+def test_a_full_store_keeps_the_blocks_named_in_the_same_store_call(tmp_path, kv, backend):
+    geo = geometry(slots=2)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    for b in range(3):
+        kv.fill(b, seed=400 + b)
+    store_keys(cat, store, [key(0), key(1)], [0, 1])  # 0 is the oldest
+    done, evicted = store_keys(cat, store, [key(0), key(2)], [0, 2])  # a request's blocks 0, 2
+    assert done == [key(2)] and evicted == [key(1)]
+    assert set(cat.committed()) == {key(0), key(2)}
+    store.close()
+    cat.close()
+
+
 def test_a_full_store_with_every_block_pinned_refuses_new_stores(tmp_path, kv, backend):
     geo = geometry(slots=2)
     cat = C.Catalog(str(tmp_path), geo)

@@ -134,32 +134,34 @@ class Catalog:
     def prepare_store(self, keys: Iterable[bytes]) -> tuple[list[tuple[bytes, int, int]],
                                                             list[bytes]] | None:
         """Slots for the keys not stored or being stored: [(key, slot, gen)], evicted keys.
-        None when nothing could be placed (every slot busy)."""
+        All or nothing, as vLLM's own CPU manager: None (nothing evicted) when the free slots
+        and the evictable blocks do not hold them all; vLLM then offers them again next step."""
+        keys = list(keys)
         todo = list(dict.fromkeys(k for k in keys if k not in self._ready
                                   and k not in self._storing))
-        accepted, evicted, tombs = [], [], []
+        short = len(todo) - len(self._free)
+        victims: list[Entry] = []
+        if short > 0:
+            self._adopt_committed()  # more eviction candidates, before vLLM reports them
+            protected = set(keys)  # the request's earlier blocks must stay
+            victims = [e for e in self._ready.values()
+                       if e.pins == 0 and e.key not in protected][:short]
+            if len(victims) < short:
+                return None
+        for v in victims:
+            del self._ready[v.key]
+            del self._by_slot_gen[(v.slot, v.gen)]
+            self._free.append(v.slot)
+        self.stats["evicted"] += len(victims)
+        self._log.append([journal.tomb(v.slot, v.gen) for v in victims])  # before reuse
+        accepted = []
         for k in todo:
-            if self._free:
-                slot = self._free.pop()
-            else:
-                victim = next((e for e in self._ready.values() if e.pins == 0), None)
-                if victim is None:
-                    break
-                del self._ready[victim.key]
-                del self._by_slot_gen[(victim.slot, victim.gen)]
-                tombs.append(journal.tomb(victim.slot, victim.gen))
-                evicted.append(victim.key)
-                slot = victim.slot
-                self.stats["evicted"] += 1
-            e = Entry(k, slot, self._next_gen)
+            e = Entry(k, self._free.pop(), self._next_gen)
             self._next_gen += 1
             self._storing[k] = e
-            self._by_slot_gen[(slot, e.gen)] = e
-            accepted.append((k, slot, e.gen))
-        self._log.append(tombs)  # before the slots can be written
-        if todo and not accepted:
-            return None
-        return accepted, evicted
+            self._by_slot_gen[(e.slot, e.gen)] = e
+            accepted.append((k, e.slot, e.gen))
+        return accepted, [v.key for v in victims]
 
     def complete_store(self, keys: Iterable[bytes]) -> list[bytes]:
         """The keys whose stores every rank committed; the others' slots are freed."""
@@ -168,12 +170,12 @@ class Catalog:
         for k in keys:
             e = self._storing.pop(k, None)
             if e is None:
+                if k in self._ready:  # adopted early by prepare_store
+                    done.append(k)
                 continue
             recs = self._pending.pop((e.slot, e.gen), {})
-            if len(recs) == self.geo.world_size and all(r.key == k for r in recs.values()):
-                e.ready = True
-                e.sums = {rank: rec.sums for rank, rec in recs.items()}
-                self._ready[k] = e
+            if self._all_committed(e, recs):
+                self._make_ready(e, recs)
                 done.append(k)
             else:
                 logger.warning("KV store: store of slot %d (gen %d) was not committed by every "
@@ -236,6 +238,26 @@ class Catalog:
             self._lock_fd = -1
 
     # ---- internals -----------------------------------------------------------------------
+    def _all_committed(self, e: Entry, recs: dict[int, journal.Record]) -> bool:
+        return len(recs) == self.geo.world_size and all(r.key == e.key for r in recs.values())
+
+    def _make_ready(self, e: Entry, recs: dict[int, journal.Record]) -> None:
+        e.ready = True
+        e.sums = {rank: rec.sums for rank, rec in recs.items()}
+        self._ready[e.key] = e
+
+    def _adopt_committed(self) -> None:
+        """Stores every rank has committed but vLLM has not completed yet (it reports them a
+        step later) become ready now, so a full store can evict them; their data is on file."""
+        self._pull()
+        for sg, recs in list(self._pending.items()):
+            e = self._by_slot_gen.get(sg)
+            if e is None or self._storing.get(e.key) is not e or not self._all_committed(e, recs):
+                continue
+            del self._storing[e.key]
+            del self._pending[sg]
+            self._make_ready(e, recs)
+
     def _pull(self) -> None:
         """New records of the workers' journals: commits of stores in flight, damage found by
         loads (the block is dropped, so the next lookup misses)."""

@@ -194,8 +194,13 @@ def test_multiprocess_engines(clients, vllm_model, plain, tmp_path):
 def test_capacity_evicts_the_older_prompt(clients, vllm_model, plain, tmp_path):
     store = tmp_path / "kv"
     cfg = kv_config(store, slots=24)  # one prompt's 18 blocks fit, two do not
-    a = run(clients, vllm_model, [prompt(7), prompt(8)], kv_transfer_config=cfg)
-    assert [o["token_ids"] for o in a["outputs"]] == [plain[7], plain[8]]
+    # One engine per prompt: an engine stops only after its stores are committed, so prompt 8
+    # finds all of prompt 7's blocks evictable. In one engine, prompt 7's stores could still be
+    # in flight (not evictable) at prompt 8's last chance to store, and the test would depend
+    # on timing.
+    for i in (7, 8):
+        a = run(clients, vllm_model, [prompt(i)], kv_transfer_config=cfg)
+        assert a["outputs"][0]["token_ids"] == plain[i]
     b = run(clients, vllm_model, [prompt(8), prompt(7)], kv_transfer_config=cfg)
     o8, o7 = b["outputs"]
     assert o8["num_cached_tokens"] >= 17 * VE.BLOCK_SIZE  # the newer prompt stayed
