@@ -57,10 +57,17 @@ if os.environ.get("IUD_VLLM_BENCH_TINY"):
 # cached reads go to the plugin's workers (docs/parameters.md).
 LIGHT = {"inline_write_max": "0", "page_cache_caller_reads": "false"}
 VARIANTS = {
-    # name: (connector kind, NIXL backend, O_DIRECT[, backend parameters])
+    # name: (connector kind, NIXL backend, O_DIRECT[, backend parameters[, connector keys]])
     "plain": (None, None, False),
     "iud-pc-light": ("nixl", "IO_URING_DMABUF", False, LIGHT),
     "iud-pc": ("nixl", "IO_URING_DMABUF", False),
+    # Where decode loses time while stores run: fewer page-cache writers (CPU and memory
+    # bandwidth beside the engine), fewer staging buffers (device-to-host copies in flight)
+    "iud-pc-2writers": ("nixl", "IO_URING_DMABUF", False,
+                        {**LIGHT, "page_cache_threads": "2", "page_cache_file_writers": "1"}),
+    "iud-pc-4buffers": ("nixl", "IO_URING_DMABUF", False, {**LIGHT, "staging_buffers": "4"}),
+    # the slot layout before striping (one file): what 8 files gain for stores
+    "iud-pc-1file": ("nixl", "IO_URING_DMABUF", False, LIGHT, {"slot_files": 1}),
     "gds-pc": ("nixl", "GDS_MT", False),
     "iud-od": ("nixl", "IO_URING_DMABUF", True),
     "gds-od": ("nixl", "GDS_MT", True),
@@ -131,7 +138,8 @@ def test_prompts() -> list[tuple[str, list[int]]]:
 # ------------------------------------------------------------------------------ engine (child)
 
 def kv_config(variant: str, work: str) -> dict | None:
-    kind, backend, direct, *params = VARIANTS[variant]
+    kind, backend, direct, *rest = VARIANTS[variant]
+    params, extra = (list(rest) + [{}, {}])[:2]
     if kind is None:
         return None
     if kind == "fs":
@@ -150,7 +158,7 @@ def kv_config(variant: str, work: str) -> dict | None:
                 "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
                 "path": os.path.join(work, f"store-{variant}"), "capacity_gb": 24,
                 "backend": backend, "o_direct": direct, "verify_on_lookup": False,
-                "backend_params": params[0] if params else {}}}
+                "backend_params": params, **extra}}
 
 
 class Engine:
@@ -228,6 +236,29 @@ def kv_stats(prefix: str) -> dict:
         return {}
 
 
+def thread_cpu() -> dict:
+    """CPU seconds of this process's threads, summed by name without its number (iud-pagecache,
+    iud-progress, python3, NIXL's and CUDA's threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            with open(task + "/comm") as f:
+                name = f.read().strip().rstrip("0123456789").rstrip("-_:") or "?"
+            with open(task + "/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_delta(a: dict, b: dict) -> dict:
+    """Threads that ended between a and b are missing from b; their time is lost, not negative."""
+    d = {k: round(v - a.get(k, 0.0), 3) for k, v in b.items()}
+    return {k: v for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v >= 0.005}
+
+
 def delta(a: dict, b: dict) -> dict:
     out = {}
     for d in ("store", "load"):
@@ -296,11 +327,13 @@ def run_variant(variant: str, model: str, work: str, results: str) -> None:
             pre = [prompt_ids(DECODE_PROMPT, base + i) for i in range(DECODE_BATCH)]
             full = [prompt_ids(DECODE_PROMPT, base + 50_000 + i) for i in range(DECODE_BATCH)]
             t_pre = eng.gen_batch(pre, 1)
+            cpu0 = thread_cpu()
             t_full = eng.gen_batch(full, DECODE_TOKENS + 1)
+            cpu = cpu_delta(cpu0, thread_cpu())
             tps = DECODE_BATCH * DECODE_TOKENS / max(1e-9, t_full - t_pre)
             emit("decode" if rep == 2 else "decode-warmup", [], prefill_s=round(t_pre, 3),
                  total_s=round(t_full, 3), decode_tokens_per_s=round(tps, 1),
-                 kv=delta(before, kv_stats(stats)))
+                 kv=delta(before, kv_stats(stats)), thread_cpu_s=cpu)
     emit("end", [], wall_s=round(time.monotonic() - t0, 1))
 
 
@@ -427,11 +460,14 @@ def report(a) -> int:
     lines += ["", "Decode with stores running (batch of "
               f"{DECODE_BATCH} new {DECODE_PROMPT}-token prompts, {DECODE_TOKENS} tokens each; "
               "prefill-only time of a like batch subtracted):", "",
-              "| variant | decode tokens/s | vs plain |", "|---|---:|---:|"]
-    dec = {r["variant"]: r["decode_tokens_per_s"] for r in recs if r["round"] == "decode"}
-    for v, x in dec.items():
-        lines.append(f"| {v} | {x:.0f} | {x / dec['plain']:.3f} |" if "plain" in dec
-                     else f"| {v} | {x:.0f} | - |")
+              "| variant | decode tokens/s | vs plain | CPU s by thread, top 4 |",
+              "|---|---:|---:|---|"]
+    dec = {r["variant"]: r for r in recs if r["round"] == "decode"}
+    for v, r in dec.items():
+        x = r["decode_tokens_per_s"]
+        ratio = f"{x / dec['plain']['decode_tokens_per_s']:.3f}" if "plain" in dec else "-"
+        cpu = ", ".join(f"{k} {t:.2f}" for k, t in list(r.get("thread_cpu_s", {}).items())[:4])
+        lines.append(f"| {v} | {x:.0f} | {ratio} | {cpu or '-'} |")
     lines += ["", "Engine start-up (s): " + ", ".join(
         f"{r['variant']} {r['start_s']}" for r in recs if r["round"] == "start"),
         "", "Flush (stores committed before the hit rounds): " + ", ".join(

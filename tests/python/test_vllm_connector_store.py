@@ -7,6 +7,7 @@ KV memory is page-aligned anonymous mmap standing in for vLLM's per-layer KV ten
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import signal
@@ -468,8 +469,12 @@ def test_the_plugin_gets_engine_thread_light_parameters_unless_the_config_sets_t
         "inline_write_max": "0", "page_cache_caller_reads": "false"}
     mine = StoreConfig.from_extra({**base, "backend_params": {"inline_write_max": "65536"}})
     assert mine.backend_params == {"inline_write_max": "65536", "page_cache_caller_reads": "false"}
-    # Another backend (NIXL's own) gets exactly what the config gives.
+    # Another backend (NIXL's own) gets exactly what the config gives, JSON booleans as
+    # "true"/"false".
     assert StoreConfig.from_extra({**base, "backend": "GDS_MT"}).backend_params == {}
+    posix = StoreConfig.from_extra({**base, "backend": "POSIX",
+                                    "backend_params": {"use_uring": True, "ios_pool_size": 64}})
+    assert posix.backend_params == {"use_uring": "true", "ios_pool_size": "64"}
 
 
 def test_fold_columns_is_fold_for_every_block():
@@ -478,3 +483,31 @@ def test_fold_columns_is_fold_for_every_block():
     s2 = rng.integers(-(1 << 46), 1 << 46, size=(5, 7), dtype=np.int64)
     want = [checksum.fold(zip(s1[:, b].tolist(), s2[:, b].tolist())) for b in range(7)]
     assert checksum.fold_columns(s1, s2) == want
+
+
+@pytest.mark.parametrize("slots,max_slots_per_file,stripe,files", [
+    (20, 4, 8, 8), (20, 1, 8, 20), (3, 100, 8, 3), (20, 100, 1, 1), (20, 3, 2, 7)])
+def test_slots_are_striped_over_the_files_and_each_has_one_place(slots, max_slots_per_file,
+                                                                stripe, files):
+    block = L.round_up(sum(PAGES), 4096)
+    geo = L.Geometry(rank_block_bytes=sum(PAGES), blocks_per_chunk=1, world_size=1,
+                     capacity_bytes=slots * block, max_file_bytes=max_slots_per_file * block,
+                     stripe_files=stripe)
+    assert geo.num_files == files
+    places = [geo.locate(s) for s in range(slots)]
+    assert len(set(places)) == slots
+    assert [fi for fi, _ in places[:files]] == list(range(files))  # neighbours differ in file
+    for fi, off in places:
+        assert off % geo.slot_bytes == 0 and off + geo.slot_bytes <= geo.file_slots(fi) * block
+        assert geo.file_slots(fi) <= max_slots_per_file
+    assert sum(geo.file_slots(i) for i in range(files)) == slots
+
+
+def test_a_store_of_the_contiguous_slot_layout_is_refused(tmp_path):
+    geo = geometry(slots=4)
+    old = {**geo.manifest(), "format": "iud-vllm-kv-store/1", "slots_per_file": 4}
+    del old["num_files"]
+    with open(tmp_path / "store.json", "w") as f:
+        json.dump(old, f)
+    with pytest.raises(L.StoreMismatch, match="made for another model or layout"):
+        C.Catalog(str(tmp_path), geo)

@@ -39,7 +39,8 @@ class StoreConfig:
     fdatasync the slot file before a block's commit record and the journals after each append
     (survives power loss; costs the worker a sync per store job). verify_on_lookup: the
     scheduler reads and checks a block from storage the first time it would answer HIT for it
-    in this process (see docs/vllm-connector.md). max_file_bytes: size of one slot file."""
+    in this process (see docs/vllm-connector.md). max_file_bytes: size of one slot file.
+    slot_files: slot files per rank at least (consecutive slots go to different files)."""
 
     path: str
     capacity_bytes: int
@@ -49,12 +50,13 @@ class StoreConfig:
     durable: bool = False
     verify_on_lookup: bool = True
     max_file_bytes: int = 64 << 30
+    slot_files: int = 8
     preallocate: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> StoreConfig:
         ours = {"path", "capacity_gb", "capacity_bytes", "backend", "backend_params", "o_direct",
-                "durable", "verify_on_lookup", "max_file_gb", "preallocate"}
+                "durable", "verify_on_lookup", "max_file_gb", "preallocate", "slot_files"}
         unknown = sorted(k for k in extra if k not in ours and k not in VLLM_KEYS)
         if unknown:
             raise ValueError(f"NixlStorageOffloadingSpec: unknown kv_connector_extra_config keys "
@@ -78,13 +80,20 @@ class StoreConfig:
         max_file = int(float(extra.get("max_file_gb", 64)) * (1 << 30))
         if max_file <= 0:
             raise ValueError("kv_connector_extra_config['max_file_gb'] must be positive")
+        slot_files = extra.get("slot_files", 8)
+        if isinstance(slot_files, bool) or not isinstance(slot_files, int) or slot_files < 1:
+            raise ValueError("kv_connector_extra_config['slot_files'] must be a positive "
+                             f"integer, not {slot_files!r}")
         backend = str(extra.get("backend", "IO_URING_DMABUF"))
-        given = {str(k): str(v) for k, v in params.items()}
+        # JSON true/false arrive as Python bools; str() would give "True", which NIXL's own
+        # backends need not accept
+        given = {str(k): (str(v).lower() if isinstance(v, bool) else str(v))
+                 for k, v in params.items()}
         if backend == "IO_URING_DMABUF":
             given = {**IUD_DEFAULT_PARAMS, **given}
         return cls(path=path, capacity_bytes=cap, backend=backend, backend_params=given,
                    o_direct=_bool("o_direct", extra.get("o_direct", False)),
                    durable=_bool("durable", extra.get("durable", False)),
                    verify_on_lookup=_bool("verify_on_lookup", extra.get("verify_on_lookup", True)),
-                   max_file_bytes=max_file,
+                   max_file_bytes=max_file, slot_files=slot_files,
                    preallocate=_bool("preallocate", extra.get("preallocate", True)))

@@ -7,7 +7,7 @@ layout) and the O_DIRECT alignment of a file.
     <path>/.lock                      flock of the live manager
     <path>/rank<r>of<W>/layout.json   the rank's pages per block (worker)
     <path>/rank<r>of<W>/commits.log   COMMIT / DAMAGED records (that rank's worker)
-    <path>/rank<r>of<W>/slots-<i>.bin slot files, preallocated; slot s at file s // slots_per_file
+    <path>/rank<r>of<W>/slots-<i>.bin slot files, preallocated; slot s in file s % num_files
     <path>/rank<r>of<W>/.lock         flock of the live worker of that rank
 
 A slot holds one offloaded chunk (blocks_per_chunk vLLM blocks) of one rank: for each block,
@@ -23,7 +23,7 @@ import os
 import struct
 
 SLOT_ALIGN = 4096
-FORMAT = "iud-vllm-kv-store/1"
+FORMAT = "iud-vllm-kv-store/2"  # /2: slots striped over the files
 
 
 def round_up(n: int, a: int) -> int:
@@ -41,11 +41,14 @@ class Geometry:
     world_size: int
     capacity_bytes: int
     max_file_bytes: int
+    stripe_files: int = 8
 
     def __post_init__(self):
         if self.rank_block_bytes <= 0:
             raise ValueError(f"no KV bytes per block ({self.rank_block_bytes}): the engine's KV "
                              "cache is not sized yet")
+        if self.stripe_files < 1:
+            raise ValueError(f"slot_files must be at least 1, not {self.stripe_files}")
         if self.num_slots < 1:
             raise ValueError(
                 f"capacity {self.capacity_bytes} B holds no slot: one slot takes "
@@ -62,25 +65,25 @@ class Geometry:
         return self.capacity_bytes // (self.slot_bytes * self.world_size)
 
     @property
-    def slots_per_file(self) -> int:
-        return max(1, min(self.num_slots, self.max_file_bytes // self.slot_bytes))
-
-    @property
     def num_files(self) -> int:
-        return -(-self.num_slots // self.slots_per_file)
+        """Slot files per rank: at least `stripe_files` (buffered writes to one file serialize on
+        its inode lock, so consecutive slots go to different files), more where one file would
+        pass max_file_bytes."""
+        per_file = max(1, self.max_file_bytes // self.slot_bytes)
+        return max(-(-self.num_slots // per_file), min(self.stripe_files, self.num_slots))
 
     def file_slots(self, i: int) -> int:
-        return min(self.slots_per_file, self.num_slots - i * self.slots_per_file)
+        return (self.num_slots - i + self.num_files - 1) // self.num_files
 
     def locate(self, slot: int) -> tuple[int, int]:
         """(file index, byte offset in that file) of a slot."""
-        return slot // self.slots_per_file, (slot % self.slots_per_file) * self.slot_bytes
+        return slot % self.num_files, (slot // self.num_files) * self.slot_bytes
 
     def manifest(self, **extra) -> dict:
         return {"format": FORMAT, "rank_block_bytes": self.rank_block_bytes,
                 "blocks_per_chunk": self.blocks_per_chunk, "world_size": self.world_size,
                 "slot_bytes": self.slot_bytes, "num_slots": self.num_slots,
-                "slots_per_file": self.slots_per_file, **extra}
+                "num_files": self.num_files, **extra}
 
 
 def rank_dir(root: str, rank: int, world_size: int) -> str:

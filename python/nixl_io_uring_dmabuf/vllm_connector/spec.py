@@ -49,7 +49,8 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
         return Geometry(rank_block_bytes=int(self.config.worker_kv_bytes_per_block),
                         blocks_per_chunk=int(self.blocks_per_chunk),
                         world_size=int(self.config.parallel.world_size),
-                        capacity_bytes=c.capacity_bytes, max_file_bytes=c.max_file_bytes)
+                        capacity_bytes=c.capacity_bytes, max_file_bytes=c.max_file_bytes,
+                        stripe_files=c.slot_files)
 
     def manifest(self) -> dict:
         g = self.config.groups[0]
