@@ -431,7 +431,7 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
         notes.push(format!(
             "Per request: blocks at random slots of {} DRAM region(s) of {} bytes against random, non-adjacent file \
              offsets (a contiguous READ lays the same descriptors end to end); every request verified byte for byte \
-             outside its timed span; backend order rotated each round; medians of {} rounds; {} ms of summed request \
+             outside its timed span; backend order and, within each backend, the order of the modes rotated each round; medians of {} rounds; {} ms of summed request \
              time per measurement (>= 3 requests).",
             cfg.kv.regions, cfg.req.region_size, cfg.kv.rounds, cfg.duration_ms
         ));

@@ -153,7 +153,10 @@ pub fn run(ctx: &Ctx) -> Outcome {
                 );
                 for j in 0..nb {
                     let b = (j + round) % nb;
-                    for &m in &ms {
+                    // The modes rotate too: a fixed order would give each mode the same
+                    // predecessor (and its page-cache aftermath) in every round.
+                    for k in 0..ms.len() {
+                        let m = ms[(k + round) % ms.len()];
                         let Some(l) = &live[b] else { continue };
                         match measure(l, ctx, &regions, &lay, &pairs, op, m, &mut seq) {
                             Ok(s) => {
