@@ -37,7 +37,7 @@ def one_round(a, files: int, maps, regions, root: str) -> dict:
     page = a.page_kib << 10
     geo = L.Geometry(rank_block_bytes=page * a.layers, blocks_per_chunk=1, world_size=1,
                      capacity_bytes=a.blocks * L.round_up(page * a.layers, 4096),
-                     max_file_bytes=64 << 30, stripe_files=files)
+                     max_file_bytes=64 << 30, slot_files=files)
     params = {**(IUD_DEFAULT_PARAMS if a.backend == "IO_URING_DMABUF" else {}),
               **dict(p.split("=", 1) for p in a.param)}  # the connector's defaults
     store = R.RankStore(root, geo, 0, regions, "DRAM", backend=a.backend, backend_params=params,
@@ -59,8 +59,9 @@ def one_round(a, files: int, maps, regions, root: str) -> dict:
         st = store.stats["store"]
     finally:
         store.close()
-    with open(L.slot_file(root, 0, 1, geo.locate(a.blocks - 1)[0]), "rb") as f:
-        f.seek(geo.locate(a.blocks - 1)[1])
+    fi, off = geo.locate(a.blocks - 1)
+    with open(L.slot_file(root, 0, 1, fi), "rb") as f:
+        f.seek(off)
         got = f.read(page)
     want = bytes(maps[0][(a.blocks - 1) * page:a.blocks * page])
     assert got == want, "the last block's first page is not where Geometry.locate says"

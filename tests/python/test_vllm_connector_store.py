@@ -492,7 +492,7 @@ def test_slots_are_striped_over_the_files_and_each_has_one_place(slots, max_slot
     block = L.round_up(sum(PAGES), 4096)
     geo = L.Geometry(rank_block_bytes=sum(PAGES), blocks_per_chunk=1, world_size=1,
                      capacity_bytes=slots * block, max_file_bytes=max_slots_per_file * block,
-                     stripe_files=stripe)
+                     slot_files=stripe)
     assert geo.num_files == files
     places = [geo.locate(s) for s in range(slots)]
     assert len(set(places)) == slots

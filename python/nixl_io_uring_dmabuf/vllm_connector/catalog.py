@@ -252,7 +252,7 @@ class Catalog:
         self._pull()
         for sg, recs in list(self._pending.items()):
             e = self._by_slot_gen.get(sg)
-            if e is None or self._storing.get(e.key) is not e or not self._all_committed(e, recs):
+            if e is None or e.ready or not self._all_committed(e, recs):
                 continue
             del self._storing[e.key]
             del self._pending[sg]

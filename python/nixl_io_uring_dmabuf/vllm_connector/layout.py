@@ -41,14 +41,14 @@ class Geometry:
     world_size: int
     capacity_bytes: int
     max_file_bytes: int
-    stripe_files: int = 8
+    slot_files: int = 8
 
     def __post_init__(self):
         if self.rank_block_bytes <= 0:
             raise ValueError(f"no KV bytes per block ({self.rank_block_bytes}): the engine's KV "
                              "cache is not sized yet")
-        if self.stripe_files < 1:
-            raise ValueError(f"slot_files must be at least 1, not {self.stripe_files}")
+        if self.slot_files < 1:
+            raise ValueError(f"slot_files must be at least 1, not {self.slot_files}")
         if self.num_slots < 1:
             raise ValueError(
                 f"capacity {self.capacity_bytes} B holds no slot: one slot takes "
@@ -66,17 +66,18 @@ class Geometry:
 
     @property
     def num_files(self) -> int:
-        """Slot files per rank: at least `stripe_files` (buffered writes to one file serialize on
+        """Slot files per rank: at least `slot_files` (buffered writes to one file serialize on
         its inode lock, so consecutive slots go to different files), more where one file would
         pass max_file_bytes."""
         per_file = max(1, self.max_file_bytes // self.slot_bytes)
-        return max(-(-self.num_slots // per_file), min(self.stripe_files, self.num_slots))
+        return max(-(-self.num_slots // per_file), min(self.slot_files, self.num_slots))
 
     def file_slots(self, i: int) -> int:
         return (self.num_slots - i + self.num_files - 1) // self.num_files
 
-    def locate(self, slot: int) -> tuple[int, int]:
-        """(file index, byte offset in that file) of a slot."""
+    def locate(self, slot):
+        """(file index, byte offset in that file) of a slot, or of each of a numpy array of
+        slots."""
         return slot % self.num_files, (slot // self.num_files) * self.slot_bytes
 
     def manifest(self, **extra) -> dict:

@@ -222,8 +222,8 @@ class RankStore:
         starts = np.cumsum([0] + self.pages[:-1]).astype(np.int64)
         files = np.empty((geo.num_slots, bpc, npg, 3), dtype=np.int64)
         slots = np.arange(geo.num_slots, dtype=np.int64)
-        base = (slots // geo.num_files) * geo.slot_bytes  # as Geometry.locate
-        fds = np.asarray(self._fds, dtype=np.int64)[slots % geo.num_files]
+        fi, base = geo.locate(slots)
+        fds = np.asarray(self._fds, dtype=np.int64)[fi]
         block_bytes = sum(self.pages)
         for j in range(bpc):
             for p in range(npg):

@@ -50,7 +50,7 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
                         blocks_per_chunk=int(self.blocks_per_chunk),
                         world_size=int(self.config.parallel.world_size),
                         capacity_bytes=c.capacity_bytes, max_file_bytes=c.max_file_bytes,
-                        stripe_files=c.slot_files)
+                        slot_files=c.slot_files)
 
     def manifest(self) -> dict:
         g = self.config.groups[0]

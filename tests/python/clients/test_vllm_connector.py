@@ -250,7 +250,7 @@ def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, 
     per_file = -(-m["num_slots"] // m["num_files"])  # the manifest's layout, file for file
     geo = L.Geometry(m["rank_block_bytes"], m["blocks_per_chunk"], m["world_size"],
                      m["num_slots"] * m["slot_bytes"], per_file * m["slot_bytes"],
-                     stripe_files=m["num_files"])
+                     slot_files=m["num_files"])
     cat = C.Catalog(str(store), geo, {k: m[k] for k in m if k not in geo.manifest()})
     found = cat.committed()
     bad = [k for k in found if not cat.lookup(k)]
