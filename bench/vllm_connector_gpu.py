@@ -66,6 +66,8 @@ VARIANTS = {
     "iud-pc-2writers": ("nixl", "IO_URING_DMABUF", False,
                         {**LIGHT, "page_cache_threads": "2", "page_cache_file_writers": "1"}),
     "iud-pc-4buffers": ("nixl", "IO_URING_DMABUF", False, {**LIGHT, "staging_buffers": "4"}),
+    # stores as background work: at most 2 page-cache workers write at once, all files together
+    "iud-pc-w2": ("nixl", "IO_URING_DMABUF", False, {**LIGHT, "page_cache_writers": "2"}),
     # the slot layout before striping (one file): what 8 files gain for stores
     "iud-pc-1file": ("nixl", "IO_URING_DMABUF", False, LIGHT, {"slot_files": 1}),
     "gds-pc": ("nixl", "GDS_MT", False),
@@ -74,6 +76,21 @@ VARIANTS = {
     "fs-store": ("fs", None, True),
     "fs-load": ("fs", None, True),
 }
+
+
+GRAPHS = "+graphs"
+
+
+def base_variant(variant: str) -> str:
+    """`<variant>+graphs` runs the variant with full CUDA graphs for decode (vLLM's default runs
+    graphs; the other variants run eager, where decode is bound by the engine thread's CPU)."""
+    return variant.removesuffix(GRAPHS)
+
+
+def variant_name(v: str) -> str:
+    if base_variant(v) not in VARIANTS:
+        raise argparse.ArgumentTypeError(f"{v}: not one of {sorted(VARIANTS)} (+graphs)")
+    return v
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -138,7 +155,7 @@ def test_prompts() -> list[tuple[str, list[int]]]:
 # ------------------------------------------------------------------------------ engine (child)
 
 def kv_config(variant: str, work: str) -> dict | None:
-    kind, backend, direct, *rest = VARIANTS[variant]
+    kind, backend, direct, *rest = VARIANTS[base_variant(variant)]
     params, extra = (list(rest) + [{}, {}])[:2]
     if kind is None:
         return None
@@ -171,8 +188,15 @@ class Engine:
         args = {"model": model, "tokenizer": model, "dtype": DTYPE, "seed": 0,
                 "enforce_eager": True, "enable_prefix_caching": True,
                 "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK}
+        if variant.endswith(GRAPHS):
+            # CUDA graphs for decode batches without torch.compile (no compile time, no triton)
+            args.update(enforce_eager=False, compilation_config={
+                "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                "cudagraph_capture_sizes": [1, 2, 4, DECODE_BATCH]})
         if GPU_BLOCKS:
             args.update(num_gpu_blocks_override=GPU_BLOCKS, gpu_memory_utilization=0.85)
+        else:  # vLLM's CPU platform: the fraction of this machine's memory it reserves
+            args.update(gpu_memory_utilization=0.3)
         cfg = kv_config(variant, work)
         if cfg is not None:
             args["kv_transfer_config"] = KVTransferConfig(**cfg)
@@ -207,7 +231,7 @@ class Engine:
         self.gen(prompt_ids(6, 7_000_000 + self.flush_seed), 1)
 
     def stored_blocks(self) -> int:
-        kind = VARIANTS[self.variant][0]
+        kind = VARIANTS[base_variant(self.variant)][0]
         if kind == "fs":
             return len(glob.glob(os.path.join(self.work, "fs", "**", "*.bin"), recursive=True))
         from nixl_io_uring_dmabuf.vllm_connector import journal
@@ -216,6 +240,20 @@ class Engine:
         with open(path, "rb") as f:
             recs, _, _ = journal.parse(f.read())
         return sum(r.type == journal.COMMIT for r in recs)
+
+    def settle(self, quiet: float = 1.0, timeout: float = 60.0) -> dict:
+        """Steps the engine until no block has been committed for `quiet` seconds: the stores
+        of the last batch are over."""
+        if VARIANTS[base_variant(self.variant)][0] is None:
+            return {}
+        t0, n, last = time.monotonic(), self.stored_blocks(), time.monotonic()
+        while time.monotonic() - last < quiet and time.monotonic() - t0 < timeout:
+            self.tick()
+            time.sleep(0.02)
+            m = self.stored_blocks()
+            if m != n:
+                n, last = m, time.monotonic()
+        return {"settle_s": round(last - t0, 3), "stored_blocks": n}
 
     def flush(self, expected: int, timeout: float = 120.0) -> dict:
         """Steps the engine until `expected` blocks are committed to storage."""
@@ -226,6 +264,78 @@ class Engine:
             n = self.stored_blocks()
         return {"stored_blocks": n, "expected_blocks": expected,
                 "flush_s": round(time.monotonic() - t0, 3)}
+
+
+class StepClock:
+    """Times each step of the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) by
+    wrapping its get_output: wall time, the engine thread's CPU time and run-queue wait
+    (/proc/thread-self/schedstat), tokens, and whether it was a decode step (every request that
+    got a token had one before)."""
+
+    def __init__(self, llm):
+        core = llm.llm_engine.engine_core
+        self._inner = core.get_output
+        core.get_output = self._step
+        self.steps: list | None = None
+        self._seen: set = set()
+
+    def start(self) -> None:
+        self.steps, self._seen = [], set()
+
+    def stop(self) -> list:
+        steps, self.steps = self.steps or [], None
+        return steps
+
+    def _step(self):
+        if self.steps is None:
+            return self._inner()
+        c0, t0 = schedstat(), time.perf_counter()
+        out = self._inner()
+        dt, c1 = time.perf_counter() - t0, schedstat()
+        ids = [o.request_id for o in out.outputs if o.new_token_ids]
+        decode = bool(ids) and all(i in self._seen for i in ids)
+        self._seen.update(ids)
+        self.steps.append((dt, (c1[0] - c0[0]) / 1e9, (c1[1] - c0[1]) / 1e9, len(ids), decode))
+        return out
+
+
+def schedstat() -> tuple[int, int]:
+    """This thread's CPU time and run-queue wait, in ns."""
+    with open("/proc/thread-self/schedstat") as f:
+        run, wait, _ = f.read().split()
+    return int(run), int(wait)
+
+
+def machine_cpu() -> list[int]:
+    """The machine's CPU ticks: user, nice, system, idle, iowait, irq, softirq, steal."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:9]]
+
+
+def machine_delta(a: list[int], b: list[int]) -> dict:
+    d = [y - x for x, y in zip(a, b)]
+    total = sum(d) or 1
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {n: round(x / total, 3) for n, x in zip(names, d)}
+
+
+def step_summary(steps: list) -> dict:
+    """Decode steps only: their count, tokens, time, and per step: wall time (p50, p90), the
+    engine thread's CPU time and run-queue wait."""
+    dec = [s for s in steps if s[4]]
+    if not dec:
+        return {"decode_steps": 0}
+    walls = sorted(s[0] for s in dec)
+    n, wall = len(dec), sum(walls)
+    return {"decode_steps": n, "decode_tokens": sum(s[3] for s in dec),
+            "decode_s": round(wall, 4),
+            "decode_tokens_per_s": round(sum(s[3] for s in dec) / wall, 1),
+            "step_ms_p50": round(1e3 * walls[n // 2], 3),
+            "step_ms_p90": round(1e3 * walls[min(n - 1, int(n * 0.9))], 3),
+            "step_ms_max": round(1e3 * walls[-1], 3),
+            "engine_cpu_ms_per_step": round(1e3 * sum(s[1] for s in dec) / n, 3),
+            "runqueue_ms_per_step": round(1e3 * sum(s[2] for s in dec) / n, 3),
+            "all_steps": len(steps), "all_steps_s": round(sum(s[0] for s in steps), 4)}
 
 
 def kv_stats(prefix: str) -> dict:
@@ -267,13 +377,13 @@ def delta(a: dict, b: dict) -> dict:
     return out
 
 
-def run_variant(variant: str, model: str, work: str, results: str) -> None:
+def run_variant(variant: str, model: str, work: str, results: str, only: str | None) -> None:
     stats = os.path.join(work, f"stats-{variant}")
     os.environ["IUD_KV_STATS_FILE"] = stats
     t0 = time.monotonic()
     eng = Engine(variant, model, work)
     prompts = test_prompts()
-    kind = VARIANTS[variant][0]
+    kind = VARIANTS[base_variant(variant)][0]
 
     def emit(rnd: str, rows: list, **extra) -> None:
         rec = {"variant": variant, "round": rnd, "rows": rows, **extra}
@@ -294,7 +404,9 @@ def run_variant(variant: str, model: str, work: str, results: str) -> None:
     emit("start", [], start_s=round(eng.start_s, 2), versions=versions(),
          blocks=[len(ids) // BLOCK for _, ids in prompts])
     expected = sum(len(ids) // BLOCK for _, ids in prompts)
-    if variant == "plain":
+    if only == "decode":
+        pass
+    elif variant == "plain":
         ttft_round("recompute-1")
         eng.reset()
         ttft_round("recompute-2")
@@ -318,23 +430,34 @@ def run_variant(variant: str, model: str, work: str, results: str) -> None:
             eng.reset()
             ttft_round("tokens-hit", CHECK_TOKENS)
     if variant != "fs-load":
-        # Decode with stores running: DECODE_BATCH new prompts; the time of a like batch
-        # generating one token (prefill) is subtracted. Twice: the first also warms up.
-        for rep in (1, 2):
-            eng.reset()
-            before = kv_stats(stats)
-            base = 5_000_000 + 100_000 * rep
-            pre = [prompt_ids(DECODE_PROMPT, base + i) for i in range(DECODE_BATCH)]
-            full = [prompt_ids(DECODE_PROMPT, base + 50_000 + i) for i in range(DECODE_BATCH)]
-            t_pre = eng.gen_batch(pre, 1)
-            cpu0 = thread_cpu()
-            t_full = eng.gen_batch(full, DECODE_TOKENS + 1)
-            cpu = cpu_delta(cpu0, thread_cpu())
-            tps = DECODE_BATCH * DECODE_TOKENS / max(1e-9, t_full - t_pre)
-            emit("decode" if rep == 2 else "decode-warmup", [], prefill_s=round(t_pre, 3),
-                 total_s=round(t_full, 3), decode_tokens_per_s=round(tps, 1),
-                 kv=delta(before, kv_stats(stats)), thread_cpu_s=cpu)
+        decode_rounds(eng, emit, stats)
     emit("end", [], wall_s=round(time.monotonic() - t0, 1))
+
+
+DECODE_PAIRS = 3
+
+
+def decode_rounds(eng: "Engine", emit, stats: str) -> None:
+    """Decode with stores running against the same decode without them, in one engine. A pair is
+    a batch of new prompts (their blocks are stored while they decode), then, once those stores
+    are over, the same batch again (a GPU prefix-cache hit: nothing is left to store). Only
+    decode steps are counted. Pair 0 warms up."""
+    clock = StepClock(eng.llm)
+    for rep in range(DECODE_PAIRS + 1):
+        prompts = [prompt_ids(DECODE_PROMPT, 5_000_000 + 100_000 * rep + i)
+                   for i in range(DECODE_BATCH)]
+        for kind in ("new", "again"):
+            before, cpu0, m0 = kv_stats(stats), thread_cpu(), machine_cpu()
+            clock.start()
+            wall = eng.gen_batch(prompts, DECODE_TOKENS + 1)
+            summary = step_summary(clock.stop())
+            extra = {}
+            if kind == "new":
+                extra = eng.settle()
+            emit(f"decode-{kind}" if rep else f"decode-warmup-{kind}", [], pair=rep,
+                 wall_s=round(wall, 3), **summary, kv=delta(before, kv_stats(stats)),
+                 thread_cpu_s=cpu_delta(cpu0, thread_cpu()),
+                 machine_cpu=machine_delta(m0, machine_cpu()), **extra)
 
 
 def versions() -> dict:
@@ -365,7 +488,8 @@ def engines(a) -> int:
         shutil.rmtree(store, ignore_errors=True)
         t0 = time.monotonic()
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "child", v, a.model,
-                            a.work, results], timeout=a.timeout)
+                            a.work, results] + (["--only", a.only] if a.only else []),
+                           timeout=a.timeout)
         print(f"== {v}: rc {p.returncode}, {time.monotonic() - t0:.0f} s", flush=True)
         rc |= p.returncode
         shutil.rmtree(store, ignore_errors=True)  # the disk holds one store at a time
@@ -457,17 +581,7 @@ def report(a) -> int:
             lines.append(f"| {r['variant']} | {r['round']} | {gbps(ld)} | {ld.get('jobs', 0)} | "
                          f"{per_job(ld, 'post_seconds')} | {per_job(ld, 'sum_seconds')} | "
                          f"{gbps(st)} | {st.get('jobs', 0)} | {ld.get('bad_blocks', 0)} |")
-    lines += ["", "Decode with stores running (batch of "
-              f"{DECODE_BATCH} new {DECODE_PROMPT}-token prompts, {DECODE_TOKENS} tokens each; "
-              "prefill-only time of a like batch subtracted):", "",
-              "| variant | decode tokens/s | vs plain | CPU s by thread, top 4 |",
-              "|---|---:|---:|---|"]
-    dec = {r["variant"]: r for r in recs if r["round"] == "decode"}
-    for v, r in dec.items():
-        x = r["decode_tokens_per_s"]
-        ratio = f"{x / dec['plain']['decode_tokens_per_s']:.3f}" if "plain" in dec else "-"
-        cpu = ", ".join(f"{k} {t:.2f}" for k, t in list(r.get("thread_cpu_s", {}).items())[:4])
-        lines.append(f"| {v} | {x:.0f} | {ratio} | {cpu or '-'} |")
+    lines += decode_table(recs)
     lines += ["", "Engine start-up (s): " + ", ".join(
         f"{r['variant']} {r['start_s']}" for r in recs if r["round"] == "start"),
         "", "Flush (stores committed before the hit rounds): " + ", ".join(
@@ -481,6 +595,61 @@ def report(a) -> int:
     return 0
 
 
+def decode_table(recs: list[dict]) -> list[str]:
+    """Decode with stores running against the same engine's decode of the same batch without
+    them (decode_rounds), pooled over the pairs after the warm-up."""
+    def pooled(v: str, kind: str) -> dict | None:
+        rs = [r for r in recs if r["variant"] == v and r["round"] == f"decode-{kind}"
+              and r.get("decode_steps")]
+        if not rs:
+            return None
+        n = sum(r["decode_steps"] for r in rs)
+        st = {}
+        for r in rs:
+            for k, t in r.get("thread_cpu_s", {}).items():
+                st[k] = st.get(k, 0.0) + t
+        kv = [r.get("kv", {}).get("store", {}) for r in rs]
+        return {"tps": sum(r["decode_tokens"] for r in rs) / sum(r["decode_s"] for r in rs),
+                "p50": statistics.median(r["step_ms_p50"] for r in rs),
+                "p90": statistics.median(r["step_ms_p90"] for r in rs),
+                "cpu": sum(r["engine_cpu_ms_per_step"] * r["decode_steps"] for r in rs) / n,
+                "rq": sum(r["runqueue_ms_per_step"] * r["decode_steps"] for r in rs) / n,
+                "idle": statistics.median(r["machine_cpu"]["idle"] for r in rs),
+                "jobs": sum(k.get("jobs", 0) for k in kv),
+                "gb": sum(k.get("bytes", 0) for k in kv) / 1e9,
+                "threads": sorted(st.items(), key=lambda kv_: -kv_[1])[:4],
+                "tps_each": [r["decode_tokens_per_s"] for r in rs]}
+
+    variants = list(dict.fromkeys(r["variant"] for r in recs if r["round"] == "decode-new"))
+    if not variants:
+        return []
+    plain = {g: pooled("plain" + g, "new") for g in ("", GRAPHS)}
+    out = ["", f"Decode with stores running: {DECODE_BATCH} new prompts of {DECODE_PROMPT} tokens "
+           f"decode {DECODE_TOKENS} tokens while their blocks are stored, then the same batch "
+           "again in the same engine (a GPU prefix-cache hit: nothing to store). Decode steps "
+           f"only, {DECODE_PAIRS} pairs pooled after a warm-up pair. Engine thread: CPU time and "
+           "run-queue wait per decode step (/proc/thread-self/schedstat).", "",
+           "| variant | tokens/s with stores | without | with / without | vs plain | step ms "
+           "p50 / p90, with | without | engine thread CPU ms/step, with / without | run-queue "
+           "ms/step, with / without | store jobs, GB | machine idle, with | CPU s by thread "
+           "(with stores), top 4 |",
+           "|---|---:|---:|---:|---:|---|---|---|---|---|---:|---|"]
+    for v in variants:
+        w, wo = pooled(v, "new"), pooled(v, "again")
+        if w is None or wo is None:
+            out.append(f"| {v} | not run | | | | | | | | | | |")
+            continue
+        ref = plain[GRAPHS if v.endswith(GRAPHS) else ""]
+        vs = f"{w['tps'] / ref['tps']:.3f}" if ref else "-"
+        thr = ", ".join(f"{k} {t:.2f}" for k, t in w["threads"])
+        out.append(f"| {v} | {w['tps']:.0f} ({', '.join(f'{x:.0f}' for x in w['tps_each'])}) | "
+                   f"{wo['tps']:.0f} | {w['tps'] / wo['tps']:.3f} | {vs} | "
+                   f"{w['p50']:.1f} / {w['p90']:.1f} | {wo['p50']:.1f} / {wo['p90']:.1f} | "
+                   f"{w['cpu']:.1f} / {wo['cpu']:.1f} | {w['rq']:.2f} / {wo['rq']:.2f} | "
+                   f"{w['jobs']}, {w['gb']:.1f} | {100 * w['idle']:.0f} % | {thr or '-'} |")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -490,7 +659,8 @@ def main() -> int:
     e.add_argument("--model", required=True)
     e.add_argument("--work", required=True)
     e.add_argument("--timeout", type=int, default=400)
-    e.add_argument("variants", nargs="+", choices=list(VARIANTS))
+    e.add_argument("--only", choices=["decode"], help="only the decode rounds")
+    e.add_argument("variants", nargs="+", type=variant_name)
     r = sub.add_parser("report")
     r.add_argument("--work", required=True)
     r.add_argument("--out")
@@ -499,6 +669,7 @@ def main() -> int:
     c.add_argument("model")
     c.add_argument("work")
     c.add_argument("results")
+    c.add_argument("--only", choices=["decode"])
     a = ap.parse_args()
     if a.cmd == "model":
         make_model(a.dir)
@@ -507,7 +678,7 @@ def main() -> int:
         return engines(a)
     if a.cmd == "report":
         return report(a)
-    run_variant(a.variant, a.model, a.work, a.results)
+    run_variant(a.variant, a.model, a.work, a.results, a.only)
     return 0
 
 

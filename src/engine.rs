@@ -24,7 +24,7 @@ use crate::path::staging::StagingShape;
 use crate::path::{self, Route};
 use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
-use crate::uring::{FileKey, Progress, Ring, WorkerConfig};
+use crate::uring::{FileKey, Progress, Ring, WorkerConfig, WriterLimits};
 use crate::xfer::driver::{Driver, RequestKey};
 use crate::xfer::progress::ProgressThread;
 use crate::xfer::plan::PlanContext;
@@ -89,7 +89,7 @@ impl Engine {
             tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
         }
         let failure = Arc::new(Failure::default());
-        let workers = WorkerConfig { threads: params.page_cache_threads, file_writers: params.page_cache_file_writers as usize };
+        let workers = WorkerConfig { threads: params.page_cache_threads, writers: WriterLimits { file: params.page_cache_file_writers as usize, all: params.page_cache_writers as usize } };
         let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files, workers, Arc::clone(&failure))?);
         let record_path = match params.record.as_str() {
             "" => std::env::var("IO_URING_DMABUF_RECORD").unwrap_or_default(),

@@ -54,6 +54,8 @@ pub struct EngineParams {
     pub page_cache_threads: usize,
     /// Page-cache workers that may write one file at once (0 = no limit).
     pub page_cache_file_writers: u32,
+    /// Page-cache workers that may write at once, all files together (0 = no limit).
+    pub page_cache_writers: u32,
     /// Posting and polling threads run reads queued for the page-cache workers.
     pub page_cache_caller_reads: bool,
     /// A thread of the engine moves running requests on while nobody polls them.
@@ -156,6 +158,10 @@ impl EngineParams {
                 "backend parameter page_cache_file_writers={page_cache_file_writers} must be within 0..64 (0 = no limit)"
             )));
         }
+        let page_cache_writers = match parse_u64("page_cache_writers", get("page_cache_writers"))? {
+            n @ 0..=64 => n as u32,
+            n => return Err(Error::invalid(format!("backend parameter page_cache_writers={n} must be within 0..64 (0 = no limit)"))),
+        };
         let page_cache_threads = match get("page_cache_threads") {
             "auto" => default_page_cache_threads(),
             v => match parse_u64("page_cache_threads", v)? {
@@ -249,6 +255,7 @@ impl EngineParams {
             page_cache_threads,
             progress_thread,
             page_cache_file_writers: page_cache_file_writers as u32,
+            page_cache_writers,
             page_cache_caller_reads,
             vram_path,
             dram_dmabuf,
@@ -332,6 +339,8 @@ mod tests {
             ("staging_copy", "memcpy"),
             ("staging_pack_max", "4194304"),
             ("page_cache_file_writers", "65"),
+            ("page_cache_writers", "65"),
+            ("page_cache_writers", "some"),
             ("page_cache_threads", "0"),
             ("page_cache_threads", "65"),
             ("page_cache_caller_reads", "sometimes"),

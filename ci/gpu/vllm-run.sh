@@ -20,6 +20,7 @@ setup_env() {
     local libs=$H/site/.nixl_cu13.mesonpy.libs
     mkdir -p "$libs/iud-plugins"
     for p in "$libs"/plugins/libplugin_*.so; do ln -sf "../plugins/$(basename "$p")" "$libs/iud-plugins/"; done
+    [ -f "$H/.plugin-new" ] && cp -f "$H/.plugin-new" "$H/libplugin_IO_URING_DMABUF.so"
     cp -f "$H/libplugin_IO_URING_DMABUF.so" "$libs/iud-plugins/"
     export NIXL_PLUGIN_DIR=$libs/iud-plugins PYTHONPATH=$H/site:$PWD/python PYTHONUNBUFFERED=1
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -35,6 +36,9 @@ setup_env() {
 
 stash() {
     cp -f .device/vllm/part-* .device/vllm/SHA256SUMS "$H/parts/" 2>/dev/null
+    # A plugin built after the parts were made (ci/gpu/prepare.sh), carried beside them: it
+    # replaces the parts' copy.
+    [ -f .device/gpu/libplugin_IO_URING_DMABUF.so ] && cp -f .device/gpu/libplugin_IO_URING_DMABUF.so "$H/.plugin-new"
     ls -la "$H/parts"
     [ -f "$H/.unpacked" ] && return 0
     local p

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::workers::WorkerConfig;
+use super::workers::{WorkerConfig, WriterLimits};
 use super::Ring;
 use crate::error::{status, Failure};
 use crate::test_support::skip;
@@ -11,7 +11,7 @@ use crate::test_support::skip;
 #[test]
 fn a_poisoned_ring_lock_fails_the_engine_and_slots_are_still_released() {
     let failure = Arc::new(Failure::default());
-    let ring = match Ring::new(8, true, WorkerConfig { threads: 2, file_writers: 0 }, Arc::clone(&failure)) {
+    let ring = match Ring::new(8, true, WorkerConfig { threads: 2, writers: WriterLimits::default() }, Arc::clone(&failure)) {
         Ok(r) => r,
         Err(e) => return skip(&e.message),
     };

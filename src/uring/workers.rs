@@ -51,8 +51,9 @@ struct Queues {
     jobs: VecDeque<Vec<Job>>,
     /// (token, result): bytes moved, or -errno, as in a CQE.
     done: Vec<(u64, i32)>,
-    /// Write batches running now, per fd (see `Shared::file_writers`).
+    /// Write batches running now, per fd and in all (see `WriterLimits`).
     writing: HashMap<i32, usize>,
+    writing_all: usize,
     /// Tokens of the jobs in batches a worker is running now.
     running: HashSet<u64>,
     /// Running jobs whose request is being released: they stop at their next system call.
@@ -64,10 +65,7 @@ struct Shared {
     job_ready: Condvar,
     done_ready: Condvar,
     stop: AtomicBool,
-    /// At most this many threads write to one fd at once (0 = no limit). Buffered writes to one
-    /// file serialize on its inode lock anyway; more writers only spin on it (io_uring's io-wq
-    /// serializes them the same way, hashing buffered writes by inode).
-    file_writers: usize,
+    writers: WriterLimits,
     failure: Arc<Failure>,
     /// Bumped by every `cancel` that reached a running job, so that workers look at
     /// `Queues::cancelled` (under the lock) only after one did.
@@ -106,32 +104,52 @@ pub fn joins_batch(batch: &[Job], job: &Job) -> bool {
     batch.first().is_none_or(|first| first.fd == job.fd && first.write == job.write)
 }
 
-/// The fd whose writers a batch counts against, when there is a limit (every job of a batch
-/// names the same fd: `joins_batch`).
-fn limited_fd(batch: &[Job], limit: usize) -> Option<i32> {
-    batch.first().filter(|j| j.write && limit > 0).map(|j| j.fd)
+/// How many workers may write at once (0 = no limit).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriterLimits {
+    /// To one fd. Buffered writes to one file serialize on its inode lock anyway; more writers
+    /// only spin on it (io_uring's io-wq serializes them the same way, hashing buffered writes
+    /// by inode).
+    pub file: usize,
+    /// To all files together: buffered writes are memory copies, and a burst of stores that
+    /// takes every worker takes as many cores from the threads beside the engine (an inference
+    /// engine's own thread) and keeps reads waiting for a free worker.
+    pub all: usize,
+}
+
+impl WriterLimits {
+    fn any(&self) -> bool {
+        self.file > 0 || self.all > 0
+    }
+}
+
+/// The fd a write batch writes to (every job of a batch names the same fd and direction:
+/// `joins_batch`); None for reads.
+fn write_fd(batch: &[Job]) -> Option<i32> {
+    batch.first().filter(|j| j.write).map(|j| j.fd)
 }
 
 impl Queues {
-    /// Takes the first batch a worker may run now: any read, or a write to an fd with fewer
-    /// than `limit` writers (0 = any write).
-    fn take_runnable(&mut self, limit: usize) -> Option<Vec<Job>> {
-        let writing = &self.writing;
-        let i = self.jobs.iter().position(|b| match limited_fd(b, limit) {
-            Some(fd) => writing.get(&fd).copied().unwrap_or(0) < limit,
-            None => true,
-        })?;
+    /// Takes the first batch a worker may run now: any read, or a write within `limits`.
+    fn take_runnable(&mut self, limits: WriterLimits) -> Option<Vec<Job>> {
+        let (writing, all) = (&self.writing, self.writing_all);
+        let admits = |fd: i32| {
+            (limits.file == 0 || writing.get(&fd).copied().unwrap_or(0) < limits.file) && (limits.all == 0 || all < limits.all)
+        };
+        let i = self.jobs.iter().position(|b| write_fd(b).is_none_or(admits))?;
         let batch = self.jobs.remove(i)?;
-        if let Some(fd) = limited_fd(&batch, limit) {
+        if let Some(fd) = write_fd(&batch) {
             *self.writing.entry(fd).or_insert(0) += 1;
+            self.writing_all += 1;
         }
         self.running.extend(batch.iter().map(|j| j.token));
         Some(batch)
     }
 
-    /// A write batch taken by `take_runnable` ended.
-    fn write_ended(&mut self, batch: &[Job], limit: usize) {
-        let Some(fd) = limited_fd(batch, limit) else { return };
+    /// A batch taken by `take_runnable` ended.
+    fn batch_ended(&mut self, batch: &[Job]) {
+        let Some(fd) = write_fd(batch) else { return };
+        self.writing_all -= 1;
         if let Some(n) = self.writing.get_mut(&fd) {
             *n -= 1;
             if *n == 0 {
@@ -148,14 +166,14 @@ pub struct PageCacheWorkers {
 
 impl PageCacheWorkers {
     /// Starts `count` threads (at least one); a thread that cannot be spawned is skipped. At
-    /// most `file_writers` of them write to one fd at once (0 = no limit).
-    pub fn new(count: usize, file_writers: usize, failure: Arc<Failure>) -> std::io::Result<PageCacheWorkers> {
+    /// most `writers` of them write at once.
+    pub fn new(count: usize, writers: WriterLimits, failure: Arc<Failure>) -> std::io::Result<PageCacheWorkers> {
         let shared = Arc::new(Shared {
             queues: Mutex::default(),
             job_ready: Condvar::new(),
             done_ready: Condvar::new(),
             stop: AtomicBool::new(false),
-            file_writers,
+            writers,
             failure,
             cancel_epoch: AtomicU64::new(0),
         });
@@ -333,7 +351,7 @@ fn work(s: &Shared) {
         let batch = {
             let mut q = s.lock();
             loop {
-                if let Some(b) = q.take_runnable(s.file_writers) {
+                if let Some(b) = q.take_runnable(s.writers) {
                     break b;
                 }
                 if s.stop.load(Ordering::Acquire) {
@@ -353,9 +371,9 @@ fn work(s: &Shared) {
             q.cancelled.remove(&j.token);
         }
         q.done.extend(results);
-        q.write_ended(&batch, s.file_writers);
-        // A write batch held back for this fd may run now.
-        let held_back = s.file_writers > 0 && !q.jobs.is_empty();
+        q.batch_ended(&batch);
+        // A write batch held back by the limits may run now.
+        let held_back = s.writers.any() && !q.jobs.is_empty();
         drop(q);
         if held_back {
             s.job_ready.notify_all();
@@ -438,8 +456,8 @@ const PAGE_CACHE_WORKERS_DEFAULT_MAX: usize = 8;
 pub struct WorkerConfig {
     /// Worker threads (started on first punted op).
     pub threads: usize,
-    /// How many of them may write one file at once (0 = any number).
-    pub file_writers: usize,
+    /// How many of them may write at once.
+    pub writers: WriterLimits,
 }
 
 /// How many page-cache worker threads an engine starts by default: half the CPUs, 1 to 8 (the

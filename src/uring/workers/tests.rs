@@ -11,7 +11,7 @@ fn reads_and_writes_land_and_report_their_counts() {
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
         .collect();
     f.write_all(&data).unwrap();
-    let w = PageCacheWorkers::new(3, 0, Arc::default()).unwrap();
+    let w = PageCacheWorkers::new(3, WriterLimits::default(), Arc::default()).unwrap();
     let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; 128 << 10]).collect();
     for (i, b) in bufs.iter_mut().enumerate() {
         w.submit(Job {
@@ -78,7 +78,7 @@ fn reads_and_writes_land_and_report_their_counts() {
 #[test]
 fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
     let failure = Arc::new(Failure::default());
-    let w = PageCacheWorkers::new(1, 0, Arc::clone(&failure)).unwrap();
+    let w = PageCacheWorkers::new(1, WriterLimits::default(), Arc::clone(&failure)).unwrap();
     crate::error::poison(&w.shared.queues);
     let f = tempfile_in_tmp();
     let mut buf = vec![0u8; 4096];
@@ -93,13 +93,13 @@ fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
     assert!(e.message.contains("page-cache workers' queue is poisoned"), "{}", e.message);
 }
 
-fn idle_queue(file_writers: usize) -> Arc<Shared> {
+fn idle_queue(writers: WriterLimits) -> Arc<Shared> {
     Arc::new(Shared {
         queues: Mutex::default(),
         job_ready: Condvar::new(),
         done_ready: Condvar::new(),
         stop: AtomicBool::new(false),
-        file_writers,
+        writers,
         failure: Arc::default(),
         cancel_epoch: AtomicU64::new(0),
     })
@@ -115,7 +115,7 @@ fn the_caller_runs_queued_reads_and_leaves_writes_to_the_workers() {
     let data: Vec<u8> = (0..(256u32 << 10)).map(|i| (i.wrapping_mul(40503) >> 7) as u8).collect();
     f.write_all(&data).unwrap();
     // No worker thread: only the caller can run anything here.
-    let shared = idle_queue(0);
+    let shared = idle_queue(WriterLimits::default());
     let helper = QueueHelper { shared: Arc::clone(&shared) };
     let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 64 << 10]).collect();
     let reads: Vec<Job> = bufs
@@ -159,21 +159,39 @@ fn a_file_gets_at_most_its_writers_while_reads_and_other_files_go_on() {
     q.jobs.push_back(vec![job(2, 5, true)]);
     q.jobs.push_back(vec![job(3, 6, true)]);
     q.jobs.push_back(vec![job(4, 5, false)]);
-    let first = q.take_runnable(1).unwrap();
+    let one = WriterLimits { file: 1, all: 0 };
+    let first = q.take_runnable(one).unwrap();
     assert_eq!(first[0].token, 1);
     // fd 5 has its one writer: the next write to it waits, fd 6 and the read do not.
-    assert_eq!(q.take_runnable(1).unwrap()[0].token, 3);
-    assert_eq!(q.take_runnable(1).unwrap()[0].token, 4);
-    assert!(q.take_runnable(1).is_none());
-    q.write_ended(&first, 1);
-    assert_eq!(q.take_runnable(1).unwrap()[0].token, 2);
+    assert_eq!(q.take_runnable(one).unwrap()[0].token, 3);
+    assert_eq!(q.take_runnable(one).unwrap()[0].token, 4);
+    assert!(q.take_runnable(one).is_none());
+    q.batch_ended(&first);
+    assert_eq!(q.take_runnable(one).unwrap()[0].token, 2);
     // Without a limit, writes run in queue order regardless of the fd.
     let mut q = Queues::default();
     q.jobs.push_back(vec![job(1, 5, true)]);
     q.jobs.push_back(vec![job(2, 5, true)]);
-    assert_eq!(q.take_runnable(0).unwrap()[0].token, 1);
-    assert_eq!(q.take_runnable(0).unwrap()[0].token, 2);
-    assert!(q.writing.is_empty());
+    assert_eq!(q.take_runnable(WriterLimits::default()).unwrap()[0].token, 1);
+    assert_eq!(q.take_runnable(WriterLimits::default()).unwrap()[0].token, 2);
+}
+
+#[test]
+fn writes_to_all_files_together_stay_within_their_limit_while_reads_go_on() {
+    let mut q = Queues::default();
+    for (token, fd) in [(1, 5), (2, 6), (3, 7)] {
+        q.jobs.push_back(vec![job(token, fd, true)]);
+    }
+    q.jobs.push_back(vec![job(4, 8, false)]);
+    let two = WriterLimits { file: 0, all: 2 };
+    let first = q.take_runnable(two).unwrap();
+    assert_eq!(q.take_runnable(two).unwrap()[0].token, 2);
+    // Two writes run: the third waits although its file has no writer; the read does not.
+    assert_eq!(q.take_runnable(two).unwrap()[0].token, 4);
+    assert!(q.take_runnable(two).is_none());
+    q.batch_ended(&first);
+    assert_eq!(q.take_runnable(two).unwrap()[0].token, 3);
+    assert_eq!(q.writing_all, 2);
 }
 
 fn tempfile_in_tmp() -> std::fs::File {
