@@ -270,7 +270,9 @@ class StepClock:
     """Times each step of the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) by
     wrapping its get_output: wall time, the engine thread's CPU time and run-queue wait
     (/proc/thread-self/schedstat), tokens, and whether it was a decode step (every request that
-    got a token had one before)."""
+    got a token had one before). With IUD_VLLM_BENCH_SAMPLE=1 a thread also samples the engine
+    thread's Python stack every 2 ms during steps: where the slow steps (over twice the round's
+    median) spend their time. Sampling takes the GIL, so it is a diagnostic, off by default."""
 
     def __init__(self, llm):
         core = llm.llm_engine.engine_core
@@ -278,24 +280,60 @@ class StepClock:
         core.get_output = self._step
         self.steps: list | None = None
         self._seen: set = set()
+        self._samples: list | None = None
+        if os.environ.get("IUD_VLLM_BENCH_SAMPLE") == "1":
+            import threading
+
+            self._tid = threading.get_ident()
+            threading.Thread(target=self._sample, daemon=True, name="bench-sampler").start()
 
     def start(self) -> None:
         self.steps, self._seen = [], set()
 
-    def stop(self) -> list:
+    def stop(self) -> tuple[list, dict]:
+        """The round's steps, and the stacks most often sampled in its slow decode steps."""
         steps, self.steps = self.steps or [], None
-        return steps
+        dec = sorted(s[0] for s in steps if s[4])
+        slow: dict = {}
+        if dec:
+            limit = 2 * dec[len(dec) // 2]
+            for s in steps:
+                if s[4] and s[0] > limit:
+                    for where in s[5]:
+                        slow[where] = slow.get(where, 0) + 1
+        top = dict(sorted(slow.items(), key=lambda kv: -kv[1])[:6])
+        return steps, top
+
+    def _sample(self) -> None:
+        while True:
+            time.sleep(0.002)
+            samples = self._samples
+            if samples is None:
+                continue
+            f = sys._current_frames().get(self._tid)
+            where = []
+            while f is not None and len(where) < 3:
+                where.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}:"
+                             f"{f.f_code.co_name}")
+                f = f.f_back
+            samples.append(" < ".join(where))
 
     def _step(self):
         if self.steps is None:
             return self._inner()
+        samples: list = []
         c0, t0 = schedstat(), time.perf_counter()
-        out = self._inner()
+        self._samples = samples
+        try:
+            out = self._inner()
+        finally:
+            self._samples = None
         dt, c1 = time.perf_counter() - t0, schedstat()
         ids = [o.request_id for o in out.outputs if o.new_token_ids]
         decode = bool(ids) and all(i in self._seen for i in ids)
         self._seen.update(ids)
-        self.steps.append((dt, (c1[0] - c0[0]) / 1e9, (c1[1] - c0[1]) / 1e9, len(ids), decode))
+        self.steps.append((dt, (c1[0] - c0[0]) / 1e9, (c1[1] - c0[1]) / 1e9, len(ids), decode,
+                           samples))
         return out
 
 
@@ -373,12 +411,15 @@ def delta(a: dict, b: dict) -> dict:
     out = {}
     for d in ("store", "load"):
         x, y = a.get(d, {}), b.get(d, {})
-        out[d] = {k: y.get(k, 0) - x.get(k, 0) for k in y}
+        # poll_max is the engine's longest check_xfer_state so far, not a count
+        out[d] = {k: y[k] if k == "poll_max" else y.get(k, 0) - x.get(k, 0) for k in y}
     return out
 
 
 def run_variant(variant: str, model: str, work: str, results: str, only: str | None) -> None:
-    stats = os.path.join(work, f"stats-{variant}")
+    # The worker rewrites its counters from the engine's thread after each poll that ended
+    # jobs: in memory, so that a disk busy with the stores (O_DIRECT) cannot stall that thread.
+    stats = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"iud-stats-{variant}")
     os.environ["IUD_KV_STATS_FILE"] = stats
     t0 = time.monotonic()
     eng = Engine(variant, model, work)
@@ -450,7 +491,10 @@ def decode_rounds(eng: "Engine", emit, stats: str) -> None:
             before, cpu0, m0 = kv_stats(stats), thread_cpu(), machine_cpu()
             clock.start()
             wall = eng.gen_batch(prompts, DECODE_TOKENS + 1)
-            summary = step_summary(clock.stop())
+            steps, slow_stacks = clock.stop()
+            summary = step_summary(steps)
+            if slow_stacks:
+                summary["slow_step_stacks"] = slow_stacks
             extra = {}
             if kind == "new":
                 extra = eng.settle()
@@ -486,6 +530,9 @@ def engines(a) -> int:
             shutil.rmtree(os.path.join(a.work, "fs_r0"), ignore_errors=True)
         store = os.path.join(a.work, f"store-{v}")
         shutil.rmtree(store, ignore_errors=True)
+        for d in ("/dev/shm", a.work):  # an earlier engine's counters (run_variant)
+            for old in glob.glob(os.path.join(d, f"iud-stats-{v}.*")):
+                os.remove(old)
         t0 = time.monotonic()
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "child", v, a.model,
                             a.work, results] + (["--only", a.only] if a.only else []),

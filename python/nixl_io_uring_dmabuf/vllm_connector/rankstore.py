@@ -158,10 +158,12 @@ class RankStore:
         # Checksums run here, off the engine's thread (torch and numpy release the GIL).
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="iud-kv-sums")
         # Per direction: jobs, bytes, seconds (post to the poll that saw DONE), post_seconds
-        # (the engine's thread: checksums, make_prepped_xfer, post, commit or check); loads
-        # also blocks checked and blocks found damaged.
+        # (the engine's thread: checksums, make_prepped_xfer, post, commit or check),
+        # poll_seconds and poll_max (the engine's thread in check_xfer_state); loads also blocks
+        # checked and blocks found damaged.
         self.stats = {d: {"jobs": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "post_seconds": 0.0,
-                          "blocks": 0, "bad_blocks": 0, "sum_seconds": 0.0}
+                          "poll_seconds": 0.0, "poll_max": 0.0, "blocks": 0, "bad_blocks": 0,
+                          "sum_seconds": 0.0}
                       for d in ("store", "load")}
         logger.info("KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
                     "backend %s%s", rank, geo.num_slots, geo.slot_bytes, len(self._fds),
@@ -334,7 +336,9 @@ class RankStore:
                 self._post(job)
                 job.phase = "xfer"
             if job.phase == "xfer":
+                t = time.perf_counter()
                 state = self._agent.check_xfer_state(job.handle)
+                self._timed_poll(job, time.perf_counter() - t)
                 if state == "PROC":
                     return None
                 if state != "DONE":
@@ -366,6 +370,11 @@ class RankStore:
         st["blocks"] += len(job.blocks) if res.ok else 0
         st["bad_blocks"] += len(res.bad_blocks)
         return res
+
+    def _timed_poll(self, job: _Job, dt: float) -> None:
+        st = self.stats["store" if job.store else "load"]
+        st["poll_seconds"] += dt
+        st["poll_max"] = max(st["poll_max"], dt)
 
     def _finish(self, job: _Job) -> Result:
         nbytes = len(job.blocks) * sum(self.pages)
