@@ -102,6 +102,8 @@ BACKENDS = [
     # Page-cache worker threads (auto: half the CPUs, at most 8), one writer per file, and DRAM
     # writes left to the ring alone (no inline pwrite by the posting/polling thread).
     ("IUD-pct16", "IO_URING_DMABUF", {"page_cache_threads": "16"}),
+    # ... and all 16 writing one file at once (as many writers as GDS_MT's compatibility mode?)
+    ("IUD-pct16fw0", "IO_URING_DMABUF", {"page_cache_threads": "16", "page_cache_file_writers": "0"}),
     ("IUD-fw1", "IO_URING_DMABUF", {"page_cache_file_writers": "1"}),
     ("IUD-inline0", "IO_URING_DMABUF", {"inline_write_max": "0"}),
     # Staged page-cache writes in 512 KiB pieces (the default before 2026-12-01's session 20: 2 MiB).

@@ -74,6 +74,9 @@ VARIANTS = {
     "iud-pc-1file": ("nixl", "IO_URING_DMABUF", False, LIGHT, {"slot_files": 1}),
     "gds-pc": ("nixl", "GDS_MT", False),
     "iud-od": ("nixl", "IO_URING_DMABUF", True),
+    # O_DIRECT stores advanced only by the polling thread: is the progress thread's hold on the
+    # driver what the engine thread waits for?
+    "iud-od-noprog": ("nixl", "IO_URING_DMABUF", True, {"progress_thread": "false"}),
     "gds-od": ("nixl", "GDS_MT", True),
     "fs-store": ("fs", None, True),
     "fs-load": ("fs", None, True),
@@ -273,8 +276,10 @@ class StepClock:
     wrapping its get_output: wall time, the engine thread's CPU time and run-queue wait
     (/proc/thread-self/schedstat), tokens, and whether it was a decode step (every request that
     got a token had one before). With IUD_VLLM_BENCH_SAMPLE=1 a thread also samples the engine
-    thread's Python stack every 2 ms during steps: where the slow steps (over twice the round's
-    median) spend their time. Sampling takes the GIL, so it is a diagnostic, off by default."""
+    thread's Python stack every 2 ms during steps, with the kernel function it sleeps in and its
+    system call (/proc/<pid>/task/<tid>/wchan and syscall): where the slow steps (over twice the
+    round's median) spend their time. Sampling takes the GIL, so it is a diagnostic, off by
+    default."""
 
     def __init__(self, llm):
         core = llm.llm_engine.engine_core
@@ -287,6 +292,7 @@ class StepClock:
             import threading
 
             self._tid = threading.get_ident()
+            self._task = f"/proc/self/task/{threading.get_native_id()}"
             threading.Thread(target=self._sample, daemon=True, name="bench-sampler").start()
 
     def start(self) -> None:
@@ -303,7 +309,12 @@ class StepClock:
                 if s[4] and s[0] > limit:
                     for where in s[5]:
                         slow[where] = slow.get(where, 0) + 1
+        kernel: dict = {}
+        for where, n in slow.items():
+            k = "kernel: " + where.split(" | ")[0]
+            kernel[k] = kernel.get(k, 0) + n
         top = dict(sorted(slow.items(), key=lambda kv: -kv[1])[:6])
+        top.update(sorted(kernel.items(), key=lambda kv: -kv[1])[:4])
         return steps, top
 
     def _sample(self) -> None:
@@ -318,7 +329,18 @@ class StepClock:
                 where.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}:"
                              f"{f.f_code.co_name}")
                 f = f.f_back
-            samples.append(" < ".join(where))
+            samples.append(f"{self._kernel_state()} | " + " < ".join(where))
+
+    def _kernel_state(self) -> str:
+        """The engine thread's system call number (or `running`) and kernel wait function."""
+        try:
+            with open(f"{self._task}/syscall") as f:
+                call = f.read().split()[0]
+            with open(f"{self._task}/wchan") as f:
+                wchan = f.read().strip() or "-"
+        except OSError:
+            return "?"
+        return f"sys {call} {wchan}"
 
     def _step(self):
         if self.steps is None:
