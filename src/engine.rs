@@ -28,6 +28,7 @@ use crate::uring::{FileKey, Progress, Ring, WorkerConfig, WriterLimits};
 use crate::xfer::driver::{Driver, RequestKey};
 use crate::xfer::progress::ProgressThread;
 use crate::xfer::plan::PlanContext;
+use crate::xfer::recycle::OpLists;
 use crate::xfer::{plan, Plan, XferOp};
 
 /// One backend instance.
@@ -58,6 +59,8 @@ pub struct Engine {
     recorder: Option<Recorder>,
     /// Worker pool of the cuFile sub-path, started on first use.
     cufile_exec: OnceCell<CufileExecutor>,
+    /// Op lists of released requests, for the next prepXfer.
+    op_lists: OpLists,
 }
 
 /// The kernel's io_uring DMA-BUF capability, probed once per process.
@@ -113,6 +116,7 @@ impl Engine {
             gpu: OnceCell::new(),
             recorder,
             cufile_exec: OnceCell::new(),
+            op_lists: OpLists::default(),
         })
     }
 
@@ -343,6 +347,7 @@ impl Engine {
             page_cache_threads: self.params.page_cache_threads,
             staged_write_piece_max: self.params.staged_write_piece_max,
             route: &|mem, file| self.route(mem, file),
+            lists: &self.op_lists,
         };
         let plan = plan(op, local_kind, local, remote_kind, remote, &self.registry, &ctx)?;
         for reg in &plan.registrations {
@@ -454,7 +459,13 @@ impl Engine {
             }
         }
         match self.driver.remove_request(req.key) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                // The driver held the only other reference to the ops.
+                if let Ok(ops) = Arc::try_unwrap(req.plan.ops) {
+                    self.op_lists.give_back(ops.ops);
+                }
+                Ok(())
+            }
             Err(e) => Err((req, e)),
         }
     }

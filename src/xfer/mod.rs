@@ -6,6 +6,7 @@ pub mod driver;
 pub mod plan;
 mod profile;
 pub mod progress;
+pub mod recycle;
 pub mod request;
 
 pub use plan::{plan, Plan, XferOp};

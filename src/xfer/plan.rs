@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
+use super::recycle::OpLists;
 use super::request::RequestOps;
 use crate::mem::live::{self, Registry, Unresolved};
 use crate::mem::{FileRegion, MemKind, Registration};
@@ -173,6 +174,8 @@ pub struct PlanContext<'a> {
     pub staged_write_piece_max: u64,
     /// Chooses (once per pair, cached by the engine) how a memory registration reaches a target.
     pub route: &'a dyn Fn(&Registration, &FileRegion) -> Result<Route>,
+    /// Op lists of released requests, reused (no page faults per request).
+    pub lists: &'a OpLists,
 }
 
 /// Smallest staged piece worth cutting (below it, per-piece overhead outweighs parallelism).
@@ -273,7 +276,7 @@ pub fn plan(
         punt_buffered_min: ctx.punt_buffered_min,
         staged_write: ctx.staged_write_piece_max,
     };
-    let mut ops = Vec::with_capacity(local.len());
+    let mut ops = ctx.lists.take(local.len());
     let (mut all_buffered, mut all_host) = (true, true);
     let mut vram_outside_streams = false;
     for (i, ((l, r), &k)) in local.iter().zip(remote).zip(&pairs).enumerate() {
