@@ -11,7 +11,7 @@
 # $OUT/per-request-logs.tgz (the device tool brings back at most 8 files).
 #   bash ci/gpu/per-request.sh            # steps 1proc 4proc prep (about 8 minutes)
 #   bash ci/gpu/per-request.sh write      # the buffered WRITE profile (about 4 minutes)
-#   bash ci/gpu/per-request.sh write-probe  # larger staged WRITEs: workers, buffers, pieces (3 min)
+#   bash ci/gpu/per-request.sh write-probe  # larger staged WRITEs: workers, buffers, pieces (4 min)
 #
 # IUD_GPU_DRYRUN=1 runs the same three steps here, on the CPU machine, with the project's .venv
 # and plugin (ci/build.sh), host memory (--memory dram), POSIX in place of GDS_MT and tiny points:
@@ -84,15 +84,16 @@ for st in "${steps[@]}"; do
         fi
         step per-request-write-large-folios "$b" "${wv[@]}"
         step per-request-write-small-folios "$b" "${wv[@]}" --req_prefill_write 4096 ;;
-    write-probe)  # where large staged WRITEs lose to GDS_MT (about 3 minutes): more workers on
-        # one file, more staging buffers, smaller write pieces; IO_URING_DMABUF_PROFILE=1 logs
-        # each request's split (storage I/O, device copies) into the step's log
+    write-probe)  # where large staged WRITEs lose to GDS_MT (about 4 minutes): more workers on
+        # one file; a small staging pool (its buffers stay in the CPU cache between the device's
+        # copy into them and the write out of them, as GDS_MT's bounce buffers may); smaller
+        # write pieces; IO_URING_DMABUF_PROFILE=1 logs each request's split into the step's log
         wv=(--tables req --req_ops WRITE --req_no_contig --req_modes prepped)
         if [ "${IUD_GPU_DRYRUN:-0}" = 1 ]; then
             wv+=(--req_backends IO_URING_DMABUF,POSIX+copy,IUD-pct16fw0 "${small[@]}"); b=60
         else
-            wv+=(--req_backends IO_URING_DMABUF,GDS_MT,IUD-pct16fw0,IUD-stage-2Mx128,IUD-swp512K
-                 --req_points 256K:2048,2M:512 --req_seconds 0.2 --kv_rounds 2); b=150
+            wv+=(--req_backends IO_URING_DMABUF,GDS_MT,IUD-pct16fw0,IUD-stage-512Kx16,IUD-stage-1Mx16,IUD-swp512K
+                 --req_points 256K:2048,2M:512 --req_seconds 0.2 --kv_rounds 2); b=180
         fi
         IO_URING_DMABUF_PROFILE=1 step per-request-write-probe "$b" "${wv[@]}" ;;
     *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe)" >&2; rc=2 ;;
