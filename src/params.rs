@@ -72,6 +72,8 @@ pub struct EngineParams {
     pub staging_copy: PackedCopy,
     /// Largest staged piece of a page-cache WRITE.
     pub staged_write_piece_max: u64,
+    /// Staging bytes that page-cache WRITEs may fill at once (0 = no limit).
+    pub staged_write_window: u64,
     pub cufile_threads: u32,
     pub cufile_api: CufileApiChoice,
     /// Recording-mode output file (empty = off).
@@ -217,6 +219,12 @@ impl EngineParams {
                 "backend parameter staged_write_piece_max={staged_write_piece_max} must be a multiple of 4096 between 4096 and 1 GiB"
             )));
         }
+        let staged_write_window = parse_u64("staged_write_window", get("staged_write_window"))?;
+        if staged_write_window % 4096 != 0 {
+            return Err(Error::invalid(format!(
+                "backend parameter staged_write_window={staged_write_window} must be a multiple of 4096 (0 = no limit)"
+            )));
+        }
         let staging_pack_max = match get("staging_pack_max") {
             // Half a buffer: two pieces or more share one. On the H200 2048 scattered 256 KiB
             // reads ran 41-43 GB/s packed (4 or 8 to a 2 MiB buffer) against 26 a buffer each
@@ -266,6 +274,7 @@ impl EngineParams {
             staging_pack_max,
             staging_copy,
             staged_write_piece_max,
+            staged_write_window,
             cufile_threads: cufile_threads as u32,
             cufile_api,
             record: get("record").to_owned(),
@@ -335,6 +344,8 @@ mod tests {
             ("staging_buffer_size", "1000"),
             ("staging_buffers", "1"),
             ("staged_write_piece_max", "1000"),
+            ("staged_write_window", "1000"),
+            ("staged_write_window", "lots"),
             ("staging_pack_max", "5000"),
             ("staging_copy", "memcpy"),
             ("staging_pack_max", "4194304"),

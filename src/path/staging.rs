@@ -97,6 +97,10 @@ pub struct StagingShape {
     pub pack_max: u64,
     /// How a packed buffer reaches the GPU (`staging_copy`).
     pub packed_copy: PackedCopy,
+    /// Bytes of buffers that page-cache WRITEs may fill at once (`staged_write_window`, 0 = no
+    /// limit): a small working set stays in the CPU's cache between the device's copy into a
+    /// buffer and the file system's copy out of it.
+    pub write_window: u64,
 }
 
 /// Most pieces in one buffer (one batched copy call).
@@ -119,6 +123,8 @@ struct Group {
     /// The ops as planned, on device memory, and where each sits in the buffer.
     pieces: Vec<(IoOp, u64)>,
     used: u64,
+    /// Counted against the write window (a page-cache WRITE).
+    windowed: bool,
     /// Pieces whose storage I/O has not ended.
     io_left: usize,
     /// Pieces whose storage I/O completed (READ: they wait for the group's copy).
@@ -162,17 +168,28 @@ pub struct Staging {
     packed_copy: PackedCopy,
     groups: slab::Slab<Group>,
     copies: Vec<PendingCopy>,
+    write_window: u64,
+    /// Bytes the windowed groups fill now.
+    window_used: u64,
 }
 
 impl Staging {
     pub fn new(pool: StagingPool, shape: StagingShape) -> Staging {
-        Staging { pool, pack_max: shape.pack_max, packed_copy: shape.packed_copy, groups: slab::Slab::new(), copies: Vec::new() }
+        Staging { pool, pack_max: shape.pack_max, packed_copy: shape.packed_copy, groups: slab::Slab::new(), copies: Vec::new(), write_window: shape.write_window, window_used: 0 }
     }
 
-    /// A buffer for `first`, the group's first piece, or None while all are busy.
-    pub fn open(&mut self, owner: usize, write: bool, first: IoOp) -> Option<usize> {
+    /// Whether a page-cache WRITE may open a group for a piece of `len` bytes now: the window
+    /// has room, or nothing fills it (a piece larger than the window still goes, alone).
+    pub fn window_admits(&self, len: u32) -> bool {
+        self.write_window == 0 || self.window_used == 0 || self.window_used + u64::from(len) <= self.write_window
+    }
+
+    /// A buffer for `first`, the group's first piece, or None while all are busy. `windowed`:
+    /// a page-cache WRITE, counted against the write window.
+    pub fn open(&mut self, owner: usize, write: bool, first: IoOp, windowed: bool) -> Option<usize> {
         let buf = self.pool.take()?;
-        let g = self.groups.insert(Group { owner, buf, write, pieces: Vec::new(), used: 0, io_left: 0, io_ok: 0 });
+        let windowed = windowed && self.write_window > 0;
+        let g = self.groups.insert(Group { owner, buf, write, pieces: Vec::new(), used: 0, windowed, io_left: 0, io_ok: 0 });
         let added = self.try_add(g, first);
         debug_assert!(added, "a planned staged piece fits an empty buffer");
         Some(g)
@@ -183,16 +200,21 @@ impl Staging {
         let (size, pack_max) = (self.pool.buffer_size, self.pack_max);
         let grp = &mut self.groups[g];
         let at = grp.used.div_ceil(PACK_ALIGN) * PACK_ALIGN;
+        let end = at + u64::from(op.len);
         if let Some((first, _)) = grp.pieces.first() {
             let small = |o: &IoOp| u64::from(o.len) <= pack_max;
-            if !small(first) || !small(&op) || first.device != op.device || grp.pieces.len() >= PACK_PIECES_MAX || at + u64::from(op.len) > size {
+            let window_full = grp.windowed && self.window_used + (end - grp.used) > self.write_window;
+            if !small(first) || !small(&op) || first.device != op.device || grp.pieces.len() >= PACK_PIECES_MAX || end > size || window_full {
                 return false;
             }
         } else if u64::from(op.len) > size {
             return false;
         }
+        if grp.windowed {
+            self.window_used += end - grp.used;
+        }
         grp.pieces.push((op, at));
-        grp.used = at + u64::from(op.len);
+        grp.used = end;
         grp.io_left += 1;
         true
     }
@@ -246,6 +268,9 @@ impl Staging {
     /// Frees the group's buffer.
     pub fn close(&mut self, g: usize) {
         if let Some(grp) = self.groups.try_remove(g) {
+            if grp.windowed {
+                self.window_used -= grp.used;
+            }
             self.pool.put(grp.buf);
         }
     }
@@ -304,5 +329,111 @@ impl Drop for StagingPool {
         self.provider.unpin_host(self.base);
         // SAFETY: the mapping was created in new(); the ring drained every op using it.
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.total as usize) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::{DeviceRange, DmabufExport};
+    use crate::uring::FileRef;
+
+    /// "Device" memory that is host memory; copies are done at once.
+    struct HostAsDevice;
+    struct Done;
+    impl CopyTicket for Done {
+        fn is_done(&self) -> Result<bool> {
+            Ok(true)
+        }
+        fn wait(&self) -> Result<()> {
+            Ok(())
+        }
+    }
+    impl GpuProvider for HostAsDevice {
+        fn name(&self) -> &'static str {
+            "host-as-device"
+        }
+        fn device_count(&self) -> i32 {
+            1
+        }
+        fn check_device_range(&self, _: i32, _: u64, _: u64) -> Result<DeviceRange> {
+            Err(Error::backend("not in this test"))
+        }
+        fn export_dmabuf(&self, _: i32, _: u64, _: u64) -> Result<DmabufExport> {
+            Err(Error::backend("not in this test"))
+        }
+        unsafe fn pin_host(&self, _: u64, _: u64) -> Result<()> {
+            Ok(())
+        }
+        fn unpin_host(&self, _: u64) {}
+        unsafe fn copy_to_host(&self, _: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+            // SAFETY: both ranges are host memory of the test, valid for `len` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(dev as *const u8, host as *mut u8, len as usize) };
+            Ok(Box::new(Done))
+        }
+        unsafe fn copy_to_device(&self, _: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(host as *const u8, dev as *mut u8, len as usize) };
+            Ok(Box::new(Done))
+        }
+        fn make_current(&self, _: i32) -> Result<()> {
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "host memory posing as a device".into()
+        }
+    }
+
+    const KIB: u64 = 1024;
+
+    fn staging(buffers: u32, write_window: u64) -> Staging {
+        let shape = StagingShape { buffer_size: 512 * KIB, buffers, pack_max: 256 * KIB, packed_copy: PackedCopy::Batch, write_window };
+        let pool = StagingPool::new(Arc::new(HostAsDevice), shape.buffer_size, shape.buffers, |_, _| None).expect("pool");
+        Staging::new(pool, shape)
+    }
+
+    fn piece(len: u64) -> IoOp {
+        IoOp { file: FileRef::Raw(3), fd: 3, io_fd: 3, file_offset: 0, addr: 0x1000, len: len as u32, buf_index: None, device: Some(0), punt: true, desc_index: 0 }
+    }
+
+    #[test]
+    fn page_cache_writes_fill_no_more_than_the_write_window_and_get_it_back_on_close() {
+        let mut s = staging(8, 1024 * KIB);
+        assert!(s.window_admits(512 * KIB as u32));
+        let a = s.open(1, true, piece(512 * KIB), true).expect("a buffer");
+        assert!(s.window_admits(512 * KIB as u32), "512 of 1024 KiB used");
+        let b = s.open(1, true, piece(512 * KIB), true).expect("a buffer");
+        assert!(!s.window_admits(4 * KIB as u32), "the window is full");
+        // Other traffic does not count against it: reads and O_DIRECT writes still get buffers.
+        let read = s.open(2, false, piece(512 * KIB), false).expect("a buffer for a read");
+        let direct = s.open(3, true, piece(512 * KIB), false).expect("a buffer for an O_DIRECT write");
+        assert!(!s.window_admits(4 * KIB as u32));
+        s.close(a);
+        assert!(s.window_admits(512 * KIB as u32), "closing a group gives its bytes back");
+        for g in [b, read, direct] {
+            s.close(g);
+        }
+        assert_eq!(s.window_used, 0);
+    }
+
+    #[test]
+    fn packing_stops_at_the_write_window_and_a_lone_piece_larger_than_it_still_goes() {
+        let mut s = staging(8, 192 * KIB);
+        let g = s.open(1, true, piece(64 * KIB), true).expect("a buffer");
+        assert!(s.try_add(g, piece(64 * KIB)));
+        assert!(s.try_add(g, piece(64 * KIB)));
+        assert!(!s.try_add(g, piece(64 * KIB)), "a fourth 64 KiB piece would pass 192 KiB");
+        assert_eq!(s.pieces(g), 3);
+        s.close(g);
+        // Nothing fills the window: a piece larger than the whole window is admitted alone.
+        assert!(s.window_admits(256 * KIB as u32));
+        let big = s.open(1, true, piece(256 * KIB), true).expect("a buffer");
+        assert!(!s.window_admits(4 * KIB as u32));
+        s.close(big);
+        // No window: never limited.
+        let mut s = staging(4, 0);
+        let gs: Vec<usize> = (0..4).map(|_| s.open(1, true, piece(512 * KIB), true).expect("a buffer")).collect();
+        assert!(s.window_admits(512 * KIB as u32));
+        gs.into_iter().for_each(|g| s.close(g));
     }
 }

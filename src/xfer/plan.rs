@@ -305,7 +305,7 @@ pub fn plan(
     // Reads meant for the page-cache workers are not served by the posting thread.
     Ok(Plan {
         op,
-        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host && !ops.iter().any(|o| o.punt), ops }),
+        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host && !ops.iter().any(|o| o.punt), page_cache: all_buffered, ops }),
         registrations: regs.list,
         local_count: local.len(),
         remote_count: remote.len(),

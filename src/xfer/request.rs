@@ -22,6 +22,9 @@ pub struct RequestOps {
     /// Every op is a buffered read into host memory: a small request may be served from the
     /// page cache by the posting thread (see `Driver::read_inline_if_cached`).
     pub inline_reads: bool,
+    /// Every op's file is a page-cache file (no O_DIRECT): staged WRITEs count against the
+    /// staging write window (`path::staging::StagingShape::write_window`).
+    pub page_cache: bool,
 }
 
 #[derive(Debug)]
@@ -294,7 +297,7 @@ mod tests {
 
     fn request(n: usize, write: bool, inline_writes: bool) -> RequestProgress {
         let op = |i: usize| IoOp { file: FileRef::Raw(3), fd: 3, io_fd: 3, file_offset: i as u64 * 4096, addr: 0x10000 + i as u64 * 4096, len: 4096, buf_index: None, device: None, punt: false, desc_index: i as u32 };
-        RequestProgress::new(Arc::new(RequestOps { write, ops: (0..n).map(op).collect(), inline_writes, inline_reads: false }))
+        RequestProgress::new(Arc::new(RequestOps { write, ops: (0..n).map(op).collect(), inline_writes, inline_reads: false, page_cache: true }))
     }
 
     fn run_all(r: &mut RequestProgress) -> Vec<IoOp> {

@@ -401,8 +401,18 @@ impl Table {
                 req.settle();
                 continue;
             };
+            // Page-cache WRITEs fill at most the write window: let the next request go.
+            let windowed = write && req.ops.page_cache;
+            if windowed && !staging.window_admits(op.len) {
+                self.queue.rotate_left(1);
+                throttled += 1;
+                if throttled >= self.queue.len() {
+                    break;
+                }
+                continue;
+            }
             // All buffers busy: wait for completions to free one.
-            let Some(group) = staging.open(key, write, op) else { break };
+            let Some(group) = staging.open(key, write, op, windowed) else { break };
             // Pack the request's next small pieces into the same buffer.
             let mut last = req.advance();
             while !last {
