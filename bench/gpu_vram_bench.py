@@ -89,6 +89,9 @@ BACKENDS = [
     # Small pools: less host memory touched per request (cache-resident staging for writes?).
     ("IUD-stage-1Mx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB), "staging_buffers": "16"}),
     ("IUD-stage-512Kx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "16"}),
+    ("IUD-stage-256Kx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB // 4), "staging_buffers": "16"}),
+    ("IUD-stage-512Kx8", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "8"}),
+    ("IUD-stage-512Kx32", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "32"}),
     # More bytes in flight for disks that want deep queues (256 MiB pinned instead of 64).
     ("IUD-stage-2Mx128", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(2 * MiB), "staging_buffers": "128"}),
     # Page-cache READ pieces handed to io_uring's workers (punted) from this size; 0 = never.
@@ -104,6 +107,11 @@ BACKENDS = [
     ("IUD-pct16", "IO_URING_DMABUF", {"page_cache_threads": "16"}),
     # ... and all 16 writing one file at once (as many writers as GDS_MT's compatibility mode?)
     ("IUD-pct16fw0", "IO_URING_DMABUF", {"page_cache_threads": "16", "page_cache_file_writers": "0"}),
+    # The staging write window (staged_write_window, default 8 MiB): none, 16 MiB, and 8 MiB
+    # with 512 KiB write pieces.
+    ("IUD-win0", "IO_URING_DMABUF", {"staged_write_window": "0"}),
+    ("IUD-win16M", "IO_URING_DMABUF", {"staged_write_window": str(16 * MiB)}),
+    ("IUD-win8M-p512K", "IO_URING_DMABUF", {"staged_write_piece_max": str(MiB // 2)}),
     ("IUD-fw1", "IO_URING_DMABUF", {"page_cache_file_writers": "1"}),
     ("IUD-inline0", "IO_URING_DMABUF", {"inline_write_max": "0"}),
     # Staged page-cache writes in 512 KiB pieces (the default before 2026-12-01's session 20: 2 MiB).
@@ -133,7 +141,7 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-win", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch")
 
 
 

@@ -441,9 +441,12 @@ def delta(a: dict, b: dict) -> dict:
 
 
 def run_variant(variant: str, model: str, work: str, results: str, only: str | None) -> None:
-    # The worker rewrites its counters from the engine's thread after each poll that ended
-    # jobs: in memory, so that a disk busy with the stores (O_DIRECT) cannot stall that thread.
-    stats = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else work, f"iud-stats-{variant}")
+    # The worker's counters file (its own thread rewrites it after each poll that ended jobs),
+    # in memory unless IUD_VLLM_BENCH_STATS_DIR names a place: run 3 rewrote it from the engine's
+    # thread on the disk its O_DIRECT stores kept busy, and decode steps stalled.
+    where = os.environ.get("IUD_VLLM_BENCH_STATS_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm")
+                                                           else work)
+    stats = os.path.join(where, f"iud-stats-{variant}")
     os.environ["IUD_KV_STATS_FILE"] = stats
     t0 = time.monotonic()
     eng = Engine(variant, model, work)
@@ -554,7 +557,8 @@ def engines(a) -> int:
             shutil.rmtree(os.path.join(a.work, "fs_r0"), ignore_errors=True)
         store = os.path.join(a.work, f"store-{v}")
         shutil.rmtree(store, ignore_errors=True)
-        for d in ("/dev/shm", a.work):  # an earlier engine's counters (run_variant)
+        # an earlier engine's counters (run_variant)
+        for d in ("/dev/shm", a.work, os.environ.get("IUD_VLLM_BENCH_STATS_DIR") or a.work):
             for old in glob.glob(os.path.join(d, f"iud-stats-{v}.*")):
                 os.remove(old)
         t0 = time.monotonic()

@@ -21,7 +21,6 @@ under plain OffloadingConnector the worker stops the engine with an error naming
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -35,6 +34,7 @@ from vllm.v1.kv_offload.base import (
 
 from . import checksum
 from .rankstore import RankStore, Region
+from .stats_file import StatsFile
 from .specs import NixlLoadSpec, NixlStoreSpec
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ class NixlStorageWorker(OffloadingWorker):
         self._load_blocks: dict[int, np.ndarray] = {}
         self._failed_blocks: set[int] = set()
         # Benchmarks: the RankStore's job counters, rewritten after each poll that ended jobs.
-        self._stats_file = os.environ.get("IUD_KV_STATS_FILE")
+        stats_path = os.environ.get("IUD_KV_STATS_FILE")
+        self._stats_file = StatsFile(stats_path, self.rank) if stats_path else None
 
     def _launch_sums(self, blocks: np.ndarray):
         if self._side is None:  # CPU platform: computed here, at once
@@ -166,14 +167,12 @@ class NixlStorageWorker(OffloadingWorker):
             out.append(TransferResult(r.job_id, True, r.nbytes or None,
                                       r.seconds if r.nbytes else None))
         if out and self._stats_file:
-            self._write_stats()
+            self._stats_file.publish(self._stats_snapshot())
         return out
 
-    def _write_stats(self) -> None:
-        tmp = f"{self._stats_file}.{self.rank}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"rank": self.rank, "backend": self.store.backend, **self.store.stats}, f)
-        os.replace(tmp, f"{self._stats_file}.{self.rank}")
+    def _stats_snapshot(self) -> dict:
+        stats = {k: dict(v) if isinstance(v, dict) else v for k, v in self.store.stats.items()}
+        return {"rank": self.rank, "backend": self.store.backend, **stats}
 
     def _load_failed(self, r, bad: list[int]) -> None:
         what = (f"{len(bad)} KV block(s) of load job {r.job_id} "
@@ -198,3 +197,5 @@ class NixlStorageWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.store.close()
+        if self._stats_file:
+            self._stats_file.close()
