@@ -12,6 +12,7 @@
 #   bash ci/gpu/per-request.sh            # steps 1proc 4proc prep (about 8 minutes)
 #   bash ci/gpu/per-request.sh write      # the buffered WRITE profile (about 4 minutes)
 #   bash ci/gpu/per-request.sh write-probe  # larger staged WRITEs: workers, buffers, pieces (4 min)
+#     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS and IUD_PROBE_OPS=READ replace its backends, points, op)
 #
 # IUD_GPU_DRYRUN=1 runs the same three steps here, on the CPU machine, with the project's .venv
 # and plugin (ci/build.sh), host memory (--memory dram), POSIX in place of GDS_MT and tiny points:
@@ -88,12 +89,12 @@ for st in "${steps[@]}"; do
         # one file; a small staging pool (its buffers stay in the CPU cache between the device's
         # copy into them and the write out of them, as GDS_MT's bounce buffers may); smaller
         # write pieces; IO_URING_DMABUF_PROFILE=1 logs each request's split into the step's log
-        wv=(--tables req --req_ops WRITE --req_no_contig --req_modes prepped)
+        wv=(--tables req --req_ops ${IUD_PROBE_OPS:-WRITE} --req_no_contig --req_modes prepped)
         if [ "${IUD_GPU_DRYRUN:-0}" = 1 ]; then
             wv+=(--req_backends IO_URING_DMABUF,POSIX+copy,IUD-pct16fw0 "${small[@]}"); b=60
         else
-            wv+=(--req_backends IO_URING_DMABUF,GDS_MT,IUD-pct16fw0,IUD-stage-512Kx16,IUD-stage-1Mx16,IUD-swp512K
-                 --req_points 256K:2048,2M:512 --req_seconds 0.2 --kv_rounds 2); b=180
+            wv+=(--req_backends ${IUD_PROBE_BACKENDS:-IO_URING_DMABUF,GDS_MT,IUD-pct16fw0,IUD-stage-512Kx16,IUD-stage-1Mx16,IUD-swp512K}
+                 --req_points ${IUD_PROBE_POINTS:-256K:2048,2M:512} --req_seconds 0.2 --kv_rounds 2); b=180
         fi
         IO_URING_DMABUF_PROFILE=1 step per-request-write-probe "$b" "${wv[@]}" ;;
     *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe)" >&2; rc=2 ;;
