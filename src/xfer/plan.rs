@@ -14,7 +14,7 @@ use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
 use super::recycle::OpLists;
 use super::request::RequestOps;
-use crate::mem::live::{self, Registry, Unresolved};
+use crate::mem::live::{Registry, Unresolved};
 use crate::mem::{FileRegion, MemKind, Registration};
 use crate::path::{direct, dmabuf, staging, Route};
 use crate::uring::{IoOp, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
@@ -64,14 +64,43 @@ struct Registrations<'a> {
     registry: &'a Registry,
     index: HashMap<usize, usize>,
     list: Vec<Arc<Registration>>,
-    /// Per side (memory, storage): up to `HINTS` recent distinct MDs and the index of the
-    /// registration each last resolved to; a descriptor with one of them whose registration
-    /// covers it needs no registry lookup (no lock, no hash), whatever order the regions come in.
-    hints: [Vec<(usize, usize)>; 2],
+    /// Per side (memory, storage): up to `HINTS` recent distinct MDs and the registration each
+    /// last resolved to; a descriptor with one of them whose registration covers it needs no
+    /// registry lookup (no lock, no hash), whatever order the regions come in.
+    hints: [Vec<Hint>; 2],
     /// Per side: the hint a new MD replaces when all are taken (the oldest).
     victim: [usize; 2],
     /// Descriptors whose MD did not name a registration covering them (sync mode NONE).
     unhinted: usize,
+}
+
+/// An MD and what `live::covers` checks of the registration it last resolved to, copied so
+/// that the check per descriptor reads only this (the registration is immutable).
+#[derive(Clone, Copy)]
+struct Hint {
+    md: usize,
+    index: usize,
+    kind: MemKind,
+    dev_id: u64,
+    start: u64,
+    end: u64,
+}
+
+impl Hint {
+    fn new(md: usize, index: usize, reg: &Registration) -> Self {
+        let (start, end) = reg.range();
+        Hint { md, index, kind: reg.kind(), dev_id: reg.dev_id(), start, end }
+    }
+
+    /// `live::covers` of the hinted registration, for a descriptor carrying this MD.
+    #[inline]
+    fn covers(&self, kind: MemKind, d: &iud_desc) -> bool {
+        self.md == d.md as usize
+            && self.kind == kind
+            && self.dev_id == d.dev_id
+            && d.addr >= self.start
+            && d.addr.checked_add(d.len).is_some_and(|e| e <= self.end)
+    }
 }
 
 impl<'a> Registrations<'a> {
@@ -80,13 +109,18 @@ impl<'a> Registrations<'a> {
     }
 
     /// Index into `list` of the live registration of `kind` that covers `d`.
+    #[inline]
     fn get(&mut self, side: usize, kind: MemKind, d: &iud_desc) -> std::result::Result<usize, Unresolved> {
-        let md = d.md as usize;
-        for &(m, i) in &self.hints[side] {
-            if m == md && live::covers(&self.list[i], kind, d) {
-                return Ok(i);
-            }
+        match self.hints[side].iter().find(|h| h.covers(kind, d)) {
+            Some(h) => Ok(h.index),
+            None => self.resolve(side, kind, d),
         }
+    }
+
+    /// `get` past the hints: the registry, then a hint for the MD.
+    #[cold]
+    fn resolve(&mut self, side: usize, kind: MemKind, d: &iud_desc) -> std::result::Result<usize, Unresolved> {
+        let md = d.md as usize;
         let found = self.registry.resolve(kind, d)?;
         self.unhinted += usize::from(!found.by_hint);
         let list = &mut self.list;
@@ -96,13 +130,14 @@ impl<'a> Registrations<'a> {
         });
         // A new MD takes a free hint, else the oldest one's place: a list naming more than
         // `HINTS` MDs in runs (one region after another) still finds each run's MD here.
+        let hint = Hint::new(md, i, &self.list[i]);
         let hints = &mut self.hints[side];
-        if let Some(h) = hints.iter_mut().find(|(m, _)| *m == md) {
-            h.1 = i;
+        if let Some(h) = hints.iter_mut().find(|h| h.md == md) {
+            *h = hint;
         } else if hints.len() < HINTS {
-            hints.push((md, i));
+            hints.push(hint);
         } else {
-            hints[self.victim[side]] = (md, i);
+            hints[self.victim[side]] = hint;
             self.victim[side] = (self.victim[side] + 1) % HINTS;
         }
         Ok(i)
@@ -241,9 +276,11 @@ pub fn plan(
     let mut regs = Registrations::new(registry);
     let mut distinct = Pairs::default();
     let mut pairs: Vec<u32> = Vec::with_capacity(local.len());
+    let mut total_bytes = 0u64;
     for (i, (l, r)) in local.iter().zip(remote).enumerate() {
         let pair = validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?;
         pairs.push(distinct.index(pair, i));
+        total_bytes = total_bytes.saturating_add(l.len);
     }
     if regs.unhinted > 0 {
         tracing::debug!("prepXfer: {} of {} descriptor pairs carried an MD of no registration covering them (NIXL's lists in sync mode NONE); resolved by address", regs.unhinted, local.len());
@@ -263,7 +300,6 @@ pub fn plan(
         ));
     }
     // 3. Check O_DIRECT alignment on each path's addresses and cut the descriptors into ops.
-    let total_bytes: u64 = local.iter().map(|l| l.len).sum();
     // A host request no larger than one worker job stays with the posting thread: one job
     // cannot be spread, and the hand-off would only add a wake-up.
     let spreadable = total_bytes > WORKER_JOB_BYTES;
@@ -296,16 +332,18 @@ pub fn plan(
     // Staged pieces of any size qualify: the small ones are packed several to a staging buffer
     // and reach the workers in groups (uring/ring.rs gathers small punted ops into one job).
     // Host requests go only when `spreadable`.
+    let mut any_punt = false;
     for o in &mut ops {
         let kind_ok = op == XferOp::Read || o.device.is_some();
         let big_enough = (o.len as u64 >= ctx.punt_buffered_min && spreadable) || o.device.is_some();
         o.punt &= kind_ok && ctx.punt_buffered_min > 0 && big_enough;
+        any_punt |= o.punt;
     }
     let write = op == XferOp::Write;
     // Reads meant for the page-cache workers are not served by the posting thread.
     Ok(Plan {
         op,
-        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host && !ops.iter().any(|o| o.punt), page_cache: all_buffered, ops }),
+        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host && !any_punt, page_cache: all_buffered, ops }),
         registrations: regs.list,
         local_count: local.len(),
         remote_count: remote.len(),
