@@ -335,6 +335,29 @@ def test_chunks_of_several_blocks_load_from_the_middle_of_a_slot(tmp_path, kv, b
     cat.close()
 
 
+def test_a_chunk_lands_page_major_in_its_slot(tmp_path, kv, backend):
+    """The slot file itself, after a store of one chunk of 3 blocks: page p of sub-block j is at
+    page_runs[p] + j * page, so a page's consecutive blocks lie end to end (one I/O per page)."""
+    geo = geometry(slots=2, bpc=3)
+    assert L.page_runs(PAGES, 3) == [0, 3 * PAGES[0]]
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend)
+    for b in (4, 5, 6):
+        kv.fill(b, seed=600 + b)
+    acc, _ = cat.prepare_store([key(0)])
+    j = next(_job)
+    store.submit_store(j, [4, 5, 6], [acc[0][1]] * 3, [0, 1, 2], acc)
+    assert wait_jobs(store, [j])[j].ok
+    store.close()
+    fi, off = geo.locate(acc[0][1])
+    with open(L.slot_file(str(tmp_path), 0, 1, fi), "rb") as f:
+        f.seek(off)
+        data = f.read(3 * sum(PAGES))
+    want = b"".join(a[b].tobytes() for a in kv.arrays for b in (4, 5, 6))
+    assert data == want
+    cat.close()
+
+
 def test_o_direct_slot_files(tmp_path, kv, backend, need_direct):
     geo = geometry(slots=6)
     cat = C.Catalog(str(tmp_path), geo)
@@ -501,6 +524,14 @@ def test_slots_are_striped_over_the_files_and_each_has_one_place(slots, max_slot
         assert off % geo.slot_bytes == 0 and off + geo.slot_bytes <= geo.file_slots(fi) * block
         assert geo.file_slots(fi) <= max_slots_per_file
     assert sum(geo.file_slots(i) for i in range(files)) == slots
+
+
+def test_a_store_of_block_major_slots_is_refused(tmp_path):
+    geo = geometry(slots=4, bpc=2)
+    with open(tmp_path / "store.json", "w") as f:
+        json.dump({**geo.manifest(), "format": "iud-vllm-kv-store/2"}, f)
+    with pytest.raises(L.StoreMismatch, match="format is 'iud-vllm-kv-store/2' there"):
+        C.Catalog(str(tmp_path), geo)
 
 
 def test_a_store_of_the_contiguous_slot_layout_is_refused(tmp_path):

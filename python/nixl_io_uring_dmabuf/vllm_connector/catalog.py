@@ -298,8 +298,9 @@ class Catalog:
                 return f"rank {rank}: {err}"
             if len(data) != n:
                 return f"rank {rank}: slot file ends inside the slot"
+            bpc = self.geo.blocks_per_chunk
             got = checksum.slot_checksums(np.frombuffer(data, dtype=np.uint8), pages,
-                                          self.geo.blocks_per_chunk)
+                                          L.page_runs(pages, bpc), bpc)
             if tuple(got) != tuple(e.sums.get(rank, ())):
                 return f"rank {rank}: checksum differs"
         return ""

@@ -53,17 +53,12 @@ def fold(sums: Iterable[tuple[int, int]]) -> int:
     return h
 
 
-def slot_checksums(data: np.ndarray, pages: Sequence[int], count: int) -> list[int]:
-    """Checksums of the first `count` sub-blocks in a slot's bytes (`data`, uint8), each sub-block
-    being `pages` (bytes per page, slot order) laid end to end."""
-    out, off = [], 0
-    for _ in range(count):
-        parts = []
-        for p in pages:
-            parts.append(page_sums(data[off:off + p]))
-            off += p
-        out.append(fold(parts))
-    return out
+def slot_checksums(data: np.ndarray, pages: Sequence[int], runs: Sequence[int],
+                   count: int) -> list[int]:
+    """Checksums of the `count` sub-blocks in a slot's bytes (`data`, uint8): page p of
+    sub-block j is at runs[p] + j * pages[p] (layout.page_runs)."""
+    return [fold([page_sums(data[r + j * p:r + (j + 1) * p]) for p, r in zip(pages, runs)])
+            for j in range(count)]
 
 
 def fold_columns(s1: np.ndarray, s2: np.ndarray) -> list[int]:

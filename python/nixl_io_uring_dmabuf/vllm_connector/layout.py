@@ -10,8 +10,10 @@ layout) and the O_DIRECT alignment of a file.
     <path>/rank<r>of<W>/slots-<i>.bin slot files, preallocated; slot s in file s % num_files
     <path>/rank<r>of<W>/.lock         flock of the live worker of that rank
 
-A slot holds one offloaded chunk (blocks_per_chunk vLLM blocks) of one rank: for each block,
-for each KV page (layer) in order, the page's bytes; its size is rounded up to 4096.
+A slot holds one offloaded chunk (blocks_per_chunk vLLM blocks) of one rank, page-major: for
+each KV page (layer) in order, that page of each of the chunk's blocks in order; its size is
+rounded up to 4096. A page's blocks lie end to end, so a run of consecutive vLLM blocks moves
+as one I/O per page rather than one per (block, page).
 """
 
 from __future__ import annotations
@@ -23,11 +25,21 @@ import os
 import struct
 
 SLOT_ALIGN = 4096
-FORMAT = "iud-vllm-kv-store/2"  # /2: slots striped over the files
+FORMAT = "iud-vllm-kv-store/3"  # /2: slots striped over the files; /3: page-major slots
 
 
 def round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+def page_runs(pages, blocks_per_chunk: int) -> list[int]:
+    """Where each page's run starts in a slot: page p of sub-block j is at
+    page_runs[p] + j * pages[p]."""
+    out, off = [], 0
+    for p in pages:
+        out.append(off)
+        off += p * blocks_per_chunk
+    return out
 
 
 class StoreMismatch(RuntimeError):

@@ -221,15 +221,14 @@ class RankStore:
             mem[:, p, 1] = r.page
             mem[:, p, 2] = r.dev
         geo, bpc = self.geo, self.geo.blocks_per_chunk
-        starts = np.cumsum([0] + self.pages[:-1]).astype(np.int64)
+        runs = L.page_runs(self.pages, bpc)
         files = np.empty((geo.num_slots, bpc, npg, 3), dtype=np.int64)
         slots = np.arange(geo.num_slots, dtype=np.int64)
         fi, base = geo.locate(slots)
         fds = np.asarray(self._fds, dtype=np.int64)[fi]
-        block_bytes = sum(self.pages)
         for j in range(bpc):
             for p in range(npg):
-                files[:, j, p, 0] = base + j * block_bytes + starts[p]
+                files[:, j, p, 0] = base + runs[p] + j * self.pages[p]
                 files[:, j, p, 1] = self.pages[p]
                 files[:, j, p, 2] = fds
         self._nb, self._npg = nb, npg
@@ -239,10 +238,13 @@ class RankStore:
 
     # ---- jobs ----------------------------------------------------------------------------
     def _indices(self, job: _Job) -> tuple[np.ndarray, np.ndarray]:
-        p = np.arange(self._npg, dtype=np.int64)
-        local = (job.blocks.astype(np.int64)[:, None] * self._npg + p).reshape(-1)
+        # Page-major, like the slots: consecutive blocks of one page are neighbours in the
+        # request, where the backend (or NIXL) merges those that continue each other in both
+        # memory and file.
+        p = np.arange(self._npg, dtype=np.int64)[:, None]
+        local = (job.blocks.astype(np.int64)[None, :] * self._npg + p).reshape(-1)
         chunk = job.slots.astype(np.int64) * self.geo.blocks_per_chunk + job.subs
-        remote = (chunk[:, None] * self._npg + p).reshape(-1)
+        remote = (chunk[None, :] * self._npg + p).reshape(-1)
         return local.astype(np.int32), remote.astype(np.int32)
 
     def _check_pairs(self, blocks, slots, subs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -91,6 +91,23 @@ def test_a_new_engine_loads_what_an_earlier_one_stored(clients, vllm_model, plai
     assert "serving as" not in b["stdout_tail"] + b["stderr_tail"]
 
 
+def test_chunks_of_two_blocks_round_trip(clients, vllm_model, plain, tmp_path):
+    """blocks_per_chunk 2: a slot holds two GPU blocks, page by page (the layout where a page's
+    consecutive blocks move as one I/O); a new engine loads them and decodes the same tokens."""
+    store = tmp_path / "kv"
+    cfg = kv_config(store, blocks_per_chunk=2)
+    a = run(clients, vllm_model, [prompt()], kv_transfer_config=cfg)
+    (oa,) = a["outputs"]
+    assert oa["num_cached_tokens"] == 0 and oa["token_ids"] == plain[7]
+    chunks = oa["prompt_len"] // VE.BLOCK_SIZE // 2
+    assert committed(store) == chunks
+    b = run(clients, vllm_model, [prompt()], kv_transfer_config=cfg)
+    (ob,) = b["outputs"]
+    print(f"engine B cached {ob['num_cached_tokens']} of {ob['prompt_len']} tokens")
+    assert ob["num_cached_tokens"] >= (chunks - 1) * 2 * VE.BLOCK_SIZE
+    assert ob["token_ids"] == plain[7]
+
+
 @pytest.fixture(scope="module")
 def stored(clients, vllm_model, plain, tmp_path_factory):
     """A store that engine A (IO_URING_DMABUF) filled with prompt 7's blocks; copy before use."""
