@@ -17,7 +17,7 @@ pub mod vulkan;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-pub use provider::{CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider, PackedCopy};
+pub use provider::{CopyFinished, CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider, PackedCopy};
 
 /// Which provider the parameter asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -38,10 +38,32 @@ struct Index {
     storage: HashMap<(MemKind, u64), Vec<(usize, Arc<Registration>)>>,
 }
 
+/// What decides whether a registration covers a descriptor: its kind, devId and range. A copy
+/// of it can be held where reading the registration per descriptor costs (`xfer::plan`'s hints).
+#[derive(Debug, Clone, Copy)]
+pub struct Coverage {
+    kind: MemKind,
+    dev_id: u64,
+    start: u64,
+    end: u64,
+}
+
+impl Coverage {
+    pub fn of(reg: &Registration) -> Self {
+        let (start, end) = reg.range();
+        Coverage { kind: reg.kind(), dev_id: reg.dev_id(), start, end }
+    }
+
+    /// Whether the registration is of `kind` and covers the descriptor's devId and range.
+    #[inline]
+    pub fn covers(&self, kind: MemKind, d: &iud_desc) -> bool {
+        self.kind == kind && self.dev_id == d.dev_id && d.addr >= self.start && d.addr.checked_add(d.len).is_some_and(|e| e <= self.end)
+    }
+}
+
 /// Whether `reg` is of `kind` and covers the descriptor's devId and range.
 pub fn covers(reg: &Registration, kind: MemKind, d: &iud_desc) -> bool {
-    let (start, end) = reg.range();
-    reg.kind() == kind && reg.dev_id() == d.dev_id && d.addr >= start && d.addr.checked_add(d.len).is_some_and(|e| e <= end)
+    Coverage::of(reg).covers(kind, d)
 }
 
 impl Index {

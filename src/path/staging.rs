@@ -335,20 +335,11 @@ impl Drop for StagingPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::{DeviceRange, DmabufExport};
+    use crate::gpu::{CopyFinished, DeviceRange, DmabufExport};
     use crate::uring::FileRef;
 
     /// "Device" memory that is host memory; copies are done at once.
     struct HostAsDevice;
-    struct Done;
-    impl CopyTicket for Done {
-        fn is_done(&self) -> Result<bool> {
-            Ok(true)
-        }
-        fn wait(&self) -> Result<()> {
-            Ok(())
-        }
-    }
     impl GpuProvider for HostAsDevice {
         fn name(&self) -> &'static str {
             "host-as-device"
@@ -369,12 +360,12 @@ mod tests {
         unsafe fn copy_to_host(&self, _: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
             // SAFETY: both ranges are host memory of the test, valid for `len` bytes.
             unsafe { std::ptr::copy_nonoverlapping(dev as *const u8, host as *mut u8, len as usize) };
-            Ok(Box::new(Done))
+            Ok(Box::new(CopyFinished))
         }
         unsafe fn copy_to_device(&self, _: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
             // SAFETY: as above.
             unsafe { std::ptr::copy_nonoverlapping(host as *const u8, dev as *mut u8, len as usize) };
-            Ok(Box::new(Done))
+            Ok(Box::new(CopyFinished))
         }
         fn make_current(&self, _: i32) -> Result<()> {
             Ok(())

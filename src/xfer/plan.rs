@@ -14,7 +14,7 @@ use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
 use super::recycle::OpLists;
 use super::request::RequestOps;
-use crate::mem::live::{Registry, Unresolved};
+use crate::mem::live::{Coverage, Registry, Unresolved};
 use crate::mem::{FileRegion, MemKind, Registration};
 use crate::path::{direct, dmabuf, staging, Route};
 use crate::uring::{IoOp, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
@@ -74,32 +74,20 @@ struct Registrations<'a> {
     unhinted: usize,
 }
 
-/// An MD and what `live::covers` checks of the registration it last resolved to, copied so
-/// that the check per descriptor reads only this (the registration is immutable).
+/// An MD and the coverage of the registration it last resolved to, copied so that the check
+/// per descriptor reads only this (the registration is immutable).
 #[derive(Clone, Copy)]
 struct Hint {
     md: usize,
     index: usize,
-    kind: MemKind,
-    dev_id: u64,
-    start: u64,
-    end: u64,
+    coverage: Coverage,
 }
 
 impl Hint {
-    fn new(md: usize, index: usize, reg: &Registration) -> Self {
-        let (start, end) = reg.range();
-        Hint { md, index, kind: reg.kind(), dev_id: reg.dev_id(), start, end }
-    }
-
     /// `live::covers` of the hinted registration, for a descriptor carrying this MD.
     #[inline]
     fn covers(&self, kind: MemKind, d: &iud_desc) -> bool {
-        self.md == d.md as usize
-            && self.kind == kind
-            && self.dev_id == d.dev_id
-            && d.addr >= self.start
-            && d.addr.checked_add(d.len).is_some_and(|e| e <= self.end)
+        self.md == d.md as usize && self.coverage.covers(kind, d)
     }
 }
 
@@ -130,7 +118,7 @@ impl<'a> Registrations<'a> {
         });
         // A new MD takes a free hint, else the oldest one's place: a list naming more than
         // `HINTS` MDs in runs (one region after another) still finds each run's MD here.
-        let hint = Hint::new(md, i, &self.list[i]);
+        let hint = Hint { md, index: i, coverage: Coverage::of(&self.list[i]) };
         let hints = &mut self.hints[side];
         if let Some(h) = hints.iter_mut().find(|h| h.md == md) {
             *h = hint;

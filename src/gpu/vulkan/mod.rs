@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use once_cell::sync::{Lazy, OnceCell};
 
 use super::cuda::{Cuda, ImportedMemory};
-use crate::gpu::provider::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
+use crate::gpu::provider::{CopyFinished, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Allocation sizes are rounded up to host pages (the DMA-BUF export and mmap granule).
@@ -256,18 +256,6 @@ impl VulkanProvider {
     }
 }
 
-/// A copy that already happened (memcpy).
-struct Done;
-
-impl CopyTicket for Done {
-    fn is_done(&self) -> Result<bool> {
-        Ok(true)
-    }
-    fn wait(&self) -> Result<()> {
-        Ok(())
-    }
-}
-
 impl GpuProvider for VulkanProvider {
     fn name(&self) -> &'static str {
         "vulkan"
@@ -338,7 +326,7 @@ impl GpuProvider for VulkanProvider {
         // SAFETY: src is inside the live mapping of `a` (held by the Arc for the copy); the
         // caller guarantees the host range; staging buffers never overlap device memory.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, host as *mut u8, len as usize) };
-        Ok(Box::new(Done))
+        Ok(Box::new(CopyFinished))
     }
 
     unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
@@ -351,7 +339,7 @@ impl GpuProvider for VulkanProvider {
         let dst = a.host_range(dev, len)?;
         // SAFETY: as in copy_to_host, the other direction.
         unsafe { std::ptr::copy_nonoverlapping(host as *const u8, dst as *mut u8, len as usize) };
-        Ok(Box::new(Done))
+        Ok(Box::new(CopyFinished))
     }
 
     fn fence_app_work(&self, device: i32, host_wait: bool) -> Result<()> {
