@@ -252,3 +252,42 @@ fn a_closed_or_reused_fd_is_refused_on_the_staging_path() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Pages end to end in the file but scattered in VRAM (the vLLM connector's slots) are read as
+/// one storage I/O; when the file ends inside such a run, the error still names the descriptor
+/// the file ends in and the offset where it ends (not the run's first descriptor).
+#[test]
+fn a_file_that_ends_inside_a_merged_run_names_the_descriptor_it_ends_in() {
+    let ctl = double_ctl();
+    let page = 16u64 << 10;
+    let len = 4 * MIB;
+    let vram = ctl.alloc_vram(len as usize);
+    let path = std::env::temp_dir().join(format!("iud-vram-eof-{}", std::process::id()));
+    // The file holds 2.5 of the 3 pages read: page 2 is cut short.
+    fill_random(vram, len, 21);
+    std::fs::write(&path, bytes(vram, 2 * page + page / 2)).unwrap();
+    for direct in [false, true] {
+        let e = Engine::new(AGENT, [("gpu_provider", "rocm"), ("staging_buffer_size", "1048576"), ("staging_buffers", "4")]).expect("engine");
+        let m_vram = e.register(VRAM, vram, len, 0, "").unwrap();
+        let f = open_fd(&path, if direct { libc::O_DIRECT } else { 0 });
+        let m_file = e.register(FILE, 0, 8 * page, f as u64, "").unwrap();
+        // Page i at VRAM slot 7 - i (scattered), file offset i * page (end to end).
+        let local: Vec<_> = (0..3).map(|i| desc(vram + (7 - i) * MIB / 2, page, 0, m_vram)).collect();
+        let remote: Vec<_> = (0..3).map(|i| desc(i * page, page, f as u64, m_file)).collect();
+        let req = e.prep(READ, VRAM, &local, FILE, &remote, AGENT).unwrap_or_else(|err| panic!("prep: {}", err.message));
+        let mut res = e.post(&req, READ, 3, 3);
+        while let Ok(Progress::InFlight) = res {
+            res = e.check(&req);
+        }
+        let err = res.expect_err("a READ past the end of the file fails").message;
+        e.release(req).map_err(|(_, err)| err.message).expect("release");
+        assert!(err.contains("read past end of file") && err.contains(&format!("offset {}", 2 * page + page / 2)) && err.contains("descriptor 2"), "direct {direct}: {err}");
+        e.deregister(m_file).unwrap();
+        e.deregister(m_vram).unwrap();
+        drop(e);
+        // SAFETY: the fd opened above, closed once.
+        unsafe { libc::close(f) };
+    }
+    let _ = std::fs::remove_file(&path);
+    ctl.free_vram(vram);
+}

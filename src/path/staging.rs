@@ -6,14 +6,17 @@
 //! (async copy) then buffer -> storage (io_uring). With several buffers the copy of one piece
 //! overlaps the storage I/O of others. The pool is created on first VRAM use. Small pieces
 //! (KV-cache blocks) are packed several to a buffer (a group), each with its own file offset and
-//! device address: their storage I/O runs piece by piece, their device copy is one batched call.
+//! device address: their device copy is one batched call, and the storage I/O of pieces that
+//! follow each other in the file and in the buffer is one I/O (a run): a KV block whose pages
+//! sit at scattered VRAM addresses but end to end in its file (the vLLM connector's slots) is
+//! read or written in a few large I/Os, not one per page.
 
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::gpu::{CopyPiece, CopyTicket, GpuProvider, PackedCopy};
 use crate::mem::VramRegion;
-use crate::uring::IoOp;
+use crate::uring::{IoOp, WORKER_JOB_BYTES};
 
 /// One pinned buffer.
 pub struct StagingBuf {
@@ -101,6 +104,8 @@ pub struct StagingShape {
     /// limit): a small working set stays in the CPU's cache between the device's copy into a
     /// buffer and the file system's copy out of it.
     pub write_window: u64,
+    /// Largest storage I/O a run of pieces may become (`max_io_size`, 0 = no limit).
+    pub max_io_size: u64,
 }
 
 /// Most pieces in one buffer (one batched copy call).
@@ -108,11 +113,20 @@ const PACK_PIECES_MAX: usize = 256;
 /// Packed pieces start on this alignment in the buffer (O_DIRECT memory alignment).
 const PACK_ALIGN: u64 = 4096;
 
-/// One staged piece: its group (a staging buffer and the pieces packed into it) and its index.
+/// One storage I/O on a staging buffer: `count` pieces of a group (a staging buffer and the
+/// pieces packed into it) from index `piece` on, end to end in the file and in the buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stage {
     pub group: usize,
     pub piece: u32,
+    pub count: u32,
+}
+
+impl Stage {
+    /// The stage's pieces, one stage each.
+    pub fn pieces(self) -> impl Iterator<Item = Stage> {
+        (self.piece..self.piece + self.count).map(move |piece| Stage { group: self.group, piece, count: 1 })
+    }
 }
 
 /// The pieces of one staging buffer and how far their storage I/O got.
@@ -171,11 +185,14 @@ pub struct Staging {
     write_window: u64,
     /// Bytes the windowed groups fill now.
     window_used: u64,
+    /// Largest storage I/O of a run (`max_io_size`, or no limit).
+    max_io_size: u64,
 }
 
 impl Staging {
     pub fn new(pool: StagingPool, shape: StagingShape) -> Staging {
-        Staging { pool, pack_max: shape.pack_max, packed_copy: shape.packed_copy, groups: slab::Slab::new(), copies: Vec::new(), write_window: shape.write_window, window_used: 0 }
+        let max_io_size = if shape.max_io_size == 0 { u64::from(u32::MAX) } else { shape.max_io_size };
+        Staging { pool, pack_max: shape.pack_max, packed_copy: shape.packed_copy, groups: slab::Slab::new(), copies: Vec::new(), write_window: shape.write_window, window_used: 0, max_io_size }
     }
 
     /// Whether a page-cache WRITE may open a group for a piece of `len` bytes now: the window
@@ -228,19 +245,70 @@ impl Staging {
         self.groups[g].pieces.len()
     }
 
-    /// The storage I/O of a staged piece: its file range on its place in the buffer.
-    pub fn host_op(&self, s: Stage) -> IoOp {
-        let grp = &self.groups[s.group];
-        let (op, at) = grp.pieces[s.piece as usize];
-        let host = &self.pool.bufs[grp.buf];
-        op.on_host(host.addr + at, host.buf_index)
+    /// The group's storage I/O from piece `piece` on: that piece and the ones after it that
+    /// continue it in the file and in the buffer, up to `max_io_size`. Buffered reads stop at
+    /// one page-cache worker job (`WORKER_JOB_BYTES`), so a request's reads still spread over
+    /// every worker; writes to one file take turns on its inode lock anyway, and O_DIRECT gains
+    /// from every merge.
+    pub fn run_at(&self, group: usize, piece: u32) -> Stage {
+        let grp = &self.groups[group];
+        let (first, _) = grp.pieces[piece as usize];
+        let cap = if first.punt && !grp.write { self.max_io_size.min(WORKER_JOB_BYTES) } else { self.max_io_size };
+        let mut len = u64::from(first.len);
+        let mut count = 1;
+        for w in grp.pieces[piece as usize..].windows(2) {
+            let ((a, a_at), (b, b_at)) = (w[0], w[1]);
+            let continues = b.file == a.file && b.io_fd == a.io_fd && b.punt == a.punt
+                && b.file_offset == a.file_offset + u64::from(a.len) && b_at == a_at + u64::from(a.len);
+            if !continues || len + u64::from(b.len) > cap {
+                break;
+            }
+            len += u64::from(b.len);
+            count += 1;
+        }
+        Stage { group, piece, count }
     }
 
-    /// One piece's storage I/O ended; `Some` when it was the group's last.
+    /// The group's runs, in order (see `run_at`).
+    pub fn runs(&self, group: usize) -> Vec<Stage> {
+        let n = self.groups[group].pieces.len() as u32;
+        let mut runs = Vec::new();
+        let mut piece = 0;
+        while piece < n {
+            let run = self.run_at(group, piece);
+            piece += run.count;
+            runs.push(run);
+        }
+        runs
+    }
+
+    /// The storage I/O of a stage: its pieces' file range on their place in the buffer.
+    pub fn host_op(&self, s: Stage) -> IoOp {
+        let grp = &self.groups[s.group];
+        let run = &grp.pieces[s.piece as usize..(s.piece + s.count) as usize];
+        let (op, at) = run[0];
+        let len: u64 = run.iter().map(|(o, _)| u64::from(o.len)).sum();
+        let host = &self.pool.bufs[grp.buf];
+        IoOp { len: len as u32, ..op.on_host(host.addr + at, host.buf_index) }
+    }
+
+    /// How many of the stage's leading pieces lie wholly within its first `done` bytes.
+    pub fn pieces_within(&self, s: Stage, done: u64) -> u32 {
+        let grp = &self.groups[s.group];
+        let mut end = 0;
+        let run = &grp.pieces[s.piece as usize..(s.piece + s.count) as usize];
+        run.iter().take_while(|(o, _)| {
+            end += u64::from(o.len);
+            end <= done
+        }).count() as u32
+    }
+
+    /// A stage's storage I/O ended; `Some` when it was the group's last.
     pub fn io_over(&mut self, s: Stage, ok: bool) -> Option<IoEnd> {
         let grp = &mut self.groups[s.group];
-        grp.io_left -= 1;
-        grp.io_ok += usize::from(ok);
+        let n = s.count as usize;
+        grp.io_left -= n;
+        grp.io_ok += if ok { n } else { 0 };
         (grp.io_left == 0).then(|| IoEnd { group: s.group, ok: grp.io_ok, failed: grp.pieces.len() - grp.io_ok })
     }
 
@@ -378,7 +446,7 @@ mod tests {
     const KIB: u64 = 1024;
 
     fn staging(buffers: u32, write_window: u64) -> Staging {
-        let shape = StagingShape { buffer_size: 512 * KIB, buffers, pack_max: 256 * KIB, packed_copy: PackedCopy::Batch, write_window };
+        let shape = StagingShape { buffer_size: 512 * KIB, buffers, pack_max: 256 * KIB, packed_copy: PackedCopy::Batch, write_window, max_io_size: 0 };
         let pool = StagingPool::new(Arc::new(HostAsDevice), shape.buffer_size, shape.buffers, |_, _| None).expect("pool");
         Staging::new(pool, shape)
     }
@@ -426,5 +494,52 @@ mod tests {
         let gs: Vec<usize> = (0..4).map(|_| s.open(1, true, piece(512 * KIB), true).expect("a buffer")).collect();
         assert!(s.window_admits(512 * KIB as u32));
         gs.into_iter().for_each(|g| s.close(g));
+    }
+
+    fn at(file_offset: u64, len: u64, punt: bool) -> IoOp {
+        IoOp { file_offset, punt, ..piece(len) }
+    }
+
+    #[test]
+    fn pieces_end_to_end_in_file_and_buffer_become_one_run() {
+        let mut s = staging(4, 0);
+        let g = s.open(1, false, at(0, 16 * KIB, false), false).expect("a buffer");
+        // 16 KiB pieces: 0, 16K, 32K follow each other; 80K leaves a gap in the file; 96K
+        // continues it; a 5000-byte piece is padded in the buffer, so what follows it starts a run.
+        for op in [at(16 * KIB, 16 * KIB, false), at(32 * KIB, 16 * KIB, false), at(80 * KIB, 16 * KIB, false), at(96 * KIB, 5000, false), at(96 * KIB + 5000, 4096, false)] {
+            assert!(s.try_add(g, op));
+        }
+        let runs: Vec<(u32, u32)> = s.runs(g).iter().map(|r| (r.piece, r.count)).collect();
+        assert_eq!(runs, [(0, 3), (3, 2), (5, 1)]);
+        let first = s.host_op(s.runs(g)[0]);
+        assert_eq!((first.file_offset, first.len), (0, 48 * KIB as u32));
+        let second = s.host_op(s.runs(g)[1]);
+        assert_eq!((second.file_offset, second.len, second.addr - first.addr), (80 * KIB, 16 * KIB as u32 + 5000, 48 * KIB));
+        assert_eq!(s.pieces_within(s.runs(g)[0], 0), 0);
+        assert_eq!(s.pieces_within(s.runs(g)[0], 32 * KIB - 1), 1);
+        assert_eq!(s.pieces_within(s.runs(g)[0], 48 * KIB), 3);
+        s.close(g);
+    }
+
+    #[test]
+    fn runs_stop_at_another_file_at_max_io_size_and_at_a_worker_job_for_buffered_reads() {
+        let mut s = staging(4, 0);
+        let g = s.open(1, false, at(0, 64 * KIB, false), false).expect("a buffer");
+        assert!(s.try_add(g, IoOp { io_fd: 4, ..at(64 * KIB, 64 * KIB, false) }), "another file, end to end");
+        assert_eq!(s.runs(g).len(), 2);
+        s.close(g);
+        // Buffered reads (punted to the page-cache workers): at most one worker job per run.
+        let g = s.open(1, false, at(0, 64 * KIB, true), false).expect("a buffer");
+        (1..8).for_each(|i| assert!(s.try_add(g, at(i * 64 * KIB, 64 * KIB, true))));
+        let runs: Vec<u32> = s.runs(g).iter().map(|r| r.count).collect();
+        assert_eq!(runs, [WORKER_JOB_BYTES as u32 / (64 * KIB as u32); 2]);
+        s.close(g);
+        // The same pieces written: one run; with max_io_size 128 KiB, four.
+        let g = s.open(1, true, at(0, 64 * KIB, true), false).expect("a buffer");
+        (1..8).for_each(|i| assert!(s.try_add(g, at(i * 64 * KIB, 64 * KIB, true))));
+        assert_eq!(s.runs(g).len(), 1);
+        s.max_io_size = 128 * KIB;
+        assert_eq!(s.runs(g).iter().map(|r| r.count).collect::<Vec<_>>(), [2; 4]);
+        s.close(g);
     }
 }

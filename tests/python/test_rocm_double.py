@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -35,16 +37,20 @@ def double(tmp_path_factory):
     # The plugin reads it when its first VRAM registration loads the ROCm provider (once per
     # process); no other test of this process uses gpu_provider=rocm.
     os.environ["IUD_HSA_LIBRARY"] = out
-    lib = ctypes.CDLL(out)
-    lib.fake_hsa_alloc_vram.restype = ctypes.c_void_p
-    lib.fake_hsa_alloc_vram.argtypes = [ctypes.c_size_t]
-    lib.fake_hsa_free_vram.argtypes = [ctypes.c_void_p]
-    lib.fake_hsa_locked_ranges.restype = ctypes.c_int
-    yield lib
+    yield load_double(out)
     if prev is None:
         os.environ.pop("IUD_HSA_LIBRARY", None)
     else:
         os.environ["IUD_HSA_LIBRARY"] = prev
+
+
+def load_double(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    lib.fake_hsa_alloc_vram.restype = ctypes.c_void_p
+    lib.fake_hsa_alloc_vram.argtypes = [ctypes.c_size_t]
+    lib.fake_hsa_free_vram.argtypes = [ctypes.c_void_p]
+    lib.fake_hsa_locked_ranges.restype = ctypes.c_int
+    return lib
 
 
 def vram(lib, size: int) -> tuple[int, np.ndarray]:
@@ -174,6 +180,78 @@ def test_rocm_scattered_small_blocks_packed_through_staging(double, rng, tmp_pat
         double.fake_hsa_free_vram(dst_base)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
+@pytest.mark.parametrize("max_io", [0, 65536], ids=["runs", "max_io_size-64K"])
+def test_rocm_pages_end_to_end_in_a_slot_move_in_one_io_per_block(double, tmp_path, direct, direct_ok, max_io):
+    """The vLLM connector's slot layout: each block's 16 pages sit at scattered VRAM addresses
+    (one per layer) and end to end in its file slot. The staging path reads and writes each
+    block's pages as one storage I/O (a run), at most max_io_size long. The plugin's request
+    profile (IO_URING_DMABUF_PROFILE=1, logged at INFO) counts the I/Os: the transfers run in a
+    child process, since the plugin fixes its log level once per process."""
+    if direct and not direct_ok:
+        pytest.skip("the test directory's filesystem does not support O_DIRECT")
+    env = dict(os.environ, IO_URING_DMABUF_PROFILE="1", IO_URING_DMABUF_LOG="info")
+    child = subprocess.run([sys.executable, __file__, "slots", str(tmp_path), str(int(direct)), str(max_io)],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stdout + child.stderr
+    ios = [int(x) for x in re.findall(r"profile: request done in [0-9.]+ ms: storage I/O [0-9.]+ ms summed over (\d+) I/Os",
+                                      child.stderr)]
+    blocks, block = SLOT_BLOCKS, SLOT_PAGE * SLOT_PAGES
+    assert ios == [blocks * (block // max_io if max_io else 1)] * 2, f"I/Os of the WRITE and the READ: {ios}\n{child.stderr}"
+
+
+SLOT_PAGE, SLOT_PAGES, SLOT_BLOCKS = 16384, 16, 8
+
+
+def slots_round_trip(lib, tmp: str, direct: bool, max_io: int) -> None:
+    """WRITE then READ 8 blocks of the slot layout (see the test above), every byte compared."""
+    rng = np.random.default_rng()
+    page, pages, blocks = SLOT_PAGE, SLOT_PAGES, SLOT_BLOCKS
+    block = page * pages
+    layer = 2 * H.MiB                                   # one VRAM region per page index
+    alloc = pages * layer
+    src_base, src = vram(lib, alloc)
+    dst_base, dst = vram(lib, alloc)
+    src[:] = H.rand_bytes(rng, alloc)
+    dst[:] = H.rand_bytes(rng, alloc)
+    mem_slots = rng.permutation(layer // page)[:blocks].tolist()
+    file_slots = (2 * rng.permutation(blocks)).tolist()    # gaps between blocks in the file
+    file_size = 2 * blocks * block
+    params = {"gpu_provider": "rocm", "vram_path": "staging", "staging_buffer_size": str(H.MiB),
+              "staging_buffers": "4", "progress_thread": "false"}
+    if max_io:
+        params["max_io_size"] = str(max_io)
+    agent = H.make_agent(H.PLUGIN, params, name="rocm-slots")
+    rig = H.Rig(agent, H.PLUGIN)
+    path = os.path.join(tmp, "rocm-slots.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
+    try:
+        os.ftruncate(fd, file_size)
+        for base in (src_base, dst_base):
+            rig.regs.append(agent.register_memory([(base, alloc, 0, "")], "VRAM"))
+        rig.reg_fd(fd, file_size)
+        mem = lambda base: [(base + p * layer + m * page, page, 0) for m in mem_slots for p in range(pages)]
+        files = [(f * block + p * page, page, fd) for f in file_slots for p in range(pages)]
+        w = rig.xfer("WRITE", mem(src_base), files, mem_kind="VRAM")
+        r = rig.xfer("READ", mem(dst_base), files, mem_kind="VRAM")
+        rig.run(w, what="slot WRITE (rocm, staging)")
+        rig.run(r, what="slot READ (rocm, staging)")
+        on_disk = H.read_file(fd, file_size)
+        for b, (m, f) in enumerate(zip(mem_slots, file_slots)):
+            for p in range(pages):
+                want = src[p * layer + m * page:p * layer + (m + 1) * page]
+                got = on_disk[f * block + p * page:f * block + (p + 1) * page]
+                assert np.array_equal(got, want), f"block {b} page {p} in the file: " + H.first_diff(got, want)
+                back = dst[p * layer + m * page:p * layer + (m + 1) * page]
+                assert np.array_equal(back, want), f"block {b} page {p} read back: " + H.first_diff(back, want)
+    finally:
+        rig.close()
+        del rig, agent
+        os.close(fd)
+        lib.fake_hsa_free_vram(src_base)
+        lib.fake_hsa_free_vram(dst_base)
+
+
 def test_rocm_host_memory_registered_as_vram_is_refused_by_name(double, stderr_log):
     agent = H.make_agent(H.PLUGIN, {"gpu_provider": "rocm", "vram_path": "staging"}, name="rocm-refuse")
     host = H.Buf(1 << 16)
@@ -181,3 +259,10 @@ def test_rocm_host_memory_registered_as_vram_is_refused_by_name(double, stderr_l
         agent.register_memory([(host.addr, host.size, 0, "")], "VRAM")
     err = stderr_log()
     assert f"VRAM registration 0x{host.addr:x}+{host.size}: not memory of the HSA runtime" in err, err
+
+
+if __name__ == "__main__":
+    # The child of the slot test: python test_rocm_double.py slots TMP DIRECT MAX_IO.
+    _, what, tmp, direct, max_io = sys.argv
+    assert what == "slots", what
+    slots_round_trip(load_double(os.environ["IUD_HSA_LIBRARY"]), tmp, direct == "1", int(max_io))

@@ -438,10 +438,9 @@ impl Table {
                 }
                 continue;
             }
-            // READ: each piece's storage read lands at its place in the buffer; they go through
+            // READ: each run's storage read lands at its place in the buffer; they go through
             // the retry queue, which hands them to the ring as it has room.
-            for piece in 0..pieces as u32 {
-                let stage = Stage { group, piece };
+            for stage in staging.runs(group) {
                 self.retry.push_back(InFlight { req: key, op: staging.host_op(stage), stage: Some(stage), since: None });
             }
         }
@@ -464,8 +463,7 @@ impl Table {
             };
             match c.result {
                 Ok(()) if c.then_write && req.is_healthy() => {
-                    for piece in 0..c.pieces as u32 {
-                        let stage = Stage { group: c.group, piece };
+                    for stage in staging.runs(c.group) {
                         self.retry.push_back(InFlight { req: c.owner, op: staging.host_op(stage), stage: Some(stage), since: None });
                     }
                 }
@@ -509,6 +507,23 @@ impl Table {
         if let Some(since) = entry.since {
             self.profiles.io_done(entry.req, since);
         }
+        let whole = res >= 0 && res as u32 == entry.op.len;
+        if let (Some(run), Some(staging), false, true) = (entry.stage, self.staging.as_ref(), whole, req.is_healthy()) {
+            if run.count > 1 {
+                // A run of several pieces that did not move whole: the pieces it did not finish
+                // go again one by one, so a short transfer or an error names its own descriptor.
+                let finished = staging.pieces_within(run, res.max(0) as u64);
+                let again: Vec<InFlight> = run.pieces().skip(finished as usize)
+                    .map(|one| InFlight { req: entry.req, op: staging.host_op(one), stage: Some(one), since: None })
+                    .collect();
+                for one in run.pieces().take(finished as usize) {
+                    io_over(req, Some(one), true, &mut self.staging, &mut self.profiles);
+                }
+                self.retry.extend(again);
+                req.settle();
+                return;
+            }
+        }
         match req.on_result(&entry.op, res) {
             Outcome::Complete => io_over(req, entry.stage, true, &mut self.staging, &mut self.profiles),
             Outcome::Retry(op) => self.retry.push_back(InFlight { req: entry.req, op, stage: entry.stage, since: None }),
@@ -545,8 +560,8 @@ impl Table {
     }
 }
 
-/// One storage I/O of the request ended (`ok`: every byte moved) or was dropped. A staged piece
-/// counts toward its group: a WRITE's buffer is freed after its last piece; a READ's group starts
+/// One storage I/O of the request ended (`ok`: every byte moved) or was dropped. A staged run
+/// counts its pieces toward their group: a WRITE's buffer is freed after its last piece; a READ's group starts
 /// its one device copy when every piece's read landed (its pieces are over when it ends).
 fn io_over(req: &mut RequestProgress, stage: Option<Stage>, ok: bool, staging: &mut Option<Staging>, profiles: &mut Profiles) {
     let (Some(s), Some(st)) = (stage, staging.as_mut()) else {
@@ -555,7 +570,7 @@ fn io_over(req: &mut RequestProgress, stage: Option<Stage>, ok: bool, staging: &
     };
     let write = req.ops.write;
     if write || !ok {
-        req.op_over();
+        (0..s.count).for_each(|_| req.op_over());
     }
     let Some(end) = st.io_over(s, ok) else { return };
     if !write && end.ok > 0 && end.failed == 0 && req.is_healthy() {
