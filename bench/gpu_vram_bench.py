@@ -112,6 +112,9 @@ BACKENDS = [
     ("IUD-win0", "IO_URING_DMABUF", {"staged_write_window": "0"}),
     ("IUD-win16M", "IO_URING_DMABUF", {"staged_write_window": str(16 * MiB)}),
     ("IUD-win8M-p512K", "IO_URING_DMABUF", {"staged_write_piece_max": str(MiB // 2)}),
+    # Staged runs (pieces end to end in the file move as one I/O) capped at one 32 KiB page:
+    # the plugin before runs, for the slot layout's 32 KiB pages.
+    ("IUD-maxio32K", "IO_URING_DMABUF", {"max_io_size": str(32 << 10)}),
     ("IUD-fw1", "IO_URING_DMABUF", {"page_cache_file_writers": "1"}),
     ("IUD-inline0", "IO_URING_DMABUF", {"inline_write_max": "0"}),
     # Staged page-cache writes in 512 KiB pieces (the default before 2026-12-01's session 20: 2 MiB).
@@ -719,6 +722,9 @@ def main():
     ap.add_argument("--req_ops", default="READ,WRITE")
     ap.add_argument("--req_modes", default="prepped,init,repost",
                     help="req: make_prepped_xfer per request (always), initialize_xfer per request, repost of one request")
+    ap.add_argument("--req_slot_pages", type=int, default=0,
+                    help="also READ/WRITE the vLLM connector's slot layout: blocks of this many descriptors "
+                         "scattered in memory, end to end in the file (0 = off)")
     ap.add_argument("--req_no_contig", dest="req_contig", action="store_false",
                     help="req: leave out the contiguous READ per size")
     ap.add_argument("--req_seconds", type=float, default=0.25, help="req: summed request time per measurement")

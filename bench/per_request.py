@@ -16,7 +16,8 @@ compared after it).
 Points: scattered KV blocks (16 KiB x 8192, 32 KiB x 8192, 64 KiB x 4096, 256 KiB x 2048,
 2 MiB x 512: random region slots against random, pairwise non-adjacent file offsets) READ and
 WRITE, plus per size a contiguous READ of the same descriptors laid end to end in memory and
-in the file (the "80 % of contiguous" target). Backends alternate: per round each backend runs
+in the file (the "80 % of contiguous" target), and with --req_slot_pages P the vLLM connector's
+layout: blocks of P descriptors scattered in memory but end to end in the file. Backends alternate: per round each backend runs
 in its own process(es), the order rotated every round; with --req_processes N every backend
 runs N processes at once, each with its own agent and its own file (GB/s = all their bytes /
 the longest timed loop), started on every point together.
@@ -58,6 +59,10 @@ def points(args):
     if "READ" in args.req_ops.split(",") and args.req_contig:
         for b, n in args.req_points:
             pts.append(("READ", "contig", b, n))
+    for op in args.req_ops.split(",") if args.req_slot_pages else ():
+        for b, n in args.req_points:
+            if n % args.req_slot_pages == 0:
+                pts.append((op, "slots", b, n))
     return pts
 
 
@@ -111,7 +116,16 @@ def layout(g, args, layout_kind, block, n):
     import numpy as np
     if layout_kind == "contig":
         return np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64) * block
-    return g.kv_layout(args.seed, block, n, args.kv_region_bytes, args.kv_regions, args.req_file_bytes)
+    ridx, slot, foff = g.kv_layout(args.seed, block, n, args.kv_region_bytes, args.kv_regions, args.req_file_bytes)
+    if layout_kind == "slots":
+        # The vLLM connector's files: a block's pages (one per layer) scattered in VRAM but end to
+        # end in the block's file slot; slots in random order with a gap after each.
+        pages = args.req_slot_pages
+        k = n // pages
+        rng = np.random.default_rng([args.seed, block, n, pages])
+        slots = 2 * rng.permutation(k)
+        foff = (np.repeat(slots, pages) * pages + np.tile(np.arange(pages), k)) * block
+    return ridx, slot, foff.astype(np.int64)
 
 
 class Point:
@@ -498,7 +512,8 @@ def print_table(g, args, labels, pts, samples, notes):
     contig = {}
     for op, lay, b, n in pts:
         bad = []
-        row = f"| {op}{' contiguous' if lay == 'contig' else ''} | {b >> 10} KiB | {n} |"
+        name = {"contig": " contiguous", "slots": f" slots of {args.req_slot_pages} pages"}.get(lay, "")
+        row = f"| {op}{name} | {b >> 10} KiB | {n} |"
         meds = {}
         for m in modes:
             for l in labels:

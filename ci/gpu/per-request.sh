@@ -12,6 +12,8 @@
 #   bash ci/gpu/per-request.sh            # steps 1proc 4proc prep (about 8 minutes)
 #   bash ci/gpu/per-request.sh write      # the buffered WRITE profile (about 4 minutes)
 #   bash ci/gpu/per-request.sh write-probe  # larger staged WRITEs: workers, buffers, pieces (4 min)
+#   bash ci/gpu/per-request.sh slots        # the vLLM connector's slot layout (about 2 minutes)
+#   bash ci/gpu/per-request.sh write-bound  # buffered-write bound of 1 and 4 files, no NIXL (1 min)
 #     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS and IUD_PROBE_OPS=READ replace its backends, points, op)
 #
 # IUD_GPU_DRYRUN=1 runs the same three steps here, on the CPU machine, with the project's .venv
@@ -97,7 +99,23 @@ for st in "${steps[@]}"; do
                  --req_points ${IUD_PROBE_POINTS:-256K:2048,2M:512} --req_seconds 0.2 --kv_rounds 2); b=180
         fi
         IO_URING_DMABUF_PROFILE=1 step per-request-write-probe "$b" "${wv[@]}" ;;
-    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe)" >&2; rc=2 ;;
+    slots)  # the vLLM connector's layout (about 2 minutes): 64 pages of 32 KiB per block,
+        # scattered in VRAM, end to end in the file; IUD-maxio32K caps runs at one page (the
+        # plugin before staged runs). The scattered rows beside them have no two pages adjacent.
+        sv=(--tables req --req_ops READ,WRITE --req_no_contig --req_modes prepped --req_slot_pages 64)
+        if [ "${IUD_GPU_DRYRUN:-0}" = 1 ]; then
+            sv+=(--req_backends IO_URING_DMABUF,POSIX+copy,IUD-maxio32K --req_points 32K:128 --kv_region_mib 16
+                 --req_seconds 0.02 --kv_rounds 2 --req_slot_pages 16); b=60
+        else
+            sv+=(--req_backends IO_URING_DMABUF,GDS_MT,IUD-maxio32K --req_points 32K:8192 --req_seconds 0.2 --kv_rounds 3); b=150
+        fi
+        step per-request-slots "$b" "${sv[@]}" ;;
+    write-bound)  # one file's and four files' buffered-write bound, no NIXL (under a minute)
+        echo "== write-bound ($(date -u +%T)): bench/write_bound.py"
+        "$PY" bench/write_bound.py --dir "${IUD_DRYRUN_DIR:-/tmp}" --blocks 64K,256K,2M --files 1,4 --footprints 8M \
+            --seconds "$([ "${IUD_GPU_DRYRUN:-0}" = 1 ] && echo 0.05 || echo 0.5)" \
+            --file_mib "$([ "${IUD_GPU_DRYRUN:-0}" = 1 ] && echo 64 || echo 1024)" | tee "$OUT/write-bound.md" || rc=1 ;;
+    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe, slots, write-bound)" >&2; rc=2 ;;
     esac
 done
 # The device tool brings back at most 8 files: the tables stay, the logs go into one archive.
