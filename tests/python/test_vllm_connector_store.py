@@ -358,6 +358,42 @@ def test_a_chunk_lands_page_major_in_its_slot(tmp_path, kv, backend):
     cat.close()
 
 
+@pytest.mark.parametrize("bpc", [1, 3])
+def test_a_job_lists_each_slot_as_one_range_of_its_file(tmp_path, kv, backend, bpc):
+    """The descriptors of a job, in request order, walk each slot's bytes from its start to its
+    end without a gap (so a backend can read or write a slot in few large I/Os), and consecutive
+    GPU blocks of one page are neighbours in the request (so they merge)."""
+    geo = geometry(slots=6, bpc=bpc)
+    store = open_rank(tmp_path, geo, kv, backend)
+    n = 2 * bpc
+    blocks = list(range(3, 3 + n))
+    slots = [4] * bpc + [1] * bpc                      # two chunks, out of slot order
+    subs = list(range(bpc)) * 2
+    job = R._Job(1, False, *store._check_pairs(blocks, slots, subs), None)
+    local, remote = store._indices(job)
+    npg, runs = len(PAGES), L.page_runs(PAGES, bpc)
+    chunk, page = np.divmod(remote, npg)
+    slot, sub = np.divmod(chunk, bpc)
+    fi, base = geo.locate(slot)
+    pages = np.asarray(PAGES)[page]
+    rows = np.stack([base + np.asarray(runs)[page] + sub * pages, pages, fi], axis=1)
+    blk, lpage = np.divmod(local, npg)
+    addr = np.asarray([r.addr for r in kv.regions])[lpage] + blk * np.asarray([r.stride for r in kv.regions])[lpage]
+    mem = np.stack([addr, np.asarray(PAGES)[lpage]], axis=1)
+    per_slot = bpc * len(PAGES)
+    for c in range(2):
+        r = rows[c * per_slot:(c + 1) * per_slot]
+        assert len(set(r[:, 2])) == 1, "one file per slot"
+        assert (r[1:, 0] == r[:-1, 0] + r[:-1, 1]).all(), f"slot {slots[c * bpc]}: a gap or a step back"
+        if bpc > 1:
+            m = mem[c * per_slot:c * per_slot + bpc]
+            assert (m[1:, 0] == m[:-1, 0] + m[:-1, 1]).all(), "page 0 of consecutive blocks: neighbours"
+    assert sorted(zip(local.tolist(), remote.tolist())) == sorted(
+        zip((np.asarray(blocks)[:, None] * len(PAGES) + np.arange(len(PAGES))).reshape(-1).tolist(),
+            ((np.asarray(slots) * bpc + np.asarray(subs))[:, None] * len(PAGES) + np.arange(len(PAGES))).reshape(-1).tolist()))
+    store.close()
+
+
 def test_o_direct_slot_files(tmp_path, kv, backend, need_direct):
     geo = geometry(slots=6)
     cat = C.Catalog(str(tmp_path), geo)

@@ -238,14 +238,26 @@ class RankStore:
 
     # ---- jobs ----------------------------------------------------------------------------
     def _indices(self, job: _Job) -> tuple[np.ndarray, np.ndarray]:
-        # Page-major, like the slots: consecutive blocks of one page are neighbours in the
-        # request, where the backend (or NIXL) merges those that continue each other in both
-        # memory and file.
-        p = np.arange(self._npg, dtype=np.int64)[:, None]
-        local = (job.blocks.astype(np.int64)[None, :] * self._npg + p).reshape(-1)
-        chunk = job.slots.astype(np.int64) * self.geo.blocks_per_chunk + job.subs
-        remote = (chunk[None, :] * self._npg + p).reshape(-1)
-        return local.astype(np.int32), remote.astype(np.int32)
+        # In each slot's byte order: slot by slot, and in a slot page by page, then sub-block.
+        # A slot is then one range of its file that the backend reads or writes in few large
+        # I/Os (IO_URING_DMABUF's staged runs; buffered I/O of one file batches on its page-cache
+        # workers), and consecutive GPU blocks of one page, neighbours in the request, merge.
+        # Listing page 0 of every block first (this connector until 2026-12-03) scattered a
+        # job's consecutive descriptors over all slot files, one page-cache hand-off per page.
+        npg = self._npg
+        blocks, slots, subs = (x.astype(np.int64) for x in (job.blocks, job.slots, job.subs))
+        if self.geo.blocks_per_chunk == 1:
+            # One block per slot (vLLM's default): block by block, its pages in order.
+            p = np.arange(npg, dtype=np.int64)[None, :]
+            local, remote = blocks[:, None] * npg + p, slots[:, None] * npg + p
+        else:
+            k = np.repeat(np.arange(len(blocks)), npg)
+            p = np.tile(np.arange(npg, dtype=np.int64), len(blocks))
+            order = np.lexsort((subs[k], p, slots[k]))        # slot, then page, then sub-block
+            k, p = k[order], p[order]
+            local = blocks[k] * npg + p
+            remote = (slots[k] * self.geo.blocks_per_chunk + subs[k]) * npg + p
+        return local.reshape(-1).astype(np.int32), remote.reshape(-1).astype(np.int32)
 
     def _check_pairs(self, blocks, slots, subs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         blocks, slots, subs = (np.asarray(x, dtype=np.int64) for x in (blocks, slots, subs))
