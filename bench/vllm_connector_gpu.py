@@ -77,6 +77,9 @@ VARIANTS = {
     # O_DIRECT stores advanced only by the polling thread: is the progress thread's hold on the
     # driver what the engine thread waits for?
     "iud-od-noprog": ("nixl", "IO_URING_DMABUF", True, {"progress_thread": "false"}),
+    # twice the staging buffers: 64 O_DIRECT slot reads in flight instead of 32 (does the disk
+    # give more at a deeper queue?)
+    "iud-od-64buf": ("nixl", "IO_URING_DMABUF", True, {"staging_buffers": "64"}),
     "gds-od": ("nixl", "GDS_MT", True),
     "fs-store": ("fs", None, True),
     "fs-load": ("fs", None, True),
