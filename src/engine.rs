@@ -29,7 +29,7 @@ use crate::xfer::driver::{Driver, RequestKey};
 use crate::xfer::progress::ProgressThread;
 use crate::xfer::plan::PlanContext;
 use crate::xfer::recycle::OpLists;
-use crate::xfer::{plan, Plan, XferOp};
+use crate::xfer::{plan, profile, Plan, XferOp};
 
 /// One backend instance.
 pub struct Engine {
@@ -331,6 +331,7 @@ impl Engine {
         remote: &[iud_desc],
         remote_agent: &str,
     ) -> Result<Box<Request>> {
+        let started = profile::prep_enabled().then(std::time::Instant::now);
         self.failure.check()?;
         let op = XferOp::from_nixl(op)?;
         if remote_agent != self.local_agent {
@@ -361,6 +362,7 @@ impl Engine {
         if let Some(r) = &self.recorder {
             r.prep(req.id(), op as i32, local_kind, local, remote_kind, remote, req.plan.ops.ops.len(), req.plan.total_bytes);
         }
+        profile::prep_done(started, local.len(), req.plan.ops.ops.len());
         Ok(req)
     }
 

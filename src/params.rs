@@ -7,7 +7,7 @@
 use crate::error::{Error, Result};
 use crate::gpu::{PackedCopy, ProviderChoice};
 use crate::manifest;
-use crate::uring::{default_page_cache_threads, MAX_FIXED_BUFFER};
+use crate::uring::{default_page_cache_threads, default_page_cache_writers, MAX_FIXED_BUFFER};
 
 /// Whether DRAM registrations become io_uring fixed buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,9 +160,13 @@ impl EngineParams {
                 "backend parameter page_cache_file_writers={page_cache_file_writers} must be within 0..64 (0 = no limit)"
             )));
         }
-        let page_cache_writers = match parse_u64("page_cache_writers", get("page_cache_writers"))? {
+        let page_cache_writers = match get("page_cache_writers") {
+            "auto" => default_page_cache_writers() as u64,
+            v => parse_u64("page_cache_writers", v)?,
+        };
+        let page_cache_writers = match page_cache_writers {
             n @ 0..=64 => n as u32,
-            n => return Err(Error::invalid(format!("backend parameter page_cache_writers={n} must be within 0..64 (0 = no limit)"))),
+            n => return Err(Error::invalid(format!("backend parameter page_cache_writers={n} must be within 0..64 (0 = no limit, or auto)"))),
         };
         let page_cache_threads = match get("page_cache_threads") {
             "auto" => default_page_cache_threads(),

@@ -10,11 +10,16 @@
 # Writes $OUT/per-request-<step>.md, $OUT/machine.txt and the steps' logs in
 # $OUT/per-request-logs.tgz (the device tool brings back at most 8 files).
 #   bash ci/gpu/per-request.sh            # steps 1proc 4proc prep (about 8 minutes)
+#     (IUD_REQ_BACKENDS replaces their backends, IO_URING_DMABUF,GDS_MT)
 #   bash ci/gpu/per-request.sh write      # the buffered WRITE profile (about 4 minutes)
 #   bash ci/gpu/per-request.sh write-probe  # larger staged WRITEs: workers, buffers, pieces (4 min)
 #   bash ci/gpu/per-request.sh slots        # the vLLM connector's slot layout (about 2 minutes)
 #   bash ci/gpu/per-request.sh write-bound  # buffered-write bound of 1 and 4 files, no NIXL (1 min)
-#     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS and IUD_PROBE_OPS=READ replace its backends, points, op)
+#     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS, IUD_PROBE_OPS=READ and IUD_PROBE_PROCS=4 replace
+#     write-probe's backends, points, op and process count)
+#   bash ci/gpu/per-request.sh read-probe   # small scattered READs beside contiguous ones, with
+#     12, 14 and 16 page-cache workers and the plugin's own prepXfer time in the log (3 minutes)
+#   bash ci/gpu/per-request.sh read-bound   # page-cache random reads by 8, 9 and 16 threads, fio (1 min)
 #
 # IUD_GPU_DRYRUN=1 runs the same three steps here, on the CPU machine, with the project's .venv
 # and plugin (ci/build.sh), host memory (--memory dram), POSIX in place of GDS_MT and tiny points:
@@ -47,7 +52,7 @@ else
     PY=python3
     # cuFile (GDS_MT) needs udev data for the disk.
     bash ci/gpu/udev-shim.sh /tmp /root > "$OUT/udev-shim.txt" 2>&1
-    common=(--req_backends IO_URING_DMABUF,GDS_MT --dir /tmp)
+    common=(--req_backends "${IUD_REQ_BACKENDS:-IO_URING_DMABUF,GDS_MT}" --dir /tmp)
     small=(--req_seconds 0.2 --kv_rounds 3)
     prep=(--prep_descs 8192 --prep_seconds 0.3 --kv_rounds 3)
     budget=(220 170 70)
@@ -96,9 +101,30 @@ for st in "${steps[@]}"; do
             wv+=(--req_backends IO_URING_DMABUF,POSIX+copy,IUD-pct16fw0 "${small[@]}"); b=60
         else
             wv+=(--req_backends ${IUD_PROBE_BACKENDS:-IO_URING_DMABUF,GDS_MT,IUD-pct16fw0,IUD-stage-512Kx16,IUD-stage-1Mx16,IUD-swp512K}
-                 --req_points ${IUD_PROBE_POINTS:-256K:2048,2M:512} --req_seconds 0.2 --kv_rounds 2); b=180
+                 --req_points ${IUD_PROBE_POINTS:-256K:2048,2M:512} --req_seconds 0.2 --kv_rounds 2
+                 --req_processes ${IUD_PROBE_PROCS:-1}); b=180
         fi
         IO_URING_DMABUF_PROFILE=1 step per-request-write-probe "$b" "${wv[@]}" ;;
+    read-probe)  # issue 26 item 4: what bounds small scattered READs (about 3 minutes): the
+        # storage stage's threads (IUD-pctN: N page-cache workers instead of 8), and the
+        # plugin's own share of make_prepped_xfer (the log's "profile: prepXfer" lines)
+        rv=(--tables req --req_ops READ --req_modes prepped)
+        if [ "${IUD_GPU_DRYRUN:-0}" = 1 ]; then
+            rv+=(--req_backends IO_URING_DMABUF,POSIX+copy,IUD-pct16 "${small[@]}"); b=60
+        else
+            rv+=(--req_backends ${IUD_PROBE_BACKENDS:-IO_URING_DMABUF,IUD-pct12,IUD-pct14,IUD-pct16,GDS_MT}
+                 --req_points ${IUD_PROBE_POINTS:-16K:8192,32K:8192,64K:4096,256K:2048} --req_seconds 0.2 --kv_rounds 3); b=240
+        fi
+        # (IUD_PROBE_PROFILE=1 also times every I/O, which slows the requests themselves)
+        IO_URING_DMABUF_PROFILE=${IUD_PROBE_PROFILE:-prep} step per-request-read-probe "$b" "${rv[@]}" ;;
+    read-bound)  # the storage stage alone: random reads of a cached file by 8, 9, 16 threads
+        echo "== read-bound ($(date -u +%T)): bench/fio_reference.py --buffered"
+        if [ "${IUD_GPU_DRYRUN:-0}" = 1 ]; then
+            echo "read-bound: skipped in the dry run (needs fio; the GPU machine carries it in .device/gpu/fio)"
+        else
+            "$PY" bench/fio_reference.py --fio "$G/fio/fio" --dir /tmp --buffered --jobs 8,9,16 \
+                --sizes 16384,32768,65536 --seconds 2 --span 2147483648 | tee "$OUT/read-bound.md" || rc=1
+        fi ;;
     slots)  # the vLLM connector's layout (about 2 minutes): 64 pages of 32 KiB per block,
         # scattered in VRAM, end to end in the file; IUD-maxio32K caps runs at one page (the
         # plugin before staged runs). The scattered rows beside them have no two pages adjacent.
@@ -115,7 +141,7 @@ for st in "${steps[@]}"; do
         "$PY" bench/write_bound.py --dir "${IUD_DRYRUN_DIR:-/tmp}" --blocks 64K,256K,2M --files 1,4 --footprints 8M \
             --seconds "$([ "${IUD_GPU_DRYRUN:-0}" = 1 ] && echo 0.05 || echo 0.5)" \
             --file_mib "$([ "${IUD_GPU_DRYRUN:-0}" = 1 ] && echo 64 || echo 1024)" | tee "$OUT/write-bound.md" || rc=1 ;;
-    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe, slots, write-bound)" >&2; rc=2 ;;
+    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe, read-probe, read-bound, slots, write-bound)" >&2; rc=2 ;;
     esac
 done
 # The device tool brings back at most 8 files: the tables stay, the logs go into one archive.

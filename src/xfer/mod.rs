@@ -4,7 +4,7 @@
 mod callers;
 pub mod driver;
 pub mod plan;
-mod profile;
+pub mod profile;
 pub mod progress;
 pub mod recycle;
 pub mod request;

@@ -1,5 +1,6 @@
 //! Opt-in per-request timing breakdown (IO_URING_DMABUF_PROFILE=1): time in storage I/O, in
-//! starting device copies and in waiting for them, with counts, logged once per request at INFO.
+//! starting device copies and in waiting for them, with counts, logged once per request at INFO;
+//! and each prepXfer's own time (=1, or =prep for that alone: timing every I/O slows requests).
 //!
 //! Storage time is the sum of each I/O's time from hand-over to reaped result (queueing on the
 //! workers included, so it exceeds the wall time when I/Os overlap); copy wait is the sum of each
@@ -7,6 +8,30 @@
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+
+use once_cell::sync::Lazy;
+
+/// (requests, prepXfer) profiled, from IO_URING_DMABUF_PROFILE (read once).
+static ENABLED: Lazy<(bool, bool)> = Lazy::new(|| match std::env::var("IO_URING_DMABUF_PROFILE").as_deref() {
+    Ok("1") => (true, true),
+    Ok("prep") => (false, true),
+    _ => (false, false),
+});
+
+/// Whether each prepXfer's time is logged.
+pub fn prep_enabled() -> bool {
+    ENABLED.1
+}
+
+/// Logs one prepXfer's own time (NIXL's work around it is not in it), when profiling.
+pub fn prep_done(since: Option<Instant>, descriptors: usize, ops: usize) {
+    if let Some(t0) = since {
+        tracing::info!(
+            "profile: prepXfer of {descriptors} descriptors into {ops} ops in {:.1} us",
+            t0.elapsed().as_secs_f64() * 1e6
+        );
+    }
+}
 
 #[derive(Default)]
 struct Profile {
@@ -29,8 +54,7 @@ pub struct Profiles {
 
 impl Profiles {
     pub fn from_env() -> Profiles {
-        let on = std::env::var("IO_URING_DMABUF_PROFILE").is_ok_and(|v| v == "1");
-        Profiles { on, running: HashMap::new() }
+        Profiles { on: ENABLED.0, running: HashMap::new() }
     }
 
     pub fn on(&self) -> bool {
