@@ -7,7 +7,7 @@
 use crate::error::{Error, Result};
 use crate::gpu::{PackedCopy, ProviderChoice};
 use crate::manifest;
-use crate::uring::{default_page_cache_threads, default_page_cache_writers, MAX_FIXED_BUFFER};
+use crate::uring::{default_page_cache_threads, default_page_cache_writers, usable_cpus, MAX_FIXED_BUFFER};
 
 /// Whether DRAM registrations become io_uring fixed buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -300,10 +300,6 @@ fn parse_u64(name: &str, value: &str) -> Result<u64> {
 }
 
 /// CPUs this process may use (cgroup- and affinity-aware), which the `auto` defaults depend on.
-fn usable_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
 fn parse_bool(name: &str, value: &str) -> Result<bool> {
     match value.to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" | "on" => Ok(true),

@@ -12,4 +12,4 @@ mod workers;
 
 pub use op::{FileRef, IoOp, Progress};
 pub use ring::{CoreGuard, FileKey, Ring, RingCore, Submission, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
-pub use workers::{default_page_cache_threads, default_page_cache_writers, WorkerConfig, WriterLimits};
+pub use workers::{default_page_cache_threads, default_page_cache_writers, usable_cpus, WorkerConfig, WriterLimits};

@@ -481,6 +481,7 @@ pub fn default_page_cache_writers() -> usize {
     (usable_cpus() / 2).clamp(1, PAGE_CACHE_WRITERS_DEFAULT_MAX)
 }
 
-fn usable_cpus() -> usize {
-    std::thread::available_parallelism().map_or(2, |n| n.get())
+/// The CPUs this process may run on (cgroup and affinity limits included; 1 if unknown).
+pub fn usable_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
