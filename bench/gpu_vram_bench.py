@@ -102,8 +102,9 @@ BACKENDS = [
     ("IUD-fw0", "IO_URING_DMABUF", {"page_cache_file_writers": "0"}),
     ("IUD-fw2", "IO_URING_DMABUF", {"page_cache_file_writers": "2"}),
     ("IUD-nocaller", "IO_URING_DMABUF", {"page_cache_caller_reads": "false"}),
-    # Page-cache worker threads (auto: the CPUs less two, at most 16; before 2026-12-04 half the CPUs, at most 8), one writer per file, and DRAM
-    # writes left to the ring alone (no inline pwrite by the posting/polling thread).
+    # Page-cache worker threads (auto: the CPUs less two, at most 16; before 2026-12-04 half the
+    # CPUs, at most 8), one writer per file, and DRAM writes left to the ring alone (no inline
+    # pwrite by the posting/polling thread).
     ("IUD-pct16", "IO_URING_DMABUF", {"page_cache_threads": "16"}),
     ("IUD-pct14", "IO_URING_DMABUF", {"page_cache_threads": "14"}),
     ("IUD-pct12", "IO_URING_DMABUF", {"page_cache_threads": "12"}),

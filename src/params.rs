@@ -164,10 +164,11 @@ impl EngineParams {
             "auto" => default_page_cache_writers() as u64,
             v => parse_u64("page_cache_writers", v)?,
         };
-        let page_cache_writers = match page_cache_writers {
-            n @ 0..=64 => n as u32,
-            n => return Err(Error::invalid(format!("backend parameter page_cache_writers={n} must be within 0..64 (0 = no limit, or auto)"))),
-        };
+        if page_cache_writers > 64 {
+            return Err(Error::invalid(format!(
+                "backend parameter page_cache_writers={page_cache_writers} must be within 0..64 (0 = no limit, or auto)"
+            )));
+        }
         let page_cache_threads = match get("page_cache_threads") {
             "auto" => default_page_cache_threads(),
             v => match parse_u64("page_cache_threads", v)? {
@@ -267,7 +268,7 @@ impl EngineParams {
             page_cache_threads,
             progress_thread,
             page_cache_file_writers: page_cache_file_writers as u32,
-            page_cache_writers,
+            page_cache_writers: page_cache_writers as u32,
             page_cache_caller_reads,
             vram_path,
             dram_dmabuf,
@@ -299,7 +300,6 @@ fn parse_u64(name: &str, value: &str) -> Result<u64> {
         .map_err(|_| Error::invalid(format!("backend parameter {name}={value:?} is not a non-negative integer")))
 }
 
-/// CPUs this process may use (cgroup- and affinity-aware), which the `auto` defaults depend on.
 fn parse_bool(name: &str, value: &str) -> Result<bool> {
     match value.to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" | "on" => Ok(true),
