@@ -4,7 +4,9 @@
 //! microseconds printed per list. A measurement, not a check: it asserts only that every prep
 //! succeeds and names every descriptor's bytes, so it is `#[ignore]`d; run it with
 //!   cargo test --release --test prep_profile -- --ignored --nocapture
-//! (and `perf record` on that binary for where the time goes).
+//! (and `perf record` on that binary for where the time goes). `IUD_PREP_SWEEP_MIB=256` sweeps
+//! that many MiB through the CPU's caches before each prep, as a request's data does between a
+//! client's preps (the cold-cache cost seen on the H200).
 
 #[path = "rocm_double/mod.rs"]
 mod double;
@@ -22,7 +24,10 @@ const BLOCK: u64 = 4096;
 /// Median microseconds of `prep` + `release` over `reps` requests of the lists.
 fn time_prep(e: &Engine, op: i32, kind: i32, local: &[io_uring_dmabuf::bridge::iud_desc], remote: &[io_uring_dmabuf::bridge::iud_desc], reps: usize) -> (f64, f64) {
     let (mut prep, mut rel) = (Vec::new(), Vec::new());
-    for _ in 0..reps {
+    let mut sweep = vec![0u8; std::env::var("IUD_PREP_SWEEP_MIB").ok().and_then(|m| m.parse::<usize>().ok()).unwrap_or(0) << 20];
+    for r in 0..reps {
+        sweep.fill(r as u8);
+        std::hint::black_box(&sweep);
         let t0 = Instant::now();
         let req = e.prep(op, kind, local, FILE, remote, AGENT).unwrap_or_else(|err| panic!("prep: {}", err.message));
         let t1 = Instant::now();

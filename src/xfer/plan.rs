@@ -132,13 +132,13 @@ impl<'a> Registrations<'a> {
     }
 }
 
-/// The distinct (memory, storage) registration pairs of a request in order of first use, each
-/// with the first descriptor that uses it; descriptors refer to them by position. Consecutive
-/// descriptors mostly share a pair, and a request has few: the last one and a short scan serve
-/// almost every descriptor, a map the rest (a client with a file per key).
+/// The distinct (memory, storage) registration pairs of a request in order of first use;
+/// descriptors refer to them by position. Consecutive descriptors mostly share a pair, and a
+/// request has few: the last one and a short scan serve almost every descriptor, a map the rest
+/// (a client with a file per key).
 #[derive(Default)]
 struct Pairs {
-    list: Vec<((usize, usize), usize)>,
+    list: Vec<(usize, usize)>,
     map: HashMap<(usize, usize), u32>,
     last: u32,
 }
@@ -146,21 +146,22 @@ struct Pairs {
 impl Pairs {
     const SCAN: usize = 16;
 
-    fn index(&mut self, pair: (usize, usize), desc: usize) -> u32 {
-        if self.list.get(self.last as usize).is_some_and(|&(p, _)| p == pair) {
+    /// The pair's position; a new pair takes the next one (`list.len()` before the call).
+    fn index(&mut self, pair: (usize, usize)) -> u32 {
+        if self.list.get(self.last as usize) == Some(&pair) {
             return self.last;
         }
         let found = if self.list.len() <= Self::SCAN {
-            self.list.iter().position(|&(p, _)| p == pair).map(|k| k as u32)
+            self.list.iter().position(|&p| p == pair).map(|k| k as u32)
         } else {
             self.map.get(&pair).copied()
         };
         let k = found.unwrap_or_else(|| {
-            self.list.push((pair, desc));
+            self.list.push(pair);
             let k = (self.list.len() - 1) as u32;
             if self.list.len() > Self::SCAN {
                 if self.map.is_empty() {
-                    self.map.extend(self.list.iter().enumerate().map(|(j, &(p, _))| (p, j as u32)));
+                    self.map.extend(self.list.iter().enumerate().map(|(j, &p)| (p, j as u32)));
                 } else {
                     self.map.insert(pair, k);
                 }
@@ -260,34 +261,8 @@ pub fn plan(
             format!("local list has {} descriptors but remote list has {}", local.len(), remote.len()),
         ));
     }
-    // 1. Validate every descriptor against its registrations; no side effects yet.
-    let mut regs = Registrations::new(registry);
-    let mut distinct = Pairs::default();
-    let mut pairs: Vec<u32> = Vec::with_capacity(local.len());
-    let mut total_bytes = 0u64;
-    for (i, (l, r)) in local.iter().zip(remote).enumerate() {
-        let pair = validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?;
-        pairs.push(distinct.index(pair, i));
-        total_bytes = total_bytes.saturating_add(l.len);
-    }
-    if regs.unhinted > 0 {
-        tracing::debug!("prepXfer: {} of {} descriptor pairs carried an MD of no registration covering them (NIXL's lists in sync mode NONE); resolved by address", regs.unhinted, local.len());
-    }
-    // 2. Bind each distinct (memory, target) pair to its path (cached by the engine: DMA-BUF
-    //    registration and self-test, cuFile handles, the staging pool happen on first use).
-    let mut routes: Vec<Route> = Vec::with_capacity(distinct.list.len());
-    for &((m, f), first) in &distinct.list {
-        let Registration::Storage(file) = &*regs.list[f] else { unreachable!("validated as storage") };
-        // A pair that cannot be bound names the first descriptor that uses it.
-        routes.push((ctx.route)(&regs.list[m], file).map_err(|e| e.at_descriptor(first).with_fd(file.fd))?);
-    }
-    let cufile_ops = if routes.contains(&Route::Cufile) { pairs.iter().filter(|&&k| routes[k as usize] == Route::Cufile).count() } else { 0 };
-    if cufile_ops > 0 && cufile_ops < local.len() {
-        return Err(Error::invalid(
-            "descriptors of one request take different paths (cuFile for some, io_uring for others); split the request by memory region",
-        ));
-    }
-    // 3. Check O_DIRECT alignment on each path's addresses and cut the descriptors into ops.
+    // The request's size sets the piece limits, so it is summed before the descriptors are cut.
+    let total_bytes = local.iter().fold(0u64, |sum, l| sum.saturating_add(l.len));
     // A host request no larger than one worker job stays with the posting thread: one job
     // cannot be spread, and the hand-off would only add a wake-up.
     let spreadable = total_bytes > WORKER_JOB_BYTES;
@@ -300,19 +275,44 @@ pub fn plan(
         punt_buffered_min: ctx.punt_buffered_min,
         staged_write: ctx.staged_write_piece_max,
     };
+    // One pass over the lists: with the caches cold, as between a client's requests, reading
+    // them twice cost a fifth of the plan (tests/prep_profile.rs, IUD_PREP_SWEEP_MIB). Each
+    // descriptor is validated against its registrations, its (memory, target) pair bound to a
+    // path on first use (cached by the engine: DMA-BUF registration and self-test, cuFile
+    // handles, the staging pool happen once per pair), its O_DIRECT alignment checked on that
+    // path's addresses, and it is cut into ops. A request refused at a later descriptor leaves
+    // only those per-pair bindings, which the next request of the same pair would make anyway.
+    let mut regs = Registrations::new(registry);
+    let mut distinct = Pairs::default();
+    let mut routes: Vec<Route> = Vec::new();
+    let mut cufile_descs = 0usize;
     let mut ops = ctx.lists.take(local.len());
     let (mut all_buffered, mut all_host) = (true, true);
     let mut vram_outside_streams = false;
-    for (i, ((l, r), &k)) in local.iter().zip(remote).zip(&pairs).enumerate() {
-        let ((m, f), _) = distinct.list[k as usize];
-        let (mem, route) = (&*regs.list[m], &routes[k as usize]);
+    for (i, (l, r)) in local.iter().zip(remote).enumerate() {
+        let pair = validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?;
+        let k = distinct.index(pair) as usize;
+        let (m, f) = pair;
         let Registration::Storage(file) = &*regs.list[f] else { unreachable!("validated as storage") };
+        if k == routes.len() {
+            routes.push((ctx.route)(&regs.list[m], file).map_err(|e| e.at_descriptor(i).with_fd(file.fd))?);
+        }
+        let (mem, route) = (&*regs.list[m], &routes[k]);
+        cufile_descs += usize::from(*route == Route::Cufile);
         check_alignment(i, l, r, mem, file, route).map_err(|e| e.at_descriptor(i).with_fd(file.fd).with_offset(r.addr))?;
         cut(i, op, l, r, mem, file, route, &limits, &mut ops).map_err(|e| e.at_descriptor(i))?;
         vram_outside_streams |= matches!(mem, Registration::Vram(_)) && *route != Route::Staging;
         all_buffered &= file.direct.is_none();
         // Inline pwrite needs real addresses: only memory addressed directly qualifies.
         all_host &= *route == Route::Host;
+    }
+    if regs.unhinted > 0 {
+        tracing::debug!("prepXfer: {} of {} descriptor pairs carried an MD of no registration covering them (NIXL's lists in sync mode NONE); resolved by address", regs.unhinted, local.len());
+    }
+    if cufile_descs > 0 && cufile_descs < local.len() {
+        return Err(Error::invalid(
+            "descriptors of one request take different paths (cuFile for some, io_uring for others); split the request by memory region",
+        ));
     }
     // Decided after merging, on the final sizes; punted ops run on the page-cache workers
     // (uring/workers.rs). Reads, and the writes of staged VRAM: their device copies overlap the
@@ -336,7 +336,7 @@ pub fn plan(
         local_count: local.len(),
         remote_count: remote.len(),
         total_bytes,
-        cufile: cufile_ops > 0,
+        cufile: cufile_descs > 0,
         vram_outside_streams,
     })
 }
@@ -517,18 +517,21 @@ mod tests {
     }
 
     #[test]
-    fn pairs_keep_their_positions_and_first_descriptors_past_the_scan() {
+    fn pairs_keep_their_positions_past_the_scan() {
         let mut p = Pairs::default();
         // 40 distinct pairs in a scattered order, each seen again later: positions never move,
-        // whether found by the last-hit check, the scan or (past 16 pairs) the map.
+        // whether found by the last-hit check, the scan or (past 16 pairs) the map, and a new
+        // pair takes the next position (the planner binds its route then).
         let order: Vec<usize> = (0..200).map(|i| (i * 7 + i / 13) % 40).collect();
         let mut seen: Vec<Option<u32>> = vec![None; 40];
-        for (desc, &x) in order.iter().enumerate() {
-            let k = p.index((x, 1000 + x), desc);
+        for &x in &order {
+            let before = p.list.len();
+            let k = p.index((x, 1000 + x));
             match seen[x] {
                 Some(was) => assert_eq!(was, k, "pair {x} moved"),
                 None => {
-                    assert_eq!(p.list[k as usize], ((x, 1000 + x), desc), "first use of pair {x}");
+                    assert_eq!(k as usize, before, "a new pair takes the next position");
+                    assert_eq!(p.list[k as usize], (x, 1000 + x), "first use of pair {x}");
                     seen[x] = Some(k);
                 }
             }
