@@ -58,6 +58,14 @@ struct Queues {
     running: HashSet<u64>,
     /// Running jobs whose request is being released: they stop at their next system call.
     cancelled: HashSet<u64>,
+    /// Workers waiting for a job, and how many of them were notified but have not taken the
+    /// lock again: a job is handed over with a wake-up only when some worker sleeps unwoken.
+    /// A system call per job otherwise (the condvar wakes unconditionally) cost the thread that
+    /// posts and polls one futex call per 256 KiB of 16 KiB pieces, while every worker was busy.
+    sleeping: usize,
+    waking: usize,
+    /// Threads in `wait_done`: results are announced only when one waits.
+    done_waiters: usize,
 }
 
 struct Shared {
@@ -146,6 +154,20 @@ impl Queues {
         Some(batch)
     }
 
+    /// Counts a wake-up for a sleeping worker that no notify has reached yet; false when
+    /// every worker is busy or already being woken (the job waits in the queue for the next
+    /// free one).
+    fn wake_one(&mut self) -> bool {
+        let wake = self.sleeping > self.waking;
+        self.waking += usize::from(wake);
+        wake
+    }
+
+    /// Counts a wake-up for every sleeping worker.
+    fn wake_all(&mut self) {
+        self.waking = self.sleeping;
+    }
+
     /// A batch taken by `take_runnable` ended.
     fn batch_ended(&mut self, batch: &[Job]) {
         let Some(fd) = write_fd(batch) else { return };
@@ -217,8 +239,14 @@ impl PageCacheWorkers {
         if jobs.is_empty() {
             return;
         }
-        self.lock().jobs.push_back(jobs);
-        self.shared.job_ready.notify_one();
+        let wake = {
+            let mut q = self.lock();
+            q.jobs.push_back(jobs);
+            q.wake_one()
+        };
+        if wake {
+            self.shared.job_ready.notify_one();
+        }
     }
 
     /// Takes the jobs among `tokens` that no thread has started yet out of the queue; they
@@ -245,7 +273,7 @@ impl PageCacheWorkers {
             });
         }
         jobs.retain(|b| !b.is_empty());
-        if done.len() != before {
+        if done.len() != before && q.done_waiters > 0 {
             drop(q);
             self.shared.done_ready.notify_all();
         }
@@ -258,9 +286,11 @@ impl PageCacheWorkers {
 
     /// Blocks until some job has finished or `timeout` passed.
     pub fn wait_done(&self, timeout: Duration) {
-        let q = self.lock();
+        let mut q = self.lock();
         if q.done.is_empty() {
-            let _ = self.shared.done_ready.wait_timeout(q, timeout);
+            q.done_waiters += 1;
+            let (mut q, _) = self.shared.done_ready.wait_timeout(q, timeout).unwrap_or_else(|p| p.into_inner());
+            q.done_waiters -= 1;
         }
     }
 
@@ -272,6 +302,7 @@ impl PageCacheWorkers {
 impl Drop for PageCacheWorkers {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
+        self.lock().wake_all();
         self.shared.job_ready.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -314,15 +345,23 @@ impl QueueHelper {
             ran += results.len();
             let mut q = s.lock();
             q.done.extend(results);
+            let announce = q.done_waiters > 0;
             if let Some(i) = blocked_at {
                 q.jobs.push_front(batch[i..].to_vec());
+                let wake = q.wake_one();
                 drop(q);
-                s.job_ready.notify_one();
-                s.done_ready.notify_all();
+                if wake {
+                    s.job_ready.notify_one();
+                }
+                if announce {
+                    s.done_ready.notify_all();
+                }
                 return ran;
             }
             drop(q);
-            s.done_ready.notify_all();
+            if announce {
+                s.done_ready.notify_all();
+            }
         }
     }
 }
@@ -357,7 +396,12 @@ fn work(s: &Shared) {
                 if s.stop.load(Ordering::Acquire) {
                     return;
                 }
+                q.sleeping += 1;
                 q = s.job_ready.wait(q).unwrap_or_else(|p| p.into_inner());
+                q.sleeping -= 1;
+                // A spurious wake-up may take a notified one's count: the count errs toward
+                // one more notify, never one less.
+                q.waking = q.waking.saturating_sub(1);
             }
         };
         let mut seen = s.cancel_epoch.load(Ordering::Acquire);
@@ -374,11 +418,17 @@ fn work(s: &Shared) {
         q.batch_ended(&batch);
         // A write batch held back by the limits may run now.
         let held_back = s.writers.any() && !q.jobs.is_empty();
+        if held_back {
+            q.wake_all();
+        }
+        let announce = q.done_waiters > 0;
         drop(q);
         if held_back {
             s.job_ready.notify_all();
         }
-        s.done_ready.notify_all();
+        if announce {
+            s.done_ready.notify_all();
+        }
     }
 }
 

@@ -194,6 +194,61 @@ fn writes_to_all_files_together_stay_within_their_limit_while_reads_go_on() {
     assert_eq!(q.writing_all, 2);
 }
 
+#[test]
+fn a_job_wakes_only_a_sleeping_worker_that_no_notify_has_reached() {
+    let mut q = Queues { sleeping: 2, ..Queues::default() };
+    assert!(q.wake_one());
+    assert!(q.wake_one());
+    assert!(!q.wake_one(), "both sleepers are being woken: the third job waits for a free worker");
+    let mut q = Queues::default();
+    assert!(!q.wake_one(), "every worker busy: no wake-up");
+    q.sleeping = 3;
+    q.waking = 1;
+    q.wake_all();
+    assert_eq!(q.waking, 3);
+}
+
+#[test]
+fn bursts_to_sleeping_workers_all_run() {
+    // Workers fall asleep between bursts of 1-9 batches (fewer and more than the workers), and
+    // every job of every burst must come back: a wake-up skipped wrongly would strand one.
+    let mut f = tempfile_in_tmp();
+    f.write_all(&vec![3u8; 64 << 10]).unwrap();
+    // Declared before the workers, so that it outlives them (they join on drop, a failed
+    // assertion included, after running what is still queued).
+    let mut buf = vec![0u8; 4096];
+    let w = PageCacheWorkers::new(4, WriterLimits { file: 1, all: 2 }, Arc::default()).unwrap();
+    let mut token = 0u64;
+    for burst in 0..300u64 {
+        let batches = 1 + burst % 9;
+        let mut want = 0;
+        for b in 0..batches {
+            // Reads, and every third batch a write (held back by the writer limits at times).
+            let write = b % 3 == 2;
+            let jobs: Vec<Job> = (0..1 + b % 3)
+                .map(|k| {
+                    token += 1;
+                    Job { token, fd: f.as_raw_fd(), offset: (k * 4096) % (64 << 10), addr: buf.as_mut_ptr() as u64, len: 512, write }
+                })
+                .collect();
+            want += jobs.len();
+            w.submit_batch(jobs);
+        }
+        let mut done = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while done.len() < want {
+            assert!(std::time::Instant::now() < deadline, "burst {burst}: {} of {want} jobs came back", done.len());
+            w.wait_done(Duration::from_millis(50));
+            w.take_done(&mut done);
+        }
+        assert!(done.iter().all(|&(_, n)| n == 512), "burst {burst}: {done:?}");
+        if burst % 50 == 0 {
+            // Let every worker fall asleep.
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
 fn tempfile_in_tmp() -> std::fs::File {
     let path = std::env::temp_dir().join(format!(
         "iud-workers-{}-{:?}",
