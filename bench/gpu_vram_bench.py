@@ -102,6 +102,8 @@ BACKENDS = [
     ("IUD-fw0", "IO_URING_DMABUF", {"page_cache_file_writers": "0"}),
     ("IUD-fw2", "IO_URING_DMABUF", {"page_cache_file_writers": "2"}),
     ("IUD-nocaller", "IO_URING_DMABUF", {"page_cache_caller_reads": "false"}),
+    # ... or always, also while staged VRAM moves (the default before 2026-12-04 afternoon).
+    ("IUD-caller", "IO_URING_DMABUF", {"page_cache_caller_reads": "true"}),
     # Page-cache worker threads (auto: the CPUs less two, at most 16; before 2026-12-04 half the
     # CPUs, at most 8), one writer per file, and DRAM writes left to the ring alone (no inline
     # pwrite by the posting/polling thread).
@@ -153,7 +155,7 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-win", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch", "IUD-ring")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-win", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch", "IUD-ring", "IUD-caller")
 
 
 

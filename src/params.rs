@@ -16,6 +16,30 @@ pub enum FixedBuffers {
     Off,
 }
 
+/// Whether the thread that posts or polls a request runs reads queued for the page-cache
+/// workers (`page_cache_caller_reads`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallerReads {
+    /// Yes, except while VRAM moves through the staging buffers: that thread starts their
+    /// device copies, and a read it runs meanwhile holds them back (on the H200, contiguous
+    /// and large VRAM READs 8-20 % faster without it, small scattered ones level; host-memory
+    /// READs 1.09-1.17x with it: bench/results/2026-12-04-per-request-h200-afternoon.md).
+    Auto,
+    Always,
+    Never,
+}
+
+impl CallerReads {
+    /// Whether a posting or polling thread runs queued reads now.
+    pub fn helps(self, staging_in_use: bool) -> bool {
+        match self {
+            CallerReads::Always => true,
+            CallerReads::Never => false,
+            CallerReads::Auto => !staging_in_use,
+        }
+    }
+}
+
 /// How VRAM is moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VramPath {
@@ -57,7 +81,7 @@ pub struct EngineParams {
     /// Page-cache workers that may write at once, all files together (0 = no limit).
     pub page_cache_writers: u32,
     /// Posting and polling threads run reads queued for the page-cache workers.
-    pub page_cache_caller_reads: bool,
+    pub page_cache_caller_reads: CallerReads,
     /// A thread of the engine moves running requests on while nobody polls them.
     pub progress_thread: bool,
     pub vram_path: VramPath,
@@ -176,7 +200,14 @@ impl EngineParams {
                 n => return Err(Error::invalid(format!("backend parameter page_cache_threads={n} must be within 1..64 (or auto)"))),
             },
         };
-        let page_cache_caller_reads = parse_bool("page_cache_caller_reads", get("page_cache_caller_reads"))?;
+        let page_cache_caller_reads = match get("page_cache_caller_reads") {
+            "auto" => CallerReads::Auto,
+            v => match parse_bool("page_cache_caller_reads", v) {
+                Ok(true) => CallerReads::Always,
+                Ok(false) => CallerReads::Never,
+                Err(_) => return Err(Error::invalid(format!("backend parameter page_cache_caller_reads={v:?} must be auto, true or false"))),
+            },
+        };
         let progress_thread = match get("progress_thread") {
             // On 2 CPUs the posting thread does most of a request's work inline and a third
             // thread's wake-ups cost the others: no gain with a 1 ms-sleeping poller (0.91-1.07x)
@@ -318,6 +349,20 @@ mod tests {
         let p = EngineParams::default();
         assert!(p.ring_entries >= 16);
         assert_eq!(p.fixed_buffers, FixedBuffers::Auto);
+    }
+
+    #[test]
+    fn caller_reads_auto_steps_aside_while_staging_buffers_are_in_use() {
+        assert_eq!(EngineParams::default().page_cache_caller_reads, CallerReads::Auto);
+        for (v, want) in [("auto", CallerReads::Auto), ("true", CallerReads::Always), ("off", CallerReads::Never)] {
+            assert_eq!(EngineParams::parse([("page_cache_caller_reads", v)]).unwrap().0.page_cache_caller_reads, want, "{v}");
+        }
+        assert!(CallerReads::Auto.helps(false));
+        assert!(!CallerReads::Auto.helps(true));
+        assert!(CallerReads::Always.helps(true));
+        assert!(!CallerReads::Never.helps(false));
+        let e = EngineParams::parse([("page_cache_caller_reads", "sometimes")]).unwrap_err();
+        assert!(e.message.contains("auto, true or false"), "{}", e.message);
     }
 
     #[test]

@@ -16,7 +16,8 @@
 #   bash ci/gpu/per-request.sh slots        # the vLLM connector's slot layout (about 2 minutes)
 #   bash ci/gpu/per-request.sh write-bound  # buffered-write bound of 1 and 4 files, no NIXL (1 min)
 #     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS, IUD_PROBE_OPS=READ and IUD_PROBE_PROCS=4 replace
-#     write-probe's backends, points, op and process count)
+#     write-probe's backends, points, op and process count; IUD_PROBE_BACKENDS, IUD_PROBE_POINTS
+#     and IUD_PROBE_MEMORY=dram read-probe's backends, points and memory)
 #   bash ci/gpu/per-request.sh read-probe   # small scattered READs beside contiguous ones, with
 #     12, 14 and 16 page-cache workers and the plugin's own prepXfer time in the log (3 minutes)
 #   bash ci/gpu/per-request.sh read-bound   # page-cache random reads by 8, 9 and 16 threads, fio (1 min)
@@ -113,7 +114,8 @@ for st in "${steps[@]}"; do
             rv+=(--req_backends IO_URING_DMABUF,POSIX+copy,IUD-pct16 "${small[@]}"); b=60
         else
             rv+=(--req_backends ${IUD_PROBE_BACKENDS:-IO_URING_DMABUF,IUD-pct12,IUD-pct14,IUD-pct16,GDS_MT}
-                 --req_points ${IUD_PROBE_POINTS:-16K:8192,32K:8192,64K:4096,256K:2048} --req_seconds 0.2 --kv_rounds 3); b=240
+                 --req_points ${IUD_PROBE_POINTS:-16K:8192,32K:8192,64K:4096,256K:2048} --req_seconds 0.2 --kv_rounds 3
+                 ${IUD_PROBE_MEMORY:+--memory $IUD_PROBE_MEMORY}); b=240
         fi
         # (IUD_PROBE_PROFILE=1 also times every I/O, which slows the requests themselves)
         IO_URING_DMABUF_PROFILE=${IUD_PROBE_PROFILE:-prep} step per-request-read-probe "$b" "${rv[@]}" ;;

@@ -361,6 +361,11 @@ impl Staging {
         done
     }
 
+    /// Whether some buffer is in use (filling, copying or draining).
+    pub fn in_use(&self) -> bool {
+        !self.groups.is_empty()
+    }
+
     /// Whether device copies are in flight.
     pub fn copying(&self) -> bool {
         !self.copies.is_empty()

@@ -20,6 +20,7 @@ pub mod background;
 
 use super::request::{Next, Outcome, RequestOps, RequestProgress};
 use crate::error::{describe_os_error, Error, Failure, Result};
+use crate::params::CallerReads;
 use crate::gpu::GpuProvider;
 use crate::path::direct;
 use crate::path::staging::{CopyDone, Stage, Staging, StagingPool, StagingShape};
@@ -76,7 +77,7 @@ pub struct Driver {
     /// The engine's failed state, set when the table's lock is found poisoned.
     failure: Arc<Failure>,
     /// Whether posting and polling threads run reads queued for the page-cache workers.
-    caller_reads: bool,
+    caller_reads: CallerReads,
     /// Threads in post/check, and when the last one left (the progress thread keeps out of
     /// their way).
     callers: CallerClock,
@@ -85,12 +86,12 @@ pub struct Driver {
 impl Driver {
     pub fn new(ring: Arc<Ring>, failure: Arc<Failure>) -> Driver {
         let table = Table { profiles: Profiles::from_env(), ..Table::default() };
-        Driver { ring, table: Mutex::new(table), failure, caller_reads: true, callers: CallerClock::default() }
+        Driver { ring, table: Mutex::new(table), failure, caller_reads: CallerReads::Auto, callers: CallerClock::default() }
     }
 
     /// Sets whether posting and polling threads run queued page-cache reads themselves.
-    pub fn with_caller_reads(mut self, on: bool) -> Driver {
-        self.caller_reads = on;
+    pub fn with_caller_reads(mut self, how: CallerReads) -> Driver {
+        self.caller_reads = how;
         self
     }
 
@@ -165,11 +166,14 @@ impl Driver {
     /// while copying, refilling the queue from waiting requests between rounds, until none is
     /// left to take (the rest runs on the workers or waits for the disk). A thread that posts or
     /// polls would otherwise wait for the workers: on a busy machine they may get no core soon.
+    /// `page_cache_caller_reads` decides when (`CallerReads`).
     fn help_page_cache_workers<'a>(&'a self, mut t: MutexGuard<'a, Table>) -> Result<MutexGuard<'a, Table>> {
-        if !self.caller_reads {
-            return Ok(t);
-        }
         loop {
+            // The staging buffers' device copies wait for this thread (a staged READ's copy
+            // starts when its buffer's reads have landed): under auto it drives them instead.
+            if !self.caller_reads.helps(t.staging.as_ref().is_some_and(Staging::in_use)) {
+                return Ok(t);
+            }
             let Some(helper) = self.ring.lock()?.page_cache_helper() else { return Ok(t) };
             drop(t);
             let ran = helper.run_queued_reads();
