@@ -22,7 +22,7 @@ pub enum FixedBuffers {
 pub enum CallerReads {
     /// Yes, except while VRAM moves through the staging buffers: that thread starts their
     /// device copies, and a read it runs meanwhile holds them back (on the H200, contiguous
-    /// and large VRAM READs 8-20 % faster without it, small scattered ones level; host-memory
+    /// and large VRAM READs 8-21 % faster without it, small scattered ones level; host-memory
     /// READs 1.09-1.17x with it: bench/results/2026-12-04-per-request-h200-afternoon.md).
     Auto,
     Always,
