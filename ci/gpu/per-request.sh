@@ -16,11 +16,13 @@
 #   bash ci/gpu/per-request.sh slots        # the vLLM connector's slot layout (about 2 minutes)
 #   bash ci/gpu/per-request.sh write-bound  # buffered-write bound of 1 and 4 files, no NIXL (1 min)
 #     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS, IUD_PROBE_OPS=READ and IUD_PROBE_PROCS=4 replace
-#     write-probe's backends, points, op and process count; IUD_PROBE_BACKENDS, IUD_PROBE_POINTS
-#     and IUD_PROBE_MEMORY=dram read-probe's backends, points and memory)
+#     write-probe's backends, points, op and process count; IUD_PROBE_BACKENDS, IUD_PROBE_POINTS,
+#     IUD_PROBE_SECONDS, IUD_PROBE_ROUNDS and IUD_PROBE_MEMORY=dram read-probe's backends, points,
+#     summed request seconds per measurement, rounds and memory)
 #   bash ci/gpu/per-request.sh read-probe   # small scattered READs beside contiguous ones, with
 #     12, 14 and 16 page-cache workers and the plugin's own prepXfer time in the log (3 minutes)
-#   bash ci/gpu/per-request.sh read-bound   # page-cache random reads by 8, 9 and 16 threads, fio (1 min)
+#   bash ci/gpu/per-request.sh read-bound   # page-cache random reads by 8, 9 and 16 threads, fio, and by
+#     1, 14 and 16 threads into staging-like memory, bench/pread_bound.c (1 min)
 #
 # IUD_GPU_DRYRUN=1 runs the same three steps here, on the CPU machine, with the project's .venv
 # and plugin (ci/build.sh), host memory (--memory dram), POSIX in place of GDS_MT and tiny points:
@@ -114,7 +116,8 @@ for st in "${steps[@]}"; do
             rv+=(--req_backends IO_URING_DMABUF,POSIX+copy,IUD-pct16 "${small[@]}"); b=60
         else
             rv+=(--req_backends ${IUD_PROBE_BACKENDS:-IO_URING_DMABUF,IUD-pct12,IUD-pct14,IUD-pct16,GDS_MT}
-                 --req_points ${IUD_PROBE_POINTS:-16K:8192,32K:8192,64K:4096,256K:2048} --req_seconds 0.2 --kv_rounds 3
+                 --req_points ${IUD_PROBE_POINTS:-16K:8192,32K:8192,64K:4096,256K:2048}
+                 --req_seconds ${IUD_PROBE_SECONDS:-0.2} --kv_rounds ${IUD_PROBE_ROUNDS:-3}
                  ${IUD_PROBE_MEMORY:+--memory $IUD_PROBE_MEMORY}); b=240
         fi
         # (IUD_PROBE_PROFILE=1 also times every I/O, which slows the requests themselves)
@@ -126,6 +129,17 @@ for st in "${steps[@]}"; do
         else
             "$PY" bench/fio_reference.py --fio "$G/fio/fio" --dir /tmp --buffered --jobs 8,9,16 \
                 --sizes 16384,32768,65536 --seconds 2 --span 2147483648 | tee "$OUT/read-bound.md" || rc=1
+            # The same reads into a 4 MiB ring of memory per thread (as the workers fill staging
+            # buffers) by 1, 14 (the default workers on 16 CPUs) and 16 threads, random offsets
+            # and one sequential 2 MiB reference.
+            dd if=/dev/urandom of=/tmp/iud-pread-bound bs=1M count=2048 status=none && cat /tmp/iud-pread-bound > /dev/null
+            for t in 1 14 16; do
+                for p in 16384 32768 65536 2097152; do
+                    "$G/pread_bound" /tmp/iud-pread-bound "$t" "$p" $((t * 64 << 20)) $((4 << 20)) 1 1 5
+                done
+                "$G/pread_bound" /tmp/iud-pread-bound "$t" 2097152 $((t * 64 << 20)) $((4 << 20)) 0 1 5
+            done | tee -a "$OUT/read-bound.md" || rc=1
+            rm -f /tmp/iud-pread-bound
         fi ;;
     slots)  # the vLLM connector's layout (about 2 minutes): 64 pages of 32 KiB per block,
         # scattered in VRAM, end to end in the file; IUD-maxio32K caps runs at one page (the

@@ -94,15 +94,7 @@ fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
 }
 
 fn idle_queue(writers: WriterLimits) -> Arc<Shared> {
-    Arc::new(Shared {
-        queues: Mutex::default(),
-        job_ready: Condvar::new(),
-        done_ready: Condvar::new(),
-        stop: AtomicBool::new(false),
-        writers,
-        failure: Arc::default(),
-        cancel_epoch: AtomicU64::new(0),
-    })
+    Arc::new(Shared::new(1, writers, Arc::default()))
 }
 
 fn job(token: u64, fd: i32, write: bool) -> Job {
@@ -154,43 +146,43 @@ fn a_batch_takes_only_jobs_of_its_fd_and_direction() {
 
 #[test]
 fn a_file_gets_at_most_its_writers_while_reads_and_other_files_go_on() {
-    let mut q = Queues::default();
+    let mut q = Queues::new(4);
     q.jobs.push_back(vec![job(1, 5, true)]);
     q.jobs.push_back(vec![job(2, 5, true)]);
     q.jobs.push_back(vec![job(3, 6, true)]);
     q.jobs.push_back(vec![job(4, 5, false)]);
     let one = WriterLimits { file: 1, all: 0 };
-    let first = q.take_runnable(one).unwrap();
+    let first = q.take_runnable(one, 0).unwrap();
     assert_eq!(first[0].token, 1);
     // fd 5 has its one writer: the next write to it waits, fd 6 and the read do not.
-    assert_eq!(q.take_runnable(one).unwrap()[0].token, 3);
-    assert_eq!(q.take_runnable(one).unwrap()[0].token, 4);
-    assert!(q.take_runnable(one).is_none());
-    q.batch_ended(&first);
-    assert_eq!(q.take_runnable(one).unwrap()[0].token, 2);
+    assert_eq!(q.take_runnable(one, 1).unwrap()[0].token, 3);
+    assert_eq!(q.take_runnable(one, 2).unwrap()[0].token, 4);
+    assert!(q.take_runnable(one, 3).is_none());
+    q.batch_ended(&first, 0);
+    assert_eq!(q.take_runnable(one, 0).unwrap()[0].token, 2);
     // Without a limit, writes run in queue order regardless of the fd.
-    let mut q = Queues::default();
+    let mut q = Queues::new(4);
     q.jobs.push_back(vec![job(1, 5, true)]);
     q.jobs.push_back(vec![job(2, 5, true)]);
-    assert_eq!(q.take_runnable(WriterLimits::default()).unwrap()[0].token, 1);
-    assert_eq!(q.take_runnable(WriterLimits::default()).unwrap()[0].token, 2);
+    assert_eq!(q.take_runnable(WriterLimits::default(), 1).unwrap()[0].token, 1);
+    assert_eq!(q.take_runnable(WriterLimits::default(), 2).unwrap()[0].token, 2);
 }
 
 #[test]
 fn writes_to_all_files_together_stay_within_their_limit_while_reads_go_on() {
-    let mut q = Queues::default();
+    let mut q = Queues::new(4);
     for (token, fd) in [(1, 5), (2, 6), (3, 7)] {
         q.jobs.push_back(vec![job(token, fd, true)]);
     }
     q.jobs.push_back(vec![job(4, 8, false)]);
     let two = WriterLimits { file: 0, all: 2 };
-    let first = q.take_runnable(two).unwrap();
-    assert_eq!(q.take_runnable(two).unwrap()[0].token, 2);
+    let first = q.take_runnable(two, 0).unwrap();
+    assert_eq!(q.take_runnable(two, 1).unwrap()[0].token, 2);
     // Two writes run: the third waits although its file has no writer; the read does not.
-    assert_eq!(q.take_runnable(two).unwrap()[0].token, 4);
-    assert!(q.take_runnable(two).is_none());
-    q.batch_ended(&first);
-    assert_eq!(q.take_runnable(two).unwrap()[0].token, 3);
+    assert_eq!(q.take_runnable(two, 2).unwrap()[0].token, 4);
+    assert!(q.take_runnable(two, 3).is_none());
+    q.batch_ended(&first, 0);
+    assert_eq!(q.take_runnable(two, 0).unwrap()[0].token, 3);
     assert_eq!(q.writing_all, 2);
 }
 
