@@ -110,6 +110,7 @@ BACKENDS = [
     ("IUD-pct16", "IO_URING_DMABUF", {"page_cache_threads": "16"}),
     ("IUD-pct14", "IO_URING_DMABUF", {"page_cache_threads": "14"}),
     ("IUD-pct12", "IO_URING_DMABUF", {"page_cache_threads": "12"}),
+    ("IUD-pct10", "IO_URING_DMABUF", {"page_cache_threads": "10"}),
     ("IUD-pct8", "IO_URING_DMABUF", {"page_cache_threads": "8"}),
     # ... and all 16 writing one file at once (as many writers as GDS_MT's compatibility mode?)
     ("IUD-pct16fw0", "IO_URING_DMABUF", {"page_cache_threads": "16", "page_cache_file_writers": "0"}),
