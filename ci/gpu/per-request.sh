@@ -15,8 +15,8 @@
 #   bash ci/gpu/per-request.sh write-probe  # larger staged WRITEs: workers, buffers, pieces (4 min)
 #   bash ci/gpu/per-request.sh slots        # the vLLM connector's slot layout (about 2 minutes)
 #   bash ci/gpu/per-request.sh write-bound  # buffered-write bound of 1 and 4 files, no NIXL (1 min)
-#     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS, IUD_PROBE_OPS=READ and IUD_PROBE_PROCS=4 replace
-#     write-probe's backends, points, op and process count; IUD_PROBE_BACKENDS, IUD_PROBE_POINTS,
+#     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS, IUD_PROBE_OPS=READ, IUD_PROBE_PROCS=4 and
+#     IUD_PROBE_PROFILE=prep replace write-probe's backends, points, op, process count and profile; IUD_PROBE_BACKENDS, IUD_PROBE_POINTS,
 #     IUD_PROBE_SECONDS, IUD_PROBE_ROUNDS and IUD_PROBE_MEMORY=dram read-probe's backends, points,
 #     summed request seconds per measurement, rounds and memory)
 #   bash ci/gpu/per-request.sh read-probe   # small scattered READs beside contiguous ones, with
@@ -107,7 +107,7 @@ for st in "${steps[@]}"; do
                  --req_points ${IUD_PROBE_POINTS:-256K:2048,2M:512} --req_seconds 0.2 --kv_rounds 2
                  --req_processes ${IUD_PROBE_PROCS:-1}); b=180
         fi
-        IO_URING_DMABUF_PROFILE=1 step per-request-write-probe "$b" "${wv[@]}" ;;
+        IO_URING_DMABUF_PROFILE=${IUD_PROBE_PROFILE:-1} step per-request-write-probe "$b" "${wv[@]}" ;;
     read-probe)  # issue 26 item 4: what bounds small scattered READs (about 3 minutes): the
         # storage stage's threads (IUD-pctN: N page-cache workers instead of 8), and the
         # plugin's own share of make_prepped_xfer (the log's "profile: prepXfer" lines)
