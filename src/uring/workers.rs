@@ -289,20 +289,19 @@ impl PageCacheWorkers {
         if q.cancelled.len() != before_running {
             self.shared.cancel_epoch.fetch_add(1, Ordering::Release);
         }
-        let Queues { jobs, done, .. } = &mut *q;
-        let before = done.len();
-        for batch in jobs.iter_mut() {
+        let mut dropped = Vec::new();
+        for batch in q.jobs.iter_mut() {
             batch.retain(|j| {
                 let hit = tokens.contains(&j.token);
                 if hit {
-                    done.push((j.token, -libc::ECANCELED));
+                    dropped.push((j.token, -libc::ECANCELED));
                 }
                 !hit
             });
         }
-        jobs.retain(|b| !b.is_empty());
-        if done.len() != before {
-            self.shared.has_done.store(true, Ordering::Release);
+        q.jobs.retain(|b| !b.is_empty());
+        if !dropped.is_empty() {
+            q.add_done(&self.shared, dropped);
             if q.done_waiters > 0 {
                 drop(q);
                 self.shared.done_ready.notify_all();
