@@ -16,9 +16,10 @@
 #   bash ci/gpu/per-request.sh slots        # the vLLM connector's slot layout (about 2 minutes)
 #   bash ci/gpu/per-request.sh write-bound  # buffered-write bound of 1 and 4 files, no NIXL (1 min)
 #     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS, IUD_PROBE_OPS=READ, IUD_PROBE_PROCS=4 and
-#     IUD_PROBE_PROFILE=prep replace write-probe's backends, points, op, process count and profile; IUD_PROBE_BACKENDS, IUD_PROBE_POINTS,
-#     IUD_PROBE_SECONDS, IUD_PROBE_ROUNDS and IUD_PROBE_MEMORY=dram read-probe's backends, points,
-#     summed request seconds per measurement, rounds and memory)
+#     IUD_PROBE_PROFILE=prep replace write-probe's backends, points, op, process count and
+#     profile; IUD_PROBE_BACKENDS, IUD_PROBE_POINTS, IUD_PROBE_SECONDS, IUD_PROBE_ROUNDS and
+#     IUD_PROBE_MEMORY=dram read-probe's backends, points, summed request seconds per
+#     measurement, rounds and memory)
 #   bash ci/gpu/per-request.sh read-probe   # small scattered READs beside contiguous ones, with
 #     12, 14 and 16 page-cache workers and the plugin's own prepXfer time in the log (3 minutes)
 #   bash ci/gpu/per-request.sh read-bound   # page-cache random reads by 8, 9 and 16 threads, fio, and by
