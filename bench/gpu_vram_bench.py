@@ -146,6 +146,12 @@ BACKENDS = [
     ("IUD-fw4", "IO_URING_DMABUF", {"page_cache_file_writers": "4"}),
     # More ops in flight per engine (ring_entries bounds them: 512 by default): scattered 16 KiB
     # pieces fill 512 x 16 KiB = 8 MiB of the 64 MiB staging pool at once.
+    # Staged page-cache READs in worker pieces (staged_read_piece_max, default 256 KiB): none of
+    # its own (a staging buffer's piece per worker: the behaviour before 2026-12-04 night),
+    # 512 KiB, 1 MiB.
+    ("IUD-rp0", "IO_URING_DMABUF", {"staged_read_piece_max": "0"}),
+    ("IUD-rp512K", "IO_URING_DMABUF", {"staged_read_piece_max": str(MiB // 2)}),
+    ("IUD-rp1M", "IO_URING_DMABUF", {"staged_read_piece_max": str(MiB)}),
     ("IUD-ring2048", "IO_URING_DMABUF", {"ring_entries": "2048"}),
     ("IUD-ring4096", "IO_URING_DMABUF", {"ring_entries": "4096"}),
     ("IUD-ring8192", "IO_URING_DMABUF", {"ring_entries": "8192"}),

@@ -96,6 +96,8 @@ pub struct EngineParams {
     pub staging_copy: PackedCopy,
     /// Largest staged piece of a page-cache WRITE.
     pub staged_write_piece_max: u64,
+    /// Largest staged piece of a page-cache READ read by the workers (0 = no limit of its own).
+    pub staged_read_piece_max: u64,
     /// Staging bytes that page-cache WRITEs may fill at once (0 = no limit).
     pub staged_write_window: u64,
     pub cufile_threads: u32,
@@ -255,6 +257,12 @@ impl EngineParams {
                 "backend parameter staged_write_piece_max={staged_write_piece_max} must be a multiple of 4096 between 4096 and 1 GiB"
             )));
         }
+        let staged_read_piece_max = parse_u64("staged_read_piece_max", get("staged_read_piece_max"))?;
+        if staged_read_piece_max % 4096 != 0 || staged_read_piece_max > MAX_FIXED_BUFFER {
+            return Err(Error::invalid(format!(
+                "backend parameter staged_read_piece_max={staged_read_piece_max} must be 0 or a multiple of 4096 up to 1 GiB"
+            )));
+        }
         let staged_write_window = parse_u64("staged_write_window", get("staged_write_window"))?;
         if staged_write_window % 4096 != 0 {
             return Err(Error::invalid(format!(
@@ -310,6 +318,7 @@ impl EngineParams {
             staging_pack_max,
             staging_copy,
             staged_write_piece_max,
+            staged_read_piece_max,
             staged_write_window,
             cufile_threads: cufile_threads as u32,
             cufile_api,
@@ -389,6 +398,7 @@ mod tests {
             ("staging_buffer_size", "1000"),
             ("staging_buffers", "1"),
             ("staged_write_piece_max", "1000"),
+            ("staged_read_piece_max", "1000"),
             ("staged_write_window", "1000"),
             ("staged_write_window", "lots"),
             ("staging_pack_max", "5000"),

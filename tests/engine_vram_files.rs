@@ -189,6 +189,58 @@ fn staged_blocks_round_trip_whatever_the_pack_size() {
     }
 }
 
+/// Staged page-cache READs cut into worker-sized pieces (`staged_read_piece_max`) land whole:
+/// pieces packed into one buffer and read by several workers, neighbours in VRAM copied as one
+/// (one 6 MiB descriptor; 24 blocks end to end in VRAM at permuted file offsets; 24 blocks
+/// apart in VRAM), whatever the piece, against the file's bytes.
+#[test]
+fn staged_reads_in_worker_pieces_land_whole_whatever_the_piece() {
+    let ctl = double_ctl();
+    let block = 256 << 10;
+    let n = 24u64;
+    let len = n * block;
+    for piece in ["0", "65536", "262144", "1048576"] {
+        let e = Engine::new(AGENT, [("gpu_provider", "rocm"), ("staging_buffer_size", "1048576"), ("staging_buffers", "4"), ("staged_read_piece_max", piece)])
+            .unwrap_or_else(|err| panic!("engine (piece {piece}): {}", err.message));
+        let vram = ctl.alloc_vram((3 * len) as usize);
+        let m_vram = e.register(VRAM, vram, 3 * len, 0, "").unwrap();
+        let path = std::env::temp_dir().join(format!("iud-vram-read-piece-{}-{piece}", std::process::id()));
+        std::fs::write(&path, (0..len).map(|i| (i * 31 + i / 4093) as u8).collect::<Vec<u8>>()).unwrap();
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let fd = f.as_raw_fd() as u64;
+        let m_file = e.register(FILE, 0, len, fd, "").unwrap();
+        let file_bytes = std::fs::read(&path).unwrap();
+        let file_at = |i: u64| ((i * 7) % n) * block;
+        // One descriptor.
+        fill_random(vram, 3 * len, 9);
+        transfer(&e, READ, &[desc(vram, len, 0, m_vram)], &[desc(0, len, fd, m_file)]);
+        assert!(bytes(vram, len) == file_bytes, "piece {piece}: one 6 MiB descriptor read back differs from the file");
+        // End to end in VRAM, permuted in the file.
+        fill_random(vram, 3 * len, 10);
+        let local: Vec<_> = (0..n).map(|i| desc(vram + i * block, block, 0, m_vram)).collect();
+        let file: Vec<_> = (0..n).map(|i| desc(file_at(i), block, fd, m_file)).collect();
+        transfer(&e, READ, &local, &file);
+        for i in 0..n {
+            let o = file_at(i) as usize;
+            assert!(bytes(vram + i * block, block) == file_bytes[o..o + block as usize], "piece {piece}: block {i} (VRAM end to end) differs");
+        }
+        // Apart in VRAM (a block's gap after each), the gaps untouched.
+        fill_random(vram, 3 * len, 11);
+        let before = bytes(vram, 3 * len);
+        let local: Vec<_> = (0..n).map(|i| desc(vram + 2 * i * block + 4096, block, 0, m_vram)).collect();
+        transfer(&e, READ, &local, &file);
+        let after = bytes(vram, 3 * len);
+        for i in 0..n {
+            let (at, o) = ((2 * i * block + 4096) as usize, file_at(i) as usize);
+            assert!(after[at..at + block as usize] == file_bytes[o..o + block as usize], "piece {piece}: block {i} (VRAM apart) differs");
+            let gap = at + block as usize..(at + 2 * block as usize).min(after.len());
+            assert!(after[gap.clone()] == before[gap], "piece {piece}: the gap after block {i} changed");
+        }
+        assert!(after[..4096] == before[..4096], "piece {piece}: the bytes before the first block changed");
+        tear_down(e, [m_file, m_vram], f, &path, &ctl, vram);
+    }
+}
+
 /// The fd rule (mem/file.rs) on the staging path: a staged VRAM request whose FILE fd was closed,
 /// or closed and its number reused for another file, before the first post or between posts, is
 /// refused naming fd, file and cause, and neither file nor the VRAM changes. (Other tests of this

@@ -317,7 +317,7 @@ impl Staging {
     pub fn start_copy(&mut self, g: usize) -> Result<()> {
         let grp = &self.groups[g];
         let host = self.pool.bufs[grp.buf].addr;
-        let pieces: Vec<CopyPiece> = grp.pieces.iter().map(|(op, at)| CopyPiece { dev: op.addr, host: host + at, len: u64::from(op.len) }).collect();
+        let pieces = copy_pieces(grp.pieces.iter().map(|(op, at)| CopyPiece { dev: op.addr, host: host + at, len: u64::from(op.len) }));
         let device = grp.pieces[0].0.device.unwrap_or(0);
         // SAFETY: the staging buffer is the group's until `close`; the device ranges are
         // registered VRAM kept alive by the request's plan.
@@ -327,7 +327,7 @@ impl Staging {
             _ => unsafe { self.pool.provider.copy_batch(device, &pieces, grp.write, self.packed_copy) },
         }?;
         if grp.write {
-            self.groups[g].io_left = pieces.len();
+            self.groups[g].io_left = self.groups[g].pieces.len();
         }
         self.copies.push(PendingCopy { group: g, ticket, started: std::time::Instant::now() });
         Ok(())
@@ -403,6 +403,19 @@ impl Drop for StagingPool {
         // SAFETY: the mapping was created in new(); the ring drained every op using it.
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.total as usize) };
     }
+}
+
+/// A group's device copies, neighbours that continue each other in VRAM and in the buffer
+/// merged: a run of a contiguous descriptor cut into worker-sized pieces is one plain copy.
+fn copy_pieces(pieces: impl Iterator<Item = CopyPiece>) -> Vec<CopyPiece> {
+    let mut out: Vec<CopyPiece> = Vec::new();
+    for p in pieces {
+        match out.last_mut() {
+            Some(last) if last.dev + last.len == p.dev && last.host + last.len == p.host => last.len += p.len,
+            _ => out.push(p),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -546,5 +559,14 @@ mod tests {
         s.max_io_size = 128 * KIB;
         assert_eq!(s.runs(g).iter().map(|r| r.count).collect::<Vec<_>>(), [2; 4]);
         s.close(g);
+    }
+
+    #[test]
+    fn copies_of_neighbours_in_vram_and_buffer_merge() {
+        let p = |dev: u64, host: u64, len: u64| CopyPiece { dev, host, len };
+        let merged = copy_pieces([p(0, 100, 8), p(8, 108, 8), p(16, 116, 8), p(40, 124, 8), p(48, 140, 8), p(56, 148, 8)].into_iter());
+        let got: Vec<(u64, u64, u64)> = merged.iter().map(|c| (c.dev, c.host, c.len)).collect();
+        // A VRAM gap (24 -> 40) and a buffer gap (132 -> 140) each start a new copy.
+        assert_eq!(got, [(0, 100, 24), (40, 124, 8), (48, 140, 16)]);
     }
 }

@@ -196,6 +196,8 @@ pub struct PlanContext<'a> {
     pub page_cache_threads: usize,
     /// Largest staged piece of a page-cache WRITE (`staged_write_piece_max`).
     pub staged_write_piece_max: u64,
+    /// Largest staged piece of a page-cache READ the workers read (`staged_read_piece_max`, 0 = none).
+    pub staged_read_piece_max: u64,
     /// Chooses (once per pair, cached by the engine) how a memory registration reaches a target.
     pub route: &'a dyn Fn(&Registration, &FileRegion) -> Result<Route>,
     /// Op lists of released requests, reused (no page faults per request).
@@ -274,6 +276,7 @@ pub fn plan(
         worker: if ctx.punt_buffered_min > 0 && spreadable { max_piece.min(worker_piece(ctx, total_bytes)) } else { max_piece },
         punt_buffered_min: ctx.punt_buffered_min,
         staged_write: ctx.staged_write_piece_max,
+        staged_read: ctx.staged_read_piece_max,
     };
     // One pass over the lists after the sum of the lengths above: with the caches cold, as
     // between a client's requests, reading them twice cost a fifth of the plan
@@ -391,6 +394,7 @@ struct Limits {
     worker: u64,
     punt_buffered_min: u64,
     staged_write: u64,
+    staged_read: u64,
 }
 
 /// Cuts one descriptor into ops that fit the limits and never straddle a fixed-buffer slot or a
@@ -401,6 +405,11 @@ fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, fil
     let mut limit = if staged { lim.staged } else { lim.max_piece };
     if staged && op == XferOp::Write && file.direct.is_none() {
         limit = limit.min(lim.staged_write);
+    }
+    if staged && op == XferOp::Read && file.direct.is_none() && lim.punt_buffered_min > 0 && lim.staged_read > 0 {
+        // Worker-sized pieces share a buffer and are read by several workers at once: the
+        // buffer's copy to the GPU starts after one piece's read, not one buffer's.
+        limit = limit.min(lim.staged_read);
     }
     if !staged && op == XferOp::Read && file.direct.is_none() && lim.punt_buffered_min > 0 {
         // Page-cache reads go to the workers: cut so that every worker gets a share.
