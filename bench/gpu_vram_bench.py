@@ -152,6 +152,9 @@ BACKENDS = [
     ("IUD-rp0", "IO_URING_DMABUF", {"staged_read_piece_max": "0"}),
     ("IUD-rp512K", "IO_URING_DMABUF", {"staged_read_piece_max": str(MiB // 2)}),
     ("IUD-rp1M", "IO_URING_DMABUF", {"staged_read_piece_max": str(MiB)}),
+    # Idle page-cache workers watch for the next job before they sleep (page_cache_spin_us).
+    ("IUD-spin50", "IO_URING_DMABUF", {"page_cache_spin_us": "50"}),
+    ("IUD-spin200", "IO_URING_DMABUF", {"page_cache_spin_us": "200"}),
     ("IUD-ring2048", "IO_URING_DMABUF", {"ring_entries": "2048"}),
     ("IUD-ring4096", "IO_URING_DMABUF", {"ring_entries": "4096"}),
     ("IUD-ring8192", "IO_URING_DMABUF", {"ring_entries": "8192"}),

@@ -92,7 +92,7 @@ impl Engine {
             tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
         }
         let failure = Arc::new(Failure::default());
-        let workers = WorkerConfig { threads: params.page_cache_threads, writers: WriterLimits { file: params.page_cache_file_writers as usize, all: params.page_cache_writers as usize } };
+        let workers = WorkerConfig { threads: params.page_cache_threads, writers: WriterLimits { file: params.page_cache_file_writers as usize, all: params.page_cache_writers as usize }, spin_us: params.page_cache_spin_us };
         let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files, workers, Arc::clone(&failure))?);
         let record_path = match params.record.as_str() {
             "" => std::env::var("IO_URING_DMABUF_RECORD").unwrap_or_default(),

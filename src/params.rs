@@ -96,6 +96,8 @@ pub struct EngineParams {
     pub staging_copy: PackedCopy,
     /// Largest staged piece of a page-cache WRITE.
     pub staged_write_piece_max: u64,
+    /// Microseconds an idle page-cache worker watches for a job before it sleeps.
+    pub page_cache_spin_us: u32,
     /// Largest staged piece of a page-cache READ read by the workers (0 = no limit of its own).
     pub staged_read_piece_max: u64,
     /// Staging bytes that page-cache WRITEs may fill at once (0 = no limit).
@@ -257,6 +259,10 @@ impl EngineParams {
                 "backend parameter staged_write_piece_max={staged_write_piece_max} must be a multiple of 4096 between 4096 and 1 GiB"
             )));
         }
+        let page_cache_spin_us = parse_u64("page_cache_spin_us", get("page_cache_spin_us"))?;
+        if page_cache_spin_us > 10_000 {
+            return Err(Error::invalid(format!("backend parameter page_cache_spin_us={page_cache_spin_us} must be at most 10000")));
+        }
         let staged_read_piece_max = parse_u64("staged_read_piece_max", get("staged_read_piece_max"))?;
         if staged_read_piece_max % 4096 != 0 || staged_read_piece_max > MAX_FIXED_BUFFER {
             return Err(Error::invalid(format!(
@@ -319,6 +325,7 @@ impl EngineParams {
             staging_copy,
             staged_write_piece_max,
             staged_read_piece_max,
+            page_cache_spin_us: page_cache_spin_us as u32,
             staged_write_window,
             cufile_threads: cufile_threads as u32,
             cufile_api,
@@ -399,6 +406,7 @@ mod tests {
             ("staging_buffers", "1"),
             ("staged_write_piece_max", "1000"),
             ("staged_read_piece_max", "1000"),
+            ("page_cache_spin_us", "20000"),
             ("staged_write_window", "1000"),
             ("staged_write_window", "lots"),
             ("staging_pack_max", "5000"),

@@ -383,7 +383,7 @@ impl RingCore {
 
     fn push_to_workers(&mut self, s: &Submission) -> bool {
         if self.workers.is_none() {
-            match PageCacheWorkers::new(self.worker_config.threads, self.worker_config.writers, Arc::clone(&self.failure)) {
+            match PageCacheWorkers::new(self.worker_config, Arc::clone(&self.failure)) {
                 Ok(w) => {
                     tracing::debug!(threads = w.threads(), "page-cache workers started");
                     self.workers = Some(w);

@@ -11,7 +11,7 @@ use crate::test_support::skip;
 #[test]
 fn a_poisoned_ring_lock_fails_the_engine_and_slots_are_still_released() {
     let failure = Arc::new(Failure::default());
-    let ring = match Ring::new(8, true, WorkerConfig { threads: 2, writers: WriterLimits::default() }, Arc::clone(&failure)) {
+    let ring = match Ring::new(8, true, WorkerConfig { threads: 2, writers: WriterLimits::default(), spin_us: 0 }, Arc::clone(&failure)) {
         Ok(r) => r,
         Err(e) => return skip(&e.message),
     };

@@ -84,10 +84,14 @@ struct Shared {
     /// Bumped by every `cancel` that reached a running job, so that workers look at
     /// `Queues::cancelled` (under the lock) only after one did.
     cancel_epoch: AtomicU64,
+    /// Bumped by every `submit_batch`: what a spinning worker watches, without the lock.
+    submitted: AtomicU64,
+    /// How long a worker that found no job watches `submitted` before it sleeps.
+    spin: std::time::Duration,
 }
 
 impl Shared {
-    fn new(workers: usize, writers: WriterLimits, failure: Arc<Failure>) -> Shared {
+    fn new(workers: usize, writers: WriterLimits, spin_us: u32, failure: Arc<Failure>) -> Shared {
         Shared {
             queues: Mutex::new(Queues::new(workers)),
             has_done: AtomicBool::new(false),
@@ -97,6 +101,8 @@ impl Shared {
             writers,
             failure,
             cancel_epoch: AtomicU64::new(0),
+            submitted: AtomicU64::new(0),
+            spin: std::time::Duration::from_micros(u64::from(spin_us)),
         }
     }
 
@@ -224,8 +230,9 @@ pub struct PageCacheWorkers {
 impl PageCacheWorkers {
     /// Starts `count` threads (at least one); a thread that cannot be spawned is skipped. At
     /// most `writers` of them write at once.
-    pub fn new(count: usize, writers: WriterLimits, failure: Arc<Failure>) -> std::io::Result<PageCacheWorkers> {
-        let shared = Arc::new(Shared::new(count.max(1), writers, failure));
+    pub fn new(config: WorkerConfig, failure: Arc<Failure>) -> std::io::Result<PageCacheWorkers> {
+        let count = config.threads;
+        let shared = Arc::new(Shared::new(count.max(1), config.writers, config.spin_us, failure));
         let mut threads = Vec::new();
         for i in 0..count.max(1) {
             let s = Arc::clone(&shared);
@@ -269,6 +276,7 @@ impl PageCacheWorkers {
         let wake = {
             let mut q = self.lock();
             q.jobs.push_back(jobs);
+            self.shared.submitted.fetch_add(1, Ordering::Release);
             q.wake_one()
         };
         if wake {
@@ -425,12 +433,25 @@ fn work(s: &Shared, me: usize) {
     loop {
         let batch = {
             let mut q = s.lock();
+            let mut spun = s.spin.is_zero();
             loop {
                 if let Some(b) = q.take_runnable(s.writers, me) {
                     break b;
                 }
                 if s.stop.load(Ordering::Acquire) {
                     return;
+                }
+                if !spun {
+                    // Watch for the next job a moment, off the lock: a sleeping worker's
+                    // wake-up costs the submitter a system call and the job a scheduler delay.
+                    let (seen, until) = (s.submitted.load(Ordering::Acquire), std::time::Instant::now() + s.spin);
+                    drop(q);
+                    while s.submitted.load(Ordering::Acquire) == seen && std::time::Instant::now() < until && !s.stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                    spun = true;
+                    q = s.lock();
+                    continue;
                 }
                 q.sleeping += 1;
                 q = s.job_ready.wait(q).unwrap_or_else(|p| p.into_inner());
@@ -545,6 +566,8 @@ pub struct WorkerConfig {
     pub threads: usize,
     /// How many of them may write at once.
     pub writers: WriterLimits,
+    /// Microseconds a worker that found no job watches for one before it sleeps (0 = none).
+    pub spin_us: u32,
 }
 
 /// How many page-cache worker threads an engine starts by default: the CPUs less two (one for

@@ -497,7 +497,7 @@ mod tests {
 
     #[test]
     fn registrations_resolve_every_descriptor_to_its_region_with_more_regions_than_hints() {
-        let workers = crate::uring::WorkerConfig { threads: 0, writers: crate::uring::WriterLimits::default() };
+        let workers = crate::uring::WorkerConfig { threads: 0, writers: crate::uring::WriterLimits::default(), spin_us: 0 };
         let ring = Arc::new(crate::uring::Ring::new(8, false, workers, Arc::default()).expect("ring"));
         let registry = Registry::default();
         // 12 regions (more than HINTS) of 64 KiB, 1 MiB apart.

@@ -43,6 +43,18 @@ struct Profile {
     copies: u64,
     groups: u64,
     pieces: u64,
+    /// Since `start`: the first and the last storage I/O reaped, the first device copy started,
+    /// the last one seen done (where a request's fixed latency goes: the pipeline's fill, drain).
+    first_io: Option<Duration>,
+    last_io: Duration,
+    first_copy: Option<Duration>,
+    last_copy: Duration,
+}
+
+impl Profile {
+    fn since_start(&self) -> Duration {
+        self.start.map_or(Duration::ZERO, |s| s.elapsed())
+    }
 }
 
 /// The profiles of running requests, by driver key; empty and inert unless enabled.
@@ -83,6 +95,9 @@ impl Profiles {
         if let Some(p) = self.get(key) {
             p.io += since.elapsed();
             p.ios += 1;
+            let at = p.since_start();
+            p.first_io.get_or_insert(at);
+            p.last_io = at;
         }
     }
 
@@ -98,12 +113,15 @@ impl Profiles {
         if let (Some(t0), Some(p)) = (t0, self.get(key)) {
             p.copy_submit += t0.elapsed();
             p.copies += 1;
+            let at = p.since_start();
+            p.first_copy.get_or_insert(at);
         }
     }
 
     pub fn copy_waited(&mut self, key: usize, started: Instant) {
         if let Some(p) = self.get(key) {
             p.copy_wait += started.elapsed();
+            p.last_copy = p.since_start();
         }
     }
 
@@ -115,7 +133,7 @@ impl Profiles {
         let Some(p) = self.running.remove(&key) else { return };
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         tracing::info!(
-            "profile: request {} in {:.3} ms: storage I/O {:.3} ms summed over {} I/Os; device copies: {} started in {:.3} ms, waited {:.3} ms summed; {} staging buffers holding {} pieces",
+            "profile: request {} in {:.3} ms: storage I/O {:.3} ms summed over {} I/Os; device copies: {} started in {:.3} ms, waited {:.3} ms summed; {} staging buffers holding {} pieces; first / last I/O reaped at {:.3} / {:.3} ms, first copy started at {:.3} ms, last seen done at {:.3} ms",
             if ok { "done" } else { "failed" },
             p.start.map_or(0.0, |s| ms(s.elapsed())),
             ms(p.io),
@@ -124,7 +142,11 @@ impl Profiles {
             ms(p.copy_submit),
             ms(p.copy_wait),
             p.groups,
-            p.pieces
+            p.pieces,
+            ms(p.first_io.unwrap_or_default()),
+            ms(p.last_io),
+            ms(p.first_copy.unwrap_or_default()),
+            ms(p.last_copy)
         );
     }
 }

@@ -11,7 +11,7 @@ fn reads_and_writes_land_and_report_their_counts() {
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
         .collect();
     f.write_all(&data).unwrap();
-    let w = PageCacheWorkers::new(3, WriterLimits::default(), Arc::default()).unwrap();
+    let w = PageCacheWorkers::new(WorkerConfig { threads: 3, writers: WriterLimits::default(), spin_us: 0 }, Arc::default()).unwrap();
     let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; 128 << 10]).collect();
     for (i, b) in bufs.iter_mut().enumerate() {
         w.submit(Job {
@@ -78,7 +78,7 @@ fn reads_and_writes_land_and_report_their_counts() {
 #[test]
 fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
     let failure = Arc::new(Failure::default());
-    let w = PageCacheWorkers::new(1, WriterLimits::default(), Arc::clone(&failure)).unwrap();
+    let w = PageCacheWorkers::new(WorkerConfig { threads: 1, writers: WriterLimits::default(), spin_us: 0 }, Arc::clone(&failure)).unwrap();
     crate::error::poison(&w.shared.queues);
     let f = tempfile_in_tmp();
     let mut buf = vec![0u8; 4096];
@@ -94,7 +94,7 @@ fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
 }
 
 fn idle_queue(writers: WriterLimits) -> Arc<Shared> {
-    Arc::new(Shared::new(1, writers, Arc::default()))
+    Arc::new(Shared::new(1, writers, 0, Arc::default()))
 }
 
 fn job(token: u64, fd: i32, write: bool) -> Job {
@@ -209,7 +209,7 @@ fn bursts_to_sleeping_workers_all_run() {
     // Declared before the workers, so that it outlives them (they join on drop, a failed
     // assertion included, after running what is still queued).
     let mut buf = vec![0u8; 4096];
-    let w = PageCacheWorkers::new(4, WriterLimits { file: 1, all: 2 }, Arc::default()).unwrap();
+    let w = PageCacheWorkers::new(WorkerConfig { threads: 4, writers: WriterLimits { file: 1, all: 2 }, spin_us: 0 }, Arc::default()).unwrap();
     let mut token = 0u64;
     for burst in 0..300u64 {
         let batches = 1 + burst % 9;
@@ -256,4 +256,28 @@ fn tempfile_in_tmp() -> std::fs::File {
         .unwrap();
     let _ = std::fs::remove_file(&path);
     f
+}
+
+#[test]
+fn spinning_workers_take_jobs_while_watching_and_after_they_slept() {
+    let mut f = tempfile_in_tmp();
+    let data: Vec<u8> = (0..(64u32 << 10)).map(|i| (i * 7 + i / 251) as u8).collect();
+    f.write_all(&data).unwrap();
+    // 2 ms of watching: the first jobs arrive while the workers watch (no wake-up), the last
+    // after they slept (a wake-up), and every one lands whole.
+    let w = PageCacheWorkers::new(WorkerConfig { threads: 2, writers: WriterLimits::default(), spin_us: 2000 }, Arc::default()).unwrap();
+    let mut bufs: Vec<Vec<u8>> = (0..6).map(|_| vec![0u8; 16 << 10]).collect();
+    for (i, b) in bufs.iter_mut().enumerate() {
+        std::thread::sleep(Duration::from_micros(if i == 5 { 20_000 } else { 300 }));
+        w.submit(Job { token: i as u64, fd: f.as_raw_fd(), offset: (i as u64 % 4) << 14, addr: b.as_mut_ptr() as u64, len: 16 << 10, write: false });
+        let mut done = Vec::new();
+        let t0 = std::time::Instant::now();
+        while done.is_empty() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "job {i} never ran");
+            w.wait_done(Duration::from_millis(100));
+            w.take_done(&mut done);
+        }
+        assert_eq!(done, vec![(i as u64, 16 << 10)]);
+        assert_eq!(&b[..], &data[(i % 4) << 14..((i % 4) + 1) << 14], "job {i}");
+    }
 }
