@@ -41,6 +41,11 @@ def parse_points(s):
     for item in s.split(","):
         b, n = item.split(":")
         out.append((parse_size(b), int(n)))
+    blocks = [b for b, _ in out]
+    dup = sorted({b for b in blocks if blocks.count(b) > 1})
+    if dup:
+        # The tables have a row per block size: a second count of one size would overwrite the first.
+        raise SystemExit(f"--req_points: block size {dup[0]} appears more than once ({s}); give each size one count")
     return out
 
 
