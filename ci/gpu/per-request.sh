@@ -24,6 +24,8 @@
 #     12, 14 and 16 page-cache workers and the plugin's own prepXfer time in the log (3 minutes)
 #   bash ci/gpu/per-request.sh read-bound   # page-cache random reads by 8, 9 and 16 threads, fio, and by
 #     1, 14 and 16 threads into staging-like memory, bench/pread_bound.c (1 min)
+#   bash ci/gpu/per-request.sh latency      # 8-128 MiB READs: the per-request timeline (first / last
+#     I/O, first / last copy; bench/profile_timeline.py) with page_cache_spin_us 0, 50, 200 (3 min)
 #
 # IUD_GPU_DRYRUN=1 runs the same three steps here, on the CPU machine, with the project's .venv
 # and plugin (ci/build.sh), host memory (--memory dram), POSIX in place of GDS_MT and tiny points:
@@ -153,12 +155,23 @@ for st in "${steps[@]}"; do
             sv+=(--req_backends IO_URING_DMABUF,GDS_MT,IUD-maxio32K --req_points 32K:8192 --req_seconds 0.2 --kv_rounds 3); b=150
         fi
         step per-request-slots "$b" "${sv[@]}" ;;
+    latency)  # where a mid-size request's fixed time goes (about 3 minutes): 8-128 MiB READs with
+        # the per-request timeline (IO_URING_DMABUF_PROFILE=1) and idle workers watching for jobs
+        lv=(--tables req --req_ops READ --req_modes prepped)
+        if [ "${IUD_GPU_DRYRUN:-0}" = 1 ]; then
+            lv+=(--req_backends IO_URING_DMABUF,IUD-spin200 "${small[@]}"); b=60
+        else
+            lv+=(--req_backends ${IUD_PROBE_BACKENDS:-IO_URING_DMABUF,IUD-spin50,IUD-spin200}
+                 --req_points ${IUD_PROBE_POINTS:-64K:128,1M:32,4M:32} --req_seconds 0.2 --kv_rounds 3); b=200
+        fi
+        IO_URING_DMABUF_LOG=info IO_URING_DMABUF_PROFILE=1 step per-request-latency "$b" "${lv[@]}"
+        "$PY" bench/profile_timeline.py "$OUT/per-request-latency.log" | tee "$OUT/latency-timeline.md" || rc=1 ;;
     write-bound)  # one file's and four files' buffered-write bound, no NIXL (under a minute)
         echo "== write-bound ($(date -u +%T)): bench/write_bound.py"
         "$PY" bench/write_bound.py --dir "${IUD_DRYRUN_DIR:-/tmp}" --blocks 64K,256K,2M --files 1,4 --footprints 8M \
             --seconds "$([ "${IUD_GPU_DRYRUN:-0}" = 1 ] && echo 0.05 || echo 0.5)" \
             --file_mib "$([ "${IUD_GPU_DRYRUN:-0}" = 1 ] && echo 64 || echo 1024)" | tee "$OUT/write-bound.md" || rc=1 ;;
-    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe, read-probe, read-bound, slots, write-bound)" >&2; rc=2 ;;
+    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe, read-probe, read-bound, latency, slots, write-bound)" >&2; rc=2 ;;
     esac
 done
 # The device tool brings back at most 8 files: the tables stay, the logs go into one archive.

@@ -272,3 +272,20 @@ def test_gpu_per_request_script_dry_run_on_cpu(tmp_path, plugin_so):
         assert len(rows) == n and all(l.rstrip().endswith("| yes |") for l in rows), (name, rows)
     assert "## Prep profile" in open(out / "per-request-prep.md").read()
     assert os.listdir(tmp_path / "files") == []
+
+
+def test_gpu_latency_step_dry_run_reads_the_plugins_request_timeline(tmp_path, plugin_so):
+    """ci/gpu/per-request.sh latency with IUD_GPU_DRYRUN=1: the plugin's per-request profile
+    lines (src/xfer/profile.rs) reach bench/profile_timeline.py's table, one row per backend and
+    point, each over real requests whose I/Os were reaped within the request's time."""
+    env = dict(os.environ, IUD_GPU_DRYRUN="1", IUD_DRYRUN_DIR=str(tmp_path / "files"), OUT=str(tmp_path / "out"))
+    os.makedirs(env["IUD_DRYRUN_DIR"])
+    r = subprocess.run(["bash", os.path.join(REPO, "ci", "gpu", "per-request.sh"), "latency"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    rows = [l.split("|")[1:-1] for l in open(tmp_path / "out" / "latency-timeline.md") if re.match(r"^\| (IO_URING_DMABUF|IUD-spin200) \|", l)]
+    assert len(rows) == 12, rows
+    for cells in rows:
+        requests, total, first_io, last_io = int(cells[5]), float(cells[6]), float(cells[9]), float(cells[10])
+        assert requests > 0 and 0 < first_io <= last_io <= total, cells
+    assert os.listdir(tmp_path / "files") == []
