@@ -347,7 +347,7 @@ impl Engine {
             staging_buffers: self.params.staging_buffers,
             page_cache_threads: self.params.page_cache_threads,
             staged_write_piece_max: self.params.staged_write_piece_max,
-            staged_read_piece_max: self.params.staged_read_piece_max,
+            staged_read_piece_max: self.params.staged_read_piece(),
             route: &|mem, file| self.route(mem, file),
             lists: &self.op_lists,
         };

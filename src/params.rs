@@ -111,6 +111,13 @@ pub struct EngineParams {
 const RING_ENTRIES_RANGE: (u32, u32) = (16, 32768);
 
 impl EngineParams {
+    /// The piece staged page-cache READs are cut at, or 0 (none of its own) when pieces of
+    /// `staged_read_piece_max` would not be packed (`staging_pack_max`): each would hold a whole
+    /// staging buffer, and the pool would carry a fraction of its bytes.
+    pub fn staged_read_piece(&self) -> u64 {
+        if self.staged_read_piece_max <= self.staging_pack_max { self.staged_read_piece_max } else { 0 }
+    }
+
     /// Parses `(key, value)` pairs; returns the params and the keys that were ignored.
     pub fn parse<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<(Self, Vec<String>)> {
         let mut values: Vec<(&'static str, String)> =
@@ -379,6 +386,17 @@ mod tests {
         assert!(!CallerReads::Never.helps(false));
         let e = EngineParams::parse([("page_cache_caller_reads", "sometimes")]).unwrap_err();
         assert!(e.message.contains("auto, true or false"), "{}", e.message);
+    }
+
+    #[test]
+    fn staged_reads_are_cut_for_the_workers_only_when_the_pieces_pack() {
+        assert_eq!(EngineParams::default().staged_read_piece(), 262144);
+        let piece = |pairs: &[(&str, &str)]| EngineParams::parse(pairs.iter().copied()).unwrap().0.staged_read_piece();
+        assert_eq!(piece(&[("staging_pack_max", "1048576"), ("staged_read_piece_max", "1048576")]), 1 << 20);
+        // Pieces larger than the pack limit would each hold a whole staging buffer.
+        assert_eq!(piece(&[("staging_pack_max", "131072")]), 0);
+        assert_eq!(piece(&[("staging_pack_max", "0")]), 0);
+        assert_eq!(piece(&[("staged_read_piece_max", "0")]), 0);
     }
 
     #[test]

@@ -228,8 +228,8 @@ pub struct PageCacheWorkers {
 }
 
 impl PageCacheWorkers {
-    /// Starts `count` threads (at least one); a thread that cannot be spawned is skipped. At
-    /// most `writers` of them write at once.
+    /// Starts `config.threads` threads (at least one); a thread that cannot be spawned is
+    /// skipped. At most `config.writers` of them write at once.
     pub fn new(config: WorkerConfig, failure: Arc<Failure>) -> std::io::Result<PageCacheWorkers> {
         let count = config.threads;
         let shared = Arc::new(Shared::new(count.max(1), config.writers, config.spin_us, failure));
