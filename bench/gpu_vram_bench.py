@@ -144,8 +144,6 @@ BACKENDS = [
     ("IUD-punt-4K", "IO_URING_DMABUF", {"punt_buffered_min": "4096"}),
     # Page-cache writers per file: four (issue 26's WRITE profile; fw0 = no limit, fw1 = one).
     ("IUD-fw4", "IO_URING_DMABUF", {"page_cache_file_writers": "4"}),
-    # More ops in flight per engine (ring_entries bounds them: 512 by default): scattered 16 KiB
-    # pieces fill 512 x 16 KiB = 8 MiB of the 64 MiB staging pool at once.
     # Staged page-cache READs in worker pieces (staged_read_piece_max, default 256 KiB): none of
     # its own (a staging buffer's piece per worker: the behaviour before 2026-12-04 night),
     # 512 KiB, 1 MiB.
@@ -155,6 +153,8 @@ BACKENDS = [
     # Idle page-cache workers watch for the next job before they sleep (page_cache_spin_us).
     ("IUD-spin50", "IO_URING_DMABUF", {"page_cache_spin_us": "50"}),
     ("IUD-spin200", "IO_URING_DMABUF", {"page_cache_spin_us": "200"}),
+    # More ops in flight per engine (ring_entries bounds them: 512 by default): scattered 16 KiB
+    # pieces fill 512 x 16 KiB = 8 MiB of the 64 MiB staging pool at once.
     ("IUD-ring2048", "IO_URING_DMABUF", {"ring_entries": "2048"}),
     ("IUD-ring4096", "IO_URING_DMABUF", {"ring_entries": "4096"}),
     ("IUD-ring8192", "IO_URING_DMABUF", {"ring_entries": "8192"}),

@@ -84,7 +84,7 @@ struct Shared {
     /// Bumped by every `cancel` that reached a running job, so that workers look at
     /// `Queues::cancelled` (under the lock) only after one did.
     cancel_epoch: AtomicU64,
-    /// Bumped by every `submit_batch`: what a spinning worker watches, without the lock.
+    /// Bumped whenever jobs are queued (`Shared::queued`); spinning workers watch it.
     submitted: AtomicU64,
     /// How long a worker that found no job watches `submitted` before it sleeps.
     spin: std::time::Duration,
@@ -104,6 +104,13 @@ impl Shared {
             submitted: AtomicU64::new(0),
             spin: std::time::Duration::from_micros(u64::from(spin_us)),
         }
+    }
+
+    /// Jobs were just queued under `q`: tells spinning workers; true when a sleeping one is to be
+    /// notified (`job_ready`, once the lock is dropped).
+    fn queued(&self, q: &mut Queues) -> bool {
+        self.submitted.fetch_add(1, Ordering::Release);
+        q.wake_one()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
@@ -276,8 +283,7 @@ impl PageCacheWorkers {
         let wake = {
             let mut q = self.lock();
             q.jobs.push_back(jobs);
-            self.shared.submitted.fetch_add(1, Ordering::Release);
-            q.wake_one()
+            self.shared.queued(&mut q)
         };
         if wake {
             self.shared.job_ready.notify_one();
@@ -390,7 +396,7 @@ impl QueueHelper {
             let announce = q.done_waiters > 0;
             if let Some(i) = blocked_at {
                 q.jobs.push_front(batch[i..].to_vec());
-                let wake = q.wake_one();
+                let wake = s.queued(&mut q);
                 drop(q);
                 if wake {
                     s.job_ready.notify_one();
