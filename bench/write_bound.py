@@ -8,6 +8,7 @@ cache, F large (64 MiB, the staging pool's default size) does not. Each cell run
 --seconds; GB/s = bytes written / wall time.
 
     python3 bench/write_bound.py [--dir /tmp] [--blocks 2M] [--files 1] [--footprints 8M,64M]
+                                 [--threads 1,2,4,8]
 """
 import argparse
 import mmap
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--blocks", default="2M", help="write sizes, comma-separated (64K,256K,2M)")
     ap.add_argument("--files", default="1", help="file counts, comma-separated (1,4)")
     ap.add_argument("--footprints", default="8M,64M", help="source buffer sizes, comma-separated")
+    ap.add_argument("--threads", default="1,2,4,8", help="writer thread counts, comma-separated")
     a = ap.parse_args()
     size = a.file_mib * MiB
     nfiles = max(int(n) for n in a.files.split(","))
@@ -73,12 +75,13 @@ def main() -> None:
                 os.pwrite(fd, chunk, off)
         print(f"# buffered pwrites into {a.file_mib} MiB files in {a.dir} (prefilled in 64 MiB writes); "
               f"kernel {os.uname().release}; {os.cpu_count()} CPUs; {a.seconds} s per cell\n")
-        print("| write size | files | source buffer | 1 thread GB/s | 2 threads | 4 threads | 8 threads |")
-        print("|---|---:|---|---:|---:|---:|---:|")
+        threads = [int(t) for t in a.threads.split(",")]
+        print("| write size | files | source buffer | " + " | ".join(f"{t} thread(s) GB/s" for t in threads) + " |")
+        print("|---|---:|---|" + "---:|" * len(threads))
         for block in (size_arg(b) for b in a.blocks.split(",")):
             for n in (int(x) for x in a.files.split(",")):
                 for footprint in (size_arg(f) for f in a.footprints.split(",")):
-                    row = [cell(fds[:n], size, block, footprint, t, a.seconds) for t in (1, 2, 4, 8)]
+                    row = [cell(fds[:n], size, block, footprint, t, a.seconds) for t in threads]
                     print(f"| {block >> 10} KiB | {n} | {footprint // MiB} MiB | " + " | ".join(f"{g:.2f}" for g in row) + " |",
                           flush=True)
     finally:

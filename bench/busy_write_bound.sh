@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Buffered WRITE per request on a busy machine next to the bound one thread reaches (issue 26,
+# item 5): are IO_URING_DMABUF and NIXL's POSIX AIO both at what the kernel gives one writer of
+# one file, or is either short of it?
+#
+# Each round, under the same N busy-loop processes (started once, before the first round):
+#   1. iud-bench, per request (make_prepped_xfer + post + DONE + release), scattered KV blocks,
+#      WRITE, IO_URING_DMABUF against POSIX AIO (every request verified byte for byte);
+#   2. fio, one job, psync random writes of each block size into a prefilled, cached 1 GiB file:
+#      the page-cache write rate of one thread with nothing but pwrite(2) around it. Buffered
+#      writes to one ext4 file serialize on its inode lock, so one writer is the one-file bound.
+# Rounds alternate which of the two comes first. Optional: PERF=1 records a cpu-clock profile of
+# the first round's iud-bench runs (one backend each) into $OUT/perf-*.data.
+#
+#   FIO=/path/to/fio bash bench/busy_write_bound.sh [OUT_DIR]
+# Environment: ROUNDS (3), LOAD (2 busy loops), POINTS (16K:8192,...,2M:512), DIR (/var/tmp),
+#   SECONDS_PER_POINT (0.5).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source ci/env.sh
+export LD_LIBRARY_PATH="$(iud_nixl_libs)" NIXL_PLUGIN_DIR="$IUD_PLUGIN_DIR"
+OUT="${1:-/tmp/iud-busy-write}"
+ROUNDS="${ROUNDS:-3}" LOAD="${LOAD:-2}" DIR="${DIR:-/var/tmp}"
+POINTS="${POINTS:-16K:8192,32K:8192,64K:4096,256K:2048,2M:512}"
+SECS="${SECONDS_PER_POINT:-0.5}"
+FIO="${FIO:-$(command -v fio || true)}"
+[ -x "$FIO" ] || { echo "busy_write_bound.sh: no fio (set FIO=/path/to/fio)" >&2; exit 2; }
+BENCH=target/release/iud-bench
+[ -x "$BENCH" ] || cargo build --release -q -p iud-bench
+mkdir -p "$OUT"
+fio_file="$DIR/iud-busy-write-fio.bin"
+dd if=/dev/urandom of="$fio_file" bs=64M count=16 status=none  # prefilled, so cached
+
+loads=()
+cleanup() { for p in "${loads[@]}"; do kill "$p" 2>/dev/null || true; done; rm -f "$fio_file"; }
+trap cleanup EXIT
+for _ in $(seq "$LOAD"); do sh -c 'while :; do :; done' & loads+=($!); done
+echo "busy_write_bound.sh: $(date -u +%FT%TZ), $LOAD busy loop(s), kernel $(uname -r), $(nproc) CPUs, points $POINTS"
+
+bench_run() {  # $1 round, $2 backends, $3 perf prefix or ""
+    local args=(--backend "$2" --op_type WRITE --workload req --req_points "$POINTS" --req_modes prepped
+                --noreq_contig --kv_rounds 1 --duration_ms "$(awk "BEGIN {print int($SECS * 1000)}")"
+                --filepath "$DIR")
+    if [ -n "$3" ]; then
+        perf record -q -e cpu-clock -F 2000 -g -o "$OUT/perf-$3.data" -- "$BENCH" "${args[@]}" > "$OUT/bench-r$1-$3.log" 2>&1
+    else
+        "$BENCH" "${args[@]}" > "$OUT/bench-r$1.log" 2>&1
+    fi
+}
+
+fio_run() {  # $1 round
+    local p bs
+    for p in ${POINTS//,/ }; do
+        bs="${p%%:*}"
+        "$FIO" --name=bound --filename="$fio_file" --size=1G --rw=randwrite --bs="$bs" --ioengine=psync --invalidate=0 --fallocate=none \
+            --numjobs=1 --time_based=1 --runtime="$(awk "BEGIN {print int($SECS * 1000)}")ms" --randrepeat=0 --output-format=json \
+            > "$OUT/fio-r$1-$bs.json"
+    done
+}
+
+for r in $(seq "$ROUNDS"); do
+    echo "round $r/$ROUNDS"
+    if [ "${PERF:-0}" = 1 ] && [ "$r" = 1 ]; then
+        bench_run 1 IO_URING_DMABUF iud
+        bench_run 1 POSIX:use_aio=true aio
+    fi
+    # Odd rounds: the plugin, AIO, fio; even rounds: fio, AIO, the plugin.
+    if [ $((r % 2)) = 1 ]; then
+        bench_run "$r" IO_URING_DMABUF,POSIX:use_aio=true ""; fio_run "$r"
+    else
+        fio_run "$r"; bench_run "$r" POSIX:use_aio=true,IO_URING_DMABUF ""
+    fi
+done
+python3 - "$OUT" "$ROUNDS" "$POINTS" <<'PY'
+import json, re, statistics, sys
+out, rounds, points = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+rows = {}
+for r in range(1, rounds + 1):
+    log = open(f"{out}/bench-r{r}.log").read()
+    for p in points:
+        bs, n = p.split(":")
+        m = re.search(rf"^WRITE {bs} x {n} round 1/1: \[A\] make_prepped ([\d.]+) GB/s .* ok \[B\] make_prepped ([\d.]+) GB/s .* ok$", log, re.M)
+        if not m:
+            sys.exit(f"no verified per-round line for WRITE {bs} x {n} in bench-r{r}.log")
+        plugin, aio = (m[1], m[2]) if r % 2 else (m[2], m[1])
+        job = json.load(open(f"{out}/fio-r{r}-{bs}.json"))["jobs"][0]["write"]
+        rows.setdefault(p, []).append((float(plugin), float(aio), job["bw_bytes"] / 1e9))
+print("| WRITE, one file | IO_URING_DMABUF GB/s | POSIX AIO GB/s | fio psync, 1 thread GB/s | plugin / fio | AIO / fio | plugin / AIO |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+for p, v in rows.items():
+    a, c, f = (statistics.median(x[i] for x in v) for i in range(3))
+    pr = statistics.median(x[0] / x[2] for x in v)
+    cr = statistics.median(x[1] / x[2] for x in v)
+    ac = statistics.median(x[0] / x[1] for x in v)
+    bs, n = p.split(":")
+    print(f"| {bs} x {n} | {a:.3f} | {c:.3f} | {f:.3f} | {pr:.2f} | {cr:.2f} | {ac:.2f}x |")
+print(f"(medians of {rounds} rounds; the ratios are medians of each round's own ratio)")
+PY
+grep -h "consistency:" "$OUT"/bench-r*.log | sort | uniq -c
