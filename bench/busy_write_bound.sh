@@ -6,9 +6,11 @@
 # Each round, under the same N busy-loop processes (started once, before the first round):
 #   1. iud-bench, per request (make_prepped_xfer + post + DONE + release), scattered KV blocks,
 #      WRITE, IO_URING_DMABUF against POSIX AIO (every request verified byte for byte);
-#   2. fio, one job, psync random writes of each block size into a prefilled, cached 1 GiB file:
-#      the page-cache write rate of one thread with nothing but pwrite(2) around it. Buffered
-#      writes to one ext4 file serialize on its inode lock, so one writer is the one-file bound.
+#   2. one writer with nothing but pwrite(2) around it, at random aligned offsets of a prefilled,
+#      written-back, cached 1 GiB file: bench/write_bound.py (one Python thread, its sources
+#      cycling through 512 MiB, cold in the CPU's caches as the benchmark's KV blocks are), and
+#      fio (psync, one job, one hot buffer). Buffered writes to one ext4 file serialize on its
+#      inode lock, so one writer is the one-file bound.
 # Rounds alternate which of the two comes first. Optional: PERF=1 records a cpu-clock profile of
 # the first round's iud-bench runs (one backend each) into $OUT/perf-*.data.
 #
@@ -52,7 +54,15 @@ bench_run() {  # $1 round, $2 backends, $3 perf prefix or ""
     fi
 }
 
+bare_run() {  # $1 round: one Python thread's pwrite(2) loop, cold 512 MiB source, written-back file
+    local sizes
+    sizes="$(for p in ${POINTS//,/ }; do printf '%s,' "${p%%:*}"; done)"
+    python3 bench/write_bound.py --dir "$DIR" --file_mib 1024 --blocks "${sizes%,}" --files 1 \
+        --footprints 512M --threads 1 --seconds "$SECS" --writeback > "$OUT/bare-r$1.md"
+}
+
 fio_run() {  # $1 round
+    bare_run "$1"
     local p bs
     for p in ${POINTS//,/ }; do
         bs="${p%%:*}"
@@ -88,16 +98,16 @@ for r in range(1, rounds + 1):
             sys.exit(f"no verified per-round line for WRITE {bs} x {n} in bench-r{r}.log")
         plugin, aio = (m[1], m[2]) if r % 2 else (m[2], m[1])
         job = json.load(open(f"{out}/fio-r{r}-{bs}.json"))["jobs"][0]["write"]
-        rows.setdefault(p, []).append((float(plugin), float(aio), job["bw_bytes"] / 1e9))
-print("| WRITE, one file | IO_URING_DMABUF GB/s | POSIX AIO GB/s | fio psync, 1 thread GB/s | plugin / fio | AIO / fio | plugin / AIO |")
-print("|---|---:|---:|---:|---:|---:|---:|")
+        kib = int(bs[:-1]) * (1024 if bs.endswith("M") else 1)
+        bare = re.search(rf"^\| {kib} KiB \| 1 \| 512 MiB \| ([\d.]+) \|$", open(f"{out}/bare-r{r}.md").read(), re.M)
+        rows.setdefault(p, []).append((float(plugin), float(aio), job["bw_bytes"] / 1e9, float(bare[1])))
+print("| WRITE, one file | IO_URING_DMABUF GB/s | POSIX AIO GB/s | bare pwrite, cold source | fio psync | plugin / bare | AIO / bare | plugin / fio | plugin / AIO |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 for p, v in rows.items():
-    a, c, f = (statistics.median(x[i] for x in v) for i in range(3))
-    pr = statistics.median(x[0] / x[2] for x in v)
-    cr = statistics.median(x[1] / x[2] for x in v)
-    ac = statistics.median(x[0] / x[1] for x in v)
+    a, c, f, b = (statistics.median(x[i] for x in v) for i in range(4))
+    ratio = lambda i, j: statistics.median(x[i] / x[j] for x in v)
     bs, n = p.split(":")
-    print(f"| {bs} x {n} | {a:.3f} | {c:.3f} | {f:.3f} | {pr:.2f} | {cr:.2f} | {ac:.2f}x |")
+    print(f"| {bs} x {n} | {a:.3f} | {c:.3f} | {b:.3f} | {f:.3f} | {ratio(0, 3):.2f} | {ratio(1, 3):.2f} | {ratio(0, 2):.2f} | {ratio(0, 1):.2f}x |")
 print(f"(medians of {rounds} rounds; the ratios are medians of each round's own ratio)")
 PY
 grep -h "consistency:" "$OUT"/bench-r*.log | sort | uniq -c
