@@ -16,7 +16,9 @@
 #
 #   FIO=/path/to/fio bash bench/busy_write_bound.sh [OUT_DIR]
 # Environment: ROUNDS (3), LOAD (2 busy loops), POINTS (16K:8192,...,2M:512), DIR (/var/tmp),
-#   SECONDS_PER_POINT (0.5).
+#   SECONDS_PER_POINT (0.5), FILE_MIB (1024: the bare writers' file), SOURCE (512M: the bare
+#   loop's source), REGION (iud-bench's --req_region_size; its default when unset). Without fio
+#   (FIO=none, or unset with none on PATH) its column reads "-".
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source ci/env.sh
@@ -25,8 +27,11 @@ OUT="${1:-/tmp/iud-busy-write}"
 ROUNDS="${ROUNDS:-3}" LOAD="${LOAD:-2}" DIR="${DIR:-/var/tmp}"
 POINTS="${POINTS:-16K:8192,32K:8192,64K:4096,256K:2048,2M:512}"
 SECS="${SECONDS_PER_POINT:-0.5}"
+FILE_MIB="${FILE_MIB:-1024}" SOURCE="${SOURCE:-512M}"
 FIO="${FIO:-$(command -v fio || true)}"
-[ -x "$FIO" ] || { echo "busy_write_bound.sh: no fio (set FIO=/path/to/fio)" >&2; exit 2; }
+[ "$FIO" != none ] || FIO=""
+if [ -n "$FIO" ] && [ ! -x "$FIO" ]; then echo "busy_write_bound.sh: FIO=$FIO is not executable" >&2; exit 2; fi
+[ -n "$FIO" ] || echo "busy_write_bound.sh: no fio on PATH (set FIO=/path/to/fio); its column stays empty"
 BENCH=target/release/iud-bench
 [ -x "$BENCH" ] || cargo build --release -q -p iud-bench
 mkdir -p "$OUT"
@@ -35,7 +40,7 @@ fio_file="$DIR/iud-busy-write-fio.bin"
 # large folios whose blocks are allocated. On ext4 (Linux 6.18, 2-CPU VM) fio's 64 KiB writes ran
 # 0.97 GB/s into such a file, with 75 % of the time in ext4_block_write_begin (perf), and 5.3 GB/s
 # into one written without the fdatasync, so fio must start from the same state to be the bound.
-dd if=/dev/urandom of="$fio_file" bs=64M count=16 status=none conv=fdatasync
+[ -z "$FIO" ] || dd if=/dev/urandom of="$fio_file" bs=1M count="$FILE_MIB" status=none conv=fdatasync
 
 loads=()
 cleanup() { for p in "${loads[@]}"; do kill "$p" 2>/dev/null || true; done; rm -f "$fio_file"; }
@@ -46,7 +51,7 @@ echo "busy_write_bound.sh: $(date -u +%FT%TZ), $LOAD busy loop(s), kernel $(unam
 bench_run() {  # $1 round, $2 backends, $3 perf prefix or ""
     local args=(--backend "$2" --op_type WRITE --workload req --req_points "$POINTS" --req_modes prepped
                 --noreq_contig --kv_rounds 1 --duration_ms "$(awk "BEGIN {print int($SECS * 1000)}")"
-                --filepath "$DIR")
+                --filepath "$DIR" ${REGION:+--req_region_size "$REGION"})
     if [ -n "$3" ]; then
         perf record -q -e cpu-clock -F 2000 -g -o "$OUT/perf-$3.data" -- "$BENCH" "${args[@]}" > "$OUT/bench-r$1-$3.log" 2>&1
     else
@@ -57,16 +62,17 @@ bench_run() {  # $1 round, $2 backends, $3 perf prefix or ""
 bare_run() {  # $1 round: one Python thread's pwrite(2) loop, cold 512 MiB source, written-back file
     local sizes
     sizes="$(for p in ${POINTS//,/ }; do printf '%s,' "${p%%:*}"; done)"
-    python3 bench/write_bound.py --dir "$DIR" --file_mib 1024 --blocks "${sizes%,}" --files 1 \
-        --footprints 512M --threads 1 --seconds "$SECS" --writeback > "$OUT/bare-r$1.md"
+    python3 bench/write_bound.py --dir "$DIR" --file_mib "$FILE_MIB" --blocks "${sizes%,}" --files 1 \
+        --footprints "$SOURCE" --threads 1 --seconds "$SECS" --writeback > "$OUT/bare-r$1.md"
 }
 
 fio_run() {  # $1 round
     bare_run "$1"
+    [ -n "$FIO" ] || return 0
     local p bs
     for p in ${POINTS//,/ }; do
         bs="${p%%:*}"
-        "$FIO" --name=bound --filename="$fio_file" --size=1G --rw=randwrite --bs="$bs" --ioengine=psync --invalidate=0 --fallocate=none \
+        "$FIO" --name=bound --filename="$fio_file" --size="${FILE_MIB}M" --rw=randwrite --bs="$bs" --ioengine=psync --invalidate=0 --fallocate=none \
             --numjobs=1 --time_based=1 --runtime="$(awk "BEGIN {print int($SECS * 1000)}")ms" --randrepeat=0 --output-format=json \
             > "$OUT/fio-r$1-$bs.json"
     done
@@ -85,9 +91,10 @@ for r in $(seq "$ROUNDS"); do
         fio_run "$r"; bench_run "$r" POSIX:use_aio=true,IO_URING_DMABUF ""
     fi
 done
-python3 - "$OUT" "$ROUNDS" "$POINTS" <<'PY'
-import json, re, statistics, sys
-out, rounds, points = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+python3 - "$OUT" "$ROUNDS" "$POINTS" "$SOURCE" <<'PY'
+import json, math, os, re, statistics, sys
+out, rounds, points, source = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
+source_mib = int(source[:-1]) * (1024 if source.upper().endswith("G") else 1)
 rows = {}
 for r in range(1, rounds + 1):
     log = open(f"{out}/bench-r{r}.log").read()
@@ -97,17 +104,22 @@ for r in range(1, rounds + 1):
         if not m:
             sys.exit(f"no verified per-round line for WRITE {bs} x {n} in bench-r{r}.log")
         plugin, aio = (m[1], m[2]) if r % 2 else (m[2], m[1])
-        job = json.load(open(f"{out}/fio-r{r}-{bs}.json"))["jobs"][0]["write"]
-        kib = int(bs[:-1]) * (1024 if bs.endswith("M") else 1)
-        bare = re.search(rf"^\| {kib} KiB \| 1 \| 512 MiB \| ([\d.]+) \|$", open(f"{out}/bare-r{r}.md").read(), re.M)
-        rows.setdefault(p, []).append((float(plugin), float(aio), job["bw_bytes"] / 1e9, float(bare[1])))
+        fio_json = f"{out}/fio-r{r}-{bs}.json"
+        fio = json.load(open(fio_json))["jobs"][0]["write"]["bw_bytes"] / 1e9 if os.path.exists(fio_json) else math.nan
+        kib = int(bs[:-1]) * (1024 if bs.upper().endswith("M") else 1)
+        bare = re.search(rf"^\| {kib} KiB \| 1 \| {source_mib} MiB \| ([\d.]+) \|$", open(f"{out}/bare-r{r}.md").read(), re.M)
+        if not bare:
+            sys.exit(f"no {kib} KiB row in bare-r{r}.md")
+        rows.setdefault(p, []).append((float(plugin), float(aio), fio, float(bare[1])))
 print("| WRITE, one file | IO_URING_DMABUF GB/s | POSIX AIO GB/s | bare pwrite, cold source | fio psync | plugin / bare | AIO / bare | plugin / fio | plugin / AIO |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 for p, v in rows.items():
     a, c, f, b = (statistics.median(x[i] for x in v) for i in range(4))
     ratio = lambda i, j: statistics.median(x[i] / x[j] for x in v)
+    num = lambda x, fmt: "-" if math.isnan(x) else format(x, fmt)
     bs, n = p.split(":")
-    print(f"| {bs} x {n} | {a:.3f} | {c:.3f} | {b:.3f} | {f:.3f} | {ratio(0, 3):.2f} | {ratio(1, 3):.2f} | {ratio(0, 2):.2f} | {ratio(0, 1):.2f}x |")
+    print(f"| {bs} x {n} | {a:.3f} | {c:.3f} | {b:.3f} | {num(f, '.3f')} | {ratio(0, 3):.2f} | {ratio(1, 3):.2f} | "
+          f"{num(ratio(0, 2), '.2f')} | {ratio(0, 1):.2f}x |")
 print(f"(medians of {rounds} rounds; the ratios are medians of each round's own ratio)")
 PY
 grep -h "consistency:" "$OUT"/bench-r*.log | sort | uniq -c

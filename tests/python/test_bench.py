@@ -289,3 +289,19 @@ def test_gpu_latency_step_dry_run_reads_the_plugins_request_timeline(tmp_path, p
         requests, total, first_io, last_io = int(cells[5]), float(cells[6]), float(cells[9]), float(cells[10])
         assert requests > 0 and 0 < first_io <= last_io <= total, cells
     assert os.listdir(tmp_path / "files") == []
+
+
+def test_busy_write_bound_script_tables_both_backends_beside_the_bare_writer(iud_bench, tmp_path, plugin_so):
+    """bench/busy_write_bound.sh at toy sizes, without fio: every round's requests verified, and
+    one table row per point with the plugin, AIO and the bare pwrite loop (fio's column '-')."""
+    env = dict(os.environ, FIO="none", ROUNDS="2", LOAD="1", POINTS="16K:64,64K:32", SECONDS_PER_POINT="0.05",
+               FILE_MIB="64", SOURCE="16M", REGION="4M", DIR=str(tmp_path))
+    r = subprocess.run(["bash", os.path.join(REPO, "bench", "busy_write_bound.sh"), str(tmp_path / "out")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr
+    for point in ("16K x 64", "64K x 32"):
+        row = re.search(rf"^\| {point} \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| - \| [\d.]+ \| [\d.]+ \| - \| ([\d.]+)x \|$",
+                        r.stdout, re.M)
+        assert row and all(float(g) > 0 for g in row.groups()), r.stdout
+    assert re.search(r"^ +2 consistency: 0 point\(s\) failed in total$", r.stdout, re.M), r.stdout
+    assert not list(tmp_path.glob("iud-write-bound-*")), "the bare writer's file was left behind"
