@@ -27,6 +27,7 @@ OUT="${1:-/tmp/iud-busy-write}"
 ROUNDS="${ROUNDS:-3}" LOAD="${LOAD:-2}" DIR="${DIR:-/var/tmp}"
 POINTS="${POINTS:-16K:8192,32K:8192,64K:4096,256K:2048,2M:512}"
 SECS="${SECONDS_PER_POINT:-0.5}"
+MS="$(awk "BEGIN {print int($SECS * 1000)}")"
 FILE_MIB="${FILE_MIB:-1024}" SOURCE="${SOURCE:-512M}"
 FIO="${FIO:-$(command -v fio || true)}"
 [ "$FIO" != none ] || FIO=""
@@ -50,7 +51,7 @@ echo "busy_write_bound.sh: $(date -u +%FT%TZ), $LOAD busy loop(s), kernel $(unam
 
 bench_run() {  # $1 round, $2 backends, $3 perf prefix or ""
     local args=(--backend "$2" --op_type WRITE --workload req --req_points "$POINTS" --req_modes prepped
-                --noreq_contig --kv_rounds 1 --duration_ms "$(awk "BEGIN {print int($SECS * 1000)}")"
+                --noreq_contig --kv_rounds 1 --duration_ms "$MS"
                 --filepath "$DIR" ${REGION:+--req_region_size "$REGION"})
     if [ -n "$3" ]; then
         perf record -q -e cpu-clock -F 2000 -g -o "$OUT/perf-$3.data" -- "$BENCH" "${args[@]}" > "$OUT/bench-r$1-$3.log" 2>&1
@@ -59,21 +60,17 @@ bench_run() {  # $1 round, $2 backends, $3 perf prefix or ""
     fi
 }
 
-bare_run() {  # $1 round: one Python thread's pwrite(2) loop, cold 512 MiB source, written-back file
-    local sizes
+bound_run() {  # $1 round: the bare writers, one block size after another
+    local p bs sizes
+    # One Python thread's pwrite(2) loop, cold source, written-back file.
     sizes="$(for p in ${POINTS//,/ }; do printf '%s,' "${p%%:*}"; done)"
     python3 bench/write_bound.py --dir "$DIR" --file_mib "$FILE_MIB" --blocks "${sizes%,}" --files 1 \
         --footprints "$SOURCE" --threads 1 --seconds "$SECS" --writeback > "$OUT/bare-r$1.md"
-}
-
-fio_run() {  # $1 round
-    bare_run "$1"
     [ -n "$FIO" ] || return 0
-    local p bs
     for p in ${POINTS//,/ }; do
         bs="${p%%:*}"
         "$FIO" --name=bound --filename="$fio_file" --size="${FILE_MIB}M" --rw=randwrite --bs="$bs" --ioengine=psync --invalidate=0 --fallocate=none \
-            --numjobs=1 --time_based=1 --runtime="$(awk "BEGIN {print int($SECS * 1000)}")ms" --randrepeat=0 --output-format=json \
+            --numjobs=1 --time_based=1 --runtime="${MS}ms" --randrepeat=0 --output-format=json \
             > "$OUT/fio-r$1-$bs.json"
     done
 }
@@ -84,17 +81,19 @@ for r in $(seq "$ROUNDS"); do
         bench_run 1 IO_URING_DMABUF iud
         bench_run 1 POSIX:use_aio=true aio
     fi
-    # Odd rounds: the plugin, AIO, fio; even rounds: fio, AIO, the plugin.
+    # Odd rounds: the plugin, AIO, the bare writers; even rounds: the bare writers, AIO, the plugin.
     if [ $((r % 2)) = 1 ]; then
-        bench_run "$r" IO_URING_DMABUF,POSIX:use_aio=true ""; fio_run "$r"
+        bench_run "$r" IO_URING_DMABUF,POSIX:use_aio=true ""; bound_run "$r"
     else
-        fio_run "$r"; bench_run "$r" POSIX:use_aio=true,IO_URING_DMABUF ""
+        bound_run "$r"; bench_run "$r" POSIX:use_aio=true,IO_URING_DMABUF ""
     fi
 done
 python3 - "$OUT" "$ROUNDS" "$POINTS" "$SOURCE" <<'PY'
 import json, math, os, re, statistics, sys
+sys.path.insert(0, "bench")
+from write_bound import MiB, size_arg  # the sizes as the bare writer printed them
 out, rounds, points, source = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
-source_mib = int(source[:-1]) * (1024 if source.upper().endswith("G") else 1)
+source_mib = size_arg(source) // MiB
 rows = {}
 for r in range(1, rounds + 1):
     log = open(f"{out}/bench-r{r}.log").read()
@@ -106,7 +105,7 @@ for r in range(1, rounds + 1):
         plugin, aio = (m[1], m[2]) if r % 2 else (m[2], m[1])
         fio_json = f"{out}/fio-r{r}-{bs}.json"
         fio = json.load(open(fio_json))["jobs"][0]["write"]["bw_bytes"] / 1e9 if os.path.exists(fio_json) else math.nan
-        kib = int(bs[:-1]) * (1024 if bs.upper().endswith("M") else 1)
+        kib = size_arg(bs) >> 10
         bare = re.search(rf"^\| {kib} KiB \| 1 \| {source_mib} MiB \| ([\d.]+) \|$", open(f"{out}/bare-r{r}.md").read(), re.M)
         if not bare:
             sys.exit(f"no {kib} KiB row in bare-r{r}.md")
