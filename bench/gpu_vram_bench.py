@@ -603,7 +603,7 @@ def kv_table(args, deadline):
                 except subprocess.TimeoutExpired as e:
                     err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
                     sys.stderr.write(f"kv {label} round {rnd + 1}: no result within the timeout; its stderr so far:\n{err}")
-                    notes.append(f"{label} round {rnd + 1}: hung (> {min(args.kv_timeout, left):.0f} s)")
+                    notes.append(per_request.cut_short(label, rnd, min(args.kv_timeout, left), left < args.kv_timeout))
                 for op, b, _ in points:
                     s = got.get(f"{op}:{b}")
                     if s is not None:
@@ -679,7 +679,8 @@ def contig_table(args, sizes, deadline):
             except subprocess.TimeoutExpired as e:
                 err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
                 sys.stderr.write(f"{label}: no result within {min(args.timeout, left):.0f} s; its stderr so far:\n{err}")
-                got = {f"{b}:{op}": f"n/a (hung > {min(args.timeout, left):.0f} s)" for b in sizes for op in ("READ", "WRITE")}
+                why = "time budget (--budget_s) ran out" if left < args.timeout else f"hung > {min(args.timeout, left):.0f} s"
+                got = {f"{b}:{op}": f"n/a ({why})" for b in sizes for op in ("READ", "WRITE")}
         for k, v in got.items():
             b, op = k.split(":")
             results[(label, int(b), op)] = v

@@ -353,6 +353,14 @@ def extend_mem(mem):
     mem.stamp_slots = stamp
 
 
+def cut_short(label, rnd, limit, budget_cut):
+    """The note for a round that gave no result within `limit` s: the benchmark's own time budget
+    (--budget_s) ending it is not the backend hanging."""
+    if budget_cut:
+        return f"{label} round {rnd + 1}: stopped after {limit:.0f} s, when the time budget (--budget_s) ran out; its results are left out"
+    return f"{label} round {rnd + 1}: hung (> {limit:.0f} s)"
+
+
 def run_children(label, args, extra, nprocs, timeout):
     """Runs `nprocs` children of this backend at once; the READY/GO handshake per point when
     more than one. Returns their RESULTS dicts (None for a child that gave none)."""
@@ -445,7 +453,7 @@ def table(g, args, deadline):
                     continue
                 res, hung = run_children(label, args, ["--kv_round", str(rnd)], nprocs, min(args.kv_timeout, left))
                 if hung:
-                    notes.append(f"{label} round {rnd + 1}: hung (> {min(args.kv_timeout, left):.0f} s)")
+                    notes.append(cut_short(label, rnd, min(args.kv_timeout, left), left < args.kv_timeout))
                 if any(r is None for r in res):
                     notes.append(f"{label} round {rnd + 1}: {sum(r is None for r in res)} process(es) gave no results")
                 for op, lay, b, n in pts:
@@ -644,7 +652,7 @@ def prep_table(g, args, deadline):
                 for k, v in (json.loads(line[8:]) if line else {}).items():
                     samples.setdefault((label, k), []).append(v)
             except subprocess.TimeoutExpired:
-                sys.stderr.write(f"prep {label} round {rnd + 1}: timed out\n")
+                sys.stderr.write(cut_short(f"prep {label}", rnd, min(args.kv_timeout, left), left < args.kv_timeout) + "\n")
     print(f"## Prep profile: one request's prep and release, no post ({args.memory.upper()} <-> FILE, "
           f"{args.prep_block >> 10} KiB descriptors, scattered)\n")
     print(f"Medians over >= {args.prep_seconds} s of requests per cell, then over {args.kv_rounds} rounds (alternated); ms per request, "

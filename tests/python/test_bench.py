@@ -179,6 +179,17 @@ def test_gpu_bench_stops_at_once_without_a_gpu(tmp_path):
     assert os.listdir(tmp_path) == [], "it created files before stopping"
 
 
+def test_a_round_cut_by_the_time_budget_is_not_called_hung():
+    """2026-12-05: a GDS_MT round that the benchmark's --budget_s ended after 29 s was noted as
+    "hung (> 29 s)" in the H200 table; only a round that outlives --kv_timeout is a hang."""
+    spec = importlib.util.spec_from_file_location("per_request", os.path.join(REPO, "bench", "per_request.py"))
+    per_request = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(per_request)
+    budget = per_request.cut_short("GDS_MT", 2, 29.4, budget_cut=True)
+    assert budget.startswith("GDS_MT round 3: stopped after 29 s") and "--budget_s" in budget and "hung" not in budget
+    assert per_request.cut_short("GDS_MT", 0, 150, budget_cut=False) == "GDS_MT round 1: hung (> 150 s)"
+
+
 def test_gpu_bench_kv_logic_on_host_memory(tmp_path, plugin_so):
     """The KV table's code path (layout, child per backend and round, verification, medians)
     with numpy host memory instead of VRAM: IO_URING_DMABUF against POSIX, 2 rounds."""
