@@ -8,8 +8,10 @@ mod ring;
 #[cfg(test)]
 mod ring_tests;
 mod slots;
+mod worker_defaults;
 mod workers;
 
 pub use op::{FileRef, IoOp, Progress};
 pub use ring::{CoreGuard, FileKey, Ring, RingCore, Submission, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
-pub use workers::{default_page_cache_threads, default_page_cache_writers, usable_cpus, WorkerConfig, WriterLimits};
+pub use worker_defaults::{default_page_cache_threads, default_page_cache_writers, usable_cpus};
+pub use workers::{WorkerConfig, WriterLimits};

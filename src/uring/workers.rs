@@ -174,13 +174,22 @@ impl Queues {
         Queues { running: vec![Vec::new(); workers], ..Queues::default() }
     }
 
-    /// Takes the first batch a worker may run now: any read, or a write within `limits`.
-    fn take_runnable(&mut self, limits: WriterLimits, worker: usize) -> Option<Vec<Job>> {
+    /// The position of the first batch a worker may run now: any read, or a write within `limits`.
+    fn first_runnable(&self, limits: WriterLimits) -> Option<usize> {
         let (writing, all) = (&self.writing, self.writing_all);
         let admits = |fd: i32| {
             (limits.file == 0 || writing.get(&fd).copied().unwrap_or(0) < limits.file) && (limits.all == 0 || all < limits.all)
         };
-        let i = self.jobs.iter().position(|b| write_fd(b).is_none_or(admits))?;
+        self.jobs.iter().position(|b| write_fd(b).is_none_or(admits))
+    }
+
+    fn runnable(&self, limits: WriterLimits) -> bool {
+        self.first_runnable(limits).is_some()
+    }
+
+    /// Takes the first batch a worker may run now.
+    fn take_runnable(&mut self, limits: WriterLimits, worker: usize) -> Option<Vec<Job>> {
+        let i = self.first_runnable(limits)?;
         let batch = self.jobs.remove(i)?;
         if let Some(fd) = write_fd(&batch) {
             *self.writing.entry(fd).or_insert(0) += 1;
@@ -202,6 +211,19 @@ impl Queues {
     /// Counts a wake-up for every sleeping worker.
     fn wake_all(&mut self) {
         self.waking = self.sleeping;
+    }
+
+    /// `worker`'s batch ended, and it takes its next one now, under the same lock: after a
+    /// write, often the write that this one's end let run. Waking every sleeping worker per
+    /// write's end instead (13 per process on 16 CPUs, nearly all to find nothing) cost four
+    /// processes writing 256 KiB pieces 10-20 % of their rate (bench/results/2026-12-05-*).
+    /// True when one sleeping worker is to be woken: the place a write freed let a batch run
+    /// besides the one taken.
+    fn end_and_take(&mut self, batch: &[Job], worker: usize, limits: WriterLimits) -> (Option<Vec<Job>>, bool) {
+        self.batch_ended(batch, worker);
+        let next = self.take_runnable(limits, worker);
+        let wake = limits.any() && write_fd(batch).is_some() && next.is_some() && self.runnable(limits) && self.wake_one();
+        (next, wake)
     }
 
     /// Adds results, for `take_done`.
@@ -436,8 +458,12 @@ fn read_nowait(job: &Job) -> Option<i32> {
 /// Worker `me`'s loop.
 fn work(s: &Shared, me: usize) {
     let mut results: Vec<(u64, i32)> = Vec::new();
+    // The batch taken when the last one ended, under the same lock.
+    let mut next: Option<Vec<Job>> = None;
     loop {
-        let batch = {
+        let batch = if let Some(b) = next.take() {
+            b
+        } else {
             let mut q = s.lock();
             let mut spun = s.spin.is_zero();
             loop {
@@ -475,17 +501,12 @@ fn work(s: &Shared, me: usize) {
         );
         let mut q = s.lock();
         q.add_done(s, results.drain(..));
-        q.batch_ended(&batch, me);
-        // A write batch held back by the limits may run now that a write ended (a read frees
-        // no writer's place), if a sleeping worker is there to take it.
-        let held_back = s.writers.any() && write_fd(&batch).is_some() && !q.jobs.is_empty() && q.sleeping > q.waking;
-        if held_back {
-            q.wake_all();
-        }
+        let held_back;
+        (next, held_back) = q.end_and_take(&batch, me, s.writers);
         let announce = q.done_waiters > 0;
         drop(q);
         if held_back {
-            s.job_ready.notify_all();
+            s.job_ready.notify_one();
         }
         if announce {
             s.done_ready.notify_all();
@@ -558,13 +579,6 @@ fn pread_or_pwrite(job: &Job) -> i32 {
 #[cfg(test)]
 mod tests;
 
-/// Page-cache workers for punted ops by default: at most this many (16 on the H200 already read
-/// a cached file faster than the host-to-GPU copy takes it; `page_cache_threads` sets another).
-const PAGE_CACHE_WORKERS_DEFAULT_MAX: usize = 16;
-
-/// Writers among them by default: at most this many (the workers' default before 2026-12-04).
-const PAGE_CACHE_WRITERS_DEFAULT_MAX: usize = 8;
-
 /// The page-cache workers an engine starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WorkerConfig {
@@ -574,27 +588,4 @@ pub struct WorkerConfig {
     pub writers: WriterLimits,
     /// Microseconds a worker that found no job watches for one before it sleeps (0 = none).
     pub spin_us: u32,
-}
-
-/// How many page-cache worker threads an engine starts by default: the CPUs less two (one for
-/// the thread that posts and polls, which runs queued reads and starts device copies, one for the
-/// rest of the application), 1 to 16. On the 16-CPU H200, 12 or 14 workers read scattered
-/// 32-256 KiB blocks into VRAM 1.1-1.3x faster per request than 8, and 16 lost at 16 KiB
-/// (bench/results/2026-12-04-per-request-h200.md). 2 CPUs get one worker beside the caller.
-/// Asked once per process (the answer reads cgroup files).
-pub fn default_page_cache_threads() -> usize {
-    static THREADS: once_cell::sync::OnceCell<usize> = once_cell::sync::OnceCell::new();
-    *THREADS.get_or_init(|| (usable_cpus().saturating_sub(2)).clamp(1, PAGE_CACHE_WORKERS_DEFAULT_MAX))
-}
-
-/// How many page-cache workers may write at once by default, all files together: half the CPUs,
-/// 1 to 8, the worker count before the default grew for reads, so that stores spread over many
-/// files take no more cores than they did.
-pub fn default_page_cache_writers() -> usize {
-    (usable_cpus() / 2).clamp(1, PAGE_CACHE_WRITERS_DEFAULT_MAX)
-}
-
-/// The CPUs this process may run on (cgroup and affinity limits included; 1 if unknown).
-pub fn usable_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }

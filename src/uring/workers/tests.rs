@@ -187,6 +187,35 @@ fn writes_to_all_files_together_stay_within_their_limit_while_reads_go_on() {
 }
 
 #[test]
+fn the_worker_whose_write_ended_takes_the_held_back_write_and_wakes_no_one() {
+    let one = WriterLimits { file: 1, all: 0 };
+    let mut q = Queues { sleeping: 3, ..Queues::new(4) };
+    for token in 1..=3 {
+        q.jobs.push_back(vec![job(token, 5, true)]);
+    }
+    let first = q.take_runnable(one, 0).unwrap();
+    let (next, wake) = q.end_and_take(&first, 0, one);
+    assert_eq!(next.unwrap()[0].token, 2, "the same worker writes on");
+    assert!(!wake, "nothing else may run: the sleepers stay asleep");
+    assert_eq!((q.waking, q.writing_all, q.running[0].clone()), (0, 1, vec![2]));
+    // A read queued ahead is taken first; the write the freed place admits goes to one sleeper.
+    let mut q = Queues { sleeping: 3, ..Queues::new(4) };
+    q.jobs.push_back(vec![job(1, 5, true)]);
+    let first = q.take_runnable(one, 0).unwrap();
+    q.jobs.push_back(vec![job(2, 6, false)]);
+    q.jobs.push_back(vec![job(3, 5, true)]);
+    let (next, wake) = q.end_and_take(&first, 0, one);
+    assert_eq!(next.unwrap()[0].token, 2);
+    assert!(wake && q.waking == 1, "one sleeper is woken for the write, not all three");
+    // A read's end frees no writer's place: no wake-up, whatever is queued.
+    let read = vec![job(4, 6, false)];
+    q.running[1] = vec![4];
+    let (next, wake) = q.end_and_take(&read, 1, one);
+    assert_eq!(next.unwrap()[0].token, 3);
+    assert!(!wake);
+}
+
+#[test]
 fn a_job_wakes_only_a_sleeping_worker_that_no_notify_has_reached() {
     let mut q = Queues { sleeping: 2, ..Queues::default() };
     assert!(q.wake_one());
