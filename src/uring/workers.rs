@@ -183,6 +183,7 @@ impl Queues {
         self.jobs.iter().position(|b| write_fd(b).is_none_or(admits))
     }
 
+    /// Whether some queued batch may run now.
     fn runnable(&self, limits: WriterLimits) -> bool {
         self.first_runnable(limits).is_some()
     }
@@ -216,7 +217,8 @@ impl Queues {
     /// `worker`'s batch ended, and it takes its next one now, under the same lock: after a
     /// write, often the write that this one's end let run. Waking every sleeping worker per
     /// write's end instead (13 per process on 16 CPUs, nearly all to find nothing) cost four
-    /// processes writing 256 KiB pieces 10-20 % of their rate (bench/results/2026-12-05-*).
+    /// processes writing staged 256 KiB pieces a fifth of their rate
+    /// (bench/results/2026-12-05-per-request-h200.md).
     /// True when one sleeping worker is to be woken: the place a write freed let a batch run
     /// besides the one taken.
     fn end_and_take(&mut self, batch: &[Job], worker: usize, limits: WriterLimits) -> (Option<Vec<Job>>, bool) {
