@@ -603,7 +603,7 @@ def kv_table(args, deadline):
                 except subprocess.TimeoutExpired as e:
                     err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
                     sys.stderr.write(f"kv {label} round {rnd + 1}: no result within the timeout; its stderr so far:\n{err}")
-                    notes.append(per_request.cut_short(label, rnd, min(args.kv_timeout, left), left < args.kv_timeout))
+                    notes.append(per_request.cut_short(label, rnd, args.kv_timeout, left))
                 for op, b, _ in points:
                     s = got.get(f"{op}:{b}")
                     if s is not None:

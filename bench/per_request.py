@@ -353,10 +353,11 @@ def extend_mem(mem):
     mem.stamp_slots = stamp
 
 
-def cut_short(label, rnd, limit, budget_cut):
-    """The note for a round that gave no result within `limit` s: the benchmark's own time budget
-    (--budget_s) ending it is not the backend hanging."""
-    if budget_cut:
+def cut_short(label, rnd, timeout, left):
+    """The note for a round that gave no result within min(`timeout`, `left`) s, `left` being what
+    remained of the time budget (--budget_s): the budget ending it is not the backend hanging."""
+    limit = min(timeout, left)
+    if left < timeout:
         return f"{label} round {rnd + 1}: stopped after {limit:.0f} s, when the time budget (--budget_s) ran out; its results are left out"
     return f"{label} round {rnd + 1}: hung (> {limit:.0f} s)"
 
@@ -453,7 +454,7 @@ def table(g, args, deadline):
                     continue
                 res, hung = run_children(label, args, ["--kv_round", str(rnd)], nprocs, min(args.kv_timeout, left))
                 if hung:
-                    notes.append(cut_short(label, rnd, min(args.kv_timeout, left), left < args.kv_timeout))
+                    notes.append(cut_short(label, rnd, args.kv_timeout, left))
                 if any(r is None for r in res):
                     notes.append(f"{label} round {rnd + 1}: {sum(r is None for r in res)} process(es) gave no results")
                 for op, lay, b, n in pts:
@@ -652,7 +653,7 @@ def prep_table(g, args, deadline):
                 for k, v in (json.loads(line[8:]) if line else {}).items():
                     samples.setdefault((label, k), []).append(v)
             except subprocess.TimeoutExpired:
-                sys.stderr.write(cut_short(f"prep {label}", rnd, min(args.kv_timeout, left), left < args.kv_timeout) + "\n")
+                sys.stderr.write(cut_short(f"prep {label}", rnd, args.kv_timeout, left) + "\n")
     print(f"## Prep profile: one request's prep and release, no post ({args.memory.upper()} <-> FILE, "
           f"{args.prep_block >> 10} KiB descriptors, scattered)\n")
     print(f"Medians over >= {args.prep_seconds} s of requests per cell, then over {args.kv_rounds} rounds (alternated); ms per request, "

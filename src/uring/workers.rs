@@ -183,11 +183,6 @@ impl Queues {
         self.jobs.iter().position(|b| write_fd(b).is_none_or(admits))
     }
 
-    /// Whether some queued batch may run now.
-    fn runnable(&self, limits: WriterLimits) -> bool {
-        self.first_runnable(limits).is_some()
-    }
-
     /// Takes the first batch a worker may run now.
     fn take_runnable(&mut self, limits: WriterLimits, worker: usize) -> Option<Vec<Job>> {
         let i = self.first_runnable(limits)?;
@@ -224,7 +219,7 @@ impl Queues {
     fn end_and_take(&mut self, batch: &[Job], worker: usize, limits: WriterLimits) -> (Option<Vec<Job>>, bool) {
         self.batch_ended(batch, worker);
         let next = self.take_runnable(limits, worker);
-        let wake = limits.any() && write_fd(batch).is_some() && next.is_some() && self.runnable(limits) && self.wake_one();
+        let wake = limits.any() && write_fd(batch).is_some() && next.is_some() && self.first_runnable(limits).is_some() && self.wake_one();
         (next, wake)
     }
 

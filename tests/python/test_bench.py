@@ -185,9 +185,9 @@ def test_a_round_cut_by_the_time_budget_is_not_called_hung():
     spec = importlib.util.spec_from_file_location("per_request", os.path.join(REPO, "bench", "per_request.py"))
     per_request = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(per_request)
-    budget = per_request.cut_short("GDS_MT", 2, 29.4, budget_cut=True)
+    budget = per_request.cut_short("GDS_MT", 2, timeout=150, left=29.4)
     assert budget.startswith("GDS_MT round 3: stopped after 29 s") and "--budget_s" in budget and "hung" not in budget
-    assert per_request.cut_short("GDS_MT", 0, 150, budget_cut=False) == "GDS_MT round 1: hung (> 150 s)"
+    assert per_request.cut_short("GDS_MT", 0, timeout=150, left=400) == "GDS_MT round 1: hung (> 150 s)"
 
 
 def test_gpu_bench_kv_logic_on_host_memory(tmp_path, plugin_so):
