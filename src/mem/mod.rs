@@ -9,6 +9,7 @@ pub mod dmabuf_slabs;
 pub mod dram;
 pub mod file;
 pub mod file_query;
+pub mod huge_pages;
 mod kind;
 pub mod live;
 pub mod path_meta;

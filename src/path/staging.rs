@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::gpu::{CopyPiece, CopyTicket, GpuProvider, PackedCopy};
-use crate::mem::VramRegion;
+use crate::mem::{huge_pages, VramRegion};
 use crate::uring::{IoOp, WORKER_JOB_BYTES};
 
 /// One pinned buffer.
@@ -47,21 +47,8 @@ impl StagingPool {
         mut register: impl FnMut(u64, u64) -> Option<u16>,
     ) -> Result<StagingPool> {
         let total = buffer_size * count as u64;
-        // SAFETY: an anonymous private mapping; checked for MAP_FAILED below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                total as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(Error::os(format!("staging pool: mmap of {total} bytes"), &std::io::Error::last_os_error()));
-        }
-        let base = base as u64;
+        // Huge pages where the kernel offers them: the workers copy through these addresses.
+        let base = huge_pages::map_populated(total).map_err(|e| Error::os(format!("staging pool: mmap of {total} bytes"), &e))?;
         // SAFETY: the mapping stays until Drop, which unpins first.
         if let Err(e) = unsafe { provider.pin_host(base, total) } {
             // SAFETY: unmapping what we just mapped.
@@ -74,7 +61,13 @@ impl StagingPool {
                 StagingBuf { addr, buf_index: register(addr, buffer_size) }
             })
             .collect();
-        tracing::debug!(count, buffer_size, fixed = bufs.iter().all(|b| b.buf_index.is_some()), "staging pool ready");
+        tracing::info!(
+            count,
+            buffer_size,
+            fixed = bufs.iter().all(|b| b.buf_index.is_some()),
+            huge_page_bytes = ?huge_pages::huge_backed(base, total).map(|(bytes, _)| bytes),
+            "staging pool ready"
+        );
         Ok(StagingPool { provider, buffer_size, free: (0..count as usize).rev().collect(), bufs, base, total })
     }
 
