@@ -15,6 +15,8 @@
 #   bash ci/gpu/per-request.sh write-probe  # larger staged WRITEs: workers, buffers, pieces (4 min)
 #   bash ci/gpu/per-request.sh slots        # the vLLM connector's slot layout (about 2 minutes)
 #   bash ci/gpu/per-request.sh write-bound  # buffered-write bound of 1 and 4 files, no NIXL (1 min)
+#   bash ci/gpu/per-request.sh huge-pages   # a worker's copy with staging memory on 4 KiB or huge
+#     pages, bench/staging_copy_bound.c, no NIXL (1 min)
 #     (IUD_PROBE_BACKENDS, IUD_PROBE_POINTS, IUD_PROBE_OPS=READ, IUD_PROBE_PROCS=4 and
 #     IUD_PROBE_PROFILE=prep replace write-probe's backends, points, op, process count and
 #     profile; IUD_PROBE_BACKENDS, IUD_PROBE_POINTS, IUD_PROBE_SECONDS, IUD_PROBE_ROUNDS and
@@ -166,12 +168,30 @@ for st in "${steps[@]}"; do
         fi
         IO_URING_DMABUF_LOG=info IO_URING_DMABUF_PROFILE=1 step per-request-latency "$b" "${lv[@]}"
         "$PY" bench/profile_timeline.py "$OUT/per-request-latency.log" | tee "$OUT/latency-timeline.md" || rc=1 ;;
+    huge-pages)  # one worker's copy out of and into staging-like memory, 4 KiB pages against
+        # transparent huge pages (the staging pool's mapping since 3b583d0), no NIXL (1 minute)
+        echo "== huge-pages ($(date -u +%T)): bench/staging_copy_bound.c"
+        scb=${G:-$OUT}/staging_copy_bound
+        [ -x "$scb" ] || gcc -O2 -o "$scb" bench/staging_copy_bound.c || rc=1
+        f=${IUD_DRYRUN_DIR:-/tmp}/iud-staging-copy
+        mkdir -p "$(dirname "$f")"
+        dry=$([ "${IUD_GPU_DRYRUN:-0}" = 1 ] && echo 1 || echo 0)
+        dd if=/dev/urandom of="$f" bs=1M count=$([ "$dry" = 1 ] && echo 64 || echo 1024) status=none && sync
+        cat /sys/kernel/mm/transparent_hugepage/enabled 2>&1 | sed 's/^/THP: /' | tee "$OUT/huge-pages.md"
+        for op in write read; do
+            for p in 262144 2097152; do
+                for w in 8388608 67108864; do
+                    "$scb" "$f" "$op" "$p" "$w" "$([ "$dry" = 1 ] && echo 1 || echo 3)" "$([ "$dry" = 1 ] && echo 0.05 || echo 1)" || rc=1
+                done
+            done
+        done | tee -a "$OUT/huge-pages.md"
+        rm -f "$f" "$OUT/staging_copy_bound" ;;
     write-bound)  # one file's and four files' buffered-write bound, no NIXL (under a minute)
         echo "== write-bound ($(date -u +%T)): bench/write_bound.py"
         "$PY" bench/write_bound.py --dir "${IUD_DRYRUN_DIR:-/tmp}" --blocks 64K,256K,2M --files 1,4 --footprints 8M \
             --seconds "$([ "${IUD_GPU_DRYRUN:-0}" = 1 ] && echo 0.05 || echo 0.5)" \
             --file_mib "$([ "${IUD_GPU_DRYRUN:-0}" = 1 ] && echo 64 || echo 1024)" | tee "$OUT/write-bound.md" || rc=1 ;;
-    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe, read-probe, read-bound, latency, slots, write-bound)" >&2; rc=2 ;;
+    *) echo "ci/gpu/per-request.sh: unknown step $st (1proc, 4proc, prep, write, write-probe, read-probe, read-bound, latency, slots, write-bound, huge-pages)" >&2; rc=2 ;;
     esac
 done
 # The device tool brings back at most 8 files: the tables stay, the logs go into one archive.

@@ -60,6 +60,8 @@ find "$out/site" -name '*.so*' -type f -exec strip --strip-debug {} +
 bash ci/gpu/build-fio.sh "$out/fio/fio"
 # The storage stage's bound without the plugin (per-request.sh read-bound).
 gcc -O2 -static -pthread -o "$out/pread_bound" bench/pread_bound.c
+# A worker's copy with staging memory on 4 KiB or huge pages (per-request.sh huge-pages).
+gcc -O2 -static -o "$out/staging_copy_bound" bench/staging_copy_bound.c
 # The Vulkan loader and GLVND (NVIDIA's Vulkan ICD library needs libGLdispatch) for
 # gpu_provider=vulkan there: the amd64 debs the device README names (under 1 MiB), unpacked by
 # ci/gpu/run.sh into a private folder.

@@ -302,6 +302,22 @@ def test_gpu_latency_step_dry_run_reads_the_plugins_request_timeline(tmp_path, p
     assert os.listdir(tmp_path / "files") == []
 
 
+def test_gpu_huge_pages_step_dry_run_copies_with_both_page_sizes(tmp_path):
+    """ci/gpu/per-request.sh huge-pages with IUD_GPU_DRYRUN=1: bench/staging_copy_bound.c builds
+    and runs here, one line per op, piece, window and page size, each a real rate; nothing is left
+    behind."""
+    env = dict(os.environ, IUD_GPU_DRYRUN="1", IUD_DRYRUN_DIR=str(tmp_path / "files"), OUT=str(tmp_path / "out"))
+    os.makedirs(env["IUD_DRYRUN_DIR"])
+    r = subprocess.run(["bash", os.path.join(REPO, "ci", "gpu", "per-request.sh"), "huge-pages"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    lines = re.findall(r"^(write|read) piece (\d+) window (\d+) round 1 (4 KiB|huge) pages: ([\d.]+) GB/s",
+                       open(tmp_path / "out" / "huge-pages.md").read(), re.M)
+    assert len(set(l[:4] for l in lines)) == 16 and all(float(l[4]) > 0 for l in lines), lines
+    assert os.listdir(tmp_path / "files") == []
+    assert "staging_copy_bound" not in os.listdir(tmp_path / "out")
+
+
 def test_busy_write_bound_script_tables_both_backends_beside_the_bare_writer(iud_bench, tmp_path, plugin_so):
     """bench/busy_write_bound.sh at toy sizes, without fio: every round's requests verified, and
     one table row per point with the plugin, AIO and the bare pwrite loop (fio's column '-')."""
