@@ -44,6 +44,8 @@ pub struct Engine {
     /// The route of each bound (memory registration, target file) pair, decided on first use;
     /// keyed by the registration's MD and the file, dropped when NIXL deregisters either.
     routes: Mutex<HashMap<(usize, FileKey), Route>>,
+    /// Held while a pair is bound, so that requests prepared at once on a new pair bind it once.
+    binding: Mutex<()>,
     /// Routes (with their reason) already logged at info level.
     routes_logged: Mutex<HashSet<String>>,
     /// The live registrations, by the opaque token handed to NIXL as MD and by what
@@ -108,6 +110,7 @@ impl Engine {
             driver,
             ring,
             routes: Mutex::new(HashMap::new()),
+            binding: Mutex::new(()),
             routes_logged: Mutex::new(HashSet::new()),
             registry: Registry::default(),
             path_dev_ids: Mutex::new(HashSet::new()),
@@ -239,6 +242,13 @@ impl Engine {
             }
         }
         let key = (mem as *const Registration as usize, file.key());
+        if let Some(r) = self.failure.lock(&self.routes, "route cache")?.get(&key) {
+            return Ok(r.clone());
+        }
+        // One binding at a time, and the cache asked again under it: threads preparing requests
+        // at once on a new pair would otherwise each bind it (two sets of DMA-BUF slots, cuFile
+        // asked to register one fd twice). Pairs already bound never wait here.
+        let _binding = self.failure.lock(&self.binding, "route binding")?;
         if let Some(r) = self.failure.lock(&self.routes, "route cache")?.get(&key) {
             return Ok(r.clone());
         }
