@@ -61,7 +61,9 @@ impl StagingPool {
                 StagingBuf { addr, buf_index: register(addr, buffer_size) }
             })
             .collect();
-        tracing::info!(
+        // Debug only: reading smaps walks every mapping of the process (a GPU process has many),
+        // and tracing evaluates the fields only when the line is enabled.
+        tracing::debug!(
             count,
             buffer_size,
             fixed = bufs.iter().all(|b| b.buf_index.is_some()),
