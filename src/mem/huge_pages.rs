@@ -63,8 +63,9 @@ pub fn map_populated(len: u64) -> io::Result<u64> {
     Ok(base)
 }
 
-/// Bytes of `[base, base + len)` backed by huge pages now, from /proc/self/smaps (None if it
-/// cannot be read or no mapping starts at `base`); also whether the mapping carries the advice.
+/// Bytes of `[base, base + len)` backed by huge pages now, from /proc/self/smaps, and whether
+/// the mapping carries the advice; None if smaps cannot be read or no mapping is exactly that
+/// range (without the advice, a mapping may have merged with a neighbour).
 pub fn huge_backed(base: u64, len: u64) -> Option<(u64, bool)> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
     let mut lines = smaps.lines();
@@ -124,14 +125,19 @@ mod tests {
         }
         // SAFETY: unmapping exactly what map_populated handed out.
         assert_eq!(unsafe { libc::munmap(base as *mut libc::c_void, len as usize) }, 0);
-        assert!(huge_backed(base, len).is_none(), "gone, head and tail included");
+        assert!(huge_backed(base, len).is_none(), "the mapping is gone after munmap");
     }
 
     #[test]
-    fn a_small_mapping_is_plain_pages() {
-        let base = map_populated(64 << 10).expect("map");
+    fn a_mapping_below_a_huge_page_is_populated_and_unmaps_whole() {
+        let len = 64u64 << 10;
+        let base = map_populated(len).expect("map");
         assert_eq!(base % 4096, 0);
+        let mut resident = vec![0u8; (len / 4096) as usize];
+        // SAFETY: mincore on our own mapping, with one byte per page.
+        assert_eq!(unsafe { libc::mincore(base as *mut libc::c_void, len as usize, resident.as_mut_ptr()) }, 0);
+        assert!(resident.iter().all(|r| r & 1 == 1), "every page populated");
         // SAFETY: unmapping exactly what map_populated handed out.
-        assert_eq!(unsafe { libc::munmap(base as *mut libc::c_void, 64 << 10) }, 0);
+        assert_eq!(unsafe { libc::munmap(base as *mut libc::c_void, len as usize) }, 0);
     }
 }
