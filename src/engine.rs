@@ -242,15 +242,16 @@ impl Engine {
             }
         }
         let key = (mem as *const Registration as usize, file.key());
-        if let Some(r) = self.failure.lock(&self.routes, "route cache")?.get(&key) {
-            return Ok(r.clone());
+        let cached = || self.failure.lock(&self.routes, "route cache").map(|routes| routes.get(&key).cloned());
+        if let Some(r) = cached()? {
+            return Ok(r);
         }
         // One binding at a time, and the cache asked again under it: threads preparing requests
         // at once on a new pair would otherwise each bind it (two sets of DMA-BUF slots, cuFile
         // asked to register one fd twice). Pairs already bound never wait here.
         let _binding = self.failure.lock(&self.binding, "route binding")?;
-        if let Some(r) = self.failure.lock(&self.routes, "route cache")?.get(&key) {
-            return Ok(r.clone());
+        if let Some(r) = cached()? {
+            return Ok(r);
         }
         let what = match mem {
             Registration::Vram(v) => format!("VRAM 0x{:x}+{} (GPU {})", v.addr, v.len, v.device),

@@ -13,7 +13,7 @@
 use std::io;
 
 /// The size of a PMD-mapped transparent huge page on x86-64 and arm64 with 4 KiB pages.
-pub const HUGE_PAGE: u64 = 2 << 20;
+const HUGE_PAGE: u64 = 2 << 20;
 
 /// Maps `len` bytes of private anonymous memory, aligned to `HUGE_PAGE` when `len` is at least
 /// that, advised for huge pages and populated. The caller unmaps exactly `(base, len)`.
