@@ -4,7 +4,7 @@
 # brings back at most 8 files per call). Usage on the GPU machine:
 #   bash ci/gpu/batch.sh NAME 'STEP_COMMAND' ['STEP_COMMAND' ...]
 # where each STEP_COMMAND is run with OUT set to a fresh folder (run.sh writes its files there);
-# the archive is $OUT/NAME.tgz, and $OUT/NAME.log holds every step's console output.
+# the archive is $OUT/NAME.tgz (rewritten after each step), and $OUT/NAME.log holds every step's console output.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 name=$1; shift
@@ -21,5 +21,6 @@ for cmd in "$@"; do
     rc=$?
     tail -n 25 "$d/console.txt" >>"$final/$name.log"
     echo "== step $i exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$final/$name.log"
+    # Packed after every step, so a call cut off by the device's time limit keeps what finished.
+    tar czf "$final/$name.tgz" -C "$work" .
 done
-tar czf "$final/$name.tgz" -C "$work" .
