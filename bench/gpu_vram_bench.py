@@ -126,6 +126,8 @@ BACKENDS = [
     ("IUD-inline0", "IO_URING_DMABUF", {"inline_write_max": "0"}),
     # Staged page-cache writes in 512 KiB pieces (the default before 2026-12-01's session 20: 2 MiB).
     ("IUD-swp512K", "IO_URING_DMABUF", {"staged_write_piece_max": str(MiB // 2)}),
+    # prepXfer planned by the calling thread alone (auto: 4 threads on 8 or more CPUs).
+    ("IUD-prep1", "IO_URING_DMABUF", {"prep_threads": "1"}),
     # Requests advance only when polled (no progress thread: the behaviour before session 20).
     ("IUD-noprogress", "IO_URING_DMABUF", {"progress_thread": "false"}),
     # Staged pieces packed several to a staging buffer up to 128 KiB (the default before session

@@ -27,7 +27,8 @@ use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{FileKey, Progress, Ring, WorkerConfig, WriterLimits};
 use crate::xfer::driver::{Driver, RequestKey};
 use crate::xfer::progress::ProgressThread;
-use crate::xfer::plan::PlanContext;
+use crate::xfer::plan::{PlanContext, PART_MIN};
+use crate::xfer::prep_pool::PrepPool;
 use crate::xfer::recycle::OpLists;
 use crate::xfer::{plan, profile, Plan, XferOp};
 
@@ -63,6 +64,8 @@ pub struct Engine {
     cufile_exec: OnceCell<CufileExecutor>,
     /// Op lists of released requests, for the next prepXfer.
     op_lists: OpLists,
+    /// Helper threads of large prepXfers (`prep_threads`), started by the first one.
+    prep_pool: OnceCell<Option<PrepPool>>,
 }
 
 /// The kernel's io_uring DMA-BUF capability, probed once per process.
@@ -120,6 +123,7 @@ impl Engine {
             recorder,
             cufile_exec: OnceCell::new(),
             op_lists: OpLists::default(),
+            prep_pool: OnceCell::new(),
         })
     }
 
@@ -332,6 +336,15 @@ impl Engine {
         Ok(())
     }
 
+    /// The helper threads for a prepXfer of `descriptors` pairs, when it is large enough to be
+    /// planned in parts and `prep_threads` allows more than the caller.
+    fn prep_pool(&self, descriptors: usize) -> Option<&PrepPool> {
+        if descriptors < 2 * PART_MIN || self.params.prep_threads < 2 {
+            return None;
+        }
+        self.prep_pool.get_or_init(|| PrepPool::start(self.params.prep_threads - 1)).as_ref()
+    }
+
     /// Validates the lists against the live registrations and prepares a request.
     pub fn prep(
         &self,
@@ -361,6 +374,7 @@ impl Engine {
             staged_read_piece_max: self.params.staged_read_piece(),
             route: &|mem, file| self.route(mem, file),
             lists: &self.op_lists,
+            pool: self.prep_pool(local.len()),
         };
         let plan = plan(op, local_kind, local, remote_kind, remote, &self.registry, &ctx)?;
         for reg in &plan.registrations {

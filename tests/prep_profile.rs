@@ -6,7 +6,7 @@
 //!   cargo test --release --test prep_profile -- --ignored --nocapture
 //! (and `perf record` on that binary for where the time goes). `IUD_PREP_SWEEP_MIB=256` sweeps
 //! that many MiB through the CPU's caches before each prep, as a request's data does between a
-//! client's preps (the cold-cache cost seen on the H200).
+//! client's preps (the cold-cache cost seen on the H200). `IUD_PREP_THREADS` sets `prep_threads`.
 
 #[path = "rocm_double/mod.rs"]
 mod double;
@@ -61,7 +61,9 @@ fn prep_of_large_lists_dram_and_staged_vram() {
     let lib = double::instance(Variant::NoExport, "prep-profile");
     std::env::set_var("IUD_HSA_LIBRARY", &lib);
     let ctl = Ctl::open(&lib);
-    let e = Engine::new(AGENT, [("gpu_provider", "rocm")]).expect("engine");
+    let threads = std::env::var("IUD_PREP_THREADS").unwrap_or_else(|_| "auto".into());
+    let e = Engine::new(AGENT, [("gpu_provider", "rocm"), ("prep_threads", threads.as_str())]).expect("engine");
+    println!("prep_threads={threads}");
     let top = 65536u64;
     let path = std::env::temp_dir().join(format!("iud-prep-profile-{}", std::process::id()));
     let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();

@@ -2,11 +2,15 @@
 //! request's state machine, and the driver that moves requests through the ring.
 
 mod callers;
+mod descriptors;
+mod direction;
 pub mod driver;
 pub mod plan;
+pub mod prep_pool;
 pub mod profile;
 pub mod progress;
 pub mod recycle;
 pub mod request;
 
-pub use plan::{plan, Plan, XferOp};
+pub use direction::XferOp;
+pub use plan::{plan, Plan};
