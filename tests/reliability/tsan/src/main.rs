@@ -3,7 +3,8 @@
 //! threads' post/check on the shared ring), reposts of one request, and register/deregister
 //! cycles of memory and files while the other threads transfer. Buffered reads of 16 KiB and more
 //! go to the page-cache worker threads (punt_buffered_min), so releases also race those, and the
-//! engine's progress thread runs beside the callers. Built
+//! engine's progress thread runs beside the callers; lists of 2048 blocks are planned in parts by
+//! the prep helper threads. Built
 //! with -Zsanitizer=thread it checks the request state machine and the ring's locking for data
 //! races.
 //!
@@ -89,9 +90,9 @@ fn main() {
     let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
     f.set_len((THREADS * REGION) as u64).unwrap();
     let fdirect = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&path).unwrap();
-    // The progress thread is forced on (auto leaves it off below 8 CPUs) so that it races the
-    // callers too.
-    let e = Arc::new(Engine::new(AGENT, [("ring_entries", "64"), ("punt_buffered_min", "16384"), ("progress_thread", "true")]).unwrap());
+    // The progress thread and the prep helpers are forced on (auto leaves them off below 8 CPUs)
+    // so that they race the callers too.
+    let e = Arc::new(Engine::new(AGENT, [("ring_entries", "64"), ("punt_buffered_min", "16384"), ("progress_thread", "true"), ("prep_threads", "4")]).unwrap());
     let total = (THREADS * REGION) as u64;
     let mf = e.register(FILE, 0, total, f.as_raw_fd() as u64, "").unwrap() as usize;
     let mfd = e.register(FILE, 0, total, fdirect.as_raw_fd() as u64, "").unwrap() as usize;
@@ -120,8 +121,11 @@ fn main() {
                         let mut l = Vec::new();
                         let mut r = Vec::new();
                         let mut off = 0u64;
+                        // One list in four is 2048 blocks of 2 KiB: planned in parts by the
+                        // prep helpers (prep_threads) while other threads prepare too.
+                        let large = rng.next() % 4 == 0;
                         loop {
-                            let len = 4096 * (1 + rng.next() % 32);
+                            let len = if large { 2048 } else { 4096 * (1 + rng.next() % 32) };
                             if off + len > REGION as u64 {
                                 break;
                             }
