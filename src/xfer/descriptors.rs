@@ -13,6 +13,7 @@ use std::sync::Arc;
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
 use super::direction::XferOp;
+use super::recycle::OpLists;
 use crate::mem::live::{Coverage, Registry, Unresolved};
 use crate::mem::{FileRegion, MemKind, Registration};
 use crate::path::{direct, dmabuf, staging, Route};
@@ -166,6 +167,25 @@ pub struct Part {
     pub all_host: bool,
     pub any_punt: bool,
     pub vram_outside_streams: bool,
+}
+
+impl Part {
+    /// Appends the part that follows this one in the lists (its op list goes back to `lists`).
+    pub fn append(&mut self, later: Part, lists: &OpLists) {
+        self.ops.extend_from_slice(&later.ops);
+        lists.give_back(later.ops);
+        for reg in later.registrations {
+            if !self.registrations.iter().any(|r| Arc::ptr_eq(r, &reg)) {
+                self.registrations.push(reg);
+            }
+        }
+        self.unhinted += later.unhinted;
+        self.cufile_descs += later.cufile_descs;
+        self.all_buffered &= later.all_buffered;
+        self.all_host &= later.all_host;
+        self.any_punt |= later.any_punt;
+        self.vram_outside_streams |= later.vram_outside_streams;
+    }
 }
 
 /// Validates `local[i]` / `remote[i]` pairs and cuts them into `ops` (an empty list); `first` is

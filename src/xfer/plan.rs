@@ -142,18 +142,14 @@ pub fn plan(
         spreadable,
     };
     let kinds = (lk, rk);
-    let whole = |lists: &OpLists| plan_part(0, op, kinds, local, remote, registry, ctx.route, &limits, lists.take(local.len()));
-    let parts = match ctx.pool {
-        Some(pool) => parts_for(local.len(), pool.width()),
-        None => 1,
-    };
-    let part = match ctx.pool {
-        Some(pool) if parts > 1 => in_parts(pool, parts, op, kinds, Lists(local), Lists(remote), registry, ctx, &limits)?,
+    // In parts when the list is large enough and the helpers are free, else whole.
+    let in_parts = match ctx.pool.map(|pool| (pool, parts_for(local.len(), pool.width()))) {
+        Some((pool, parts)) if parts > 1 => in_parts(pool, parts, op, kinds, Lists(local), Lists(remote), registry, ctx, &limits)?,
         _ => None,
     };
-    let part = match part {
-        Some(p) => p,
-        None => whole(ctx.lists)?,
+    let part = match in_parts {
+        Some(part) => part,
+        None => plan_part(0, op, kinds, local, remote, registry, ctx.route, &limits, ctx.lists.take(local.len()))?,
     };
     if part.unhinted > 0 {
         tracing::debug!("prepXfer: {} of {} descriptor pairs carried an MD of no registration covering them (NIXL's lists in sync mode NONE); resolved by address", part.unhinted, local.len());
@@ -233,21 +229,7 @@ fn in_parts(
             }
             (Ok(part), _) if failed.is_some() => ctx.lists.give_back(part.ops),
             (Ok(part), None) => joined = Some(part),
-            (Ok(part), Some(all)) => {
-                all.ops.extend_from_slice(&part.ops);
-                ctx.lists.give_back(part.ops);
-                for reg in part.registrations {
-                    if !all.registrations.iter().any(|r| Arc::ptr_eq(r, &reg)) {
-                        all.registrations.push(reg);
-                    }
-                }
-                all.unhinted += part.unhinted;
-                all.cufile_descs += part.cufile_descs;
-                all.all_buffered &= part.all_buffered;
-                all.all_host &= part.all_host;
-                all.any_punt |= part.any_punt;
-                all.vram_outside_streams |= part.vram_outside_streams;
-            }
+            (Ok(part), Some(all)) => all.append(part, ctx.lists),
         }
     }
     if let Some(e) = failed {
