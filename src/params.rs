@@ -231,8 +231,9 @@ impl EngineParams {
         };
         let prep_threads = match get("prep_threads") {
             // A 2-CPU machine has no core for a helper while the client runs (the same reason
-            // as progress_thread); on the 16-CPU H200 the plugin's prep of 8192 descriptors took
-            // 0.45 ms of a 7.7 ms request, spread over every descriptor.
+            // as progress_thread; two threads gained nothing there at 8192 descriptors). On the
+            // 16-CPU H200 four threads planned 8192 descriptors in 242-250 us against 298-311
+            // whole (bench/results/2026-12-05-per-request-h200-midday.md).
             "auto" => if usable_cpus() >= 8 { 4 } else { 1 },
             v => match parse_u64("prep_threads", v)? {
                 n @ 1..=16 => n as usize,

@@ -1,9 +1,11 @@
 //! Helper threads that plan one large prepXfer's descriptor lists in parts at once.
 //!
 //! A client prepares a request per job, and NIXL calls prepXfer on the client's thread each
-//! time: 8192 scattered KV blocks cost the plugin about 0.45 ms of a 7.7 ms request on the H200
-//! (bench/results/2026-12-05-per-request-h200.md), spent evenly over validating and cutting the
-//! descriptors. The parts are independent, so a few threads kept for it cut that time.
+//! time: 8192 scattered KV blocks cost the plugin about 0.3 ms on the H200, spent evenly over
+//! validating and cutting the descriptors. The parts are independent, so a few threads kept for
+//! it cut that time: four planned them in 242-250 us against 298-311 us for one
+//! (bench/results/2026-12-05-per-request-h200-midday.md). Waking the helpers and joining their
+//! ops is most of what is left (bench/results/2026-12-05-prep-parts-cpu.md).
 //!
 //! The caller always plans part 0 itself and takes further parts as long as any are left, so a
 //! helper that wakes late (a busy machine) costs nothing but the parts it did not take. One job
