@@ -149,7 +149,6 @@ fn not_covered(i: usize, what: String, kind: MemKind, d: &iud_desc, why: Unresol
     Error::not_found(m)
 }
 
-
 /// Chooses (once per pair, cached by the engine) how a memory registration reaches a target;
 /// called from every thread that plans a part of the request.
 pub type RouteFn<'a> = dyn Fn(&Registration, &FileRegion) -> Result<Route> + Sync + 'a;
