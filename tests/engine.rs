@@ -21,8 +21,8 @@ fn engine(params: &[(&str, &str)]) -> Engine {
     Engine::new(AGENT, params.iter().copied()).expect("engine")
 }
 
-fn temp_file(direct: bool) -> (tempdir::Dir, File) {
-    let dir = tempdir::Dir::new();
+fn temp_file(direct: bool) -> (TestDir, File) {
+    let dir = TestDir::new("engine-test");
     let mut opts = OpenOptions::new();
     opts.read(true).write(true).create(true);
     if direct {
@@ -31,28 +31,6 @@ fn temp_file(direct: bool) -> (tempdir::Dir, File) {
     // A number of its own: a test that closes it must not see another test's file under it.
     let f = lone_file(opts.open(dir.path.join("data")).expect("open temp file"));
     (dir, f)
-}
-
-mod tempdir {
-    use std::path::PathBuf;
-    /// A directory under /var/tmp (a real disk file system: O_DIRECT works there, unlike tmpfs).
-    pub struct Dir {
-        pub path: PathBuf,
-    }
-    impl Dir {
-        pub fn new() -> Dir {
-            use std::sync::atomic::{AtomicU64, Ordering};
-            static N: AtomicU64 = AtomicU64::new(0);
-            let path = PathBuf::from(format!("/var/tmp/iud-engine-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
-            std::fs::create_dir_all(&path).unwrap();
-            Dir { path }
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
 }
 
 /// Runs a DRAM <-> FILE transfer to completion.
@@ -231,7 +209,7 @@ fn prep_rejects_wrong_kinds_counts_lengths_ranges_and_agents() {
 #[test]
 fn path_mode_opens_the_file_and_rejects_a_reused_dev_id() {
     let e = engine(&[]);
-    let dir = tempdir::Dir::new();
+    let dir = TestDir::new("engine-test");
     let path = dir.path.join("kv.bin");
     let meta = format!("rw,create:{}", path.display());
     let buf = Buf::new(1 << 16, 8);

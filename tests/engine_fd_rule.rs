@@ -9,7 +9,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Mutex;
 
 use common::*;
@@ -47,22 +46,6 @@ const PATHS: &[HostPath] = &[
     HostPath { name: "O_DIRECT READ", params: &[], direct: true, op: READ, descs: 8, block: 64 * KIB },
 ];
 
-struct Dir(PathBuf);
-
-impl Dir {
-    fn new(tag: &str) -> Dir {
-        let p = PathBuf::from(format!("/var/tmp/iud-fd-rule-{}-{tag}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        Dir(p)
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn pattern(len: u64, seed: u64) -> Vec<u8> {
     Buf::new(len as usize, seed).bytes().to_vec()
 }
@@ -86,9 +69,9 @@ fn run_to_end(e: &Engine, req: &io_uring_dmabuf::engine::Request, op: i32, n: us
 /// One case: prepare, maybe post once, doom the fd, post again: refused, nothing moved.
 fn refused_after(p: &HostPath, fate: FdFate, between_posts: bool) {
     let case = format!("{} / {fate:?} / {}", p.name, if between_posts { "between posts" } else { "before the first post" });
-    let dir = Dir::new(&format!("{}-{fate:?}-{between_posts}", p.name.replace([' ', ','], "_")));
+    let dir = TestDir::new(&format!("fd-rule-{}-{fate:?}-{between_posts}", p.name.replace([' ', ','], "_")));
     let span = p.descs * p.block * 2;
-    let (a, b) = (dir.0.join("registered"), dir.0.join("other"));
+    let (a, b) = (dir.path.join("registered"), dir.path.join("other"));
     std::fs::write(&a, pattern(span, 1)).unwrap();
     std::fs::write(&b, pattern(span, 2)).unwrap();
     let fd = open_fd(&a, flags(p.direct));
@@ -138,9 +121,9 @@ fn a_closed_or_reused_fd_is_refused_on_every_host_path_and_nothing_moves() {
 /// The application closes its fd and opens another file under the same number while a request
 /// is in flight: every byte goes to (or comes from) the registered file.
 fn in_flight(name: &str, params: &[(&str, &str)], direct: bool, op: i32) {
-    let dir = Dir::new(&format!("inflight-{}", name.replace(' ', "_")));
+    let dir = TestDir::new(&format!("fd-rule-inflight-{}", name.replace(' ', "_")));
     let (span, block) = (64 << 20, 1 << 20);
-    let (a, b) = (dir.0.join("registered"), dir.0.join("other"));
+    let (a, b) = (dir.path.join("registered"), dir.path.join("other"));
     let file_a = pattern(span, 4);
     std::fs::write(&a, &file_a).unwrap();
     std::fs::write(&b, pattern(span, 5)).unwrap();

@@ -19,34 +19,17 @@ fn engine(prep_threads: &str) -> Engine {
 }
 
 struct Scene {
-    _dir: tempfile_dir::Dir,
+    _dir: TestDir,
     file: std::fs::File,
     /// Two memory regions of `n` blocks each: descriptors alternate between them in runs.
     mem: [Buf; 2],
     n: u64,
 }
 
-mod tempfile_dir {
-    /// A directory under /var/tmp (a disk file system), removed on drop.
-    pub struct Dir(pub std::path::PathBuf);
-    impl Dir {
-        pub fn new(tag: &str) -> Dir {
-            let p = std::path::PathBuf::from(format!("/var/tmp/iud-prep-parts-{}-{tag}", std::process::id()));
-            std::fs::create_dir_all(&p).unwrap();
-            Dir(p)
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
 impl Scene {
     fn new(tag: &str, n: u64, seed: u64) -> Scene {
-        let dir = tempfile_dir::Dir::new(tag);
-        let file = lone_file(std::fs::OpenOptions::new().read(true).write(true).create(true).open(dir.0.join("kv")).unwrap());
+        let dir = TestDir::new(&format!("prep-parts-{tag}"));
+        let file = lone_file(std::fs::OpenOptions::new().read(true).write(true).create(true).open(dir.path.join("kv")).unwrap());
         file.set_len(2 * n * BLOCK).unwrap();
         Scene { _dir: dir, file, mem: [Buf::new((n * BLOCK) as usize, seed), Buf::new((n * BLOCK) as usize, seed + 1)], n }
     }

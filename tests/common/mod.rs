@@ -1,5 +1,6 @@
 //! Shared by the engine test binaries: memory kinds, an aligned host buffer with a pattern
-//! that is never zeros, descriptor construction, and running one request to completion.
+//! that is never zeros, a scratch directory, descriptor construction, and running one request to
+//! completion.
 #![allow(dead_code)]
 
 use std::ffi::c_void;
@@ -83,6 +84,28 @@ impl Drop for Buf {
 unsafe impl Send for Buf {}
 // SAFETY: as above.
 unsafe impl Sync for Buf {}
+
+/// A directory under /var/tmp (a disk file system: O_DIRECT works there, unlike tmpfs), named
+/// after the test, this process and a counter, removed on drop.
+pub struct TestDir {
+    pub path: std::path::PathBuf,
+}
+
+impl TestDir {
+    pub fn new(name: &str) -> TestDir {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let path = std::path::PathBuf::from(format!("/var/tmp/iud-{name}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir_all(&path).unwrap();
+        TestDir { path }
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
 
 pub fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
     iud_desc { addr, len, dev_id, md }
