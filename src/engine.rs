@@ -27,7 +27,7 @@ use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{FileKey, Progress, Ring, WorkerConfig, WriterLimits};
 use crate::xfer::driver::{Driver, RequestKey};
 use crate::xfer::progress::ProgressThread;
-use crate::xfer::plan::{PlanContext, PART_MIN};
+use crate::xfer::plan::{parts_for, PlanContext};
 use crate::xfer::prep_pool::PrepPool;
 use crate::xfer::recycle::OpLists;
 use crate::xfer::{plan, profile, Plan, XferOp};
@@ -339,7 +339,7 @@ impl Engine {
     /// The helper threads for a prepXfer of `descriptors` pairs, when it is large enough to be
     /// planned in parts and `prep_threads` allows more than the caller.
     fn prep_pool(&self, descriptors: usize) -> Option<&PrepPool> {
-        if descriptors < 2 * PART_MIN || self.params.prep_threads < 2 {
+        if parts_for(descriptors, self.params.prep_threads) < 2 {
             return None;
         }
         self.prep_pool.get_or_init(|| PrepPool::start(self.params.prep_threads - 1)).as_ref()

@@ -38,7 +38,7 @@ pub struct Plan {
 
 /// Fewest descriptors in a part planned by a helper thread: below it, waking a helper and
 /// joining its ops cost about what the part would.
-pub const PART_MIN: usize = 1024;
+const PART_MIN: usize = 1024;
 
 /// How many parts a list of `n` descriptors is planned in, by up to `width` threads.
 pub fn parts_for(n: usize, width: usize) -> usize {

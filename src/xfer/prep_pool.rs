@@ -40,8 +40,6 @@ struct State {
     /// The next part to take, and how many the job has.
     next: usize,
     parts: usize,
-    /// Parts taken by helpers and not yet finished.
-    helping: usize,
     /// A helper's part panicked; `run` re-raises it on the caller's thread.
     panicked: Option<Box<dyn std::any::Any + Send>>,
     stop: bool,
@@ -49,7 +47,8 @@ struct State {
 
 struct Shared {
     state: Mutex<State>,
-    /// `State::helping`, readable without the lock (written under it) for the caller's spin.
+    /// Parts taken by helpers and not yet finished. Changed only under `state`'s lock (the
+    /// condvars' predicate), read without it by the caller's spin.
     helping: AtomicUsize,
     /// Helpers wait here for a job.
     wake: Condvar,
@@ -107,7 +106,7 @@ impl PrepPool {
             }
             // SAFETY: only the lifetime is erased; see `WorkRef` and the wait below.
             let erased: *const Work<'static> = unsafe { std::mem::transmute(work as *const Work<'_>) };
-            *st = State { work: Some(WorkRef(erased)), next: 1, parts, helping: 0, panicked: None, stop: false };
+            *st = State { work: Some(WorkRef(erased)), next: 1, parts, panicked: None, stop: false };
         }
         self.shared.wake.notify_all();
         let mut failed = catch_unwind(AssertUnwindSafe(|| work(0))).err();
@@ -123,15 +122,16 @@ impl PrepPool {
         }
         // Every part is taken; wait for those the helpers hold. After this no helper can reach
         // `work` again: none holds a part and none is left to take.
-        if st.helping > 0 {
+        let helping = || self.shared.helping.load(Ordering::Acquire) > 0;
+        if helping() {
             drop(st);
             let since = Instant::now();
-            while self.shared.helping.load(Ordering::Acquire) > 0 && since.elapsed() < CALLER_SPIN {
+            while helping() && since.elapsed() < CALLER_SPIN {
                 std::hint::spin_loop();
             }
             st = self.shared.lock();
         }
-        while st.helping > 0 {
+        while helping() {
             st = self.shared.done.wait(st).unwrap_or_else(|p| p.into_inner());
         }
         st.work = None;
@@ -155,18 +155,16 @@ fn help(shared: &Shared) {
             Some(work) if st.next < st.parts => {
                 let p = st.next;
                 st.next += 1;
-                st.helping += 1;
-                shared.helping.store(st.helping, Ordering::Release);
+                shared.helping.fetch_add(1, Ordering::AcqRel);
                 drop(st);
-                // SAFETY: `run` keeps the work alive while `helping` counts this part.
+                // SAFETY: `run` keeps the work alive while `Shared::helping` counts this part.
                 let result = catch_unwind(AssertUnwindSafe(|| unsafe { (*work.0)(p) }));
                 st = shared.lock();
                 if let Err(e) = result {
                     st.panicked.get_or_insert(e);
                 }
-                st.helping -= 1;
-                shared.helping.store(st.helping, Ordering::Release);
-                if st.helping == 0 && st.next >= st.parts {
+                let still = shared.helping.fetch_sub(1, Ordering::AcqRel) - 1;
+                if still == 0 && st.next >= st.parts {
                     shared.done.notify_all();
                 }
             }
