@@ -140,6 +140,10 @@ BACKENDS = [
     ("IUD-kernel", "IO_URING_DMABUF", {"staging_copy": "kernel"}),
     ("IUD-dmakernel", "IO_URING_DMABUF", {"staging_copy": "dma-kernel"}),
     ("IUD-batch", "IO_URING_DMABUF", {"staging_copy": "batch"}),
+    # staging copies on 2 or 4 device streams in turn (issue 26 item 4: the gaps between one
+    # stream's copies)
+    ("IUD-streams2", "IO_URING_DMABUF", {"staging_copy_streams": "2"}),
+    ("IUD-streams4", "IO_URING_DMABUF", {"staging_copy_streams": "4"}),
     # Buffered reads spread over the page-cache workers from 256 KiB only (the auto value on 8 or
     # more CPUs before session 21), or from 4 KiB (auto now).
     ("IUD-punt-256K", "IO_URING_DMABUF", {"punt_buffered_min": "262144"}),
@@ -167,7 +171,7 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-win", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch", "IUD-ring", "IUD-caller")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-win", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch", "IUD-streams", "IUD-ring", "IUD-caller")
 
 
 

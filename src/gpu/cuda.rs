@@ -15,13 +15,14 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::result::{self, stream::StreamKind, DriverError};
+use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
 use crate::gpu::provider::{CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider, PackedCopy};
 use crate::error::{Error, ErrorKind, Result};
 use super::cuda_batch as batch;
+use super::cuda_lanes::CopyLanes;
 use super::cuda_scatter::{self as scatter, Scatter};
 
 /// Runs a driver call, turning a loader panic (missing symbol) into an error.
@@ -72,8 +73,8 @@ unsafe fn host_bytes<'a>(addr: u64, len: u64) -> &'a mut [u8] {
 
 struct Device {
     ctx: sys::CUcontext,
-    to_host: sys::CUstream,
-    to_device: sys::CUstream,
+    /// The copy streams, by direction and lane.
+    lanes: CopyLanes,
     /// Recorded on the legacy default stream at each post; our streams wait on it.
     app_done: sys::CUevent,
     /// Copy-completion events of finished tickets, reused: creating and destroying one per
@@ -146,13 +147,11 @@ impl Cuda {
         let ctx = call("cuDevicePrimaryCtxRetain", || unsafe { result::primary_ctx::retain(dev) })?;
         // SAFETY: ctx was just retained.
         call("cuCtxSetCurrent", || unsafe { result::ctx::set_current(ctx) })?;
-        // Non-blocking streams: never serialize with the application's legacy default stream.
         // Created with the context current.
-        let to_host = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
-        let to_device = call("cuStreamCreate", || result::stream::create(StreamKind::NonBlocking))?;
+        let lanes = call("cuStreamCreate", CopyLanes::new)?;
         let app_done = call("cuEventCreate", || result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
         let (spare_events, scatter, mirrors) = (Mutex::new(Vec::new()), OnceCell::new(), Mutex::new(HashMap::new()));
-        let d = Arc::new(Device { ctx, to_host, to_device, app_done, spare_events, scatter, mirrors });
+        let d = Arc::new(Device { ctx, lanes, app_done, spare_events, scatter, mirrors });
         devices.insert(ordinal, Arc::clone(&d));
         Ok(d)
     }
@@ -409,17 +408,18 @@ impl GpuProvider for Cuda {
         }
     }
 
-    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64, lane: usize) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
+        let stream = call("cuStreamCreate", || d.lanes.stream(true, lane, d.app_done))?;
         // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
         // is the staging pool's (host_bytes).
-        call("cuMemcpyDtoHAsync", || unsafe { result::memcpy_dtoh_async(host_bytes(host, len), dev, d.to_host) })?;
-        self.record(&d, d.to_host)
+        call("cuMemcpyDtoHAsync", || unsafe { result::memcpy_dtoh_async(host_bytes(host, len), dev, stream) })?;
+        self.record(&d, stream)
     }
 
-    unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool, how: PackedCopy) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool, how: PackedCopy, lane: usize) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        let stream = if to_host { d.to_host } else { d.to_device };
+        let stream = call("cuStreamCreate", || d.lanes.stream(to_host, lane, d.app_done))?;
         let how = scatter::resolve(how, pieces);
         if !to_host && matches!(how, PackedCopy::Kernel | PackedCopy::DmaKernel) && pieces.len() > 1 && scatter::enabled() {
             // SAFETY: forwarded from the caller.
@@ -442,12 +442,13 @@ impl GpuProvider for Cuda {
         self.record(&d, stream)
     }
 
-    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64, lane: usize) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
+        let stream = call("cuStreamCreate", || d.lanes.stream(false, lane, d.app_done))?;
         // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
         // is the staging pool's (host_bytes).
-        call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(dev, host_bytes(host, len), d.to_device) })?;
-        self.record(&d, d.to_device)
+        call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(dev, host_bytes(host, len), stream) })?;
+        self.record(&d, stream)
     }
 
     fn fence_app_work(&self, device: i32, host_wait: bool) -> Result<()> {
@@ -455,18 +456,15 @@ impl GpuProvider for Cuda {
         // CU_STREAM_LEGACY: the implicit default stream that applications (PyTorch's default
         // stream among them) queue their kernels on.
         let legacy = 0x1 as sys::CUstream;
-        // SAFETY: the event and streams belong to the device's context, current after device().
-        call("cuEventRecord(default stream)", || unsafe { result::event::record(d.app_done, legacy) })?;
         if host_wait {
+            // SAFETY: the event belongs to the device's context, current after device().
+            call("cuEventRecord(default stream)", || unsafe { result::event::record(d.app_done, legacy) })?;
             // SAFETY: as above.
             return call("cuEventSynchronize", || unsafe { result::event::synchronize(d.app_done) });
         }
-        for stream in [d.to_host, d.to_device] {
-            // SAFETY: as above; the wait captures the record just made (or a later one, which
-            // also follows the application's earlier work).
-            call("cuStreamWaitEvent", || unsafe { result::stream::wait_event(stream, d.app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) })?;
-        }
-        Ok(())
+        // SAFETY: as above, for the event and every copy stream. A stream's wait may capture a
+        // later record than this one, which also follows the application's earlier work.
+        guard("cuStreamWaitEvent", || unsafe { d.lanes.fence(d.app_done, legacy) })?.map_err(|(what, e)| driver_error(what, e))
     }
 
     fn make_current(&self, device: i32) -> Result<()> {

@@ -7,6 +7,7 @@
 
 pub mod cuda;
 mod cuda_batch;
+mod cuda_lanes;
 mod cuda_scatter;
 pub mod cufile;
 mod loader;

@@ -103,23 +103,26 @@ def round_trip(agent, block, count, direct, path, src_offset=0, file_offset=0):
         os.unlink(path)
 
 
-@pytest.mark.parametrize("block", [4096, 64 * 1024, MiB, 16 * MiB, 64 * MiB])
+# (block, staging_copy_streams): every size on one copy stream, two on four streams in turn.
+@pytest.mark.parametrize("block,streams", [(4096, "1"), (64 * 1024, "1"), (MiB, "1"), (16 * MiB, "1"), (64 * MiB, "1"),
+                                           (64 * 1024, "4"), (16 * MiB, "4")])
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
-def test_staging_round_trip(block, direct):
-    agent = make_agent({"vram_path": "staging"})
+def test_staging_round_trip(block, streams, direct):
+    agent = make_agent({"vram_path": "staging", "staging_copy_streams": streams})
     count = max(2, min(64, (128 * MiB) // block))
     round_trip(agent, block, count, direct, f"{SCRATCH}/iud-gpu-{block}-{direct}.bin")
 
 
 @pytest.mark.parametrize("block,count", [(16 * 1024, 4096), (64 * 1024, 1024), (256 * 1024, 256)], ids=["16KiB", "64KiB", "256KiB"])
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
-@pytest.mark.parametrize("copy", ["auto", "kernel", "dma-kernel", "kernel-misaligned"])
+@pytest.mark.parametrize("copy", ["auto", "kernel", "dma-kernel", "kernel-misaligned", "auto-streams4"])
 def test_staging_scattered_small_blocks_round_trip(block, count, direct, copy, capfd):
     """KV-cache pattern on the staging path: blocks at random VRAM slots against random file
     slots (nothing merges), so the plugin packs several pieces per staging buffer and moves each
     buffer to the GPU with one call: the batched copy (auto) or the scatter kernel (staging_copy
     kernel / dma-kernel; "kernel-misaligned" shifts every VRAM block by 8 bytes, which the kernel
-    cannot take, so those buffers fall back to the batched copy). WRITE, then READ into a second
+    cannot take, so those buffers fall back to the batched copy; "auto-streams4": the buffers'
+    copies on four device streams in turn, staging_copy_streams=4). WRITE, then READ into a second
     tensor, verified byte for byte in VRAM, around the blocks, and in the file; the log names the
     copy call that ran."""
     if direct and copy == "kernel-misaligned":
@@ -135,7 +138,8 @@ def test_staging_scattered_small_blocks_round_trip(block, count, direct, copy, c
     fil = torch.randperm(nslots, generator=g)[:count].tolist()
     path = f"{SCRATCH}/iud-gpu-kv-{block}-{direct}-{copy}.bin"
     fd = open_file(path, direct, nslots * block)
-    agent = make_agent({"vram_path": "staging", "staging_copy": copy.replace("-misaligned", "")})
+    how, _, streams = copy.replace("-misaligned", "").partition("-streams")
+    agent = make_agent({"vram_path": "staging", "staging_copy": how, "staging_copy_streams": streams or "1"})
     capfd.readouterr()
     try:
         m_src = agent.register_memory([(src_all.data_ptr(), src_all.numel(), 0, "")], "VRAM")
@@ -275,13 +279,15 @@ def test_cufile_batch_api_round_trip(block):
     assert ok, f"cuFile batch API round trip: {outcome}"
 
 
-@pytest.mark.parametrize("path", ["staging", "cufile"])
+@pytest.mark.parametrize("path", ["staging", "staging-streams4", "cufile"])
 def test_transfers_are_ordered_after_kernels_already_queued(path):
     """Applications post right after launching the kernel that fills a buffer (cuFile's copies
     run on the default stream, so that works with GDS). A ~100 ms kernel queued ahead of the
     fill makes any copy that does not wait for the default stream read stale bytes (WRITE) or
-    be overwritten afterwards (READ)."""
-    agent = make_agent({"vram_path": path})
+    be overwritten afterwards (READ). With four copy streams, three of them are created during
+    the first request, after its post ordered the streams that existed then."""
+    path, _, streams = path.partition("-streams")
+    agent = make_agent({"vram_path": path, "staging_copy_streams": streams or "1"})
     n = 64 * MiB
     expected = random_tensor(n)
     src = torch.zeros(n, dtype=torch.uint8, device="cuda")

@@ -1,0 +1,78 @@
+//! A device's copy streams: `COPY_LANES` per direction, so that copies handed different lanes
+//! (the staging buffers of a request, `staging_copy_streams`) may overlap on the device instead
+//! of waiting for each other on one stream.
+//!
+//! Lane 0 of each direction exists from the start; the others are created on first use. Every
+//! stream is ordered after the application's work each time `fence` runs, and a stream created
+//! later waits for the latest fence: creation and fence take one lock, so no stream can miss a
+//! fence that a copy queued on it must follow.
+
+use std::sync::Mutex;
+
+use cudarc::driver::result::{self, stream::StreamKind, DriverError};
+use cudarc::driver::sys;
+use once_cell::sync::OnceCell;
+
+/// Streams per direction. More lanes than this share them (lane modulo `COPY_LANES`).
+pub const COPY_LANES: usize = 4;
+
+pub struct CopyLanes {
+    to_host: [OnceCell<sys::CUstream>; COPY_LANES],
+    to_device: [OnceCell<sys::CUstream>; COPY_LANES],
+    /// Held while a stream is created and while `fence` orders the existing ones.
+    fence_lock: Mutex<()>,
+}
+
+// SAFETY: CUDA streams are process-wide driver handles, usable from any thread with their
+// context current.
+unsafe impl Send for CopyLanes {}
+// SAFETY: as above; the cells and the lock do the synchronization.
+unsafe impl Sync for CopyLanes {}
+
+fn create() -> Result<sys::CUstream, DriverError> {
+    // Non-blocking: never serialize with the application's legacy default stream.
+    result::stream::create(StreamKind::NonBlocking)
+}
+
+impl CopyLanes {
+    /// Lane 0 of both directions, created with the device's context current.
+    pub fn new() -> Result<CopyLanes, DriverError> {
+        let lanes = CopyLanes { to_host: Default::default(), to_device: Default::default(), fence_lock: Mutex::new(()) };
+        let _ = lanes.to_host[0].set(create()?);
+        let _ = lanes.to_device[0].set(create()?);
+        Ok(lanes)
+    }
+
+    /// The stream of `lane` in one direction, created on first use after the latest fence
+    /// (`app_done`, recorded by `fence`). The device's context must be current.
+    pub fn stream(&self, to_host: bool, lane: usize, app_done: sys::CUevent) -> Result<sys::CUstream, DriverError> {
+        let cell = &(if to_host { &self.to_host } else { &self.to_device })[lane % COPY_LANES];
+        if let Some(&s) = cell.get() {
+            return Ok(s);
+        }
+        let _held = self.fence_lock.lock().unwrap_or_else(|p| p.into_inner());
+        cell.get_or_try_init(|| {
+            let s = create()?;
+            // SAFETY: both belong to the current context; an event never recorded is complete.
+            unsafe { result::stream::wait_event(s, app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }?;
+            Ok(s)
+        })
+        .copied()
+    }
+
+    /// Records `app_done` on `after` and makes every existing stream wait for it.
+    ///
+    /// # Safety
+    /// The event and `after` belong to the current context.
+    pub unsafe fn fence(&self, app_done: sys::CUevent, after: sys::CUstream) -> Result<(), (&'static str, DriverError)> {
+        let _held = self.fence_lock.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: forwarded contract.
+        unsafe { result::event::record(app_done, after) }.map_err(|e| ("cuEventRecord(default stream)", e))?;
+        for s in self.to_host.iter().chain(&self.to_device).filter_map(|c| c.get()) {
+            // SAFETY: as above; the wait captures the record just made.
+            unsafe { result::stream::wait_event(*s, app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .map_err(|e| ("cuStreamWaitEvent", e))?;
+        }
+        Ok(())
+    }
+}
