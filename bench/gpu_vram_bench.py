@@ -140,10 +140,9 @@ BACKENDS = [
     ("IUD-kernel", "IO_URING_DMABUF", {"staging_copy": "kernel"}),
     ("IUD-dmakernel", "IO_URING_DMABUF", {"staging_copy": "dma-kernel"}),
     ("IUD-batch", "IO_URING_DMABUF", {"staging_copy": "batch"}),
-    # staging copies on 2 or 4 device streams in turn (issue 26 item 4: the gaps between one
-    # stream's copies)
-    ("IUD-streams2", "IO_URING_DMABUF", {"staging_copy_streams": "2"}),
-    ("IUD-streams4", "IO_URING_DMABUF", {"staging_copy_streams": "4"}),
+    # Scatter kernels on 1 or 2 device streams in turn instead of 4 (issue 26 item 4)
+    ("IUD-kstreams1", "IO_URING_DMABUF", {"staging_kernel_streams": "1"}),
+    ("IUD-kstreams2", "IO_URING_DMABUF", {"staging_kernel_streams": "2"}),
     # Buffered reads spread over the page-cache workers from 256 KiB only (the auto value on 8 or
     # more CPUs before session 21), or from 4 KiB (auto now).
     ("IUD-punt-256K", "IO_URING_DMABUF", {"punt_buffered_min": "262144"}),
@@ -171,7 +170,7 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-win", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch", "IUD-streams", "IUD-ring", "IUD-caller")
+OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-win", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch", "IUD-kstreams", "IUD-ring", "IUD-caller")
 
 
 

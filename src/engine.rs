@@ -464,7 +464,7 @@ impl Engine {
     }
 
     fn staging_shape(&self) -> StagingShape {
-        StagingShape { buffer_size: self.params.staging_buffer_size, buffers: self.params.staging_buffers, pack_max: self.params.staging_pack_max, packed_copy: self.params.staging_copy, write_window: self.params.staged_write_window, max_io_size: self.params.max_io_size, copy_streams: self.params.staging_copy_streams }
+        StagingShape { buffer_size: self.params.staging_buffer_size, buffers: self.params.staging_buffers, pack_max: self.params.staging_pack_max, packed_copy: self.params.staging_copy, write_window: self.params.staged_write_window, max_io_size: self.params.max_io_size, kernel_streams: self.params.staging_kernel_streams }
     }
 
     /// Whether the staging pool exists (for tests and diagnostics).

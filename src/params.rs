@@ -96,7 +96,7 @@ pub struct EngineParams {
     pub staging_pack_max: u64,
     /// How packed staging buffers reach the GPU.
     pub staging_copy: PackedCopy,
-    pub staging_copy_streams: u32,
+    pub staging_kernel_streams: u32,
     /// Largest staged piece of a page-cache WRITE.
     pub staged_write_piece_max: u64,
     /// Microseconds an idle page-cache worker watches for a job before it sleeps.
@@ -316,9 +316,9 @@ impl EngineParams {
             "dma-kernel" => PackedCopy::DmaKernel,
             other => return Err(Error::invalid(format!("backend parameter staging_copy={other:?} must be auto, batch, kernel or dma-kernel"))),
         };
-        let staging_copy_streams = parse_u64("staging_copy_streams", get("staging_copy_streams"))?;
-        if !(1..=4).contains(&staging_copy_streams) {
-            return Err(Error::invalid(format!("backend parameter staging_copy_streams={staging_copy_streams} must be within 1..4")));
+        let staging_kernel_streams = parse_u64("staging_kernel_streams", get("staging_kernel_streams"))?;
+        if !(1..=4).contains(&staging_kernel_streams) {
+            return Err(Error::invalid(format!("backend parameter staging_kernel_streams={staging_kernel_streams} must be within 1..4")));
         }
         let staging_buffers = parse_u64("staging_buffers", get("staging_buffers"))?;
         if !(2..=256).contains(&staging_buffers) {
@@ -349,7 +349,7 @@ impl EngineParams {
             staging_buffers: staging_buffers as u32,
             staging_pack_max,
             staging_copy,
-            staging_copy_streams: staging_copy_streams as u32,
+            staging_kernel_streams: staging_kernel_streams as u32,
             staged_write_piece_max,
             staged_read_piece_max,
             page_cache_spin_us: page_cache_spin_us as u32,
@@ -449,8 +449,8 @@ mod tests {
             ("staged_write_window", "lots"),
             ("staging_pack_max", "5000"),
             ("staging_copy", "memcpy"),
-            ("staging_copy_streams", "0"),
-            ("staging_copy_streams", "5"),
+            ("staging_kernel_streams", "0"),
+            ("staging_kernel_streams", "5"),
             ("staging_pack_max", "4194304"),
             ("page_cache_file_writers", "65"),
             ("page_cache_writers", "65"),

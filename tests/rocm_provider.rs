@@ -212,12 +212,12 @@ fn copy_round_trip(rocm: &Rocm, ctl: &Ctl, vram: u64, len: u64) {
     // SAFETY: the mapping outlives the pin (unpinned below).
     unsafe { rocm.pin_host(host, 2 * len) }.expect("pin");
     // SAFETY: both ranges stay valid until the tickets complete (waited on below).
-    let up = unsafe { rocm.copy_to_device(0, vram, host, len, 0) }.expect("start h2d");
+    let up = unsafe { rocm.copy_to_device(0, vram, host, len) }.expect("start h2d");
     up.wait().expect("h2d");
     assert!(up.is_done().unwrap());
     assert_eq!(bytes(vram, len), bytes(host, len));
     // SAFETY: as above.
-    let down = unsafe { rocm.copy_to_host(0, host + len, vram, len, 0) }.expect("start d2h");
+    let down = unsafe { rocm.copy_to_host(0, host + len, vram, len) }.expect("start d2h");
     while !down.is_done().expect("d2h") {
         std::thread::yield_now();
     }
@@ -237,7 +237,7 @@ fn staging_copies_complete_through_their_signals() {
     let host = mmap(PAGE);
     fill(host, PAGE, 11);
     // SAFETY: both ranges outlive the ticket.
-    let t = unsafe { rocm.copy_to_device(0, vram, host, PAGE, 0) }.expect("temporary lock");
+    let t = unsafe { rocm.copy_to_device(0, vram, host, PAGE) }.expect("temporary lock");
     assert_eq!(ctl.locked_ranges(), 1);
     t.wait().unwrap();
     drop(t);
@@ -254,7 +254,7 @@ fn a_failed_asynchronous_copy_is_an_error_not_a_completion() {
     unsafe { rocm.pin_host(host, MIB) }.unwrap();
     ctl.set_copy_error(true);
     // SAFETY: both ranges outlive the ticket.
-    let t = unsafe { rocm.copy_to_device(0, vram, host, MIB, 0) }.expect("queued");
+    let t = unsafe { rocm.copy_to_device(0, vram, host, MIB) }.expect("queued");
     let e = t.wait().unwrap_err();
     assert_eq!(e.kind, ErrorKind::Backend);
     assert!(e.message.contains(&format!("host->device copy 0x{host:x} -> 0x{vram:x} ({MIB} bytes) failed: HSA set its completion signal to -1")), "{}", e.message);
@@ -307,12 +307,12 @@ fn hsa_statuses_of_each_call_reach_the_caller_by_name() {
     unsafe { rocm.pin_host(host, MIB) }.unwrap();
     ctl.fail("hsa_signal_create", 0x1008);
     // SAFETY: the copy is refused before anything is queued.
-    let e = unsafe { rocm.copy_to_host(0, host, vram, 4096, 0) }.err().unwrap();
+    let e = unsafe { rocm.copy_to_host(0, host, vram, 4096) }.err().unwrap();
     assert!(e.message.contains("hsa_signal_create failed: HSA_STATUS_ERROR_OUT_OF_RESOURCES"), "{}", e.message);
     ctl.fail("hsa_signal_create", 0);
     ctl.fail("hsa_amd_memory_async_copy", 0x1004);
     // SAFETY: as above.
-    let e = unsafe { rocm.copy_to_host(0, host, vram, 4096, 0) }.err().unwrap();
+    let e = unsafe { rocm.copy_to_host(0, host, vram, 4096) }.err().unwrap();
     assert_eq!(e.kind, ErrorKind::InvalidParam);
     assert!(
         e.message.contains(&format!("device->host copy 0x{vram:x} -> 0x{host:x} (4096 bytes): hsa_amd_memory_async_copy failed: HSA_STATUS_ERROR_INVALID_AGENT (0x1004)")),
@@ -321,7 +321,7 @@ fn hsa_statuses_of_each_call_reach_the_caller_by_name() {
     );
     ctl.fail("hsa_amd_memory_async_copy", 0x4242);
     // SAFETY: as above.
-    let e = unsafe { rocm.copy_to_host(0, host, vram, 4096, 0) }.err().unwrap();
+    let e = unsafe { rocm.copy_to_host(0, host, vram, 4096) }.err().unwrap();
     assert!(e.message.contains("HSA status unknown to this build (0x4242)"), "{}", e.message);
     ctl.fail("hsa_amd_memory_async_copy", 0);
     rocm.unpin_host(host);

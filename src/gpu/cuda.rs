@@ -73,7 +73,7 @@ unsafe fn host_bytes<'a>(addr: u64, len: u64) -> &'a mut [u8] {
 
 struct Device {
     ctx: sys::CUcontext,
-    /// The copy streams, by direction and lane.
+    /// The copy streams: device -> host, and host -> device by lane.
     lanes: CopyLanes,
     /// Recorded on the legacy default stream at each post; our streams wait on it.
     app_done: sys::CUevent,
@@ -408,9 +408,9 @@ impl GpuProvider for Cuda {
         }
     }
 
-    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64, lane: usize) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        let stream = call("cuStreamCreate", || d.lanes.stream(true, lane, d.app_done))?;
+        let stream = d.lanes.to_host;
         // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
         // is the staging pool's (host_bytes).
         call("cuMemcpyDtoHAsync", || unsafe { result::memcpy_dtoh_async(host_bytes(host, len), dev, stream) })?;
@@ -419,14 +419,16 @@ impl GpuProvider for Cuda {
 
     unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool, how: PackedCopy, lane: usize) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        let stream = call("cuStreamCreate", || d.lanes.stream(to_host, lane, d.app_done))?;
         let how = scatter::resolve(how, pieces);
         if !to_host && matches!(how, PackedCopy::Kernel | PackedCopy::DmaKernel) && pieces.len() > 1 && scatter::enabled() {
+            let lane = call("cuStreamCreate", || d.lanes.to_device(lane, d.app_done))?;
             // SAFETY: forwarded from the caller.
-            if let Some(ticket) = unsafe { self.scatter_copy(&d, pieces, how, stream) }? {
+            if let Some(ticket) = unsafe { self.scatter_copy(&d, pieces, how, lane) }? {
                 return Ok(ticket);
             }
         }
+        // DMA copies: one stream per direction (see gpu/cuda_lanes.rs).
+        let stream = if to_host { d.lanes.to_host } else { call("cuStreamCreate", || d.lanes.to_device(0, d.app_done))? };
         // SAFETY: the caller keeps every range valid until the ticket completes.
         if !unsafe { batch::copy(device, pieces, to_host, stream) } {
             for p in pieces {
@@ -442,9 +444,9 @@ impl GpuProvider for Cuda {
         self.record(&d, stream)
     }
 
-    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64, lane: usize) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        let stream = call("cuStreamCreate", || d.lanes.stream(false, lane, d.app_done))?;
+        let stream = call("cuStreamCreate", || d.lanes.to_device(0, d.app_done))?;
         // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
         // is the staging pool's (host_bytes).
         call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(dev, host_bytes(host, len), stream) })?;

@@ -1,11 +1,13 @@
-//! A device's copy streams: `COPY_LANES` per direction, so that copies handed different lanes
-//! (the staging buffers of a request, `staging_copy_streams`) may overlap on the device instead
-//! of waiting for each other on one stream.
+//! A device's copy streams: one device -> host stream, and `KERNEL_LANES` host -> device ones,
+//! so that the scatter kernels of a request's staging buffers (`staging_kernel_streams`) may
+//! overlap on the device instead of waiting for each other on one stream. DMA copies keep lane 0:
+//! on the H100, 2 MiB host -> device DMAs on two or four streams ran 11-16 % slower than on one,
+//! while scatter kernels on four ran 7 % faster (bench/results/2026-12-05-copy-streams-h100.md).
 //!
-//! Lane 0 of each direction exists from the start; the others are created on first use. Every
-//! stream is ordered after the application's work each time `fence` runs, and a stream created
-//! later waits for the latest fence: creation and fence take one lock, so no stream can miss a
-//! fence that a copy queued on it must follow.
+//! Lane 0 exists from the start, the other lanes are created on first use. Every stream is
+//! ordered after the application's work each time `fence` runs, and a stream created later
+//! waits for the latest fence: creation and fence take one lock, so no stream can miss a fence
+//! that a copy queued on it must follow.
 
 use std::sync::Mutex;
 
@@ -13,12 +15,12 @@ use cudarc::driver::result::{self, stream::StreamKind, DriverError};
 use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
-/// Streams per direction. More lanes than this share them (lane modulo `COPY_LANES`).
-pub const COPY_LANES: usize = 4;
+/// Host -> device streams. More lanes than this share them (lane modulo `KERNEL_LANES`).
+pub const KERNEL_LANES: usize = 4;
 
 pub struct CopyLanes {
-    to_host: [OnceCell<sys::CUstream>; COPY_LANES],
-    to_device: [OnceCell<sys::CUstream>; COPY_LANES],
+    pub to_host: sys::CUstream,
+    to_device: [OnceCell<sys::CUstream>; KERNEL_LANES],
     /// Held while a stream is created and while `fence` orders the existing ones.
     fence_lock: Mutex<()>,
 }
@@ -35,18 +37,17 @@ fn create() -> Result<sys::CUstream, DriverError> {
 }
 
 impl CopyLanes {
-    /// Lane 0 of both directions, created with the device's context current.
+    /// The device -> host stream and lane 0, created with the device's context current.
     pub fn new() -> Result<CopyLanes, DriverError> {
-        let lanes = CopyLanes { to_host: Default::default(), to_device: Default::default(), fence_lock: Mutex::new(()) };
-        let _ = lanes.to_host[0].set(create()?);
+        let lanes = CopyLanes { to_host: create()?, to_device: Default::default(), fence_lock: Mutex::new(()) };
         let _ = lanes.to_device[0].set(create()?);
         Ok(lanes)
     }
 
-    /// The stream of `lane` in one direction, created on first use after the latest fence
+    /// The host -> device stream of `lane`, created on first use after the latest fence
     /// (`app_done`, recorded by `fence`). The device's context must be current.
-    pub fn stream(&self, to_host: bool, lane: usize, app_done: sys::CUevent) -> Result<sys::CUstream, DriverError> {
-        let cell = &(if to_host { &self.to_host } else { &self.to_device })[lane % COPY_LANES];
+    pub fn to_device(&self, lane: usize, app_done: sys::CUevent) -> Result<sys::CUstream, DriverError> {
+        let cell = &self.to_device[lane % KERNEL_LANES];
         if let Some(&s) = cell.get() {
             return Ok(s);
         }
@@ -68,7 +69,7 @@ impl CopyLanes {
         let _held = self.fence_lock.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: forwarded contract.
         unsafe { result::event::record(app_done, after) }.map_err(|e| ("cuEventRecord(default stream)", e))?;
-        for s in self.to_host.iter().chain(&self.to_device).filter_map(|c| c.get()) {
+        for s in std::iter::once(&self.to_host).chain(self.to_device.iter().filter_map(|c| c.get())) {
             // SAFETY: as above; the wait captures the record just made.
             unsafe { result::stream::wait_event(*s, app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
                 .map_err(|e| ("cuStreamWaitEvent", e))?;

@@ -103,35 +103,35 @@ pub trait GpuProvider: Send + Sync {
     /// The memory must stay mapped until `unpin_host`.
     unsafe fn pin_host(&self, addr: u64, len: u64) -> Result<()>;
     fn unpin_host(&self, addr: u64);
-    /// Starts a device -> host copy on copy lane `lane` (see `copy_batch`).
+    /// Starts a device -> host copy.
     ///
     /// # Safety
     /// Both ranges must stay valid until the ticket reports completion.
-    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64, lane: usize) -> Result<Box<dyn CopyTicket>>;
-    /// Starts a host -> device copy on copy lane `lane` (see `copy_batch`).
+    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>>;
+    /// Starts a host -> device copy.
     ///
     /// # Safety
     /// Both ranges must stay valid until the ticket reports completion.
-    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64, lane: usize) -> Result<Box<dyn CopyTicket>>;
+    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>>;
     /// Starts the copies of several pieces in one direction (`to_host`: device -> host) on one
     /// device, with one ticket for all, the way `how` asks where the provider can (host -> device
     /// only). The default issues one copy per piece; providers with a batched copy call (CUDA's
-    /// cuMemcpyBatchAsync), a scatter kernel or one stream override it. `lane` picks the
-    /// stream: copies on one lane run in order, copies on different lanes may overlap (the
-    /// provider maps any number onto the streams it has; CUDA: `COPY_LANES` per direction).
+    /// cuMemcpyBatchAsync), a scatter kernel or one stream override it. `lane`: the stream a
+    /// scatter-kernel copy may take (CUDA: `KERNEL_LANES` streams; kernels on different lanes
+    /// may overlap); DMA copies keep one stream per direction whatever the lane.
     ///
     /// # Safety
     /// Every range must stay valid until the ticket reports completion.
     unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool, how: PackedCopy, lane: usize) -> Result<Box<dyn CopyTicket>> {
-        let _ = how;
+        let _ = (how, lane);
         let mut tickets = Vec::with_capacity(pieces.len());
         for p in pieces {
             // SAFETY: forwarded from the caller.
             tickets.push(unsafe {
                 if to_host {
-                    self.copy_to_host(device, p.host, p.dev, p.len, lane)
+                    self.copy_to_host(device, p.host, p.dev, p.len)
                 } else {
-                    self.copy_to_device(device, p.dev, p.host, p.len, lane)
+                    self.copy_to_device(device, p.dev, p.host, p.len)
                 }
             }?);
         }

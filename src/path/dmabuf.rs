@@ -92,9 +92,9 @@ fn self_test_copy(mem: &Registration, to_host: bool, dst: u64, src: u64, len: u6
             // block of a registered slab.
             let ticket = unsafe {
                 if to_host {
-                    vram.provider.copy_to_host(vram.device, dst, src, len, 0)
+                    vram.provider.copy_to_host(vram.device, dst, src, len)
                 } else {
-                    vram.provider.copy_to_device(vram.device, dst, src, len, 0)
+                    vram.provider.copy_to_device(vram.device, dst, src, len)
                 }
             };
             ticket.and_then(|t| t.wait())

@@ -101,8 +101,8 @@ pub struct StagingShape {
     pub write_window: u64,
     /// Largest storage I/O a run of pieces may become (`max_io_size`, 0 = no limit).
     pub max_io_size: u64,
-    /// Device streams the buffers' copies take in turn (`staging_copy_streams`).
-    pub copy_streams: u32,
+    /// Device streams the buffers' scatter kernels take in turn (`staging_kernel_streams`).
+    pub kernel_streams: u32,
 }
 
 /// Most pieces in one buffer (one batched copy call).
@@ -184,15 +184,15 @@ pub struct Staging {
     window_used: u64,
     /// Largest storage I/O of a run (`max_io_size`, or no limit).
     max_io_size: u64,
-    copy_streams: usize,
-    /// The copy lane of the next buffer's copy.
+    kernel_streams: usize,
+    /// The lane of the next buffer's copy (used by scatter kernels only).
     next_lane: usize,
 }
 
 impl Staging {
     pub fn new(pool: StagingPool, shape: StagingShape) -> Staging {
         let max_io_size = if shape.max_io_size == 0 { u64::from(u32::MAX) } else { shape.max_io_size };
-        Staging { pool, pack_max: shape.pack_max, packed_copy: shape.packed_copy, groups: slab::Slab::new(), copies: Vec::new(), write_window: shape.write_window, window_used: 0, max_io_size, copy_streams: shape.copy_streams.max(1) as usize, next_lane: 0 }
+        Staging { pool, pack_max: shape.pack_max, packed_copy: shape.packed_copy, groups: slab::Slab::new(), copies: Vec::new(), write_window: shape.write_window, window_used: 0, max_io_size, kernel_streams: shape.kernel_streams.max(1) as usize, next_lane: 0 }
     }
 
     /// Whether a page-cache WRITE may open a group for a piece of `len` bytes now: the window
@@ -320,12 +320,12 @@ impl Staging {
         let pieces = copy_pieces(grp.pieces.iter().map(|(op, at)| CopyPiece { dev: op.addr, host: host + at, len: u64::from(op.len) }));
         let device = grp.pieces[0].0.device.unwrap_or(0);
         let lane = self.next_lane;
-        self.next_lane = (lane + 1) % self.copy_streams;
+        self.next_lane = (lane + 1) % self.kernel_streams;
         // SAFETY: the staging buffer is the group's until `close`; the device ranges are
         // registered VRAM kept alive by the request's plan.
         let ticket = match pieces.as_slice() {
-            [one] if grp.write => unsafe { self.pool.provider.copy_to_host(device, one.host, one.dev, one.len, lane) },
-            [one] => unsafe { self.pool.provider.copy_to_device(device, one.dev, one.host, one.len, lane) },
+            [one] if grp.write => unsafe { self.pool.provider.copy_to_host(device, one.host, one.dev, one.len) },
+            [one] => unsafe { self.pool.provider.copy_to_device(device, one.dev, one.host, one.len) },
             _ => unsafe { self.pool.provider.copy_batch(device, &pieces, grp.write, self.packed_copy, lane) },
         }?;
         if grp.write {
@@ -445,12 +445,12 @@ mod tests {
             Ok(())
         }
         fn unpin_host(&self, _: u64) {}
-        unsafe fn copy_to_host(&self, _: i32, host: u64, dev: u64, len: u64, _: usize) -> Result<Box<dyn CopyTicket>> {
+        unsafe fn copy_to_host(&self, _: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
             // SAFETY: both ranges are host memory of the test, valid for `len` bytes.
             unsafe { std::ptr::copy_nonoverlapping(dev as *const u8, host as *mut u8, len as usize) };
             Ok(Box::new(CopyFinished))
         }
-        unsafe fn copy_to_device(&self, _: i32, dev: u64, host: u64, len: u64, _: usize) -> Result<Box<dyn CopyTicket>> {
+        unsafe fn copy_to_device(&self, _: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
             // SAFETY: as above.
             unsafe { std::ptr::copy_nonoverlapping(host as *const u8, dev as *mut u8, len as usize) };
             Ok(Box::new(CopyFinished))
@@ -466,7 +466,7 @@ mod tests {
     const KIB: u64 = 1024;
 
     fn staging(buffers: u32, write_window: u64) -> Staging {
-        let shape = StagingShape { buffer_size: 512 * KIB, buffers, pack_max: 256 * KIB, packed_copy: PackedCopy::Batch, write_window, max_io_size: 0, copy_streams: 1 };
+        let shape = StagingShape { buffer_size: 512 * KIB, buffers, pack_max: 256 * KIB, packed_copy: PackedCopy::Batch, write_window, max_io_size: 0, kernel_streams: 1 };
         let pool = StagingPool::new(Arc::new(HostAsDevice), shape.buffer_size, shape.buffers, |_, _| None).expect("pool");
         Staging::new(pool, shape)
     }

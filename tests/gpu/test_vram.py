@@ -103,26 +103,24 @@ def round_trip(agent, block, count, direct, path, src_offset=0, file_offset=0):
         os.unlink(path)
 
 
-# (block, staging_copy_streams): every size on one copy stream, two on four streams in turn.
-@pytest.mark.parametrize("block,streams", [(4096, "1"), (64 * 1024, "1"), (MiB, "1"), (16 * MiB, "1"), (64 * MiB, "1"),
-                                           (64 * 1024, "4"), (16 * MiB, "4")])
+@pytest.mark.parametrize("block", [4096, 64 * 1024, MiB, 16 * MiB, 64 * MiB])
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
-def test_staging_round_trip(block, streams, direct):
-    agent = make_agent({"vram_path": "staging", "staging_copy_streams": streams})
+def test_staging_round_trip(block, direct):
+    agent = make_agent({"vram_path": "staging"})
     count = max(2, min(64, (128 * MiB) // block))
     round_trip(agent, block, count, direct, f"{SCRATCH}/iud-gpu-{block}-{direct}.bin")
 
 
 @pytest.mark.parametrize("block,count", [(16 * 1024, 4096), (64 * 1024, 1024), (256 * 1024, 256)], ids=["16KiB", "64KiB", "256KiB"])
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
-@pytest.mark.parametrize("copy", ["auto", "kernel", "dma-kernel", "kernel-misaligned", "auto-streams4"])
+@pytest.mark.parametrize("copy", ["auto", "kernel", "dma-kernel", "kernel-misaligned", "auto-kstreams1"])
 def test_staging_scattered_small_blocks_round_trip(block, count, direct, copy, capfd):
     """KV-cache pattern on the staging path: blocks at random VRAM slots against random file
     slots (nothing merges), so the plugin packs several pieces per staging buffer and moves each
     buffer to the GPU with one call: the batched copy (auto) or the scatter kernel (staging_copy
     kernel / dma-kernel; "kernel-misaligned" shifts every VRAM block by 8 bytes, which the kernel
-    cannot take, so those buffers fall back to the batched copy; "auto-streams4": the buffers'
-    copies on four device streams in turn, staging_copy_streams=4). WRITE, then READ into a second
+    cannot take, so those buffers fall back to the batched copy; "auto-kstreams1": the kernels on
+    one device stream instead of four in turn, staging_kernel_streams=1). WRITE, then READ into a second
     tensor, verified byte for byte in VRAM, around the blocks, and in the file; the log names the
     copy call that ran."""
     if direct and copy == "kernel-misaligned":
@@ -138,8 +136,8 @@ def test_staging_scattered_small_blocks_round_trip(block, count, direct, copy, c
     fil = torch.randperm(nslots, generator=g)[:count].tolist()
     path = f"{SCRATCH}/iud-gpu-kv-{block}-{direct}-{copy}.bin"
     fd = open_file(path, direct, nslots * block)
-    how, _, streams = copy.replace("-misaligned", "").partition("-streams")
-    agent = make_agent({"vram_path": "staging", "staging_copy": how, "staging_copy_streams": streams or "1"})
+    how, _, streams = copy.replace("-misaligned", "").partition("-kstreams")
+    agent = make_agent({"vram_path": "staging", "staging_copy": how, "staging_kernel_streams": streams or "4"})
     capfd.readouterr()
     try:
         m_src = agent.register_memory([(src_all.data_ptr(), src_all.numel(), 0, "")], "VRAM")
@@ -279,33 +277,38 @@ def test_cufile_batch_api_round_trip(block):
     assert ok, f"cuFile batch API round trip: {outcome}"
 
 
-@pytest.mark.parametrize("path", ["staging", "staging-streams4", "cufile"])
+@pytest.mark.parametrize("path", ["staging", "staging-kv", "cufile"])
 def test_transfers_are_ordered_after_kernels_already_queued(path):
     """Applications post right after launching the kernel that fills a buffer (cuFile's copies
     run on the default stream, so that works with GDS). A ~100 ms kernel queued ahead of the
     fill makes any copy that does not wait for the default stream read stale bytes (WRITE) or
-    be overwritten afterwards (READ). With four copy streams, three of them are created during
-    the first request, after its post ordered the streams that existed then."""
-    path, _, streams = path.partition("-streams")
-    agent = make_agent({"vram_path": path, "staging_copy_streams": streams or "1"})
+    be overwritten afterwards (READ). "staging-kv": 16 KiB blocks in reverse memory order (no
+    two merge), so the READ's buffers go through the scatter kernel on four streams, three of
+    them created during that request, after its post ordered the streams that existed then."""
+    block = 16 * 1024 if path == "staging-kv" else 16 * MiB
+    agent = make_agent({"vram_path": path.removesuffix("-kv")})
     n = 64 * MiB
+    nb = n // block
     expected = random_tensor(n)
     src = torch.zeros(n, dtype=torch.uint8, device="cuda")
     dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     path_name = f"{SCRATCH}/iud-gpu-order-{path}.bin"
     fd = open_file(path_name, True, n)
+    # File block i holds memory block nb-1-i.
+    local = lambda t: agent.get_xfer_descs([(t.data_ptr() + (nb - 1 - i) * block, block, 0) for i in range(nb)], "VRAM")
     try:
         agent.register_memory([(src.data_ptr(), n, 0, ""), (dst.data_ptr(), n, 0, "")], "VRAM")
         agent.register_memory([(0, n, fd, "")], "FILE")
-        remote = agent.get_xfer_descs([(i * 16 * MiB, 16 * MiB, fd) for i in range(4)], "FILE")
+        remote = agent.get_xfer_descs([(i * block, block, fd) for i in range(nb)], "FILE")
         torch.cuda._sleep(200_000_000)
         src.copy_(expected)  # queued behind the sleep on the default stream
-        run(agent, "WRITE", agent.get_xfer_descs([(src.data_ptr() + i * 16 * MiB, 16 * MiB, 0) for i in range(4)], "VRAM"), remote)
-        assert torch.equal(file_bytes(path_name, n), expected.cpu()), "WRITE read the buffer before the kernel that fills it"
+        run(agent, "WRITE", local(src), remote)
+        on_disk = file_bytes(path_name, n).view(nb, block)
+        assert torch.equal(on_disk, expected.view(nb, block).flip(0).cpu()), "WRITE read the buffer before the kernel that fills it"
         torch.cuda._sleep(200_000_000)
         dst.fill_(7)  # queued behind the sleep; the READ must land after it
-        run(agent, "READ", agent.get_xfer_descs([(dst.data_ptr() + i * 16 * MiB, 16 * MiB, 0) for i in range(4)], "VRAM"), remote)
+        run(agent, "READ", local(dst), remote)
         torch.cuda.synchronize()
         assert torch.equal(dst, expected), "READ landed before a kernel queued ahead of it"
     finally:

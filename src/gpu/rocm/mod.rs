@@ -228,12 +228,12 @@ impl GpuProvider for Rocm {
         copy::unpin(self, addr)
     }
 
-    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64, _lane: usize) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         // SAFETY: forwarded contract (both ranges valid until the ticket completes).
         unsafe { copy::start(self, device, host, dev, len, true) }
     }
 
-    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64, _lane: usize) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         // SAFETY: forwarded contract (both ranges valid until the ticket completes).
         unsafe { copy::start(self, device, host, dev, len, false) }
     }

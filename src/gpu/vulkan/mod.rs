@@ -315,12 +315,12 @@ impl GpuProvider for VulkanProvider {
         }
     }
 
-    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64, lane: usize) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let a = self.registered(dev, len)?;
         if a.variant.uses_cuda() {
             let c = self.cuda.as_ref().ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
             // SAFETY: forwarded contract.
-            return unsafe { c.copy_to_host(device, host, dev, len, lane) };
+            return unsafe { c.copy_to_host(device, host, dev, len) };
         }
         let src = a.host_range(dev, len)?;
         // SAFETY: src is inside the live mapping of `a` (held by the Arc for the copy); the
@@ -329,12 +329,12 @@ impl GpuProvider for VulkanProvider {
         Ok(Box::new(CopyFinished))
     }
 
-    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64, lane: usize) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let a = self.registered(dev, len)?;
         if a.variant.uses_cuda() {
             let c = self.cuda.as_ref().ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
             // SAFETY: forwarded contract.
-            return unsafe { c.copy_to_device(device, dev, host, len, lane) };
+            return unsafe { c.copy_to_device(device, dev, host, len) };
         }
         let dst = a.host_range(dev, len)?;
         // SAFETY: as in copy_to_host, the other direction.

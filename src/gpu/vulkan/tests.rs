@@ -105,8 +105,8 @@ fn host_mapped_allocation_round_trips_through_the_provider_where_a_driver_exists
     // SAFETY: both host buffers live across the (synchronous) copies; the device range is inside
     // the allocation.
     unsafe {
-        p.copy_to_device(0, addr + 4096, src.as_ptr() as u64, 8192, 0).unwrap().wait().unwrap();
-        p.copy_to_host(0, back.as_mut_ptr() as u64, addr + 4096, 8192, 0).unwrap().wait().unwrap();
+        p.copy_to_device(0, addr + 4096, src.as_ptr() as u64, 8192).unwrap().wait().unwrap();
+        p.copy_to_host(0, back.as_mut_ptr() as u64, addr + 4096, 8192).unwrap().wait().unwrap();
     }
     assert_eq!(src, back);
     match variant {
