@@ -96,6 +96,7 @@ pub struct EngineParams {
     pub staging_pack_max: u64,
     /// How packed staging buffers reach the GPU.
     pub staging_copy: PackedCopy,
+    /// Device streams the packed buffers' scatter kernels take in turn.
     pub staging_kernel_streams: u32,
     /// Largest staged piece of a page-cache WRITE.
     pub staged_write_piece_max: u64,

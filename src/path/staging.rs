@@ -184,6 +184,7 @@ pub struct Staging {
     window_used: u64,
     /// Largest storage I/O of a run (`max_io_size`, or no limit).
     max_io_size: u64,
+    /// Streams the scatter kernels take in turn (`staging_kernel_streams`).
     kernel_streams: usize,
     /// The lane of the next buffer's copy (used by scatter kernels only).
     next_lane: usize,
