@@ -421,14 +421,14 @@ impl GpuProvider for Cuda {
         let d = self.device(device)?;
         let how = scatter::resolve(how, pieces);
         if !to_host && matches!(how, PackedCopy::Kernel | PackedCopy::DmaKernel) && pieces.len() > 1 && scatter::enabled() {
-            let lane = call("cuStreamCreate", || d.lanes.to_device(lane, d.app_done))?;
+            let stream = call("cuStreamCreate", || d.lanes.to_device(lane, d.app_done))?;
             // SAFETY: forwarded from the caller.
-            if let Some(ticket) = unsafe { self.scatter_copy(&d, pieces, how, lane) }? {
+            if let Some(ticket) = unsafe { self.scatter_copy(&d, pieces, how, stream) }? {
                 return Ok(ticket);
             }
         }
         // DMA copies: one stream per direction (see gpu/cuda_lanes.rs).
-        let stream = if to_host { d.lanes.to_host } else { call("cuStreamCreate", || d.lanes.to_device(0, d.app_done))? };
+        let stream = if to_host { d.lanes.to_host } else { d.lanes.dma_to_device };
         // SAFETY: the caller keeps every range valid until the ticket completes.
         if !unsafe { batch::copy(device, pieces, to_host, stream) } {
             for p in pieces {
@@ -446,7 +446,7 @@ impl GpuProvider for Cuda {
 
     unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
         let d = self.device(device)?;
-        let stream = call("cuStreamCreate", || d.lanes.to_device(0, d.app_done))?;
+        let stream = d.lanes.dma_to_device;
         // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range
         // is the staging pool's (host_bytes).
         call("cuMemcpyHtoDAsync", || unsafe { result::memcpy_htod_async(dev, host_bytes(host, len), stream) })?;

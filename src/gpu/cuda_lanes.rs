@@ -5,7 +5,7 @@
 //! while scatter kernels on four cut 32 KiB scattered READs' post -> DONE by 7 % (on the H200:
 //! level by median; bench/results/2026-12-05-copy-streams-gpu.md).
 //!
-//! Lane 0 exists from the start, the other lanes are created on first use. Every stream is
+//! Lane 0 is the DMA stream and exists from the start; the other lanes are created on first use. Every stream is
 //! ordered after the application's work each time `fence` runs, and a stream created later
 //! waits for the latest fence: creation and fence take one lock, so no stream can miss a fence
 //! that a copy queued on it must follow.
@@ -21,7 +21,10 @@ pub const KERNEL_LANES: usize = 4;
 
 pub struct CopyLanes {
     pub to_host: sys::CUstream,
-    to_device: [OnceCell<sys::CUstream>; KERNEL_LANES],
+    /// Host -> device lane 0: every DMA copy, and the kernels of lane 0.
+    pub dma_to_device: sys::CUstream,
+    /// Lanes 1.. of the kernels.
+    more: [OnceCell<sys::CUstream>; KERNEL_LANES - 1],
     /// Held while a stream is created and while `fence` orders the existing ones.
     fence_lock: Mutex<()>,
 }
@@ -38,17 +41,18 @@ fn create() -> Result<sys::CUstream, DriverError> {
 }
 
 impl CopyLanes {
-    /// The device -> host stream and lane 0, created with the device's context current.
+    /// The device -> host stream and the DMA stream, created with the device's context current.
     pub fn new() -> Result<CopyLanes, DriverError> {
-        let lanes = CopyLanes { to_host: create()?, to_device: Default::default(), fence_lock: Mutex::new(()) };
-        let _ = lanes.to_device[0].set(create()?);
-        Ok(lanes)
+        Ok(CopyLanes { to_host: create()?, dma_to_device: create()?, more: Default::default(), fence_lock: Mutex::new(()) })
     }
 
-    /// The host -> device stream of `lane`, created on first use after the latest fence
-    /// (`app_done`, recorded by `fence`). The device's context must be current.
+    /// The host -> device stream of a scatter kernel's `lane` (lane 0: the DMA stream), created
+    /// on first use after the latest fence (`app_done`, recorded by `fence`). The device's
+    /// context must be current.
     pub fn to_device(&self, lane: usize, app_done: sys::CUevent) -> Result<sys::CUstream, DriverError> {
-        let cell = &self.to_device[lane % KERNEL_LANES];
+        let Some(cell) = (lane % KERNEL_LANES).checked_sub(1).map(|i| &self.more[i]) else {
+            return Ok(self.dma_to_device);
+        };
         if let Some(&s) = cell.get() {
             return Ok(s);
         }
@@ -70,7 +74,7 @@ impl CopyLanes {
         let _held = self.fence_lock.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: forwarded contract.
         unsafe { result::event::record(app_done, after) }.map_err(|e| ("cuEventRecord(default stream)", e))?;
-        for s in std::iter::once(&self.to_host).chain(self.to_device.iter().filter_map(|c| c.get())) {
+        for s in [&self.to_host, &self.dma_to_device].into_iter().chain(self.more.iter().filter_map(|c| c.get())) {
             // SAFETY: as above; the wait captures the record just made.
             unsafe { result::stream::wait_event(*s, app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
                 .map_err(|e| ("cuStreamWaitEvent", e))?;
