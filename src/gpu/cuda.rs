@@ -421,7 +421,12 @@ impl GpuProvider for Cuda {
         let d = self.device(device)?;
         let how = scatter::resolve(how, pieces);
         if !to_host && matches!(how, PackedCopy::Kernel | PackedCopy::DmaKernel) && pieces.len() > 1 && scatter::enabled() {
-            let stream = call("cuStreamCreate", || d.lanes.to_device(lane, d.app_done))?;
+            // dma-kernel's DMA keeps the one DMA stream (see gpu/cuda_lanes.rs); its kernel runs
+            // in VRAM right after it there.
+            let stream = match how {
+                PackedCopy::DmaKernel => d.lanes.dma_to_device,
+                _ => call("cuStreamCreate", || d.lanes.to_device(lane, d.app_done))?,
+            };
             // SAFETY: forwarded from the caller.
             if let Some(ticket) = unsafe { self.scatter_copy(&d, pieces, how, stream) }? {
                 return Ok(ticket);
