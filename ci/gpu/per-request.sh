@@ -69,7 +69,7 @@ fi
     date -u; uname -r; nproc; free -g | sed -n 1,2p
     nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda devices", torch.cuda.device_count())' 2>/dev/null || echo "no torch"
-    echo "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    cat "${G:-.}/BUILD" 2>/dev/null || echo "plugin build: unknown (no .device/gpu/BUILD; ci/gpu/stage-plugin.sh writes it)"
 } 2>&1 | tee "$OUT/machine.txt"
 rc=0
 step() {  # name budget_s args...: one benchmark run, its table on stdout and in $OUT/NAME.md

@@ -7,9 +7,6 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=.device/gpu
 rm -rf "$out"; mkdir -p "$out/wheels" "$out/site"
-cargo build --release --lib --bin iud-doctor
-strip -o "$out/libplugin_IO_URING_DMABUF.so" target/release/libio_uring_dmabuf.so
-strip -o "$out/iud-doctor" target/release/iud-doctor
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 -d "$out/wheels" nixl-cu13==1.5.1 nixl==1.5.1
 (cd "$out/site" && for w in ../wheels/*.whl; do unzip -q -o "$w"; done)
@@ -77,4 +74,6 @@ else
     (cd "$out/vk" && apt-get $o download -q $vk_debs)
 fi
 ls "$out"/vk/libvulkan1_*.deb >/dev/null
+# The plugin and the doctor, with the build identity in $out/BUILD.
+bash ci/gpu/stage-plugin.sh
 du -sh "$out"

@@ -14,6 +14,7 @@ cp -f "$G/libplugin_IO_URING_DMABUF.so" "$LIBS/iud-plugins/"
 export NIXL_PLUGIN_DIR=$LIBS/iud-plugins PYTHONPATH=$SITE PYTHONUNBUFFERED=1 IUD_DOCTOR=$G/iud-doctor
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export IO_URING_DMABUF_LOG=${IO_URING_DMABUF_LOG:-info}
+cat "$G/BUILD" 2>/dev/null || echo "plugin build: unknown (no $G/BUILD; ci/gpu/stage-plugin.sh writes it)"
 # Vulkan (gpu_provider=vulkan): the loader debs carried in .device/gpu/vk, unpacked into a
 # private folder (not /) and found through LD_LIBRARY_PATH; NVIDIA's ICD where the driver mount
 # has it. Without them the doctor reports Vulkan absent and tests/gpu/test_vulkan_gpu.py skips.
