@@ -13,5 +13,6 @@ strip -o "$G/iud-doctor" target/release/iud-doctor
 # A stripped library that does not load is found here, not as a crash on the GPU machine.
 readelf -h -S "$G/libplugin_IO_URING_DMABUF.so" >/dev/null
 # Only what goes into the library counts as a change.
-dirty=$(git status --porcelain -- src build.rs Cargo.toml Cargo.lock nixl-headers plugin-manifest | grep -q . && echo " with uncommitted changes" || true)
+changes=$(git status --porcelain -- src build.rs Cargo.toml Cargo.lock nixl-headers plugin-manifest)
+dirty=${changes:+ with uncommitted changes}
 echo "plugin built from $(git rev-parse --short HEAD)$dirty, sha256 $(sha256sum "$G/libplugin_IO_URING_DMABUF.so" | cut -c1-16), $(date -u +%FT%TZ)" | tee "$G/BUILD"

@@ -28,11 +28,7 @@ use super::cuda_scatter::{self as scatter, Scatter};
 /// Runs a driver call, turning a loader panic (missing symbol) into an error.
 fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
-        let msg = p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
+        let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
         Error::backend(format!("CUDA {what}: the driver library lacks this entry point ({msg})"))
     })
 }
@@ -421,12 +417,9 @@ impl GpuProvider for Cuda {
         let d = self.device(device)?;
         let how = scatter::resolve(how, pieces);
         if !to_host && matches!(how, PackedCopy::Kernel | PackedCopy::DmaKernel) && pieces.len() > 1 && scatter::enabled() {
-            // dma-kernel's DMA keeps the one DMA stream (see gpu/cuda_lanes.rs); its kernel runs
-            // in VRAM right after it there.
-            let stream = match how {
-                PackedCopy::DmaKernel => d.lanes.dma_to_device,
-                _ => call("cuStreamCreate", || d.lanes.to_device(lane, d.app_done))?,
-            };
+            // dma-kernel's DMA keeps the DMA stream, lane 0 (gpu/cuda_lanes.rs); its kernel follows it.
+            let lane = if how == PackedCopy::DmaKernel { 0 } else { lane };
+            let stream = call("cuStreamCreate", || d.lanes.to_device(lane, d.app_done))?;
             // SAFETY: forwarded from the caller.
             if let Some(ticket) = unsafe { self.scatter_copy(&d, pieces, how, stream) }? {
                 return Ok(ticket);
