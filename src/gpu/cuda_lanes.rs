@@ -3,7 +3,7 @@
 //! overlap on the device instead of waiting for each other on one stream. DMA copies (dma-kernel's
 //! too) keep lane 0: on the H100, 2 MiB host -> device DMAs on two or four streams ran 11-16 %
 //! slower than on one (bench/results/2026-12-05-copy-streams-gpu.md). Scatter kernels on four
-//! made 32 KiB scattered READs 1.03-1.07x faster per request than on one, on H100s and an H200
+//! made 32 KiB scattered READs 1.03-1.06x faster per request than on one, on H100s and an H200
 //! (bench/results/2026-12-05-evening-read-probe-gpu.md).
 //!
 //! Lane 0 is the DMA stream and exists from the start; the other lanes are created on first use. Every stream is
