@@ -240,6 +240,11 @@ pub fn poison<T: Send>(m: &Mutex<T>) {
     });
 }
 
+/// The text a panic carried (`panic!` with a literal or a formatted message), if any.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<String> {
+    payload.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| payload.downcast_ref::<String>().cloned())
+}
+
 /// "EIO (Input/output error)" style text for an OS error.
 pub fn describe_os_error(err: &io::Error) -> String {
     match err.raw_os_error() {
@@ -288,6 +293,14 @@ pub fn errno_name(code: i32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_panics_text_is_read_whether_literal_or_formatted() {
+        let caught = |f: fn()| std::panic::catch_unwind(f).expect_err("it panics");
+        assert_eq!(panic_message(&*caught(|| panic!("literal"))).as_deref(), Some("literal"));
+        assert_eq!(panic_message(&*caught(|| panic!("formatted {}", 7))).as_deref(), Some("formatted 7"));
+        assert_eq!(panic_message(&*caught(|| std::panic::panic_any(7u32))), None);
+    }
 
     #[test]
     fn every_kind_maps_to_a_distinct_nixl_error_status() {

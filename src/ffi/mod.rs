@@ -17,7 +17,7 @@ use once_cell::sync::Lazy;
 
 use crate::bridge::{iud_desc_list, iud_engine_config, iud_file_info, iud_param_default, iud_reg_desc, iud_rust_api, iud_shim_plugin, iud_str};
 use crate::engine::{Engine, Request};
-use crate::error::{status, Result};
+use crate::error::{panic_message, status, Result};
 use crate::uring::Progress;
 use crate::{alias, log, manifest, nixl_release};
 use handle::{arg, check_out, write_out, Handle};
@@ -39,11 +39,7 @@ fn boundary(what: &str, body: impl FnOnce() -> Result<i32>) -> i32 {
             e.to_status()
         }
         Err(panic) => {
-            let msg = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+            let msg = panic_message(&*panic).unwrap_or_else(|| "unknown panic".into());
             tracing::error!("{what}: internal error ({msg}); please report this as a bug");
             status::ERR_BACKEND
         }

@@ -20,7 +20,7 @@ use cudarc::driver::sys;
 use once_cell::sync::OnceCell;
 
 use crate::gpu::provider::{CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider, PackedCopy};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{panic_message, Error, ErrorKind, Result};
 use super::cuda_batch as batch;
 use super::cuda_lanes::CopyLanes;
 use super::cuda_scatter::{self as scatter, Scatter};
@@ -28,7 +28,7 @@ use super::cuda_scatter::{self as scatter, Scatter};
 /// Runs a driver call, turning a loader panic (missing symbol) into an error.
 fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|p| {
-        let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+        let msg = panic_message(&*p).unwrap_or_default();
         Error::backend(format!("CUDA {what}: the driver library lacks this entry point ({msg})"))
     })
 }
