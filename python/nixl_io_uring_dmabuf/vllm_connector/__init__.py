@@ -13,7 +13,8 @@ parameters, the store format and the limits.
 
 Modules: config (parameters), layout (geometry, files, manifest), journal (records),
 checksum, catalog (the scheduler's index; no vLLM), rankstore (one rank's NIXL transfers; no
-vLLM), versions (supported vLLM releases), specs (load/store specs), manager, worker, spec,
+vLLM), versions (supported vLLM releases and their worker API), kv_views (vLLM's KV memory and
+a job's device side as KV rows), specs (load/store specs), manager, worker, spec,
 connector (the subclass that reports damaged loads to vLLM for recomputation). The vLLM-facing
 names load lazily, so the store's own modules import without vLLM.
 """

@@ -19,6 +19,10 @@ from .catalog import Catalog
 from .specs import NixlLoadSpec, NixlStoreSpec
 
 
+# vLLM 0.34 dropped OffloadingManager.touch(): offering a stored block again marks it used.
+_OFFER_IS_USE = not hasattr(OffloadingManager, "touch")
+
+
 class NixlStorageManager(OffloadingManager):
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
@@ -40,7 +44,10 @@ class NixlStorageManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext) -> PrepareStoreOutput | None:
-        out = self.catalog.prepare_store([bytes(k) for k in keys])
+        keys = [bytes(k) for k in keys]
+        if _OFFER_IS_USE:
+            self.catalog.touch(keys)
+        out = self.catalog.prepare_store(keys)
         if out is None:
             return None
         accepted, evicted = out
@@ -53,7 +60,9 @@ class NixlStorageManager(OffloadingManager):
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True):
         # Whether a block is kept is decided by the workers' commit records, not by `success`
-        # (vLLM 0.32/0.33 always pass True): a block some rank did not commit is dropped.
+        # (vLLM 0.32/0.33 always pass True; 0.34 passes False when a rank reported its store
+        # failed, and that rank then wrote no commit): a block some rank did not commit is
+        # dropped.
         self.catalog.complete_store([bytes(k) for k in keys])
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

