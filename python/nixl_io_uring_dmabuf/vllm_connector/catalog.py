@@ -8,6 +8,13 @@ record names that (slot, gen). `gen` is unique per store (persisted as the large
 journal + 1 on start-up), so a stale commit can never make a reused slot look committed. A slot
 is reused only after a TOMB for its previous block is in manager.log (fdatasync'ed with
 `durable`), written before the store spec leaves the scheduler.
+
+A journal that cannot be written (full file system, EIO) never raises into vLLM: a store call
+that needs an eviction gives up (None: vLLM offers the blocks again at its next step) with the
+index unchanged; a block dropped for another reason (damage, a store not every rank committed,
+reset) leaves the index at once, but its slot stays out of use until its TOMB is written, which
+is retried with every later journal write. One log line when writing starts failing, one when it
+works again.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class Entry:
     ready: bool = False
     pins: int = 0
     dropped: bool = False
+    tombed: bool = False  # its TOMB is in manager.log: the slot may be reused once unpinned
     verified: bool = False
     sums: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
@@ -52,12 +60,20 @@ class Catalog:
         self.root = root
         self.geo = geometry
         self.verify_on_lookup = verify_on_lookup
-        os.makedirs(root, exist_ok=True)
-        self._lock_fd = journal.lock_exclusive(os.path.join(root, ".lock"), "vLLM KV store")
+        try:
+            os.makedirs(root, exist_ok=True)
+            self._lock_fd = journal.lock_exclusive(os.path.join(root, ".lock"), "vLLM KV store")
+        except OSError as e:
+            raise L.StoreUnavailable(f"vLLM KV store: cannot open {L.explain(e, root)}") \
+                from None
         try:
             L.ensure_json(os.path.join(root, "store.json"),
                           geometry.manifest(**(manifest_extra or {})), "vLLM KV store")
-            self._log = journal.Appender(L.manager_log(root), durable)
+            try:
+                self._log = journal.Appender(L.manager_log(root), durable)
+            except OSError as e:
+                raise L.StoreUnavailable("vLLM KV store: cannot open "
+                                         + L.explain(e, L.manager_log(root))) from None
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -70,6 +86,8 @@ class Catalog:
         self._parked: dict[bytes, Entry] = {}  # dropped while a load holds them
         self._rank_pages: dict[int, list[int]] = {}
         self._fds: dict[tuple[int, int], int] = {}
+        self._owed: list[Entry] = []  # dropped, TOMB not written yet: slot not reusable
+        self._log_failing = False
         self.stats = collections.Counter()
         self._replay()
 
@@ -80,10 +98,10 @@ class Catalog:
         max_gen = max((r.gen for r in self._log.records), default=0)
         commits: dict[tuple[int, int], dict[int, journal.Record]] = collections.defaultdict(dict)
         for rank, reader in enumerate(self._readers):
-            recs = reader.read_new()
-            if reader.damaged_at is not None:
-                logger.warning("KV store: %s has a torn or damaged record at byte %d; records "
-                               "from there on are ignored", reader.path, reader.damaged_at)
+            recs = reader.read_new()  # logs each damaged range it steps over
+            if reader.tail:
+                logger.warning("KV store: %s ends in %d byte(s) that are no whole record (a "
+                               "torn append); ignored", reader.path, reader.tail)
             for rec in recs:
                 max_gen = max(max_gen, rec.gen)
                 if rec.type == journal.COMMIT:
@@ -126,7 +144,7 @@ class Catalog:
                                "dropped, it is a miss", e.slot, e.gen, problem)
                 self.stats["damaged"] += 1
                 self._drop(e)
-                self._log.append([journal.tomb(e.slot, e.gen)])
+                self._tomb([e])
                 return False
             e.verified = True
         return True
@@ -135,7 +153,8 @@ class Catalog:
                                                             list[bytes]] | None:
         """Slots for the keys not stored or being stored: [(key, slot, gen)], evicted keys.
         All or nothing, as vLLM's own CPU manager: None (nothing evicted) when the free slots
-        and the evictable blocks do not hold them all; vLLM then offers them again next step."""
+        and the evictable blocks do not hold them all, or when the eviction's TOMBs cannot be
+        written; vLLM then offers them again next step."""
         keys = list(keys)
         todo = list(dict.fromkeys(k for k in keys if k not in self._ready
                                   and k not in self._storing))
@@ -148,12 +167,16 @@ class Catalog:
                        if e.pins == 0 and e.key not in protected][:short]
             if len(victims) < short:
                 return None
+        # The eviction is journaled before it takes effect: no TOMB on file, no eviction.
+        if (victims or self._owed) and not self._tomb(victims) and victims:
+            self.stats["store_refused"] += 1  # the index is as it was; vLLM retries
+            return None
         for v in victims:
             del self._ready[v.key]
             del self._by_slot_gen[(v.slot, v.gen)]
+            v.dropped = True
             self._free.append(v.slot)
         self.stats["evicted"] += len(victims)
-        self._log.append([journal.tomb(v.slot, v.gen) for v in victims])  # before reuse
         accepted = []
         for k in todo:
             e = Entry(k, self._free.pop(), self._next_gen)
@@ -183,10 +206,13 @@ class Catalog:
                                len(recs), self.geo.world_size)
                 self.stats["store_failed"] += 1
                 del self._by_slot_gen[(e.slot, e.gen)]
-                if recs:
-                    tombs.append(journal.tomb(e.slot, e.gen))
-                self._free.append(e.slot)
-        self._log.append(tombs)
+                e.dropped = True
+                if recs:  # some rank's COMMIT is on file: the slot waits for its TOMB
+                    tombs.append(e)
+                else:
+                    self._free.append(e.slot)
+        if tombs or self._owed:
+            self._tomb(tombs)
         return done
 
     def prepare_load(self, keys: Iterable[bytes]) -> list[LoadItem]:
@@ -207,7 +233,8 @@ class Catalog:
             e.pins = max(0, e.pins - 1)
             if e.dropped and e.pins == 0:
                 del self._parked[k]
-                self._free.append(e.slot)
+                if e.tombed:
+                    self._free.append(e.slot)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         for k in keys:
@@ -219,7 +246,7 @@ class Catalog:
         victims = [e for e in self._ready.values() if e.pins == 0]
         for e in victims:
             self._drop(e)
-        self._log.append([journal.tomb(e.slot, e.gen) for e in victims])
+        self._tomb(victims)
 
     def committed(self) -> list[bytes]:
         return list(self._ready)
@@ -273,16 +300,46 @@ class Catalog:
                                    "damaged on load; dropped", rank, rec.slot, rec.gen)
                     self.stats["damaged"] += 1
                     self._drop(e)
-                    self._log.append([journal.tomb(e.slot, e.gen)])
+                    self._tomb([e])
 
     def _drop(self, e: Entry) -> None:
+        """Out of the index at once; the caller writes its TOMB (_tomb), which frees the slot."""
         self._ready.pop(e.key, None)
         self._by_slot_gen.pop((e.slot, e.gen), None)
         e.dropped = True
-        if e.pins == 0:
-            self._free.append(e.slot)
-        else:  # a load still reads it: the slot comes free when vLLM completes that load
+        if e.pins:  # a load still reads it: the slot comes free when vLLM completes that load
             self._parked[e.key] = e
+
+    def _tomb(self, entries: list[Entry]) -> bool:
+        """Writes the TOMBs of `entries` and of those still owed from a failed write, in one
+        append, then frees the slots no load holds. If manager.log cannot be written, the
+        entries stay owed (their slots unused) and False is returned; never raises."""
+        todo = self._owed + list(entries)
+        if not todo:
+            return True
+        try:
+            self._log.append([journal.tomb(e.slot, e.gen) for e in todo])
+        except OSError as err:
+            self.stats["journal_failed"] += 1
+            if not self._log_failing:
+                logger.error("KV store: %s; stores that need an eviction are refused (vLLM "
+                             "offers them again) and dropped blocks keep their slots until it "
+                             "can be written", err)
+                self._log_failing = True
+            self._owed = [e for e in todo if e.dropped]  # an eviction not taken is not owed
+            return False
+        if self._log_failing:
+            logger.warning("KV store: %s can be written again (%d store call(s) were refused "
+                           "meanwhile)", self._log.path, self.stats["store_refused"])
+            self._log_failing = False
+        self._owed = []
+        for e in todo:
+            e.tombed = True
+            if e.dropped and e.pins == 0:
+                if self._parked.get(e.key) is e:
+                    del self._parked[e.key]
+                self._free.append(e.slot)
+        return True
 
     def _verify(self, e: Entry) -> str:
         for rank in range(self.geo.world_size):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import json
 import os
 import struct
@@ -44,6 +45,46 @@ def page_runs(pages, blocks_per_chunk: int) -> list[int]:
 
 class StoreMismatch(RuntimeError):
     pass
+
+
+class StoreUnavailable(RuntimeError):
+    """The store's files cannot be created or written at start-up (full disk, read-only or
+    missing path, permissions): one line naming the path and the cause."""
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def free_space(path: str) -> str:
+    """'N free of M' on the file system holding `path` (or its nearest existing parent)."""
+    p = os.path.abspath(path)
+    while p != "/" and not os.path.exists(p):
+        p = os.path.dirname(p)
+    try:
+        st = os.statvfs(p)
+    except OSError as e:
+        return f"free space unknown ({e.strerror})"
+    return (f"{_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)} on "
+            "its file system")
+
+
+def explain(err: OSError, path: str | None = None) -> str:
+    """One line for an OSError: the path, the system's text and the errno's name, and the free
+    space where the cause is a full file system or quota:
+    '/kv/store.json: No space left on device (ENOSPC; 0 B free of 4.0 MiB on its file system)'."""
+    path = path or err.filename or "?"
+    name = errno.errorcode.get(err.errno, f"errno {err.errno}") if err.errno else type(err).__name__
+    text = err.strerror or str(err)
+    extra = f"; {free_space(path)}" if err.errno in NO_SPACE else ""
+    return f"{path}: {text} ({name}{extra})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +156,20 @@ def manager_log(root: str) -> str:
     return os.path.join(root, "manager.log")
 
 
-def _write_json(path: str, obj: dict) -> None:
+def _write_json(path: str, obj: dict, what: str) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise StoreUnavailable(f"{what}: cannot write {explain(e, path)}") from None
 
 
 def ensure_json(path: str, wanted: dict, what: str) -> None:
@@ -130,7 +178,7 @@ def ensure_json(path: str, wanted: dict, what: str) -> None:
         with open(path) as f:
             have = json.load(f)
     except FileNotFoundError:
-        _write_json(path, wanted)
+        _write_json(path, wanted, what)
         return
     diff = {k: (have.get(k), wanted.get(k)) for k in set(have) | set(wanted)
             if have.get(k) != wanted.get(k)}

@@ -11,13 +11,22 @@ by `poll()`, then released. A store's COMMIT records (with the checksums compute
 memory before the transfer) are appended only after the transfer is DONE - after fdatasync of
 the slot files when `durable`. A load is checked against the expected checksums after it is
 DONE; a block that does not match is reported and gets a DAMAGED record.
+
+A failed job's error names its cause where the file system shows one: NIXL's Python API returns
+only a status (NIXL_ERR_BACKEND), so after a failed transfer this side looks at the job's slot
+files itself (their length, then a read of each slot and, for a store, a write of those same
+bytes back into the slot, which no commit names) and adds what that finds (ENOSPC with the free
+space, EIO, a short file) to the error and the log line. Set-up failures of the store's files
+(full or read-only file system) are one StoreUnavailable line naming path and cause.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
 import dataclasses
+import errno
 import logging
 import os
 import time
@@ -110,6 +119,13 @@ def _merge(regions: Sequence[Region]) -> list[tuple[int, int, int]]:
     return [(a, n, d) for a, n, d in out]
 
 
+def _cause_of(e: BaseException) -> str:
+    """A failed job's cause as a counter name: the errno's name (ENOSPC, EIO, ...) or the
+    exception's type."""
+    n = getattr(e, "errno", None)
+    return errno.errorcode.get(n, f"errno {n}") if n else type(e).__name__
+
+
 class RankStore:
     def __init__(self, root: str, geo: L.Geometry, rank: int, regions: Sequence[Region],
                  mem_kind: str, backend: str = "IO_URING_DMABUF",
@@ -132,16 +148,24 @@ class RankStore:
         self._block_sums = block_sums or HostRows(self.regions).block_sums
         self._launch_sums = launch_sums
         rdir = L.rank_dir(root, rank, W)
-        os.makedirs(rdir, exist_ok=True)
+        self._root = root
         self._fds: list[int] = []
-        self._lock_fd = journal.lock_exclusive(os.path.join(rdir, ".lock"),
-                                               f"vLLM KV store rank {rank}")
+        what = f"vLLM KV store rank {rank}"
+        try:
+            os.makedirs(rdir, exist_ok=True)
+            self._lock_fd = journal.lock_exclusive(os.path.join(rdir, ".lock"), what)
+        except OSError as e:
+            raise L.StoreUnavailable(f"{what}: cannot open {L.explain(e, rdir)}") from None
         try:
             L.ensure_json(os.path.join(rdir, "layout.json"),
                           {"pages": self.pages, "blocks_per_chunk": geo.blocks_per_chunk,
                            "slot_bytes": geo.slot_bytes, "rank": rank, "world_size": W},
-                          f"vLLM KV store rank {rank}")
-            self._log = journal.Appender(L.commits_log(root, rank, W), durable)
+                          what)
+            try:
+                self._log = journal.Appender(L.commits_log(root, rank, W), durable)
+            except OSError as e:
+                raise L.StoreUnavailable(
+                    f"{what}: cannot open {L.explain(e, L.commits_log(root, rank, W))}") from None
             self._open_files(root, o_direct, preallocate)
             if o_direct:
                 self._check_direct(mem_kind)
@@ -165,6 +189,9 @@ class RankStore:
                           "poll_seconds": 0.0, "poll_max": 0.0, "blocks": 0, "bad_blocks": 0,
                           "sum_seconds": 0.0}
                       for d in ("store", "load")}
+        # Failed jobs by cause (ENOSPC, EIO, short file, ...), and jobs in flight now.
+        self.stats["causes"] = collections.Counter()
+        self.stats["in_flight"] = 0
         logger.info("KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
                     "backend %s%s", rank, geo.num_slots, geo.slot_bytes, len(self._fds),
                     len(self.pages), backend, " O_DIRECT" if o_direct else "")
@@ -172,18 +199,34 @@ class RankStore:
     # ---- set-up --------------------------------------------------------------------------
     def _open_files(self, root: str, o_direct: bool, preallocate: bool) -> None:
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
+        what = f"vLLM KV store rank {self.rank}"
         for i in range(self.geo.num_files):
             path = L.slot_file(root, self.rank, self.geo.world_size, i)
-            fd = os.open(path, flags, 0o644)
-            self._fds.append(fd)
+            try:
+                fd = os.open(path, flags, 0o644)
+                self._fds.append(fd)
+                old = os.fstat(fd).st_size
+            except OSError as e:
+                raise L.StoreUnavailable(f"{what}: cannot open {L.explain(e, path)}") from None
             size = self.geo.file_slots(i) * self.geo.slot_bytes
-            if os.fstat(fd).st_size < size:
-                try:
-                    if not preallocate:
-                        raise OSError("preallocate off")
-                    os.posix_fallocate(fd, 0, size)
-                except OSError:
-                    os.ftruncate(fd, size)
+            if old >= size:
+                continue
+            try:
+                if preallocate:
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                        continue
+                    except OSError as e:
+                        if e.errno in L.NO_SPACE:
+                            os.ftruncate(fd, old)
+                            raise L.StoreUnavailable(
+                                f"{what}: cannot preallocate {size} B for "
+                                f"{L.explain(e, path)}. Free space, lower capacity_gb, or set "
+                                "preallocate to false (sparse slot files: stores then fail "
+                                "while the file system is full)") from None
+                os.ftruncate(fd, size)  # sparse: preallocate off or not supported here
+            except OSError as e:
+                raise L.StoreUnavailable(f"{what}: cannot size {L.explain(e, path)}") from None
 
     def _check_direct(self, mem_kind: str) -> None:
         mem_align, off_align = L.direct_alignment(self._fds[0])
@@ -291,6 +334,7 @@ class RankStore:
         if job.job_id in self._jobs:
             raise ValueError(f"job {job.job_id} is already in flight")
         self._jobs[job.job_id] = job
+        self.stats["in_flight"] = len(self._jobs)
         self._advance(job)
 
     def _start_sums(self, job: _Job):
@@ -327,6 +371,7 @@ class RankStore:
         """One step of a job (never waits); its Result once it is over. Phases: wait for the
         device work it follows, checksums (store; in the checksum thread), post, transfer,
         check (load; in the checksum thread), finish."""
+        failure, failed_in = None, ""
         try:
             if job.phase == "wait":
                 if job.ready is not None and not job.ready():
@@ -368,12 +413,22 @@ class RankStore:
             t = time.perf_counter()
             res = self._finish(job)
             job.post_s += time.perf_counter() - t
+            failure = None
         except Exception as e:  # noqa: BLE001 - the job is over, reported failed
-            logger.error("KV store rank %d: %s job %d failed: %s", self.rank,
-                         "store" if job.store else "load", job.job_id, e)
-            res = Result(job.job_id, job.store, False, error=str(e))
+            failure, failed_in = e, job.phase
         self._release(job)
+        if failure is not None:
+            error, cause = str(failure), _cause_of(failure)
+            if failed_in in ("post", "xfer") and not isinstance(failure, OSError):
+                # NIXL says only that the backend failed: look at the files for the cause.
+                found, cause = self._diagnose(job)
+                error = f"{error}; cause: {found}"
+            self.stats["causes"][cause] += 1
+            logger.error("KV store rank %d: %s job %d failed: %s", self.rank,
+                         "store" if job.store else "load", job.job_id, error)
+            res = Result(job.job_id, job.store, False, error=error)
         del self._jobs[job.job_id]
+        self.stats["in_flight"] = len(self._jobs)
         self._done.append(res)
         st = self.stats["store" if job.store else "load"]
         st["jobs"] += 1
@@ -406,8 +461,12 @@ class RankStore:
                                            [subs[j] for j in range(bpc)]))
             if self.durable:
                 for fi in sorted({self.geo.locate(int(s))[0] for s in job.slots}):
-                    os.fdatasync(self._fds[fi])
-            self._log.append(recs)
+                    try:
+                        os.fdatasync(self._fds[fi])
+                    except OSError as e:
+                        path = L.slot_file(self._root, self.rank, self.geo.world_size, fi)
+                        raise OSError(e.errno, f"fdatasync of {L.explain(e, path)}") from None
+            self._log.append(recs)  # whole or not at all (journal.AppendFailed)
             return res
         got = job.got
         bad = [i for i, (g, e) in enumerate(zip(got, job.expected)) if g != e]
@@ -417,8 +476,49 @@ class RankStore:
             logger.warning("KV store rank %d: load job %d: %d block(s) do not match their "
                            "checksum (slots %s)", self.rank, job.job_id, len(bad),
                            [s for s, _ in slots])
-            self._log.append([journal.damaged(s, g) for s, g in slots])
+            try:
+                self._log.append([journal.damaged(s, g) for s, g in slots])
+            except OSError as e:  # the blocks are still reported bad; only the record is lost
+                logger.error("KV store rank %d: DAMAGED record not written: %s", self.rank, e)
         return res
+
+    def _diagnose(self, job: _Job) -> tuple[str, str]:
+        """(what was found, cause name) for a job NIXL failed: each of its slots' length in
+        its file, a read of the slot's bytes and, for a store, a write of the same bytes back
+        (the slot belongs to this failed store: no commit names it), through a buffered fd of
+        the same file, until one fails. Runs after the job was released, only on failure."""
+        used = self.geo.blocks_per_chunk * sum(self.pages)
+        free = L.free_space(self._root)
+        for slot in sorted({int(s) for s in job.slots})[:8]:
+            fi, off = self.geo.locate(slot)
+            path = L.slot_file(self._root, self.rank, self.geo.world_size, fi)
+            try:
+                size = os.fstat(self._fds[fi]).st_size
+                if size < off + used:
+                    return (f"short file: {path} is {size} B, slot {slot} ends at byte "
+                            f"{off + used}", "short file")
+                fd = os.open(f"/proc/self/fd/{self._fds[fi]}", os.O_RDWR if job.store
+                             else os.O_RDONLY)
+                try:
+                    data = b""
+                    while len(data) < used:  # a short read, then the error (as the kernel does)
+                        got = os.pread(fd, used - len(data), off + len(data))
+                        if not got:
+                            return (f"short file: {path} ends at byte {off + len(data)}, "
+                                    f"inside slot {slot} ({off} to {off + used})", "short file")
+                        data += got
+                    if job.store:
+                        n = os.pwrite(fd, data, off)
+                        if n < used:
+                            return (f"short write: {path} took {n} of {used} B at byte {off} "
+                                    f"(slot {slot}); {free}", "short write")
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                return (f"{'writing' if job.store else 'reading'} slot {slot}: "
+                        f"{L.explain(e, path)}", _cause_of(e))
+        return (f"not found: the job's slot files can be read{' and written' if job.store else ''}"
+                f" now ({free}); the backend's log has its own message", "unknown")
 
     def _release(self, job: _Job) -> None:
         if job.handle is not None:
