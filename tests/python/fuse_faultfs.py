@@ -16,7 +16,10 @@ that blocks on this filesystem must not wait for a thread of the same interprete
 
     python fuse_faultfs.py MOUNTPOINT BACKING_FILE MODE
 
-MODE: "eio:OFF" - READs whose range contains byte OFF fail with EIO; "full" - no interference.
+MODE: "eio:OFF" - READs whose range contains byte OFF fail with EIO; "hang:OFF:SECONDS" - the
+first READ whose range contains byte OFF is answered only after SECONDS (the daemon serves
+nothing meanwhile: hung storage; it prints "HELD" when it starts holding); "full" - no
+interference.
 Prints "READY" once mounted; on unmount (or SIGTERM) prints one "STATS {json}" line and exits.
 """
 
@@ -29,6 +32,7 @@ import os
 import signal
 import struct
 import sys
+import time
 
 FUSE_LOOKUP, FUSE_FORGET, FUSE_GETATTR, FUSE_SETATTR = 1, 2, 3, 4
 FUSE_OPEN, FUSE_READ, FUSE_WRITE, FUSE_STATFS, FUSE_RELEASE = 14, 15, 16, 17, 18
@@ -53,6 +57,10 @@ class FaultFS:
         self.mnt, self.mode = mnt, mode
         self.bfd = os.open(backing, os.O_RDWR)
         self.eio_at = int(mode.split(":", 1)[1]) if mode.startswith("eio:") else None
+        self.hang_at, self.hang_s = None, 0.0
+        if mode.startswith("hang:"):
+            _, at, secs = mode.split(":")
+            self.hang_at, self.hang_s = int(at), float(secs)
         self.stats = {"reads": 0, "writes": 0, "eio": 0, "read_bytes": 0,
                       "written_bytes": 0}
         self.fd = os.open("/dev/fuse", os.O_RDWR)
@@ -97,6 +105,11 @@ class FaultFS:
             if self.eio_at is not None and off <= self.eio_at < off + size:
                 self.stats["eio"] += 1
                 return -errno.EIO, b""
+            if self.hang_at is not None and off <= self.hang_at < off + size:
+                self.hang_at = None
+                self.stats["hung"] = self.hang_s
+                print("HELD", flush=True)
+                time.sleep(self.hang_s)
             data = os.pread(self.bfd, size, off)
             self.stats["read_bytes"] += len(data)
             return 0, data
