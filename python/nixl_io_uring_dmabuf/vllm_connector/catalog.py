@@ -99,6 +99,10 @@ class Catalog:
         commits: dict[tuple[int, int], dict[int, journal.Record]] = collections.defaultdict(dict)
         for rank, reader in enumerate(self._readers):
             recs = reader.read_new()  # logs each damaged range it steps over
+            if reader.failing is not None:  # its generations are unknown: cannot start
+                self.close()
+                raise L.StoreUnavailable("vLLM KV store: cannot read "
+                                         + L.explain(reader.failing, reader.path))
             if reader.tail:
                 logger.warning("KV store: %s ends in %d byte(s) that are no whole record (a "
                                "torn append); ignored", reader.path, reader.tail)

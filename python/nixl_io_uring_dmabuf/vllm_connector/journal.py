@@ -150,23 +150,31 @@ class Reader:
         self.offset = 0
         self.skipped: list[tuple[int, int]] = []  # damaged ranges stepped over, absolute
         self.tail = 0  # bytes after the last valid record at the last read
+        self.failing: OSError | None = None  # why the last read could not read the file
 
     @property
     def damaged_at(self) -> int | None:
         return self.skipped[0][0] if self.skipped else None
 
     def read_new(self) -> list[Record]:
+        """The records appended since the last call. A journal that cannot be read now (EIO)
+        gives none, with one log line, and is read again next time."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return []
+        except OSError as e:
+            return self._unreadable(e)
         try:
             size = os.fstat(fd).st_size
             if size < self.offset:  # the writer cut a torn tail or a failed append
                 self.offset = size
             buf = os.pread(fd, size - self.offset, self.offset) if size > self.offset else b""
+        except OSError as e:
+            return self._unreadable(e)
         finally:
             os.close(fd)
+        self.failing = None
         recs, used, skipped = parse(buf)
         for off, n in skipped:
             logger.warning("KV store: %s: %d damaged byte(s) at byte %d skipped (the records "
@@ -176,6 +184,13 @@ class Reader:
         self.tail = len(buf) - used
         self.offset += used
         return recs
+
+    def _unreadable(self, e: OSError) -> list[Record]:
+        if self.failing is None:
+            logger.error("KV store: cannot read %s; its new records wait until it can be read",
+                         L.explain(e, self.path))
+        self.failing = e
+        return []
 
 
 _libc = None
