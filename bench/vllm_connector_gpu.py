@@ -56,6 +56,7 @@ if os.environ.get("IUD_VLLM_BENCH_TINY"):
 # The plugin's parameters that leave the engine's thread only the post: buffered writes and
 # cached reads go to the plugin's workers (docs/parameters.md).
 LIGHT = {"inline_write_max": "0", "page_cache_caller_reads": "false"}
+REUSES = "reuses"  # a variant key, not the connector's: the variant whose store it opens
 VARIANTS = {
     # name: (connector kind, NIXL backend, O_DIRECT[, backend parameters[, connector keys]])
     "plain": (None, None, False),
@@ -81,6 +82,9 @@ VARIANTS = {
     # give more at a deeper queue?)
     "iud-od-64buf": ("nixl", "IO_URING_DMABUF", True, {"staging_buffers": "64"}),
     "gds-od": ("nixl", "GDS_MT", True),
+    # a new engine on iud-pc-light's store (run it after iud-pc-light in the same call): the
+    # prefix hit from storage, then slots damaged after the engine's lookup, recomputed
+    "iud-reload": ("nixl", "IO_URING_DMABUF", False, LIGHT, {REUSES: "iud-pc-light"}),
     "fs-store": ("fs", None, True),
     "fs-load": ("fs", None, True),
 }
@@ -165,8 +169,10 @@ def test_prompts() -> list[tuple[str, list[int]]]:
 def kv_config(variant: str, work: str) -> dict | None:
     kind, backend, direct, *rest = VARIANTS[base_variant(variant)]
     params, extra = (list(rest) + [{}, {}])[:2]
+    extra = dict(extra)
     if kind is None:
         return None
+    store = os.path.join(work, f"store-{extra.pop(REUSES, variant)}")
     if kind == "fs":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {
@@ -181,9 +187,39 @@ def kv_config(variant: str, work: str) -> dict | None:
             "kv_connector_extra_config": {
                 "spec_name": "NixlStorageOffloadingSpec",
                 "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
-                "path": os.path.join(work, f"store-{variant}"), "capacity_gb": 24,
+                "path": store, "capacity_gb": 24,
                 "backend": backend, "o_direct": direct, "verify_on_lookup": False,
                 "backend_params": params, **extra}}
+
+
+def reuses(variant: str) -> str | None:
+    """The variant whose store this one opens, if not its own."""
+    return (list(VARIANTS[base_variant(variant)][3:]) + [{}, {}])[1].get(REUSES)
+
+
+def store_of(variant: str, work: str) -> str:
+    return os.path.join(work, f"store-{reuses(variant) or variant}")
+
+
+def damage_slots(store: str, every: int) -> list[int]:
+    """Zeroes the first 4 KiB of every `every`-th committed slot of rank 0 (from its journal),
+    behind a running engine's back: its scheduler still lists them, so the damage is found only
+    by the worker's check after the load. Returns the slots damaged."""
+    from nixl_io_uring_dmabuf.vllm_connector import journal, layout
+
+    with open(os.path.join(store, "store.json")) as f:
+        m = json.load(f)
+    with open(os.path.join(store, "rank0of1", "commits.log"), "rb") as f:
+        recs, _, _ = journal.parse(f.read())
+    slots = sorted({r.slot for r in recs if r.type == journal.COMMIT})[::every]
+    for s in slots:
+        fi, off = s % m["num_files"], (s // m["num_files"]) * m["slot_bytes"]
+        fd = os.open(layout.slot_file(store, 0, 1, fi), os.O_WRONLY)
+        try:
+            os.pwrite(fd, bytes(4096), off)
+        finally:
+            os.close(fd)
+    return slots
 
 
 class Engine:
@@ -244,7 +280,7 @@ class Engine:
             return len(glob.glob(os.path.join(self.work, "fs", "**", "*.bin"), recursive=True))
         from nixl_io_uring_dmabuf.vllm_connector import journal
 
-        path = os.path.join(self.work, f"store-{self.variant}", "rank0of1", "commits.log")
+        path = os.path.join(store_of(self.variant, self.work), "rank0of1", "commits.log")
         with open(path, "rb") as f:
             recs, _, _ = journal.parse(f.read())
         return sum(r.type == journal.COMMIT for r in recs)
@@ -485,6 +521,15 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
         ttft_round("tokens-recompute", CHECK_TOKENS)
         ttft_round("tokens-gpu-hit", CHECK_TOKENS)
         ttft_round("gpu-hit")
+    elif base_variant(variant) == "iud-reload":
+        ttft_round("hit-new-engine")   # storage -> GPU in an engine that stored nothing
+        eng.reset()
+        ttft_round("tokens-hit", CHECK_TOKENS)
+        eng.reset()
+        emit("damage", [], slots=damage_slots(store_of(variant, work), 97)[:50])
+        ttft_round("tokens-damaged", CHECK_TOKENS)  # failed loads: vLLM recomputes
+        eng.reset()
+        ttft_round("tokens-after-damage", CHECK_TOKENS)  # the damaged blocks are gone: misses
     elif variant == "fs-load":
         ttft_round("hit-1")            # fs -> CPU tier -> GPU (the CPU tier starts empty)
         eng.reset()
@@ -500,7 +545,7 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
                 ttft_round(f"hit-{i}")
             eng.reset()
             ttft_round("tokens-hit", CHECK_TOKENS)
-    if variant != "fs-load":
+    if variant != "fs-load" and only != "ttft":
         decode_rounds(eng, emit, stats)
     emit("end", [], wall_s=round(time.monotonic() - t0, 1))
 
@@ -555,11 +600,13 @@ def engines(a) -> int:
     os.makedirs(a.work, exist_ok=True)
     results = os.path.join(a.work, "results.jsonl")
     rc = 0
+    reused = {store_of(v, a.work) for v in a.variants if reuses(v)}
     for v in a.variants:
         if v == "fs-store":
             shutil.rmtree(os.path.join(a.work, "fs_r0"), ignore_errors=True)
-        store = os.path.join(a.work, f"store-{v}")
-        shutil.rmtree(store, ignore_errors=True)
+        store = store_of(v, a.work)
+        if not reuses(v):  # its own store, new
+            shutil.rmtree(store, ignore_errors=True)
         # an earlier engine's counters (run_variant)
         for d in ("/dev/shm", a.work, os.environ.get("IUD_VLLM_BENCH_STATS_DIR") or a.work):
             for old in glob.glob(os.path.join(d, f"iud-stats-{v}.*")):
@@ -570,7 +617,8 @@ def engines(a) -> int:
                            timeout=a.timeout)
         print(f"== {v}: rc {p.returncode}, {time.monotonic() - t0:.0f} s", flush=True)
         rc |= p.returncode
-        shutil.rmtree(store, ignore_errors=True)  # the disk holds one store at a time
+        if reuses(v) or store not in reused:  # the disk holds one store at a time
+            shutil.rmtree(store, ignore_errors=True)
     return rc
 
 
@@ -613,6 +661,8 @@ def report(a) -> int:
             ("(b) connector, IO_URING_DMABUF (engine-thread-light parameters), page-cache file",
              "iud-pc-light", ("hit-1", "hit-2")),
             ("(b) connector, GDS_MT, page-cache file", "gds-pc", ("hit-1", "hit-2")),
+            ("(b) connector, IO_URING_DMABUF, page-cache file, new engine", "iud-reload",
+             ("hit-new-engine",)),
             ("(c) connector, IO_URING_DMABUF, O_DIRECT file", "iud-od", ("hit-1", "hit-2")),
             ("(c) connector, GDS_MT, O_DIRECT file", "gds-od", ("hit-1", "hit-2")),
             ("(d) vLLM CPU offload + fs tier (O_DIRECT), new engine", "fs-load", ("hit-1",)),
@@ -660,6 +710,7 @@ def report(a) -> int:
             lines.append(f"| {r['variant']} | {r['round']} | {gbps(ld)} | {ld.get('jobs', 0)} | "
                          f"{per_job(ld, 'post_seconds')} | {per_job(ld, 'sum_seconds')} | "
                          f"{gbps(st)} | {st.get('jobs', 0)} | {ld.get('bad_blocks', 0)} |")
+    lines += token_table(recs, ref, gpu)
     lines += decode_table(recs)
     lines += ["", "Engine start-up (s): " + ", ".join(
         f"{r['variant']} {r['start_s']}" for r in recs if r["round"] == "start"),
@@ -672,6 +723,25 @@ def report(a) -> int:
             f.write(text)
     print(text)
     return 0
+
+
+def token_table(recs: list[dict], ref: dict, gpu: dict) -> list[str]:
+    """Every round that generated CHECK_TOKENS tokens per prompt: how many prompts got exactly
+    the tokens of recompute and of vLLM's own GPU prefix-cache hit, and the tokens vLLM
+    reported cached (a hit from storage counts them; a recompute does not)."""
+    out = ["", f"Tokens ({CHECK_TOKENS} greedy tokens per prompt) of every checking round:", "",
+           "| variant | round | equal recompute | equal GPU hit | cached tokens per prompt |",
+           "|---|---|---:|---:|---|"]
+    for r in recs:
+        if not r["round"].startswith("tokens-") or not r["rows"]:
+            continue
+        rows = r["rows"]
+        n = len(rows)
+        eq_r = sum(x["tokens"] == ref.get(x["prompt"]) for x in rows)
+        eq_g = sum(x["tokens"] == gpu.get(x["prompt"]) for x in rows)
+        cached = ", ".join(str(x["cached"]) for x in rows)
+        out.append(f"| {r['variant']} | {r['round']} | {eq_r}/{n} | {eq_g}/{n} | {cached} |")
+    return out
 
 
 def decode_table(recs: list[dict]) -> list[str]:
@@ -738,7 +808,8 @@ def main() -> int:
     e.add_argument("--model", required=True)
     e.add_argument("--work", required=True)
     e.add_argument("--timeout", type=int, default=400)
-    e.add_argument("--only", choices=["decode"], help="only the decode rounds")
+    e.add_argument("--only", choices=["decode", "ttft"],
+                   help="only the decode rounds, or only the time-to-first-token rounds")
     e.add_argument("variants", nargs="+", type=variant_name)
     r = sub.add_parser("report")
     r.add_argument("--work", required=True)
@@ -748,7 +819,7 @@ def main() -> int:
     c.add_argument("model")
     c.add_argument("work")
     c.add_argument("results")
-    c.add_argument("--only", choices=["decode"])
+    c.add_argument("--only", choices=["decode", "ttft"])
     a = ap.parse_args()
     if a.cmd == "model":
         make_model(a.dir)

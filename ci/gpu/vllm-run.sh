@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (issue 27), from the repository root, in steps that fit device calls:
+# Runs on the GPU machine, from the repository root, in steps that fit device calls:
 #   bash ci/gpu/vllm-run.sh stash            keep the parts of .device/vllm carried by this call
 #                                            (under $IUD_VLLM_HOME); unpack once all have come
 #   bash ci/gpu/vllm-run.sh model-bg         make the random Llama-3.1-8B-shaped model in the
@@ -23,11 +23,14 @@ setup_env() {
     [ -f "$H/.plugin-new" ] && cp -f "$H/.plugin-new" "$H/libplugin_IO_URING_DMABUF.so"
     cp -f "$H/libplugin_IO_URING_DMABUF.so" "$libs/iud-plugins/"
     export NIXL_PLUGIN_DIR=$libs/iud-plugins PYTHONPATH=$H/site:$PWD/python PYTHONUNBUFFERED=1
+    # vLLM 0.34 imports `cutlass` (vllm-prepare.sh): its folder, which a .pth would name in a
+    # site folder but not on PYTHONPATH.
+    [ -d "$H/site/nvidia_cutlass_dsl/dsl_packages" ] && PYTHONPATH+=:$H/site/nvidia_cutlass_dsl/dsl_packages
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export IO_URING_DMABUF_LOG=${IO_URING_DMABUF_LOG:-info} PYTHONHASHSEED=0
     export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-    # flashinfer is not carried: vLLM 0.33's sampler imports it unguarded unless this is 0
+    # flashinfer is not carried: vLLM 0.33/0.34's sampler imports it unguarded unless this is 0
     # (vllm/v1/sample/ops/topk_topp_sampler.py, flashinfer_sampler_supported).
     export VLLM_USE_FLASHINFER_SAMPLER=0
     # cuFile (GDS_MT behind the connector) needs udev data for the disk.
