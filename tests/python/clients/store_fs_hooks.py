@@ -67,7 +67,7 @@ def main(argv):
     elif what == "has-failed":
         st = stats(argv[2])
         sys.exit(0 if st.get("store", {}).get("failed", 0) >= int(argv[3])
-                 and st.get("in_flight") == 0 else 3)
+                 and st.get("in_flight", 0) == 0 else 3)
     elif what == "fill":
         fill(argv[2])
     elif what == "free":
