@@ -80,7 +80,7 @@ def test_wheel_carries_the_built_plugin(wheel):
     with open(E.PLUGIN_SO, "rb") as f:
         assert lib == f.read()
     assert "nixl_io_uring_dmabuf/lib/libplugin_IO_URING_DMABUF.so,sha256=" in record
-    assert "-py3-none-linux_" in os.path.basename(wheel)
+    assert "-py3-none-manylinux_2_" in os.path.basename(wheel)  # tests/python/test_wheel_tag.py
 
 
 @pytest.mark.parametrize("alias", ["GDS_MT", "POSIX", "GDS"])
