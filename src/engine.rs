@@ -6,7 +6,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use once_cell::sync::OnceCell;
@@ -54,7 +53,6 @@ pub struct Engine {
     registry: Registry,
     /// devIds of live path-mode FILE registrations (they must be unique per file).
     path_dev_ids: Mutex<HashSet<u64>>,
-    fixed_buffer_fallback_logged: AtomicBool,
     /// Set when a lock is found poisoned; every entry point checks it first.
     failure: Arc<Failure>,
     /// The GPU provider, loaded on the first VRAM registration.
@@ -117,7 +115,6 @@ impl Engine {
             routes_logged: Mutex::new(HashSet::new()),
             registry: Registry::default(),
             path_dev_ids: Mutex::new(HashSet::new()),
-            fixed_buffer_fallback_logged: AtomicBool::new(false),
             failure,
             gpu: OnceCell::new(),
             recorder,
@@ -159,9 +156,9 @@ impl Engine {
         }
         let want_fixed = self.params.fixed_buffers == FixedBuffers::Auto;
         // SAFETY: NIXL's contract: registered memory stays mapped until deregisterMem, and the
-        // region (with its pinned slots) is dropped only after deregistration and the release
-        // of every request using it.
-        let (mut region, fallback) = unsafe { DramRegion::register(Arc::clone(&self.ring), addr, len, dev_id, want_fixed) };
+        // region (with its pinned slots, taken on first use) is dropped only after
+        // deregistration and the release of every request using it.
+        let mut region = unsafe { DramRegion::register(Arc::clone(&self.ring), addr, len, dev_id, want_fixed) };
         match (self.params.dram_dmabuf, dmabuf_support()) {
             (DramDmabuf::On, DmabufSupport::Absent(why)) => {
                 return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: dram_dmabuf=on cannot work here: {why}")))
@@ -177,13 +174,6 @@ impl Engine {
                 }
             }
             _ => {}
-        }
-        if let Some(why) = fallback {
-            if !self.fixed_buffer_fallback_logged.swap(true, Ordering::Relaxed) {
-                tracing::info!("DRAM region 0x{addr:x}+{len} uses plain READ/WRITE instead of fixed buffers: {}; further fallbacks are logged at debug level", why.0);
-            } else {
-                tracing::debug!("DRAM region 0x{addr:x}+{len} uses plain READ/WRITE: {}", why.0);
-            }
         }
         Ok(region)
     }

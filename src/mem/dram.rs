@@ -3,9 +3,17 @@
 //! A region longer than the kernel's 1 GiB fixed-buffer limit takes several consecutive slots;
 //! the planner splits descriptors at slot boundaries. If the kernel refuses (file-backed
 //! mappings, RLIMIT_MEMLOCK, table full), the region uses plain READ/WRITE instead.
+//!
+//! The slots are taken when a request first plans I/O on the region, not in registerMem:
+//! pinning costs milliseconds (7 ms for 8 MiB on the 2-CPU VM), and in sync mode NONE NIXL
+//! runs its unlocked registration lists around registerMem, so every millisecond spent there
+//! widens a race that corrupts NIXL's heap (RELIABILITY.md, "Sync mode NONE", issue 48).
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+use once_cell::sync::OnceCell;
 
 use crate::error::{describe_os_error, Result};
 use crate::mem::dmabuf_slabs::{slab_ranges_of, DmabufSlabs, PAGE};
@@ -17,8 +25,11 @@ pub struct DramRegion {
     pub addr: u64,
     pub len: u64,
     pub dev_id: u64,
-    /// Fixed-buffer slots covering consecutive MAX_FIXED_BUFFER pieces from `addr`.
-    slots: Vec<u16>,
+    /// Whether the region should use fixed buffers (`fixed_buffers=auto`).
+    want_fixed: bool,
+    /// Fixed-buffer slots covering consecutive MAX_FIXED_BUFFER pieces from `addr`, taken on
+    /// first use (empty when refused).
+    slots: OnceCell<Vec<u16>>,
     /// The udmabuf export of the region (`dram_dmabuf`), when one was attempted.
     pub dmabuf: Option<DmabufSlabs>,
     ring: Arc<Ring>,
@@ -26,63 +37,64 @@ pub struct DramRegion {
 
 impl fmt::Debug for DramRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "DramRegion(0x{:x}+{}, slots {:?})", self.addr, self.len, self.slots)
+        write!(f, "DramRegion(0x{:x}+{}, slots {:?})", self.addr, self.len, self.slots.get())
     }
 }
 
-/// Why a region is not using fixed buffers.
-#[derive(Debug)]
-pub struct FixedBufferFallback(pub String);
-
 impl DramRegion {
-    /// Registers `[addr, addr+len)`; with `want_fixed`, also as fixed buffers. Returns the region
-    /// and, when fixed buffers were wanted but refused, the reason (for the caller to log).
+    /// Registers `[addr, addr+len)`; with `want_fixed`, the region takes fixed-buffer slots
+    /// the first time a request plans I/O on it ([`DramRegion::fixed_slot`]), or uses plain
+    /// READ/WRITE if the kernel refuses (logged then).
     ///
     /// # Safety
     /// The memory must stay mapped until the region is dropped (NIXL's registration contract:
     /// the application deregisters before freeing).
-    pub unsafe fn register(
-        ring: Arc<Ring>,
-        addr: u64,
-        len: u64,
-        dev_id: u64,
-        want_fixed: bool,
-    ) -> (DramRegion, Option<FixedBufferFallback>) {
-        let mut region = DramRegion { addr, len, dev_id, slots: Vec::new(), dmabuf: None, ring };
-        if !want_fixed {
-            return (region, None);
+    pub unsafe fn register(ring: Arc<Ring>, addr: u64, len: u64, dev_id: u64, want_fixed: bool) -> DramRegion {
+        DramRegion { addr, len, dev_id, want_fixed, slots: OnceCell::new(), dmabuf: None, ring }
+    }
+
+    /// Registers the region's fixed-buffer slots; none when not wanted or refused.
+    fn take_slots(&self) -> Vec<u16> {
+        let mut slots = Vec::new();
+        if !self.want_fixed {
+            return slots;
         }
-        let mut start = addr;
-        while start < addr + len {
-            let piece = (addr + len - start).min(MAX_FIXED_BUFFER);
-            // SAFETY: forwarded from the caller: the memory stays mapped while the region lives,
+        let mut start = self.addr;
+        while start < self.addr + self.len {
+            let piece = (self.addr + self.len - start).min(MAX_FIXED_BUFFER);
+            // SAFETY: `register`'s contract: the memory stays mapped while the region lives,
             // and the region releases every slot it took when dropped.
-            match unsafe { region.ring.register_buffer(start, piece) } {
-                Ok(slot) => region.slots.push(slot),
+            match unsafe { self.ring.register_buffer(start, piece) } {
+                Ok(slot) => slots.push(slot),
                 Err(e) => {
-                    region.release_slots();
+                    for slot in slots.drain(..) {
+                        self.ring.release_buffer(slot);
+                    }
                     let why = match e.raw_os_error() {
                         Some(libc::ENXIO) => "the ring has no fixed-buffer table".to_owned(),
                         Some(libc::ENOSPC) => "the ring's 16384 fixed-buffer slots are in use".to_owned(),
                         Some(libc::ENOMEM) => format!("{} (RLIMIT_MEMLOCK too small to pin the region?)", describe_os_error(&e)),
                         _ => format!("{} (file-backed or special mapping?)", describe_os_error(&e)),
                     };
-                    return (region, Some(FixedBufferFallback(why)));
+                    log_fallback(self.addr, self.len, &why);
+                    return slots;
                 }
             }
             start += piece;
         }
-        (region, None)
+        slots
     }
 
-    /// The fixed-buffer slot covering `addr` and the address where that slot ends.
+    /// The fixed-buffer slot covering `addr` and the address where that slot ends. The first
+    /// call registers the region's slots.
     pub fn fixed_slot(&self, addr: u64) -> Option<(u16, u64)> {
-        if self.slots.is_empty() || addr < self.addr || addr >= self.addr + self.len {
+        if !self.want_fixed || addr < self.addr || addr >= self.addr + self.len {
             return None;
         }
+        let slots = self.slots.get_or_init(|| self.take_slots());
         let i = ((addr - self.addr) / MAX_FIXED_BUFFER) as usize;
         let end = (self.addr + (i as u64 + 1) * MAX_FIXED_BUFFER).min(self.addr + self.len);
-        self.slots.get(i).map(|&s| (s, end))
+        slots.get(i).map(|&s| (s, end))
     }
 
     /// Exports the region through udmabuf in slabs of at most 1 GiB and at most udmabuf's
@@ -101,9 +113,19 @@ impl DramRegion {
     }
 
     fn release_slots(&mut self) {
-        for slot in self.slots.drain(..) {
+        for slot in self.slots.take().unwrap_or_default() {
             self.ring.release_buffer(slot);
         }
+    }
+}
+
+/// Logs a region's fallback to plain READ/WRITE: the first at info level, later ones at debug.
+fn log_fallback(addr: u64, len: u64, why: &str) {
+    static LOGGED: AtomicBool = AtomicBool::new(false);
+    if !LOGGED.swap(true, Ordering::Relaxed) {
+        tracing::info!("DRAM region 0x{addr:x}+{len} uses plain READ/WRITE instead of fixed buffers: {why}; further fallbacks are logged at debug level");
+    } else {
+        tracing::debug!("DRAM region 0x{addr:x}+{len} uses plain READ/WRITE: {why}");
     }
 }
 

@@ -55,7 +55,10 @@ pub struct FileRegion {
     /// The plugin opened the file (path mode) and closes it on drop.
     pub owned_path: Option<String>,
     key: FileKey,
-    fixed_slot: Option<u32>,
+    fixed_files: bool,
+    /// The ring's fixed-file slot, acquired when a request first plans I/O on the file (not in
+    /// registerMem, whose time widens NIXL's list race in sync mode NONE: mem/dram.rs).
+    fixed_slot: once_cell::sync::OnceCell<Option<u32>>,
     ring: Arc<Ring>,
     /// The cuFile handle, registered when the cuFile sub-path first targets this file.
     pub cufile: once_cell::sync::OnceCell<Arc<crate::gpu::cufile::CuFileHandle>>,
@@ -151,7 +154,6 @@ impl FileRegion {
         };
         let name = std::fs::read_link(format!("/proc/self/fd/{io_fd}")).map_or_else(|_| "?".to_owned(), |p| p.display().to_string());
         let key = FileKey { fd, dev: st.st_dev, ino: st.st_ino };
-        let fixed_slot = if fixed_files { ring.acquire_file(key, io_fd) } else { None };
         std::mem::forget(guard);
         Ok(FileRegion {
             kind,
@@ -167,7 +169,8 @@ impl FileRegion {
             readable: access == libc::O_RDONLY || access == libc::O_RDWR,
             owned_path,
             key,
-            fixed_slot,
+            fixed_files,
+            fixed_slot: once_cell::sync::OnceCell::new(),
             ring,
             cufile: once_cell::sync::OnceCell::new(),
         })
@@ -178,9 +181,10 @@ impl FileRegion {
         self.key
     }
 
-    /// How SQEs name this file.
+    /// How SQEs name this file. The first call acquires the fixed-file slot.
     pub fn file_ref(&self) -> FileRef {
-        match self.fixed_slot {
+        let slot = self.fixed_slot.get_or_init(|| if self.fixed_files { self.ring.acquire_file(self.key, self.io_fd) } else { None });
+        match *slot {
             Some(slot) => FileRef::Fixed(slot),
             None => FileRef::Raw(self.io_fd),
         }
@@ -223,7 +227,7 @@ impl Drop for FileRegion {
     fn drop(&mut self) {
         // cuFile's handle goes before the fd it names.
         drop(self.cufile.take());
-        if self.fixed_slot.is_some() {
+        if let Some(Some(_)) = self.fixed_slot.get() {
             self.ring.release_file(self.key);
         }
         // SAFETY: io_fd is this registration's own fd (the plugin's duplicate, or the fd it

@@ -186,7 +186,7 @@ mod tests {
         let workers = crate::uring::WorkerConfig { threads: 0, writers: crate::uring::WriterLimits::default(), spin_us: 0 };
         let ring = Arc::new(crate::uring::Ring::new(8, false, workers, Arc::default()).expect("ring"));
         // SAFETY: without fixed buffers the region only records the range; nothing touches it.
-        Registration::Dram(unsafe { crate::mem::DramRegion::register(ring, addr, len, 0, false) }.0)
+        Registration::Dram(unsafe { crate::mem::DramRegion::register(ring, addr, len, 0, false) })
     }
 
     #[test]

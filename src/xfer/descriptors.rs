@@ -408,7 +408,7 @@ mod tests {
         let mds: Vec<*const std::ffi::c_void> = (0..12u64)
             .map(|k| {
                 // SAFETY: without fixed buffers the region only records the range; nothing touches it.
-                let (r, _) = unsafe { crate::mem::DramRegion::register(Arc::clone(&ring), 0x100_0000 + (k << 20), 0x1_0000, 0, false) };
+                let r = unsafe { crate::mem::DramRegion::register(Arc::clone(&ring), 0x100_0000 + (k << 20), 0x1_0000, 0, false) };
                 registry.insert(Registration::Dram(r))
             })
             .collect();

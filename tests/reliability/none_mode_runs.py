@@ -2,10 +2,14 @@
 NONE"). Each run is one process of tests/python/concurrent_reg_child.py: one agent in sync mode
 NONE (nixl_agent_config(backends=[]) without a listen thread), 4 threads, each registering its
 own 16 MiB DRAM buffer and file, 3 verified WRITE/READ round trips of 64 x 64 KiB, then
-deregistering. The backends alternate run by run, so both see the same machine load.
+deregistering. With --shape issue48 each run is one process of
+tests/python/sync_none_shape_child.py instead (issue 48's client shape: single-threaded round
+trips first, then 4 threads each registering two fresh DRAM buffers and its file per round trip,
+64 descriptors of random sizes, reposts, whole-file checks). The backends alternate run by run,
+so both see the same machine load.
 
     .venv/bin/python tests/reliability/none_mode_runs.py [--runs 100] [--backends IO_URING_DMABUF,POSIX]
-        [--gdb-crashes N]
+        [--shape concreg|issue48] [--gdb-crashes N]
 
 Prints one line per run and a table: ok, error (exit 1: a NIXL error or a wrong byte, with its
 first line), crash (a signal, with glibc's message), timeout. With --gdb-crashes N, afterwards
@@ -28,7 +32,14 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHILD = os.path.join(HERE, "..", "python", "concurrent_reg_child.py")
+CHILDREN = {
+    # issue 16's pattern: one 16 MiB buffer and file registered per thread, 64 x 64 KiB
+    "concreg": (os.path.join(HERE, "..", "python", "concurrent_reg_child.py"), ["none", "{d}", "4", "3"]),
+    # issue 48's client shape: two fresh buffers and the file registered per round trip,
+    # 64 descriptors of random sizes, reposts, whole-file checks
+    "issue48": (os.path.join(HERE, "..", "python", "sync_none_shape_child.py"), ["{d}", "4", "3"]),
+}
+SHAPE = "concreg"
 # A run needs < 4 GiB; NIXL's POSIX backend with corrupted lists was seen allocating 23 GiB.
 CHILD_AS = 6 << 30
 
@@ -54,8 +65,13 @@ def classify(rc: int | None, err: str) -> tuple[str, str]:
     return "error", f"{'plugin' if plugin else 'NIXL'}: {first[:240]}"
 
 
+def child_args(backend: str, d: str) -> list[str]:
+    child, rest = CHILDREN[SHAPE]
+    return [sys.executable, child, backend] + [a.format(d=d) for a in rest]
+
+
 def one_run(backend: str, d: str) -> tuple[str, str]:
-    args = [sys.executable, CHILD, backend, "none", d, "4", "3"]
+    args = child_args(backend, d)
     try:
         p = subprocess.run(args, capture_output=True, text=True, timeout=180, preexec_fn=cap_memory)
     except subprocess.TimeoutExpired:
@@ -66,7 +82,7 @@ def one_run(backend: str, d: str) -> tuple[str, str]:
 def gdb_frames(backend: str, d: str) -> str | None:
     """Runs the child under gdb; the crashing thread's frames, or None when it did not crash."""
     cmd = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "handle SIGPIPE nostop",
-           "-ex", "run", "-ex", "bt 25", "--args", sys.executable, CHILD, backend, "none", d, "4", "3"]
+           "-ex", "run", "-ex", "bt 25", "--args"] + child_args(backend, d)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     if "received signal" not in out:
@@ -80,8 +96,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--backends", default="IO_URING_DMABUF,POSIX")
     ap.add_argument("--gdb-crashes", type=int, default=0)
+    ap.add_argument("--shape", choices=sorted(CHILDREN), default="concreg",
+                    help="concreg: issue 16's pattern (default); issue48: issue 48's client shape")
     ap.add_argument("--gdb-tries", type=int, default=0, help="runs under gdb per backend (default 10 x --gdb-crashes)")
     a = ap.parse_args()
+    global SHAPE
+    SHAPE = a.shape
     backends = a.backends.split(",")
     counts = {b: collections.Counter() for b in backends}
     examples = {b: collections.defaultdict(list) for b in backends}
