@@ -1,14 +1,15 @@
 """Remote READ benchmark: a storage node on host A serves scattered blocks to a client on host B.
 
-Two network namespaces joined by a veth pair stand for the two hosts (storage_node/testbed.py);
-UCX moves the bytes over TCP between them. Two storage nodes run side by side on host A, the same
-program with IO_URING_DMABUF and with NIXL's POSIX backend, serving the same file (in the page
-cache). For each block size the client asks each node for the same scattered blocks (random
-4 KiB-aligned file offsets) in one request, and also asks each node for a "net only" request:
-the same blocks and the same pipeline, but the node skips the storage read and sends its staging
-buffers as they are. That is the UCX-only ceiling: a DRAM -> DRAM transfer between the same two
-agents, through the same buffers and batches. Targets are interleaved within each round so that
-machine noise hits all of them alike; each point is the median of the rounds.
+Two network namespaces joined by a veth pair stand for the two hosts
+(python/nixl_io_uring_dmabuf/storage_node/testbed.py); UCX moves the bytes over TCP between them.
+Two storage nodes run side by side on host A, the same program with IO_URING_DMABUF and with NIXL's
+POSIX backend, serving the same file (in the page cache). For each block size the client asks each
+node for the same scattered blocks (random 4 KiB-aligned file offsets) in one request, and also
+asks each node for a "net only" request: the same blocks and the same pipeline, but the node skips
+the storage read and sends its staging buffers as they are. That is the UCX-only ceiling: a DRAM ->
+DRAM transfer between the same two agents, through the same buffers and batches. Targets are
+interleaved within each round so that machine noise hits all of them alike; each point is the
+median of the rounds.
 
 Run as root:  .venv/bin/python bench/remote_bench.py [--total 256M] [--rounds 5] [--out FILE.md]
 Every READ of the first round is verified byte for byte against the file.
@@ -26,10 +27,10 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "python"))
 
-from storage_node import nixlenv, testbed  # noqa: E402
-from storage_node.__main__ import size_arg  # noqa: E402
+from nixl_io_uring_dmabuf.storage_node import nixlenv, testbed  # noqa: E402
+from nixl_io_uring_dmabuf.storage_node.__main__ import size_arg  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -54,7 +55,7 @@ def client_main(a) -> None:
 
     import numpy as np
 
-    from storage_node import StorageClient
+    from nixl_io_uring_dmabuf.storage_node import StorageClient
 
     cfg = json.loads(a.client)
     total, path, fsize = cfg["total"], cfg["path"], cfg["file_size"]

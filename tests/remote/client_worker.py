@@ -17,7 +17,7 @@ import traceback
 
 import numpy as np
 
-from storage_node import NodeUnreachable, StorageClient, StorageError
+from nixl_io_uring_dmabuf.storage_node import NodeUnreachable, StorageClient, StorageError
 
 KiB, MiB = 1 << 10, 1 << 20
 BUF = 64 * MiB

@@ -20,9 +20,9 @@ import threading
 import pytest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "python"))
 
-from storage_node import nixlenv, testbed  # noqa: E402
+from nixl_io_uring_dmabuf.storage_node import nixlenv, testbed  # noqa: E402
 
 nixlenv.use_project_plugins()
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m storage_node serve|read|write|stats ...`` (see docs/remote-storage.md)."""
+"""Command line: ``python -m nixl_io_uring_dmabuf.storage_node serve|read|write|stats ...`` (see docs/remote-storage.md)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def cmd_stats(a) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m storage_node",
+    p = argparse.ArgumentParser(prog="python -m nixl_io_uring_dmabuf.storage_node",
                                 description="IO_URING_DMABUF storage node and client over NIXL (UCX + etcd or socket metadata)")
     sub = p.add_subparsers(dest="cmd", required=True)
 

@@ -19,7 +19,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The folder that holds the nixl_io_uring_dmabuf package (python/ in a checkout): the PYTHONPATH
+#: of the processes started here, so they import this same copy.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(PACKAGE_ROOT)
 A_IP, B_IP = "10.77.0.1", "10.77.0.2"
 
 
@@ -138,7 +141,7 @@ class Testbed:
         """Environment for a process on host "a" or "b": UCX over TCP on that host's veth only."""
         e = dict(os.environ)
         e.update(UCX_TLS=_tcp_tls(), UCX_NET_DEVICES=self.veth_a if host == "a" else self.veth_b,
-                 PYTHONPATH=REPO + os.pathsep + e.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+                 PYTHONPATH=PACKAGE_ROOT + os.pathsep + e.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
         e.update({k: str(v) for k, v in extra.items() if v is not None})
         for k, v in extra.items():
             if v is None:
@@ -179,7 +182,7 @@ class Testbed:
                    timeout: float = 60.0, env_extra: dict | None = None) -> tuple[subprocess.Popen, str]:
         """A storage node on host A; returns the process and the path of its stderr log."""
         log = os.path.join(self.tmp, f"node-{name}-{len(self.procs)}.log")
-        argv = [sys.executable, "-m", "storage_node", "serve", "--name", name]
+        argv = [sys.executable, "-m", "nixl_io_uring_dmabuf.storage_node", "serve", "--name", name]
         for e in exports:
             argv += ["--export", e]
         env = self.env("a", NIXL_ETCD_ENDPOINTS=etcd, **(env_extra or {}))
