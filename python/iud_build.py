@@ -43,7 +43,7 @@ def _project():
         summary = re.search(r'^description\s*=\s*"([^"]+)"', text, re.M).group(1)
         return {"name": name, "version": version, "description": summary,
                 "requires-python": ">=3.9",
-                "scripts": {"nixl-io-uring-dmabuf": f"{PACKAGE}.cli:main"}}
+                "scripts": {"nixl-io-uring-dmabuf": f"{PACKAGE}.tools.cli:main"}}
     p = tomllib.loads(text)["project"]
     return {"name": p["name"], "version": p["version"], "description": p["description"],
             "requires-python": p.get("requires-python", ""), "scripts": p.get("scripts", {})}

@@ -1,8 +1,17 @@
-"""IO_URING_DMABUF for NIXL: the plugin library and the tools that install it.
+"""IO_URING_DMABUF for NIXL: the plugin library, the tools that install it, and its integrations.
 
-`python -m nixl_io_uring_dmabuf install [--as GDS_MT|POSIX|GDS] [--plugin-dir D] [--uninstall]`
-puts the plugin where the installed nixl-cu12 / nixl-cu13 wheel's NIXL finds it; `doctor` says
-what a process would load; `bench` times a DRAM<->FILE round trip through NIXL.
+Tools (tools/): `python -m nixl_io_uring_dmabuf install [--as GDS_MT|POSIX|GDS] [--plugin-dir D]
+[--uninstall]` puts the plugin where the installed nixl-cu12 / nixl-cu13 wheel's NIXL finds it;
+`doctor` says what a process would load; `bench` times a DRAM<->FILE round trip through NIXL.
+
+Integrations, at the module paths client configurations name (docs/use-from-clients.md):
+- vllm_connector: vLLM's KV-offloading spec and connector (NixlStorageOffloadingSpec,
+  NixlStorageOffloadingConnector).
+- vllm_tier: a secondary tier for vLLM 0.33's KV-offload tiering (NixlFileTier).
+- lmcache: LMCache's storage plugin.
+
+storage_node/ serves files and block devices to other machines over UCX
+(`python -m nixl_io_uring_dmabuf.storage_node`, docs/remote-storage.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""`python -m nixl_io_uring_dmabuf`: the command line (see cli.py)."""
+"""`python -m nixl_io_uring_dmabuf`: the command line (see tools/cli.py)."""
 
 import sys
 
-from nixl_io_uring_dmabuf.cli import main
+from nixl_io_uring_dmabuf.tools.cli import main
 
 sys.exit(main())

@@ -17,7 +17,7 @@ import clients_env as E
 CHILD = r"""
 import json, os, sys
 from nixl._api import nixl_agent, nixl_agent_config
-from nixl_io_uring_dmabuf import roundtrip
+from nixl_io_uring_dmabuf.tools import roundtrip
 names, params, data = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 out = {}
 for rep in range(2):  # two agents each: the "serving as" line must still appear once per name
@@ -133,7 +133,7 @@ def test_query_mem_answers_as_nixl_posix_does(tmp_path):
 TELEMETRY = r"""
 import json, sys
 from nixl._api import nixl_agent, nixl_agent_config
-from nixl_io_uring_dmabuf.roundtrip import DramBuffer
+from nixl_io_uring_dmabuf.tools.roundtrip import DramBuffer
 import os
 a = nixl_agent("telem", nixl_agent_config(backends=[], capture_telemetry=True))
 a.create_backend("IO_URING_DMABUF")

@@ -29,7 +29,7 @@ CLIENT_PARAMS = {
 
 ROUND_TRIP = r"""
 import json, sys
-from nixl_io_uring_dmabuf import roundtrip
+from nixl_io_uring_dmabuf.tools import roundtrip
 names = json.loads(sys.argv[1]); params = json.loads(sys.argv[2]); out = {}
 a = roundtrip.new_agent("iud-install-test")
 for n in names:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import platform
 
-from nixl_io_uring_dmabuf import roundtrip
+from nixl_io_uring_dmabuf.tools import roundtrip
 
 # NIXL's POSIX picks its queue from these; without them it may fall back to libaio.
 _DEFAULT_PARAMS = {"POSIX": {"use_uring": "true"}}

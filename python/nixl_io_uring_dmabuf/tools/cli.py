@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(a: argparse.Namespace) -> int:
     if a.cmd == "install":
-        from nixl_io_uring_dmabuf.install import InstallError, install, uninstall
+        from nixl_io_uring_dmabuf.tools.install import InstallError, install, uninstall
 
         rerun = "python -m nixl_io_uring_dmabuf install" + "".join(
             f" --as {x}" for x in (a.aliases or [])) + (
@@ -84,11 +84,11 @@ def _run(a: argparse.Namespace) -> int:
             return 1
         return 0
     if a.cmd == "doctor":
-        from nixl_io_uring_dmabuf.doctor import report
+        from nixl_io_uring_dmabuf.tools.doctor import report
 
         return report(live=not a.no_live, directory=a.dir)
-    from nixl_io_uring_dmabuf import nixlenv
-    from nixl_io_uring_dmabuf.bench import bench
+    from nixl_io_uring_dmabuf.tools import nixlenv
+    from nixl_io_uring_dmabuf.tools.bench import bench
 
     env = nixlenv.check()
     if not env.ok:

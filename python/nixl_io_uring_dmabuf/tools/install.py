@@ -27,8 +27,9 @@ import os
 import shutil
 from typing import Callable
 
-from nixl_io_uring_dmabuf import ALIASES, PLUGIN_NAME, __version__, nixlenv, plugin_library
-from nixl_io_uring_dmabuf.locate import NixlWheel, find_wheels, wheel_for_folder
+from nixl_io_uring_dmabuf import ALIASES, PLUGIN_NAME, __version__, plugin_library
+from nixl_io_uring_dmabuf.tools import nixlenv
+from nixl_io_uring_dmabuf.tools.locate import NixlWheel, find_wheels, wheel_for_folder
 
 MANIFEST = ".iud-install.json"
 BACKUP_DIR = ".iud-backup"

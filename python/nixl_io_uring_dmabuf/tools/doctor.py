@@ -19,9 +19,10 @@ import subprocess
 import sys
 import tempfile
 
-from nixl_io_uring_dmabuf import ALIASES, PLUGIN_NAME, __version__, nixlenv, plugin_library
-from nixl_io_uring_dmabuf.install import MANIFEST, plugin_file, sha256
-from nixl_io_uring_dmabuf.locate import find_wheels
+from nixl_io_uring_dmabuf import ALIASES, PLUGIN_NAME, __version__, plugin_library
+from nixl_io_uring_dmabuf.tools import nixlenv
+from nixl_io_uring_dmabuf.tools.install import MANIFEST, plugin_file, sha256
+from nixl_io_uring_dmabuf.tools.locate import find_wheels
 
 
 def _owner(path: str, ours: str) -> str:
@@ -102,7 +103,7 @@ def report(live: bool = True, directory: str | None = None, out=print) -> int:
     out("live check (child process; one 1 MiB round trip per name):")
     env_vars = dict(os.environ)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        code = ("import sys, json\nfrom nixl_io_uring_dmabuf import roundtrip\n"
+        code = ("import sys, json\nfrom nixl_io_uring_dmabuf.tools import roundtrip\n"
                 "a = roundtrip.new_agent('iud-doctor')\n"
                 "for n in json.loads(sys.argv[1]):\n"
                 "    try:\n"
