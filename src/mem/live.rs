@@ -10,7 +10,7 @@
 //! because it acts on the descriptors, not the MDs; so does this index. Tokens are never
 //! reused, so a stale one can never name a newer registration.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -36,6 +36,11 @@ struct Index {
     longest: HashMap<MemKind, u64>,
     /// FILE and BLK: (kind, devId) -> the registrations with that devId, oldest first.
     storage: HashMap<(MemKind, u64), Vec<(usize, Arc<Registration>)>>,
+    /// DRAM and VRAM registrations that a newer live one overlaps. Their token is no longer
+    /// taken at its word: NIXL's damaged lists (sync mode NONE) can keep handing out the MD of a
+    /// registration whose memory was freed and mapped again at the same address, and its fixed
+    /// buffers or DMA-BUF still name the old pages; the newest covering registration serves.
+    superseded: HashSet<usize>,
 }
 
 /// What decides whether a registration covers a descriptor: its kind, devId and range. A copy
@@ -71,12 +76,12 @@ impl Index {
         match kind {
             MemKind::Dram | MemKind::Vram => {
                 let below = d.addr.saturating_sub(*self.longest.get(&kind)?);
-                // The newest registration that starts closest below the descriptor first.
+                // The newest registration that covers the descriptor.
                 self.memory
                     .range((kind, d.dev_id, below, 0)..=(kind, d.dev_id, d.addr, usize::MAX))
-                    .rev()
+                    .filter(|(_, r)| covers(r, kind, d))
+                    .max_by_key(|((.., token), _)| *token)
                     .map(|(_, r)| r)
-                    .find(|r| covers(r, kind, d))
             }
             _ => self.storage.get(&(kind, d.dev_id))?.iter().rev().map(|(_, r)| r).find(|r| covers(r, kind, d)),
         }
@@ -100,6 +105,14 @@ impl Registry {
         match kind {
             MemKind::Dram | MemKind::Vram => {
                 let (start, end) = reg.range();
+                let below = start.saturating_sub(ix.longest.get(&kind).copied().unwrap_or(0));
+                let older: Vec<usize> = ix
+                    .memory
+                    .range((kind, reg.dev_id(), below, 0)..(kind, reg.dev_id(), end, 0))
+                    .filter(|(_, r)| r.range().1 > start)
+                    .map(|((.., t), _)| *t)
+                    .collect();
+                ix.superseded.extend(older);
                 let longest = ix.longest.entry(kind).or_insert(0);
                 *longest = (*longest).max(end - start);
                 ix.memory.insert((kind, reg.dev_id(), start, token), Arc::clone(&reg));
@@ -116,6 +129,7 @@ impl Registry {
         let token = md as usize;
         let mut ix = self.index();
         let reg = ix.by_token.remove(&token)?;
+        ix.superseded.remove(&token);
         let kind = reg.kind();
         match kind {
             MemKind::Dram | MemKind::Vram => {
@@ -137,8 +151,9 @@ impl Registry {
     /// any that does. `Err(stale)` when none does; `stale` says whether the MD was not live.
     pub fn resolve(&self, kind: MemKind, d: &iud_desc) -> Result<Resolved, Unresolved> {
         let ix = self.index();
-        let hinted = ix.by_token.get(&(d.md as usize));
-        if let Some(r) = hinted.filter(|r| covers(r, kind, d)) {
+        let token = d.md as usize;
+        let hinted = ix.by_token.get(&token);
+        if let Some(r) = hinted.filter(|r| covers(r, kind, d) && !ix.superseded.contains(&token)) {
             return Ok(Resolved { reg: Arc::clone(r), by_hint: true });
         }
         if let Some(r) = ix.find(kind, d) {
@@ -207,6 +222,28 @@ mod tests {
         assert!(miss.md_live && miss.other_kind.is_none());
         assert!(r.resolve(MemKind::Vram, &d(0x20000, 0x10, 0, b)).err().unwrap().other_kind == Some(MemKind::Dram));
         assert!(r.resolve(MemKind::Dram, &d(0x20000, 0x10, 1, b)).is_err(), "devId must match");
+    }
+
+    #[test]
+    fn a_token_of_a_registration_a_newer_one_overlaps_is_not_taken_at_its_word() {
+        // NIXL's lists (sync mode NONE) lost the deregistration of `old`; its memory was freed
+        // and mapped again at the same address, and `new` registers it. NIXL may still hand
+        // out `old`'s MD for the new buffer: `new` (the current pages) serves it.
+        let r = Registry::default();
+        let old = r.insert(dram(0x10000, 0x8000));
+        let other = r.insert(dram(0x40000, 0x1000));
+        let new = r.insert(dram(0x10000, 0x8000));
+        let got = r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, old)).ok().unwrap();
+        assert!(!got.by_hint && Arc::ptr_eq(&got.reg, &r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new)).ok().unwrap().reg));
+        assert!(r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new)).ok().unwrap().by_hint);
+        // A newer registration starting lower and covering more wins over an older, closer one.
+        let wider = r.insert(dram(0xf000, 0xa000));
+        let got = r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new)).ok().unwrap();
+        assert!(!got.by_hint && Arc::ptr_eq(&got.reg, &r.resolve(MemKind::Dram, &d(0xf000, 0x10, 0, wider)).ok().unwrap().reg));
+        // Registrations nothing newer overlaps keep their fast path; removal forgets the mark.
+        assert!(r.resolve(MemKind::Dram, &d(0x40000, 0x10, 0, other)).ok().unwrap().by_hint);
+        assert!(r.remove(old).is_some() && r.remove(new).is_some());
+        assert!(r.resolve(MemKind::Dram, &d(0x11000, 0x10, 0, wider)).ok().unwrap().by_hint);
     }
 
     #[test]
