@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(REPO, "tests", "python", "clients"))
+sys.path[:0] = [os.path.join(REPO, "tests", "python", "clients"), os.path.join(REPO, "python")]
 import clients_env as E  # noqa: E402
 
 GEOMETRY = {"layers": 16, "tokens": 256, "heads": 8, "head_dim": 64}  # Llama-3.2-1B: 8 MiB chunks

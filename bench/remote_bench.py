@@ -29,7 +29,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "python"))
 
-from nixl_io_uring_dmabuf.storage_node import nixlenv, testbed  # noqa: E402
+from nixl_io_uring_dmabuf.storage_node import nixl_runtime, testbed  # noqa: E402
 from nixl_io_uring_dmabuf.storage_node.__main__ import size_arg  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -136,7 +136,7 @@ def main() -> int:
         client_main(a)
         return 0
 
-    nixlenv.use_project_plugins()
+    nixl_runtime.use_project_plugins()
     if not testbed.plugin_dir_ready():
         sys.exit("no plugin folder with IO_URING_DMABUF: run bash ci/build.sh")
     blocks = [size_arg(b) for b in a.blocks.split(",")]

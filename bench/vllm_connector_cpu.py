@@ -27,7 +27,7 @@ import sys
 import tempfile
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(REPO, "tests", "python", "clients"))
+sys.path[:0] = [os.path.join(REPO, "tests", "python", "clients"), os.path.join(REPO, "python")]
 import clients_env as E  # noqa: E402
 import vllm_engine as VE  # noqa: E402
 

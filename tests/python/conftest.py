@@ -14,28 +14,19 @@ from __future__ import annotations
 import ctypes
 import gc
 import glob
-import importlib.util
 import os
 import sys
 import tempfile
+
+from nixl_io_uring_dmabuf.tools.locate import first_wheel
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-def _wheel_libs():
-    for mod in ("nixl_cu12", "nixl_cu13"):
-        spec = importlib.util.find_spec(mod)
-        if spec and spec.origin:
-            site = os.path.dirname(os.path.dirname(spec.origin))
-            libs = os.path.join(site, "." + mod + ".mesonpy.libs")
-            if os.path.isdir(libs):
-                return libs, os.path.join(site, mod + ".libs")
-    return None, None
-
-
 def _setup_plugin_dir():
-    libs, bundled = _wheel_libs()
+    wheel = first_wheel()
+    libs, bundled = (wheel.libs, wheel.bundled) if wheel else (None, None)
     plugin_dir = os.environ.get("IUD_PLUGIN_DIR") or (
         os.path.join(libs, "iud-plugins") if libs else "")
     if not os.path.isdir(plugin_dir) and libs:

@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from nixl_io_uring_dmabuf.tools.locate import first_wheel
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 BACKENDS = "IO_URING_DMABUF,POSIX:use_uring=true,POSIX:use_aio=true"
@@ -50,9 +52,9 @@ def iud_bench():
 def _env():
     """Our environment plus the wheel's library folder (libnixl_capi.so, which iud-bench loads)."""
     env = dict(os.environ)
-    libs = next((os.path.join(os.path.dirname(os.path.dirname(s.origin)), f".{m}.mesonpy.libs")
-                 for m in ("nixl_cu12", "nixl_cu13") if (s := importlib.util.find_spec(m)) and s.origin), None)
-    assert libs and os.path.isdir(libs), "no nixl_cu12/nixl_cu13 wheel in this Python"
+    wheel = first_wheel()
+    assert wheel, "no nixl_cu12/nixl_cu13 wheel in this Python"
+    libs = wheel.libs
     env["LD_LIBRARY_PATH"] = libs + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     return env
 

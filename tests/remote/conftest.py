@@ -22,9 +22,9 @@ import pytest
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "python"))
 
-from nixl_io_uring_dmabuf.storage_node import nixlenv, testbed  # noqa: E402
+from nixl_io_uring_dmabuf.storage_node import nixl_runtime, testbed  # noqa: E402
 
-nixlenv.use_project_plugins()
+nixl_runtime.use_project_plugins()
 
 WORKER = os.path.join(os.path.dirname(__file__), "client_worker.py")
 MiB = 1 << 20

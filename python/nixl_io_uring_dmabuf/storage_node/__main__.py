@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from . import nixlenv
+from . import nixl_runtime
 
 MiB = 1 << 20
 
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
 
     a = p.parse_args(argv)
     if a.cmd == "serve" and a.port is None and not a.no_listen:
-        a.port = nixlenv.default_comm_port()
+        a.port = nixl_runtime.default_comm_port()
     return a.fn(a)
 
 

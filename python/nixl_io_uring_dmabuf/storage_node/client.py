@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from . import nixlenv
+from . import nixl_runtime
 from . import protocol as P
 
 
@@ -83,14 +83,14 @@ class StorageClient:
                  timeout: float = 60.0, connect_timeout: float = 10.0, ping_interval: float = 1.0,
                  listen_port: int = 0):
         self.node, self.node_addr = node, node_addr
-        if node_addr is None and not nixlenv.etcd_configured():
+        if node_addr is None and not nixl_runtime.etcd_configured():
             raise ValueError("give node_addr=(ip, port) or set NIXL_ETCD_ENDPOINTS")
         self.md = "p2p" if node_addr else "etcd"
         self.timeout, self.connect_timeout, self.ping_interval = timeout, connect_timeout, ping_interval
         self.instance = secrets.token_hex(6)
         self.name = name or f"iuds-client-{socket.gethostname()}-{os.getpid()}-{self.instance}"
-        nixlenv.use_project_plugins()
-        api = nixlenv.import_nixl()
+        nixl_runtime.use_project_plugins()
+        api = nixl_runtime.import_nixl()
         import nixl._bindings as b
 
         nixl_agent_config, nixl_thread_sync_t = api.nixl_agent_config, api.nixl_thread_sync_t
@@ -101,7 +101,7 @@ class StorageClient:
         cfg = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=node_addr is not None,
                                 listen_port=listen_port, backends=["UCX"],
                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self.agent = nixlenv.make_agent(self.name, cfg, nixlenv.progress_delay_us())
+        self.agent = nixl_runtime.make_agent(self.name, cfg, nixl_runtime.progress_delay_us())
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX plugin did not load (NIXL_LOG_LEVEL=INFO says why)")
         # NIXL's STRICT sync mode makes the agent itself thread safe; _lock guards this object's

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import nixlenv, plan
+from . import nixl_runtime, plan
 from . import protocol as P
 from .exports import Export
 from .pool import BufferPool
@@ -97,10 +97,10 @@ class StorageNode:
         self.backend_params = dict(backend_params or {})
         self.nbuf, self.buf_size, self.pool_mem, self.gpu = buffers, buffer_size, pool_mem, gpu
         self.listen_port = listen_port
-        self.publish_etcd = nixlenv.etcd_configured() if publish_etcd is None else publish_etcd
+        self.publish_etcd = nixl_runtime.etcd_configured() if publish_etcd is None else publish_etcd
         self.stall_timeout, self.client_lease, self.md_timeout = stall_timeout, client_lease, md_timeout
         self.allow_net_only = allow_net_only
-        self.progress_delay_us = nixlenv.progress_delay_us() if progress_delay_us is None else progress_delay_us
+        self.progress_delay_us = nixl_runtime.progress_delay_us() if progress_delay_us is None else progress_delay_us
         self.agent = None
         self.pool: BufferPool | None = None
         self.active: list[Active] = []
@@ -115,15 +115,15 @@ class StorageNode:
     # ---- life cycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        nixlenv.use_project_plugins()
-        api = nixlenv.import_nixl()
+        nixl_runtime.use_project_plugins()
+        api = nixl_runtime.import_nixl()
         nixl_agent_config = api.nixl_agent_config
 
         self._errors = _nixl_errors()
         listen = self.listen_port is not None
         cfg = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=listen,
                                 listen_port=self.listen_port or 0, backends=[])
-        self.agent = nixlenv.make_agent(self.name, cfg, self.progress_delay_us)
+        self.agent = nixl_runtime.make_agent(self.name, cfg, self.progress_delay_us)
         plugins = self.agent.get_plugin_list()
         for need in ("UCX", self.backend):
             if need not in plugins:

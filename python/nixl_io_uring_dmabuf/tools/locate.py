@@ -4,6 +4,10 @@ The nixl-cu12 / nixl-cu13 wheels (1.3-1.5) put libnixl.so in site-packages/.nixl
 and the backend plugins in its plugins/ subfolder. libnixl finds that folder through dladdr on
 itself (NIXL src/core/nixl_plugin_manager.cpp, getPluginDir), so it is the folder NIXL reads when
 NIXL_PLUGIN_DIR is not set. NIXL_PLUGIN_DIR, when set, replaces it.
+
+This is the one place that knows that layout: the installer, doctor, the storage node and the
+tests all ask here. It imports nothing but the standard library, so it can run before NIXL is
+imported (NIXL's plugin manager is a process singleton that reads NIXL_PLUGIN_DIR once).
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ class NixlWheel:
     site: str  # the site-packages folder holding it
     libs: str  # .nixl_cuXX.mesonpy.libs: libnixl.so and friends
     plugins: str  # libs/plugins: the default plugin folder
+
+    @property
+    def bundled(self) -> str:
+        """nixl_cuXX.libs: the libraries the wheel carries for its plugins (liburing, libaio...)."""
+        return os.path.join(self.site, f"{self.module}.libs")
 
     def plugin_names(self) -> list[str]:
         return sorted(os.path.basename(p)[len("libplugin_"):-3]
@@ -43,6 +52,13 @@ def find_wheels() -> list[NixlWheel]:
         if os.path.isfile(os.path.join(libs, "libnixl.so")):
             found.append(NixlWheel(mod, site, libs, os.path.join(libs, "plugins")))
     return found
+
+
+def first_wheel() -> NixlWheel | None:
+    """The wheel `import nixl` takes without a CUDA build of torch (nixl_cu13, else nixl_cu12);
+    None when neither is installed."""
+    wheels = find_wheels()
+    return wheels[0] if wheels else None
 
 
 def wheel_for_folder(folder: str, wheels: list[NixlWheel]) -> NixlWheel | None:

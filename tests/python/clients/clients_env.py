@@ -11,11 +11,12 @@ libraries through RPATH $ORIGIN/.. inside the copy too.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+
+from nixl_io_uring_dmabuf.tools.locate import first_wheel
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 TARGET = os.environ.get("CARGO_TARGET_DIR") or os.path.join(REPO, "target")
@@ -24,10 +25,9 @@ PLUGIN_SO = os.path.join(TARGET, "release", "libio_uring_dmabuf.so")
 
 def wheel_module() -> tuple[str, str]:
     """(module, site-packages) of the NIXL wheel in the test interpreter."""
-    for mod in ("nixl_cu12", "nixl_cu13"):
-        spec = importlib.util.find_spec(mod)
-        if spec and spec.origin:
-            return mod, os.path.dirname(os.path.dirname(spec.origin))
+    wheel = first_wheel()
+    if wheel:
+        return wheel.module, wheel.site
     raise RuntimeError("no nixl_cu12/nixl_cu13 wheel in the test venv (run ci/setup.sh)")
 
 

@@ -13,20 +13,15 @@ when an agent is created), and through NIXL's socket listener (``send_local_meta
 
 from __future__ import annotations
 
-import importlib.util
 import os
+
+from ..tools.locate import first_wheel
 
 
 def wheel_libs() -> str | None:
-    """The wheel's library folder (``.nixl_cu12.mesonpy.libs`` or the cu13 one), if installed."""
-    for mod in ("nixl_cu12", "nixl_cu13"):
-        spec = importlib.util.find_spec(mod)
-        if spec and spec.origin:
-            site = os.path.dirname(os.path.dirname(spec.origin))
-            libs = os.path.join(site, "." + mod + ".mesonpy.libs")
-            if os.path.isdir(libs):
-                return libs
-    return None
+    """The NIXL wheel's library folder (``.nixl_cu13.mesonpy.libs`` or the cu12 one), if installed."""
+    w = first_wheel()
+    return w.libs if w else None
 
 
 def use_project_plugins() -> str | None:
