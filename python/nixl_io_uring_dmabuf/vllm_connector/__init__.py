@@ -11,12 +11,13 @@ DRAM on vLLM's CPU platform) and slot files; the scheduler keeps an index of com
 that a new engine rebuilds from the store's journals. docs/vllm-connector.md has the
 parameters, the store format and the limits.
 
-Modules: config (parameters), layout (geometry, files, manifest), journal (records),
-checksum, catalog (the scheduler's index; no vLLM), rankstore (one rank's NIXL transfers; no
-vLLM), versions (supported vLLM releases and their worker API), kv_views (vLLM's KV memory and
-a job's device side as KV rows), specs (load/store specs), manager, worker, spec,
-connector (the subclass that reports damaged loads to vLLM for recomputation). The vLLM-facing
-names load lazily, so the store's own modules import without vLLM.
+Modules: config (parameters), layout (geometry, files, manifest), journal (records), checksum,
+catalog (the scheduler's index; no vLLM), rankstore (one rank's NIXL transfers; no vLLM),
+versions (supported vLLM releases and their worker API), kv_views (vLLM's KV memory and a job's
+device side as KV rows), load_store_specs (what a job hands the workers), manager, worker, spec
+(the OffloadingSpec vLLM loads), connector (the subclass that reports damaged loads to vLLM for
+recomputation). The vLLM-facing names load lazily, so the store's own modules import without
+vLLM.
 """
 
 from __future__ import annotations

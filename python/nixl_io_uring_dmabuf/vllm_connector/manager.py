@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from .catalog import Catalog
-from .specs import NixlLoadSpec, NixlStoreSpec
+from .load_store_specs import NixlLoadSpec, NixlStoreSpec
 
 
 # vLLM 0.34 dropped OffloadingManager.touch(): offering a stored block again marks it used.

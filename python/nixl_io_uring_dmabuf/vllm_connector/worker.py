@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from . import checksum
 from .kv_views import BlockRun, PointerMap, regions_of, run_of_block_ids
 from .rankstore import RankStore, Result
-from .specs import NixlLoadSpec, NixlStoreSpec
+from .load_store_specs import NixlLoadSpec, NixlStoreSpec
 from .stats_file import StatsFile
 
 logger = logging.getLogger(__name__)
