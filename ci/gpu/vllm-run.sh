@@ -14,6 +14,9 @@ H=${IUD_VLLM_HOME:-/root/iud-vllm}
 OUT=${OUT:-/tmp/iud-vllm-out}
 MODEL=$H/model
 WORK=$H/work
+# The package and benchmark to run: this checkout's, or a snapshot of a commit carried in an
+# ignored folder (IUD_SRC=.device/snap), when the checkout may hold work in progress.
+SRC=$(realpath "${IUD_SRC:-.}")
 mkdir -p "$H/parts" "$OUT" "$WORK"
 
 setup_env() {
@@ -22,7 +25,7 @@ setup_env() {
     for p in "$libs"/plugins/libplugin_*.so; do ln -sf "../plugins/$(basename "$p")" "$libs/iud-plugins/"; done
     [ -f "$H/.plugin-new" ] && cp -f "$H/.plugin-new" "$H/libplugin_IO_URING_DMABUF.so"
     cp -f "$H/libplugin_IO_URING_DMABUF.so" "$libs/iud-plugins/"
-    export NIXL_PLUGIN_DIR=$libs/iud-plugins PYTHONPATH=$H/site:$PWD/python PYTHONUNBUFFERED=1
+    export NIXL_PLUGIN_DIR=$libs/iud-plugins PYTHONPATH=$H/site:$SRC/python PYTHONUNBUFFERED=1
     # vLLM 0.34 imports `cutlass` (vllm-prepare.sh): its folder, which a .pth would name in a
     # site folder but not on PYTHONPATH.
     [ -d "$H/site/nvidia_cutlass_dsl/dsl_packages" ] && PYTHONPATH+=:$H/site/nvidia_cutlass_dsl/dsl_packages
@@ -60,10 +63,10 @@ engines() {
     { date -u; nvidia-smi -L; df -h /root | tail -1; } 2>&1 | tee -a "$OUT/vllm-machine.txt"
     for _ in $(seq 1 150); do [ -f "$MODEL/.complete" ] && break; sleep 2; done
     tail -n 2 "$H/model.log" 2>/dev/null
-    python3 bench/vllm_connector_gpu.py engines --model "$MODEL" --work "$WORK" "$@" 2>&1 \
+    python3 "$SRC/bench/vllm_connector_gpu.py" engines --model "$MODEL" --work "$WORK" "$@" 2>&1 \
         | tee -a "$OUT/vllm-engines.log" | grep -E '^\[|^==|Error|error|Traceback' | cut -c1-600
     local r=${PIPESTATUS[0]}
-    python3 bench/vllm_connector_gpu.py report --work "$WORK" --out "$OUT/vllm-gpu.md" >/dev/null
+    python3 "$SRC/bench/vllm_connector_gpu.py" report --work "$WORK" --out "$OUT/vllm-gpu.md" >/dev/null
     cp -f "$WORK/results.jsonl" "$OUT/" 2>/dev/null
     return "$r"
 }
@@ -74,12 +77,12 @@ while [ $# -gt 0 ]; do
     case "$step" in
     stash) stash || rc=1 ;;
     model-bg)
-        [ -f "$MODEL/.complete" ] || setsid nohup python3 bench/vllm_connector_gpu.py model "$MODEL" \
+        [ -f "$MODEL/.complete" ] || setsid nohup python3 "$SRC/bench/vllm_connector_gpu.py" model "$MODEL" \
             > "$H/model.log" 2>&1 < /dev/null &
         ;;
     engines) engines "$@" || rc=1; break ;;   # the rest of the arguments are variants
     report)
-        python3 bench/vllm_connector_gpu.py report --work "$WORK" --out "$OUT/vllm-gpu.md" || rc=1
+        python3 "$SRC/bench/vllm_connector_gpu.py" report --work "$WORK" --out "$OUT/vllm-gpu.md" || rc=1
         cp -f "$WORK/results.jsonl" "$OUT/" 2>/dev/null
         ;;
     *) echo "unknown step $step"; rc=2 ;;
