@@ -58,7 +58,8 @@ def one_round(a, files: int, chunk: int, maps, regions, saved, root: str) -> dic
                      max_file_bytes=64 << 30, slot_files=files)
     params = {**(IUD_DEFAULT_PARAMS if a.backend == "IO_URING_DMABUF" else {}),
               **dict(p.split("=", 1) for p in a.param)}  # the connector's defaults
-    store = R.RankStore(root, geo, 0, regions, "DRAM", backend=a.backend, backend_params=params,
+    store = R.RankStore(root, geo, 0, regions, "DRAM",
+                        R.StoreOptions(backend=a.backend, backend_params=params),
                         block_sums=lambda ids: [0] * len(ids))
     firsts = range(0, a.blocks, a.job_blocks)
     ids = [list(range(f, min(a.blocks, f + a.job_blocks))) for f in firsts]

@@ -57,8 +57,8 @@ def geometry(slots: int, bpc: int = 1, world: int = 1) -> L.Geometry:
 
 
 def open_rank(root, geo, kv, backend, rank=0, **kw) -> R.RankStore:
-    return R.RankStore(str(root), geo, rank, kv.regions, "DRAM", backend=backend,
-                       backend_params=H.default_params(backend), **kw)
+    return R.RankStore(str(root), geo, rank, kv.regions, "DRAM",
+                       R.StoreOptions(backend=backend, backend_params=H.default_params(backend), **kw))
 
 
 def key(i: int) -> bytes:

@@ -1,23 +1,20 @@
-"""One rank's half of the store: its slot files and commit journal, and the NIXL agent that
-moves blocks between the engine's KV memory and those files. No vLLM and no torch in here: KV
-memory comes as regions (address, row stride, rows, page bytes, device) and checksums from a
-callable, so the same code serves vLLM's tensors (VRAM or DRAM) and the unit tests' buffers.
+"""One rank's half of the store: its slot files and commit journal, and the jobs that move blocks
+between the engine's KV memory and those files. No vLLM and no torch in here: KV memory comes as
+regions (address, row stride, rows, page bytes, device) and checksums from a callable, so the
+same code serves vLLM's tensors (VRAM or DRAM) and the unit tests' buffers.
 
-Set-up, once: the KV regions are registered with NIXL (DRAM or VRAM), each slot file once as
-FILE (fd mode), and two descriptor lists are prepped: every (block, page) of the KV memory and
-every (slot, sub-block, page) of the files. A job is one `make_prepped_xfer` by indices, posted
-when its `ready` callable says the device work it must follow is done (never waited for), polled
-by `poll()`, then released. A store's COMMIT records (with the checksums computed from the KV
-memory before the transfer) are appended only after the transfer is DONE - after fdatasync of
-the slot files when `durable`. A load is checked against the expected checksums after it is
-DONE; a block that does not match is reported and gets a DAMAGED record.
+Set-up, once: the rank's folder is locked, its slot files opened and sized, and the NIXL side
+(transfers.RankTransfers) registers the KV memory and the files and preps their descriptor
+lists. A job is one `make_prepped_xfer` by indices, posted when its `ready` callable says the
+device work it must follow is done (never waited for), polled by `poll()`, then released; it
+goes through the phases of `Phase`. A store's COMMIT records (with the checksums computed from
+the KV memory before the transfer) are appended only after the transfer is DONE - after
+fdatasync of the slot files when `durable`. A load is checked against the expected checksums
+after it is DONE; a block that does not match is reported and gets a DAMAGED record.
 
-A failed job's error names its cause where the file system shows one: NIXL's Python API returns
-only a status (NIXL_ERR_BACKEND), so after a failed transfer this side looks at the job's slot
-files itself (their length, then a read of each slot and, for a store, a write of those same
-bytes back into the slot, which no commit names) and adds what that finds (ENOSPC with the free
-space, EIO, a short file) to the error and the log line. Set-up failures of the store's files
-(full or read-only file system) are one StoreUnavailable line naming path and cause.
+A failed job's error names its cause where the file system shows one (diagnosis.py). Set-up
+failures of the store's files (full or read-only file system) are one StoreUnavailable line
+naming path and cause.
 """
 
 from __future__ import annotations
@@ -26,17 +23,18 @@ import collections
 import concurrent.futures
 import ctypes
 import dataclasses
-import errno
+import enum
 import logging
 import os
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from . import checksum, journal
 from . import layout as L
+from .diagnosis import cause_of, diagnose
+from .transfers import RankTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +72,28 @@ class HostRows:
         return out
 
 
+class Phase(enum.Enum):
+    """Where a job is. RankStore._advance moves a job forward through these, never back, and
+    returns at once where it would have to wait."""
+    WAIT = "wait"      # for the device work the job follows (its `ready` callable)
+    SUMS = "sums"      # store: the KV rows' checksums (checksum thread, or queued on the device)
+    POST = "post"      # make_prepped_xfer and transfer
+    XFER = "xfer"      # NIXL moves the bytes (check_xfer_state)
+    CHECK = "check"    # load: the checksums of what arrived
+    FINISH = "finish"  # store: COMMIT records; load: compare, DAMAGED records
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """How a rank's files are written and which NIXL backend moves the bytes (the connector's
+    parameters of the same names, docs/vllm-connector.md)."""
+    backend: str = "IO_URING_DMABUF"
+    backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    o_direct: bool = False
+    durable: bool = False
+    preallocate: bool = True
+
+
 @dataclasses.dataclass
 class Result:
     job_id: int
@@ -100,45 +120,27 @@ class _Job:
     handle: object = None
     t0: float = 0.0
     post_s: float = 0.0  # time the engine's thread spent starting and finishing it
-    phase: str = "wait"
+    phase: Phase = Phase.WAIT
     future: object = None
     got: list[int] = dataclasses.field(default_factory=list)
 
 
-def _merge(regions: Sequence[Region]) -> list[tuple[int, int, int]]:
-    """Registration ranges (addr, length, dev): the regions' extents merged where they touch,
-    so views into one allocation are registered as that allocation once."""
-    spans = sorted((r.dev, r.addr, r.addr + (r.num_blocks - 1) * r.stride + r.page)
-                   for r in regions)
-    out: list[list[int]] = []
-    for dev, a, e in spans:
-        if out and out[-1][2] == dev and a <= out[-1][0] + out[-1][1]:
-            out[-1][1] = max(out[-1][1], e - out[-1][0])
-        else:
-            out.append([a, e - a, dev])
-    return [(a, n, d) for a, n, d in out]
-
-
-def _cause_of(e: BaseException) -> str:
-    """A failed job's cause as a counter name: the errno's name (ENOSPC, EIO, ...) or the
-    exception's type."""
-    n = getattr(e, "errno", None)
-    return errno.errorcode.get(n, f"errno {n}") if n else type(e).__name__
-
-
 class RankStore:
+    """One rank's store: set-up of its files, the job pipeline (submit, poll, wait) and close.
+
+    `block_sums` computes a job's checksums in the checksum thread (default: from host memory);
+    `launch_sums`, where given, queues them on the device from the engine's thread instead.
+    """
+
     def __init__(self, root: str, geo: L.Geometry, rank: int, regions: Sequence[Region],
-                 mem_kind: str, backend: str = "IO_URING_DMABUF",
-                 backend_params: dict | None = None, o_direct: bool = False,
-                 durable: bool = False, preallocate: bool = True,
+                 mem_kind: str, options: StoreOptions | None = None, *,
                  block_sums: BlockSumsFn | None = None,
                  launch_sums: LaunchSumsFn | None = None):
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self.geo, self.rank, self.backend = geo, rank, backend
+        options = options or StoreOptions()
+        self.geo, self.rank, self.backend = geo, rank, options.backend
         self.regions = list(regions)
         self.pages = [r.page for r in self.regions]
-        self.durable = durable
+        self.durable = options.durable
         W = geo.world_size
         if sum(self.pages) > geo.rank_block_bytes:
             raise ValueError(f"rank {rank}: the KV cache has {sum(self.pages)} B per block, more "
@@ -162,17 +164,16 @@ class RankStore:
                            "slot_bytes": geo.slot_bytes, "rank": rank, "world_size": W},
                           what)
             try:
-                self._log = journal.Appender(L.commits_log(root, rank, W), durable)
+                self._log = journal.Appender(L.commits_log(root, rank, W), options.durable)
             except OSError as e:
                 raise L.StoreUnavailable(
                     f"{what}: cannot open {L.explain(e, L.commits_log(root, rank, W))}") from None
-            self._open_files(root, o_direct, preallocate)
-            if o_direct:
+            self._open_files(root, options.o_direct, options.preallocate)
+            if options.o_direct:
                 self._check_direct(mem_kind)
-            self._agent = nixl_agent(f"iud-kv-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                                     nixl_agent_config(backends=[]))
-            self._agent.create_backend(backend, dict(backend_params or {}))
-            self._setup_nixl(mem_kind)
+            self._nixl = RankTransfers(rank, options.backend, options.backend_params, mem_kind,
+                                       self.regions, geo, self._fds)
+            self._nb, self._npg = self._nixl.num_blocks, self._nixl.num_pages
         except BaseException:
             self._close_files()
             os.close(self._lock_fd)
@@ -194,9 +195,9 @@ class RankStore:
         self.stats["in_flight"] = 0
         logger.info("KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
                     "backend %s%s", rank, geo.num_slots, geo.slot_bytes, len(self._fds),
-                    len(self.pages), backend, " O_DIRECT" if o_direct else "")
+                    len(self.pages), options.backend, " O_DIRECT" if options.o_direct else "")
 
-    # ---- set-up --------------------------------------------------------------------------
+    # ---- set-up: the rank's slot files -----------------------------------------------------
     def _open_files(self, root: str, o_direct: bool, preallocate: bool) -> None:
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
         what = f"vLLM KV store rank {self.rank}"
@@ -247,37 +248,6 @@ class RankStore:
         if problems:
             raise ValueError("o_direct cannot serve this KV cache layout: " + "; ".join(problems)
                              + ". Set o_direct to false.")
-
-    def _setup_nixl(self, mem_kind: str) -> None:
-        a, be = self._agent, [self.backend]
-        self._mem_reg = a.register_memory([(ad, n, d, "") for ad, n, d in _merge(self.regions)],
-                                          mem_kind, backends=be)
-        self._file_reg = a.register_memory(
-            [(0, self.geo.file_slots(i) * self.geo.slot_bytes, fd, "")
-             for i, fd in enumerate(self._fds)], "FILE", backends=be)
-        npg, nb = len(self.pages), self.regions[0].num_blocks
-        if any(r.num_blocks != nb for r in self.regions):
-            raise ValueError("the KV tensors have different numbers of blocks")
-        mem = np.empty((nb, npg, 3), dtype=np.int64)
-        for p, r in enumerate(self.regions):
-            mem[:, p, 0] = r.addr + np.arange(nb, dtype=np.int64) * r.stride
-            mem[:, p, 1] = r.page
-            mem[:, p, 2] = r.dev
-        geo, bpc = self.geo, self.geo.blocks_per_chunk
-        runs = L.page_runs(self.pages, bpc)
-        files = np.empty((geo.num_slots, bpc, npg, 3), dtype=np.int64)
-        slots = np.arange(geo.num_slots, dtype=np.int64)
-        fi, base = geo.locate(slots)
-        fds = np.asarray(self._fds, dtype=np.int64)[fi]
-        for j in range(bpc):
-            for p in range(npg):
-                files[:, j, p, 0] = base + runs[p] + j * self.pages[p]
-                files[:, j, p, 1] = self.pages[p]
-                files[:, j, p, 2] = fds
-        self._nb, self._npg = nb, npg
-        self._local = a.prep_xfer_dlist("NIXL_INIT_AGENT", mem.reshape(-1, 3), mem_kind,
-                                        backends=be)
-        self._remote = a.prep_xfer_dlist(a.name, files.reshape(-1, 3), "FILE", backends=be)
 
     # ---- jobs ----------------------------------------------------------------------------
     def _indices(self, job: _Job) -> tuple[np.ndarray, np.ndarray]:
@@ -359,54 +329,51 @@ class RankStore:
     def _post(self, job: _Job) -> None:
         t = time.perf_counter()
         local, remote = self._indices(job)
-        a = self._agent
-        job.handle = a.make_prepped_xfer("WRITE" if job.store else "READ", self._local, local,
-                                         self._remote, remote, backends=[self.backend])
-        state = a.transfer(job.handle)
+        job.handle = self._nixl.prep(job.store, local, remote)
+        state = self._nixl.start(job.handle)
         job.post_s += time.perf_counter() - t
         if state == "ERR":
             raise RuntimeError("NIXL refused to post the transfer")
 
     def _advance(self, job: _Job) -> Result | None:
-        """One step of a job (never waits); its Result once it is over. Phases: wait for the
-        device work it follows, checksums (store; in the checksum thread), post, transfer,
-        check (load; in the checksum thread), finish."""
-        failure, failed_in = None, ""
+        """One step of a job (never waits): as far through its phases (Phase) as it can go
+        now; its Result once it is over."""
+        failure, failed_in = None, None
         try:
-            if job.phase == "wait":
+            if job.phase is Phase.WAIT:
                 if job.ready is not None and not job.ready():
                     return None
                 job.t0 = time.perf_counter()
                 if not len(job.blocks):
-                    job.phase = "finish"
+                    job.phase = Phase.FINISH
                 elif job.store:
-                    job.phase = "sums"
+                    job.phase = Phase.SUMS
                     job.future = self._start_sums(job)
                 else:
-                    job.phase = "post"
-            if job.phase == "sums":
+                    job.phase = Phase.POST
+            if job.phase is Phase.SUMS:
                 if not job.future.done():
                     return None
                 for s, sub, h in zip(job.slots.tolist(), job.subs.tolist(),
                                      job.future.result()):
                     job.sums.setdefault(s, {})[sub] = h
-                job.phase = "post"
-            if job.phase == "post":
+                job.phase = Phase.POST
+            if job.phase is Phase.POST:
                 self._post(job)
-                job.phase = "xfer"
-            if job.phase == "xfer":
+                job.phase = Phase.XFER
+            if job.phase is Phase.XFER:
                 t = time.perf_counter()
-                state = self._agent.check_xfer_state(job.handle)
+                state = self._nixl.state(job.handle)
                 self._timed_poll(job, time.perf_counter() - t)
                 if state == "PROC":
                     return None
                 if state != "DONE":
                     raise RuntimeError(f"NIXL transfer state {state}")
-                job.phase = "finish"
+                job.phase = Phase.FINISH
                 if not job.store:
-                    job.phase = "check"
+                    job.phase = Phase.CHECK
                     job.future = self._start_sums(job)
-            if job.phase == "check":
+            if job.phase is Phase.CHECK:
                 if not job.future.done():
                     return None
                 job.got = job.future.result()
@@ -418,10 +385,11 @@ class RankStore:
             failure, failed_in = e, job.phase
         self._release(job)
         if failure is not None:
-            error, cause = str(failure), _cause_of(failure)
-            if failed_in in ("post", "xfer") and not isinstance(failure, OSError):
+            error, cause = str(failure), cause_of(failure)
+            if failed_in in (Phase.POST, Phase.XFER) and not isinstance(failure, OSError):
                 # NIXL says only that the backend failed: look at the files for the cause.
-                found, cause = self._diagnose(job)
+                found, cause = diagnose(self._root, self.geo, self.rank, self._fds, job.slots,
+                                        job.store, self.geo.blocks_per_chunk * sum(self.pages))
                 error = f"{error}; cause: {found}"
             self.stats["causes"][cause] += 1
             logger.error("KV store rank %d: %s job %d failed: %s", self.rank,
@@ -482,48 +450,10 @@ class RankStore:
                 logger.error("KV store rank %d: DAMAGED record not written: %s", self.rank, e)
         return res
 
-    def _diagnose(self, job: _Job) -> tuple[str, str]:
-        """(what was found, cause name) for a job NIXL failed: each of its slots' length in
-        its file, a read of the slot's bytes and, for a store, a write of the same bytes back
-        (the slot belongs to this failed store: no commit names it), through a buffered fd of
-        the same file, until one fails. Runs after the job was released, only on failure."""
-        used = self.geo.blocks_per_chunk * sum(self.pages)
-        free = L.free_space(self._root)
-        for slot in sorted({int(s) for s in job.slots})[:8]:
-            fi, off = self.geo.locate(slot)
-            path = L.slot_file(self._root, self.rank, self.geo.world_size, fi)
-            try:
-                size = os.fstat(self._fds[fi]).st_size
-                if size < off + used:
-                    return (f"short file: {path} is {size} B, slot {slot} ends at byte "
-                            f"{off + used}", "short file")
-                fd = os.open(f"/proc/self/fd/{self._fds[fi]}", os.O_RDWR if job.store
-                             else os.O_RDONLY)
-                try:
-                    data = b""
-                    while len(data) < used:  # a short read, then the error (as the kernel does)
-                        got = os.pread(fd, used - len(data), off + len(data))
-                        if not got:
-                            return (f"short file: {path} ends at byte {off + len(data)}, "
-                                    f"inside slot {slot} ({off} to {off + used})", "short file")
-                        data += got
-                    if job.store:
-                        n = os.pwrite(fd, data, off)
-                        if n < used:
-                            return (f"short write: {path} took {n} of {used} B at byte {off} "
-                                    f"(slot {slot}); {free}", "short write")
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                return (f"{'writing' if job.store else 'reading'} slot {slot}: "
-                        f"{L.explain(e, path)}", _cause_of(e))
-        return (f"not found: the job's slot files can be read{' and written' if job.store else ''}"
-                f" now ({free}); the backend's log has its own message", "unknown")
-
     def _release(self, job: _Job) -> None:
         if job.handle is not None:
             try:
-                self._agent.release_xfer_handle(job.handle)
+                self._nixl.release(job.handle)
             except Exception as e:  # noqa: BLE001
                 logger.error("KV store rank %d: releasing job %d: %s", self.rank, job.job_id, e)
             job.handle = None
@@ -561,14 +491,7 @@ class RankStore:
             self.wait(list(self._jobs), timeout=60)
         except Exception as e:  # noqa: BLE001
             logger.error("KV store rank %d: jobs still in flight at close: %s", self.rank, e)
-        a, be = self._agent, [self.backend]
-        for h in (self._local, self._remote):
-            try:
-                a.release_dlist_handle(h)
-            except Exception:  # noqa: BLE001
-                pass
-        a.deregister_memory(self._file_reg, backends=be)
-        a.deregister_memory(self._mem_reg, backends=be)
+        self._nixl.close()
         self._close_files()
         self._log.close()
         self._pool.shutdown(wait=False)

@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from . import checksum
 from .kv_views import BlockRun, PointerMap, regions_of, run_of_block_ids
-from .rankstore import RankStore, Result
+from .rankstore import RankStore, Result, StoreOptions
 from .load_store_specs import NixlLoadSpec, NixlStoreSpec
 from .stats_file import StatsFile
 
@@ -67,11 +67,8 @@ class NixlStorageWorker(OffloadingWorker):
             self.rank,
             regions,
             kind,
-            backend=cfg.backend,
-            backend_params=dict(cfg.backend_params),
-            o_direct=cfg.o_direct,
-            durable=cfg.durable,
-            preallocate=cfg.preallocate,
+            StoreOptions(backend=cfg.backend, backend_params=dict(cfg.backend_params),
+                         o_direct=cfg.o_direct, durable=cfg.durable, preallocate=cfg.preallocate),
             launch_sums=self._launch_sums,
         )
         self.report_load_errors = False  # NixlStorageOffloadingConnector sets it
