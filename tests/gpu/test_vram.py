@@ -316,6 +316,7 @@ def test_transfers_are_ordered_after_kernels_already_queued(path):
         os.unlink(path_name)
 
 
+@pytest.mark.privileged
 @pytest.mark.parametrize("mode", ["fd", "path"])
 def test_staging_round_trip_with_a_block_device(mode):
     """VRAM <-> BLK_SEG through the staging path: a loop device (O_DIRECT) over a file, in fd mode

@@ -1,5 +1,5 @@
 """A real I/O error in the middle of a regular file (EIO from the filesystem, provoked by
-fuse_faultfs.py) fails the request with "ERR" or an exception from transfer() /
+tests/support/fuse_faultfs.py) fails the request with "ERR" or an exception from transfer() /
 check_xfer_state(), the plugin logs exactly one ERROR line, and the agent keeps working: the
 good part of the same file and a plain disk file still read correctly.
 
@@ -8,55 +8,16 @@ the plugin's resubmission of a remainder that then fails."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import json
 import os
-import select
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import iud_helpers as H
+from support.mounts import FuseMount
 
-FUSE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuse_faultfs.py")
 SIZE = 8 * H.MiB
-
-
-class Mounted:
-    def __init__(self, tmp_path, mode, content):
-        self.mnt = tmp_path / "mnt"
-        self.mnt.mkdir()
-        self.backing = str(tmp_path / "backing.bin")
-        with open(self.backing, "wb") as f:
-            f.write(content.tobytes())
-        self.path = str(self.mnt / "data")
-        self.proc = subprocess.Popen([sys.executable, FUSE, str(self.mnt), self.backing, mode],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 20)
-        line = self.proc.stdout.readline().strip() if ready else ""
-        if line != "READY":
-            self.proc.kill()
-            err = self.proc.communicate(timeout=10)[1]
-            pytest.skip(f"cannot mount the test FUSE filesystem: {line!r} {err.strip()[-500:]}")
-        self.stats = None
-
-    def stop(self):
-        if self.stats is not None:
-            return self.stats
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.umount2(str(self.mnt).encode(), 0) != 0:
-            libc.umount2(str(self.mnt).encode(), 2)  # MNT_DETACH: goes once the last user does
-        try:
-            out, err = self.proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, err = self.proc.communicate(timeout=10)
-        lines = [ln for ln in out.splitlines() if ln.startswith("STATS ")]
-        self.stats = json.loads(lines[-1][6:]) if lines else {"daemon_stderr": err}
-        return self.stats
 
 
 @pytest.fixture
@@ -64,7 +25,7 @@ def faultfs(tmp_path):
     mounts = []
 
     def start(mode, content):
-        m = Mounted(tmp_path, mode, content)
+        m = FuseMount(str(tmp_path / f"mnt{len(mounts)}"), mode, content)
         mounts.append(m)
         return m
     yield start
@@ -131,6 +92,7 @@ def _eio_scenario(backend, is_plugin, rng, fs, content, stderr_log, tmp_path, pa
             os.close(fd)
 
 
+@pytest.mark.privileged
 @pytest.mark.parametrize("path_mode", [False, True], ids=["fd", "path"])
 def test_eio_fails_the_request(backend, is_plugin, rng, faultfs, stderr_log, tmp_path,
                                path_mode):

@@ -1,6 +1,6 @@
 """Release of an in-flight READ on storage that hangs (docs/semantics.md, "Release of an
 in-flight request"; README limit "Release on hung storage"): a FUSE file system
-(fuse_faultfs.py, mode hang) holds one read for longer than the plugin waits in release. Release
+(tests/support/fuse_faultfs.py, mode hang) holds one read for longer than the plugin waits in release. Release
 then fails, leaving the request in flight; nothing lands in memory while the storage holds the
 read; once the storage answers, the held read's bytes land in memory (the request was still in
 flight, as documented), and a second release succeeds."""
@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import iud_helpers as H
-from test_faults import Mounted
+from support.mounts import FuseMount
+
+pytestmark = pytest.mark.privileged  # a FUSE mount
 
 SIZE = 8 * H.MiB
 HELD_AT = 4 * H.MiB
@@ -28,7 +30,7 @@ def test_release_on_a_read_the_storage_holds_fails_and_keeps_the_request(
     if not is_plugin:
         pytest.skip("the plugin's release semantics (NIXL's POSIX does not drain on release)")
     content = H.rand_bytes(rng, SIZE)
-    fs = Mounted(tmp_path, f"hang:{HELD_AT}:{HOLD_S}", content)
+    fs = FuseMount(str(tmp_path / "mnt"), f"hang:{HELD_AT}:{HOLD_S}", content)
     agent = H.make_agent(backend)
     rig = H.Rig(agent, backend)
     fd = os.open(fs.path, os.O_RDWR)

@@ -21,7 +21,6 @@ import gc
 import logging
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -30,6 +29,7 @@ import test_vllm_connector_store as T
 from nixl_io_uring_dmabuf.vllm_connector import catalog as C
 from nixl_io_uring_dmabuf.vllm_connector import journal
 from nixl_io_uring_dmabuf.vllm_connector import layout as L
+from support.mounts import FuseMount, TmpfsMounts
 
 REC = len(journal.commit(T.key(0), 0, 1, 10, [1]))  # one COMMIT of a one-block slot: 76 B
 
@@ -42,27 +42,10 @@ def kv():
 @pytest.fixture
 def small_fs(tmp_path):
     """mount(size, name, ro=False) -> a fresh tmpfs folder of `size` ("4m"), unmounted after."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounts = []
-
-    def mount(size: str, name: str = "fs", ro: bool = False):
-        d = tmp_path / name
-        d.mkdir()
-        opts = f"size={size},mode=0755" + (",ro" if ro else "")
-        p = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)],
-                           capture_output=True, text=True)
-        if p.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
-        mounts.append(d)
-        return d
-
-    yield mount
+    mounts = TmpfsMounts()
+    yield lambda size, name="fs", ro=False: mounts.mount(tmp_path / name, size, ro)
     gc.collect()
-    for d in reversed(mounts):
-        subprocess.run(["umount", str(d)], capture_output=True)
-        if os.path.ismount(d):
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    mounts.unmount_all()
 
 
 def fill(folder) -> str:
@@ -131,6 +114,7 @@ def keys(a, b):
 
 # ---- 1. ENOSPC in the commit journal's append -------------------------------------------------
 
+@pytest.mark.privileged
 def test_enospc_in_the_commit_append_leaves_the_journal_whole_and_stores_resume(
         small_fs, kv, backend):
     """Six 8-block stores fill 3648 B of the journal's first page; the file system is then
@@ -173,6 +157,7 @@ def test_enospc_in_the_commit_append_leaves_the_journal_whole_and_stores_resume(
 
 # ---- 2. ENOSPC writing the TOMB of an eviction ------------------------------------------------
 
+@pytest.mark.privileged
 def test_an_eviction_whose_tomb_cannot_be_written_refuses_the_store_and_changes_nothing(
         small_fs, kv, backend, caplog):
     root = small_fs("1m")
@@ -209,6 +194,7 @@ def test_an_eviction_whose_tomb_cannot_be_written_refuses_the_store_and_changes_
     cat.close()
 
 
+@pytest.mark.privileged
 def test_a_dropped_block_keeps_its_slot_until_its_tomb_is_written(small_fs, kv, backend):
     """A block found damaged on lookup while manager.log cannot be written: a miss at once, but
     its slot is not handed to a new store until its TOMB is on file (written with the next
@@ -307,6 +293,7 @@ def _one_clear_line(excinfo, *words):
     return msg
 
 
+@pytest.mark.privileged
 def test_start_up_on_a_full_file_system_is_one_line_naming_path_and_cause(small_fs):
     fs = small_fs("256k")
     fill(fs)
@@ -317,6 +304,7 @@ def test_start_up_on_a_full_file_system_is_one_line_naming_path_and_cause(small_
                           "0 B free"))
 
 
+@pytest.mark.privileged
 def test_start_up_on_a_read_only_file_system_is_one_line_naming_path_and_cause(small_fs):
     fs = small_fs("256k", ro=True)
     with pytest.raises(L.StoreUnavailable) as ei:
@@ -324,6 +312,7 @@ def test_start_up_on_a_read_only_file_system_is_one_line_naming_path_and_cause(s
     print(_one_clear_line(ei, str(fs / "kv"), "Read-only file system", "EROFS"))
 
 
+@pytest.mark.privileged
 def test_a_rank_on_a_full_file_system_is_one_line_naming_path_and_cause(small_fs, kv, backend):
     root = small_fs("512k")
     geo = T.geometry(slots=4)
@@ -335,6 +324,7 @@ def test_a_rank_on_a_full_file_system_is_one_line_naming_path_and_cause(small_fs
     cat.close()
 
 
+@pytest.mark.privileged
 def test_slot_files_that_do_not_fit_are_refused_at_start_up(small_fs, kv, backend):
     """64 slots of 24 KiB (1.5 MiB) on a 1 MiB file system: refused, naming the file, rather
     than started on sparse files whose every store would fail."""
@@ -351,6 +341,7 @@ def test_slot_files_that_do_not_fit_are_refused_at_start_up(small_fs, kv, backen
 
 # ---- 5. the cause of a failed transfer reaches the job's error --------------------------------
 
+@pytest.mark.privileged
 def test_enospc_in_a_slot_write_names_enospc_in_the_jobs_error(small_fs, kv, backend, caplog):
     root = small_fs("1m")
     geo = T.geometry(slots=16)
@@ -392,10 +383,9 @@ def test_a_short_slot_file_is_named_in_the_load_jobs_error(tmp_path, kv, backend
     cat.close()
 
 
+@pytest.mark.privileged
 def test_eio_from_the_file_system_is_named_in_the_load_jobs_error(tmp_path, kv, backend):
     """The slot file is served by a FUSE file system that fails reads of one slot with EIO."""
-    from test_faults import Mounted
-
     block = L.round_up(sum(T.PAGES), 4096)
     geo = L.Geometry(rank_block_bytes=sum(T.PAGES), blocks_per_chunk=1, world_size=1,
                      capacity_bytes=4 * block, max_file_bytes=64 * block, slot_files=1)
@@ -409,7 +399,7 @@ def test_eio_from_the_file_system_is_named_in_the_load_jobs_error(tmp_path, kv, 
     _, off = geo.locate(slot)
     path = L.slot_file(str(root), 0, 1, 0)
     content = np.fromfile(path, dtype=np.uint8)
-    fs = Mounted(tmp_path, f"eio:{off + 4096}", content)
+    fs = FuseMount(str(tmp_path / "mnt"), f"eio:{off + 4096}", content)
     try:
         os.unlink(path)
         os.symlink(fs.path, path)

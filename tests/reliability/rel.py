@@ -4,21 +4,15 @@ other requests on the same engine are unaffected by a fault."""
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
-import select
-import subprocess
-import sys
 import time
 
 import numpy as np
-import pytest
 
 import iud_helpers as H
+from support.mounts import RULES, FuseMount
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FAULTFS = os.path.join(HERE, "faultfs.py")
 
 STATUS_OF_EXC = {
     "nixlBackendError": "NIXL_ERR_BACKEND",
@@ -193,43 +187,13 @@ def run_request(rig, make, timeout: float = 60.0, release: bool = True) -> Resul
 
 # ---- FUSE fault filesystem ----------------------------------------------------------------------
 
-class FaultMount:
-    def __init__(self, root, rules: str, content: np.ndarray):
-        self.mnt = os.path.join(str(root), f"mnt-{abs(hash(rules)) % 100000}-{time.monotonic_ns()}")
-        os.mkdir(self.mnt)
-        self.backing = self.mnt + ".backing"
-        with open(self.backing, "wb") as f:
-            f.write(content.tobytes())
-        self.path = os.path.join(self.mnt, "data")
-        self.proc = subprocess.Popen([sys.executable, FAULTFS, self.mnt, self.backing, rules],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 20)
-        line = self.proc.stdout.readline().strip() if ready else ""
-        if line != "READY":
-            self.proc.kill()
-            err = self.proc.communicate(timeout=10)[1]
-            pytest.skip(f"cannot mount the fault FUSE filesystem: {line!r} {err.strip()[-500:]}")
-        self.stats = None
-        Snapshot.harness |= {self.proc.stdout.fileno(), self.proc.stderr.fileno()}
-
-    def backing_bytes(self) -> np.ndarray:
-        with open(self.backing, "rb") as f:
-            return np.frombuffer(f.read(), dtype=np.uint8)
-
-    def stop(self) -> dict:
-        if self.stats is not None:
-            return self.stats
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.umount2(self.mnt.encode(), 0) != 0:
-            libc.umount2(self.mnt.encode(), 2)
-        try:
-            out, err = self.proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, err = self.proc.communicate(timeout=10)
-        lines = [ln for ln in out.splitlines() if ln.startswith("STATS ")]
-        self.stats = json.loads(lines[-1][6:]) if lines else {"daemon_stderr": err}
-        return self.stats
+def fault_mount(root, rules: str, content: np.ndarray) -> FuseMount:
+    """The rules file system (tests/support/fuse_rules.py) on a fresh folder under `root`; its
+    daemon's pipes are the harness's, not the plugin's (Snapshot)."""
+    mnt = os.path.join(str(root), f"mnt-{abs(hash(rules)) % 100000}-{time.monotonic_ns()}")
+    m = FuseMount(mnt, rules, content, daemon=RULES)
+    Snapshot.harness |= m.daemon_fds()
+    return m
 
 
 # ---- the bystander: a request on the same engine that must be unaffected -------------------------

@@ -12,7 +12,7 @@ For every fault kind the test asserts:
     process has exactly the fds and the engine's io_uring exactly the fixed files and fixed
     buffers it had before the fault (/proc/self/fd, /proc/self/fdinfo UserFiles/UserBufs).
 
-Faults come from tests/reliability/faultfs.py (FUSE: EIO on read/write, ENOSPC, short writes,
+Faults come from tests/support/fuse_rules.py (FUSE: EIO on read/write, ENOSPC, short writes,
 delays), loop devices on top of it (BLK), and ordinary misuse (closed fds, truncation, EOF,
 release/deregister in flight, bad and overlapping descriptors, O_DIRECT misalignment, missing GPU
 libraries, no DMA-BUF uAPI). Each outcome is appended to $IUD_REL_OUT/faults.jsonl.
@@ -32,6 +32,8 @@ import pytest
 
 import iud_helpers as H
 import rel
+
+pytestmark = pytest.mark.slow
 
 MiB, KiB = H.MiB, H.KiB
 OUT = os.environ.get("IUD_REL_OUT", os.path.join(rel.HERE, "..", "..", "target", "reliability"))
@@ -69,7 +71,7 @@ class Scene:
         return fd
 
     def mount(self, rules, content):
-        m = rel.FaultMount(self.tmp, rules, content)
+        m = rel.fault_mount(self.tmp, rules, content)
         self.mounts.append(m)
         return m
 
@@ -172,6 +174,7 @@ def file_with(path, content) -> None:
 SIZE = 4 * MiB
 
 
+@pytest.mark.privileged
 @pytest.mark.parametrize("mode", ["fd", "path"])
 def test_eio_on_read(scene, rng, mode):
     content = H.rand_bytes(rng, SIZE)
@@ -220,6 +223,7 @@ WRITE_FAULTS = {
 }
 
 
+@pytest.mark.privileged
 @pytest.mark.parametrize("ring_only", [False, True], ids=["inline", "ring"])
 @pytest.mark.parametrize("what", list(WRITE_FAULTS), ids=["eio", "enospc"])
 def test_write_fault_fails_the_request(scene_factory, rng, ring_only, what):
@@ -230,6 +234,7 @@ def test_write_fault_fails_the_request(scene_factory, rng, ring_only, what):
     assert m.stop()[counter] > 0
 
 
+@pytest.mark.privileged
 @pytest.mark.parametrize("ring_only", [False, True], ids=["inline", "ring"])
 def test_short_writes_are_completed(scene_factory, rng, ring_only):
     """Every FUSE WRITE stores at most 8 KiB and says so: the plugin must resubmit remainders
@@ -247,6 +252,7 @@ def test_short_writes_are_completed(scene_factory, rng, ring_only):
     assert m.stop()["short_writes"] > 0
 
 
+@pytest.mark.privileged
 @pytest.mark.parametrize("params", [{"punt_buffered_min": "65536"}, {}], ids=["punt-64K", "defaults"])
 def test_delayed_io_completes_and_others_progress(scene_factory, rng, params):
     """Each FUSE READ answers 40 ms late: the request stays in progress while a bystander
@@ -296,6 +302,7 @@ def test_delayed_io_completes_and_others_progress(scene_factory, rng, params):
           f"bystander done {seen['bystander_s'] * 1e3:.1f} ms later")
 
 
+@pytest.mark.privileged
 def test_release_while_delayed_io_in_flight(scene_factory, rng):
     scene = scene_factory({"punt_buffered_min": "65536"})
     content = H.rand_bytes(rng, SIZE)
@@ -327,6 +334,7 @@ def test_release_while_delayed_io_in_flight(scene_factory, rng):
     print(seen)
 
 
+@pytest.mark.privileged
 def test_release_on_hung_storage_waits_for_one_read_step_per_thread(scene_factory, rng):
     """Releasing a buffered READ whose every FUSE request sleeps: each page-cache worker stops
     at its next system call (reads run in 128 KiB steps, FUSE's default max_read, one FUSE
@@ -663,6 +671,7 @@ def _lodetach(dev):
     subprocess.run(["losetup", "-d", dev], capture_output=True, timeout=30)
 
 
+@pytest.mark.privileged
 def test_blk_eio_through_loop_on_faultfs(scene, rng):
     content = H.rand_bytes(rng, SIZE)
     m = scene.mount(f"eio_read:{2 * MiB + 512}", content)
@@ -690,6 +699,7 @@ def test_blk_eio_through_loop_on_faultfs(scene, rng):
         _lodetach(dev)
 
 
+@pytest.mark.privileged
 def test_blk_eio_on_write_through_loop_on_faultfs(scene, rng):
     m = scene.mount(f"eio_write:{3 * MiB + 512}", np.zeros(SIZE, np.uint8))
     dev = _losetup(m.path)
@@ -715,6 +725,7 @@ def test_blk_eio_on_write_through_loop_on_faultfs(scene, rng):
         _lodetach(dev)
 
 
+@pytest.mark.privileged
 def test_blk_misaligned(scene, rng):
     p = str(scene.tmp / "blk.img")
     file_with(p, H.rand_bytes(rng, SIZE))
@@ -737,6 +748,7 @@ KERNEL_SHORT_READ = ("kernel: io_uring retries a short read of a FUSE direct_io 
                      "backend gets the same misplaced bytes (RELIABILITY.md)")
 
 
+@pytest.mark.privileged
 def test_short_reads_fuse_direct_io(scene, rng):
     """Every FUSE READ returns at most 4 KiB (FOPEN_DIRECT_IO, so the reader sees short reads).
     The right outcome is DONE with exactly the file's bytes. On kernels where io_uring's own

@@ -23,6 +23,8 @@ import pytest
 import iud_helpers as H
 import rel
 
+pytestmark = pytest.mark.slow
+
 OUT = os.environ.get("IUD_REL_OUT", os.path.join(rel.HERE, "..", "..", "target", "reliability"))
 
 

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.privileged  # network namespaces, etcd, loop devices
+
 MiB = 1 << 20
 
 BUFFERS = 8

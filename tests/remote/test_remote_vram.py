@@ -26,7 +26,8 @@ def _cuda() -> str:
     return ""
 
 
-pytestmark = pytest.mark.skipif(bool(_cuda()), reason=_cuda() or "CUDA available")
+pytestmark = [pytest.mark.privileged,  # network namespaces
+              pytest.mark.skipif(bool(_cuda()), reason=_cuda() or "CUDA available")]
 
 UCX_TLS = os.environ.get("IUDS_VRAM_UCX_TLS", "tcp,cuda_copy,cuda_ipc")
 

@@ -1,9 +1,9 @@
 """Fault-injecting FUSE filesystem for the reliability suite.
 
-Extends tests/python/fuse_faultfs.py (same raw /dev/fuse protocol, stdlib only; the FaultFS class
+Extends fuse_faultfs.py beside it (same raw /dev/fuse protocol, stdlib only; the FaultFS class
 is reused) with more fault kinds. It serves one regular file, /data, backed by a real file.
 
-    python faultfs.py MOUNTPOINT BACKING_FILE RULES
+    python fuse_rules.py MOUNTPOINT BACKING_FILE RULES
 
 RULES is a comma-separated list (an empty string or "full" = no faults):
   eio_read:OFF     a READ whose range contains byte OFF fails with EIO
@@ -29,9 +29,7 @@ import struct
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-
-import fuse_faultfs as base  # noqa: E402
+import fuse_faultfs as base  # this folder is sys.path[0]: the script runs by its path
 
 FOPEN_DIRECT_IO = 1 << 0
 
@@ -63,7 +61,7 @@ class Rules:
             elif key == "direct_io":
                 self.direct_io = True
             else:
-                raise SystemExit(f"faultfs: unknown rule {item!r}")
+                raise SystemExit(f"fuse_rules: unknown rule {item!r}")
 
 
 class RulesFS(base.FaultFS):

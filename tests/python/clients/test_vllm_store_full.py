@@ -8,31 +8,24 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 import vllm_engine as VE
+from support.mounts import TmpfsMounts
 from test_vllm_connector import kv_config, plain, prompt, run  # noqa: F401 (plain: fixture)
+
+pytestmark = pytest.mark.privileged  # a tmpfs mount
 
 HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_fs_hooks.py")
 
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], capture_output=True)
-    if os.path.ismount(mnt):
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    mounts = TmpfsMounts()
+    yield mounts.mount(tmp_path / "fs", "8m", mode=None)
+    mounts.unmount_all()
 
 
 def committed_keys(store) -> int:

@@ -1,0 +1,13 @@
+"""Helpers shared by the test suites (tests/python, tests/reliability, tests/gpu, tests/remote).
+
+pytest.ini puts tests/ (and python/, the package of this checkout) on sys.path, so every suite
+imports these as `support.<module>`:
+
+- mounts: file systems a test needs root to mount: the FUSE fault file systems (FuseMount) and
+  small tmpfs folders (TmpfsMounts).
+- fuse_faultfs.py, fuse_rules.py: the FUSE daemons FuseMount runs (raw /dev/fuse protocol,
+  stdlib only), each run as its own process: a fault mode (EIO at an offset, hung reads), or a
+  list of rules (EIO on read or write, ENOSPC, short I/O, delays, direct I/O).
+
+The NIXL wheel lookup the suites need is the package's own (nixl_io_uring_dmabuf.tools.locate).
+"""
