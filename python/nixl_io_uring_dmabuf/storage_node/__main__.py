@@ -32,15 +32,15 @@ def addr_arg(s: str) -> tuple[str, int]:
 
 def cmd_serve(a) -> int:
     from .exports import Export
-    from .server import StorageNode
+    from .server import NodeConfig, StorageNode
 
     params = dict(kv.split("=", 1) for kv in a.param)
-    node = StorageNode(a.name, [Export.parse(e) for e in a.export], backend=a.backend,
-                       backend_params=params, buffers=a.buffers, buffer_size=a.buffer_size,
-                       listen_port=None if a.no_listen else a.port,
-                       publish_etcd=None if not a.no_etcd else False,
-                       stall_timeout=a.stall_timeout, client_lease=a.client_lease,
-                       pool_mem=a.pool_mem, gpu=a.gpu, allow_net_only=a.allow_net_only)
+    config = NodeConfig(backend=a.backend, backend_params=params, buffers=a.buffers,
+                        buffer_size=a.buffer_size, listen_port=None if a.no_listen else a.port,
+                        publish_etcd=None if not a.no_etcd else False,
+                        stall_timeout=a.stall_timeout, client_lease=a.client_lease,
+                        pool_mem=a.pool_mem, gpu=a.gpu, allow_net_only=a.allow_net_only)
+    node = StorageNode(a.name, [Export.parse(e) for e in a.export], config)
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())

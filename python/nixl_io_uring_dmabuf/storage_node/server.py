@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import enum
 import secrets
 import sys
 import time
@@ -48,12 +49,39 @@ def _nixl_errors():
     return tuple(getattr(b, n) for n in dir(b) if n.startswith("nixl") and n.endswith("Error"))
 
 
+class Stage(enum.Enum):
+    """Where a batch is: waiting for a buffer, in its storage or its network transfer, or parked
+    after a failure until NIXL lets its transfer go (its buffer is not reused before that)."""
+    QUEUED = "queued"
+    STORAGE = "storage"
+    NET = "net"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What a node serves with (the `serve` options of __main__.py, docs/remote-storage.md)."""
+    backend: str = "IO_URING_DMABUF"   # the storage backend (or POSIX, for comparison)
+    backend_params: dict = field(default_factory=dict)
+    buffers: int = 16                  # staging buffers in the pool
+    buffer_size: int = 4 * MiB
+    pool_mem: str = "DRAM"             # the pool's memory: DRAM or VRAM (on GPU `gpu`)
+    gpu: int = 0
+    listen_port: int | None = None     # NIXL's socket listener; None: off
+    publish_etcd: bool | None = None   # None: when NIXL_ETCD_ENDPOINTS is set
+    stall_timeout: float = 30.0
+    client_lease: float = 10.0
+    md_timeout: float = 10.0
+    progress_delay_us: int | None = None  # None: nixl_runtime.progress_delay_us()
+    allow_net_only: bool = False       # bench/remote_bench.py only: READs without storage
+
+
 @dataclass(eq=False)
 class Batch:
     req: "Active"
     pieces: np.ndarray                 # M x 6, plan columns
     buf: int = -1
-    stage: str = "queued"              # queued | storage | net | draining
+    stage: Stage = Stage.QUEUED
     handle: object = None
     started: float = 0.0
 
@@ -84,23 +112,20 @@ class ClientState:
 
 
 class StorageNode:
-    def __init__(self, name: str, exports: list[Export], *, backend: str = "IO_URING_DMABUF",
-                 backend_params: dict | None = None, buffers: int = 16, buffer_size: int = 4 * MiB,
-                 listen_port: int | None = None, publish_etcd: bool | None = None,
-                 stall_timeout: float = 30.0, client_lease: float = 10.0, md_timeout: float = 10.0,
-                 pool_mem: str = "DRAM", gpu: int = 0, progress_delay_us: int | None = None,
-                 allow_net_only: bool = False):
+    def __init__(self, name: str, exports: list[Export], config: NodeConfig | None = None):
+        c = config or NodeConfig()
         self.name = name
         self.instance = secrets.token_hex(6)
         self.exports = {e.name: e for e in exports}
-        self.backend = backend
-        self.backend_params = dict(backend_params or {})
-        self.nbuf, self.buf_size, self.pool_mem, self.gpu = buffers, buffer_size, pool_mem, gpu
-        self.listen_port = listen_port
-        self.publish_etcd = nixl_runtime.etcd_configured() if publish_etcd is None else publish_etcd
-        self.stall_timeout, self.client_lease, self.md_timeout = stall_timeout, client_lease, md_timeout
-        self.allow_net_only = allow_net_only
-        self.progress_delay_us = nixl_runtime.progress_delay_us() if progress_delay_us is None else progress_delay_us
+        self.backend = c.backend
+        self.backend_params = dict(c.backend_params)
+        self.nbuf, self.buf_size, self.pool_mem, self.gpu = c.buffers, c.buffer_size, c.pool_mem, c.gpu
+        self.listen_port = c.listen_port
+        self.publish_etcd = nixl_runtime.etcd_configured() if c.publish_etcd is None else c.publish_etcd
+        self.stall_timeout, self.client_lease, self.md_timeout = c.stall_timeout, c.client_lease, c.md_timeout
+        self.allow_net_only = c.allow_net_only
+        self.progress_delay_us = (nixl_runtime.progress_delay_us() if c.progress_delay_us is None
+                                  else c.progress_delay_us)
         self.agent = None
         self.pool: BufferPool | None = None
         self.active: list[Active] = []
@@ -350,7 +375,7 @@ class StorageNode:
                     buffers=self.nbuf, buffer_size=self.buf_size,
                     free_buffers=self.pool.free if self.pool else 0,
                     held_buffers=sum(len(a.inflight) for a in self.active),
-                    draining=sum(b.stage == "draining" for a in self.active for b in a.inflight),
+                    draining=sum(b.stage is Stage.DRAINING for a in self.active for b in a.inflight),
                     active_requests=len(self.active),
                     clients=sorted(c for c in self.clients), **self.counters)
 
@@ -370,7 +395,7 @@ class StorageNode:
                 b = a.batches.pop(0)
                 b.buf = self.pool.take()
                 a.inflight.append(b)
-                first = "net" if (a.req.op == "WRITE" or a.req.net_only) else "storage"
+                first = Stage.NET if (a.req.op == "WRITE" or a.req.net_only) else Stage.STORAGE
                 self._post(b, first)
                 progressed = True
         return progressed
@@ -382,12 +407,12 @@ class StorageNode:
                       np.full(len(p), self.pool.dev, dtype=np.uint64)], axis=1)
         return self.agent.get_xfer_descs(np.ascontiguousarray(d, dtype=np.uint64), self.pool.mem)
 
-    def _post(self, b: Batch, stage: str) -> None:
+    def _post(self, b: Batch, stage: Stage) -> None:
         a = b.req
         b.stage, b.started = stage, time.monotonic()
         try:
             local = self._local_descs(b)
-            if stage == "storage":
+            if stage is Stage.STORAGE:
                 exps = [self.exports[f] for f in a.req.files]
                 p = b.pieces
                 fds = np.array([e.fd for e in exps], dtype=np.uint64)[p[:, plan.FILE].astype(np.int64)]
@@ -404,29 +429,29 @@ class StorageNode:
             b.handle = h
             st = self.agent.transfer(h)
         except self._errors as e:
-            self._batch_failed(b, f"{stage} transfer could not be posted: {e!r}", e)
+            self._batch_failed(b, f"{stage.value} transfer could not be posted: {e!r}", e)
             return
         if st == "DONE":
             self._stage_done(b)
         elif st != "PROC":
-            self._batch_failed(b, f"{stage} transfer failed when posted ({st})", None)
+            self._batch_failed(b, f"{stage.value} transfer failed when posted ({st})", None)
 
     def _poll(self, b: Batch) -> bool:
         if b.handle is None or b not in b.req.inflight:
             return False  # parked by a failure of another batch of its request in this turn
-        if b.stage == "draining":
+        if b.stage is Stage.DRAINING:
             return self._poll_draining(b)
         try:
             st = self.agent.check_xfer_state(b.handle)
         except self._errors as e:
-            self._batch_failed(b, f"{b.stage} transfer failed: {e!r}", e)
+            self._batch_failed(b, f"{b.stage.value} transfer failed: {e!r}", e)
             return True
         if st == "PROC":
             return False
         if st == "DONE":
             self._stage_done(b)
         else:
-            self._batch_failed(b, f"{b.stage} transfer failed ({st})", None)
+            self._batch_failed(b, f"{b.stage.value} transfer failed ({st})", None)
         return True
 
     def _release(self, b: Batch) -> bool:
@@ -446,10 +471,10 @@ class StorageNode:
         a.last_progress = time.monotonic()
         nxt = None
         if not a.error and not a.req.net_only:
-            if b.stage == "storage" and a.req.op == "READ":
-                nxt = "net"
-            elif b.stage == "net" and a.req.op == "WRITE":
-                nxt = "storage"
+            if b.stage is Stage.STORAGE and a.req.op == "READ":
+                nxt = Stage.NET
+            elif b.stage is Stage.NET and a.req.op == "WRITE":
+                nxt = Stage.STORAGE
         if nxt:
             self._post(b, nxt)
             return
@@ -464,7 +489,7 @@ class StorageNode:
         disconnected = exc is not None and type(exc).__name__ == "nixlRemoteDisconnectError"
         log(f"request {a.req.req_id} of {a.client}: {why}")
         self._park(b)
-        if disconnected and b.stage == "net":
+        if disconnected and b.stage is Stage.NET:
             # The client is gone: all its requests end here, and its metadata goes.
             self._forget_client(a.client, "UCX reported it disconnected", disconnect=True)
         else:
@@ -481,7 +506,7 @@ class StorageNode:
                 a.inflight.remove(b)
             self.pool.give(b.buf)
         else:
-            b.stage = "draining"
+            b.stage = Stage.DRAINING
 
     def _poll_draining(self, b: Batch) -> bool:
         try:
@@ -502,7 +527,7 @@ class StorageNode:
             a.last_progress = time.monotonic()
         a.batches = []
         for b in list(a.inflight):
-            if b.stage != "draining":
+            if b.stage is not Stage.DRAINING:
                 self._park(b)
         self._maybe_finish(a)
 
