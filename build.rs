@@ -16,7 +16,11 @@ fn main() {
 }
 
 fn compile_shim() {
-    for f in ["src/shim/engine.cpp", "src/shim/bridge.h", "nixl-headers/nixl_abi.h"] {
+    for f in [
+        "src/shim/engine.cpp",
+        "src/shim/bridge.h",
+        "nixl-headers/nixl_abi.h",
+    ] {
         println!("cargo:rerun-if-changed={f}");
     }
     // Same C++ ABI as the NIXL wheel: C++20, new string ABI, dynamic libstdc++ (cc links
@@ -46,7 +50,9 @@ fn generate_bridge(out: &Path) {
         .layout_tests(true)
         .generate()
         .expect("bindgen over src/shim/bridge.h");
-    bindings.write_to_file(out.join("bridge.rs")).expect("write bridge.rs");
+    bindings
+        .write_to_file(out.join("bridge.rs"))
+        .expect("write bridge.rs");
 }
 
 /// nixl_mem_t numbers (nixl-headers/nixl_abi.h).
@@ -67,29 +73,62 @@ fn generate_manifest(out: &Path) {
     let doc: toml::Table = text.parse().expect("plugin manifest is valid TOML");
     let plugin = doc["plugin"].as_table().expect("[plugin] table");
     let s = |t: &toml::Table, k: &str| -> String {
-        t.get(k).and_then(|v| v.as_str()).unwrap_or_else(|| panic!("{MANIFEST}: missing {k}")).to_owned()
+        t.get(k)
+            .and_then(|v| v.as_str())
+            .unwrap_or_else(|| panic!("{MANIFEST}: missing {k}"))
+            .to_owned()
     };
     let mut code = String::new();
     let name = s(plugin, "name");
     let version = s(plugin, "version");
     writeln!(code, "pub const PLUGIN_NAME: &str = {name:?};").unwrap();
-    writeln!(code, "pub const PLUGIN_NAME_C: &std::ffi::CStr = c{name:?};").unwrap();
-    writeln!(code, "pub const PLUGIN_VERSION_C: &std::ffi::CStr = c{version:?};").unwrap();
-    let api = plugin["plugin_api_version"].as_integer().expect("plugin_api_version");
+    writeln!(
+        code,
+        "pub const PLUGIN_NAME_C: &std::ffi::CStr = c{name:?};"
+    )
+    .unwrap();
+    writeln!(
+        code,
+        "pub const PLUGIN_VERSION_C: &std::ffi::CStr = c{version:?};"
+    )
+    .unwrap();
+    let api = plugin["plugin_api_version"]
+        .as_integer()
+        .expect("plugin_api_version");
     writeln!(code, "pub const PLUGIN_API_VERSION: i32 = {api};").unwrap();
     let strings = |k: &str| -> Vec<String> {
-        plugin[k].as_array().unwrap_or_else(|| panic!("{MANIFEST}: {k} is not a list")).iter()
-            .map(|v| v.as_str().unwrap_or_else(|| panic!("{MANIFEST}: {k} holds a non-string")).to_owned())
+        plugin[k]
+            .as_array()
+            .unwrap_or_else(|| panic!("{MANIFEST}: {k} is not a list"))
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .unwrap_or_else(|| panic!("{MANIFEST}: {k} holds a non-string"))
+                    .to_owned()
+            })
             .collect()
     };
     let tested = strings("nixl_versions_tested");
     let lines = strings("nixl_abi_lines");
     for v in &tested {
         let line = v.splitn(3, '.').take(2).collect::<Vec<_>>().join(".");
-        assert!(lines.contains(&line), "{MANIFEST}: tested release {v} is not of an nixl_abi_lines line");
+        assert!(
+            lines.contains(&line),
+            "{MANIFEST}: tested release {v} is not of an nixl_abi_lines line"
+        );
     }
-    writeln!(code, "pub static NIXL_VERSIONS_TESTED: [&str; {}] = {tested:?};", tested.len()).unwrap();
-    writeln!(code, "pub static NIXL_ABI_LINES: [&str; {}] = {lines:?};", lines.len()).unwrap();
+    writeln!(
+        code,
+        "pub static NIXL_VERSIONS_TESTED: [&str; {}] = {tested:?};",
+        tested.len()
+    )
+    .unwrap();
+    writeln!(
+        code,
+        "pub static NIXL_ABI_LINES: [&str; {}] = {lines:?};",
+        lines.len()
+    )
+    .unwrap();
     let mems: Vec<i32> = plugin["mems"]
         .as_array()
         .expect("mems")

@@ -55,13 +55,27 @@ const ALIASES: &[Alias] = &[
             ("use_aio", Map::Ignore),
             ("use_posix_aio", Map::Ignore),
             ("ios_pool_size", Map::Ignore),
-            ("kernel_queue_size", Map::Count { to: "ring_entries", lo: 16, hi: 32768 }),
+            (
+                "kernel_queue_size",
+                Map::Count {
+                    to: "ring_entries",
+                    lo: 16,
+                    hi: 32768,
+                },
+            ),
         ],
     },
     Alias {
         name: "GDS_MT",
         mems: &[DRAM, VRAM, FILE],
-        params: &[("thread_count", Map::Count { to: "cufile_threads", lo: 1, hi: 64 })],
+        params: &[(
+            "thread_count",
+            Map::Count {
+                to: "cufile_threads",
+                lo: 1,
+                hi: 64,
+            },
+        )],
     },
     Alias {
         name: "GDS",
@@ -69,7 +83,14 @@ const ALIASES: &[Alias] = &[
         params: &[
             ("batch_pool_size", Map::Ignore),
             ("batch_limit", Map::Ignore),
-            ("max_request_size", Map::Count { to: "max_io_size", lo: 4096, hi: u64::MAX }),
+            (
+                "max_request_size",
+                Map::Count {
+                    to: "max_io_size",
+                    lo: 4096,
+                    hi: u64::MAX,
+                },
+            ),
         ],
     },
 ];
@@ -87,7 +108,9 @@ pub fn mems_for(name: &str) -> &'static [i32] {
 /// (e.g. cargo's libio_uring_dmabuf.so loaded directly).
 pub fn name_from_library_path(path: &str) -> Option<&str> {
     let file = path.rsplit('/').next()?;
-    file.strip_prefix("libplugin_")?.strip_suffix(".so").filter(|n| !n.is_empty())
+    file.strip_prefix("libplugin_")?
+        .strip_suffix(".so")
+        .filter(|n| !n.is_empty())
 }
 
 /// Path this library was loaded from, as the dynamic linker recorded it.
@@ -102,7 +125,11 @@ pub fn own_library_path() -> Option<String> {
     // by the dynamic linker for as long as the library is loaded.
     let fname = unsafe { info.assume_init() }.dli_fname;
     // SAFETY: checked non-null; see above.
-    (!fname.is_null()).then(|| unsafe { CStr::from_ptr(fname) }.to_string_lossy().into_owned())
+    (!fname.is_null()).then(|| {
+        unsafe { CStr::from_ptr(fname) }
+            .to_string_lossy()
+            .into_owned()
+    })
 }
 
 /// The name this library instance answers to before any engine exists.
@@ -122,7 +149,10 @@ pub fn announce(name: &str) {
     if name == manifest::PLUGIN_NAME {
         return;
     }
-    let first = SEEN.lock().map(|mut s| s.insert(name.to_owned())).unwrap_or(false);
+    let first = SEEN
+        .lock()
+        .map(|mut s| s.insert(name.to_owned()))
+        .unwrap_or(false);
     if first {
         let file = own_library_path().unwrap_or_else(|| "?".into());
         tracing::warn!("{} serving as {name} (NIXL loaded {file} for create_backend({name:?}); NIXL's own {name} is not used in this process)", manifest::PLUGIN_NAME);
@@ -158,7 +188,11 @@ pub fn translate(name: &str, pairs: Vec<(String, String)>) -> Vec<(String, Strin
         tracing::debug!("{name} parameters mapped: {}", mapped.join(", "));
     }
     if !dropped.is_empty() {
-        tracing::debug!("{name} parameters without a meaning for {}, ignored: {}", manifest::PLUGIN_NAME, dropped.join(", "));
+        tracing::debug!(
+            "{name} parameters without a meaning for {}, ignored: {}",
+            manifest::PLUGIN_NAME,
+            dropped.join(", ")
+        );
     }
     out
 }
@@ -168,39 +202,85 @@ mod tests {
     use super::*;
 
     fn kv(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
     fn names_come_from_nixl_plugin_file_names() {
-        assert_eq!(name_from_library_path("/x/plugins/libplugin_GDS_MT.so"), Some("GDS_MT"));
+        assert_eq!(
+            name_from_library_path("/x/plugins/libplugin_GDS_MT.so"),
+            Some("GDS_MT")
+        );
         assert_eq!(name_from_library_path("libplugin_POSIX.so"), Some("POSIX"));
-        assert_eq!(name_from_library_path("/t/release/libio_uring_dmabuf.so"), None);
+        assert_eq!(
+            name_from_library_path("/t/release/libio_uring_dmabuf.so"),
+            None
+        );
         assert_eq!(name_from_library_path("/x/libplugin_.so"), None);
     }
 
     #[test]
     fn nixlbench_posix_parameters_map_onto_the_ring() {
-        let out = translate("POSIX", kv(&[("use_aio", "false"), ("use_uring", "true"), ("use_posix_aio", "false"),
-            ("ios_pool_size", "65536"), ("kernel_queue_size", "256")]));
+        let out = translate(
+            "POSIX",
+            kv(&[
+                ("use_aio", "false"),
+                ("use_uring", "true"),
+                ("use_posix_aio", "false"),
+                ("ios_pool_size", "65536"),
+                ("kernel_queue_size", "256"),
+            ]),
+        );
         assert_eq!(out, kv(&[("ring_entries", "256")]));
-        assert_eq!(translate("POSIX", kv(&[("kernel_queue_size", "4")])), kv(&[("ring_entries", "16")]));
+        assert_eq!(
+            translate("POSIX", kv(&[("kernel_queue_size", "4")])),
+            kv(&[("ring_entries", "16")])
+        );
     }
 
     #[test]
     fn own_keys_win_and_unknown_keys_pass_through() {
-        let out = translate("POSIX", kv(&[("kernel_queue_size", "64"), ("ring_entries", "1024"), ("file_path", "/x")]));
+        let out = translate(
+            "POSIX",
+            kv(&[
+                ("kernel_queue_size", "64"),
+                ("ring_entries", "1024"),
+                ("file_path", "/x"),
+            ]),
+        );
         assert_eq!(out, kv(&[("ring_entries", "1024"), ("file_path", "/x")]));
-        assert_eq!(translate("IO_URING_DMABUF", kv(&[("thread_count", "8")])), kv(&[("thread_count", "8")]));
+        assert_eq!(
+            translate("IO_URING_DMABUF", kv(&[("thread_count", "8")])),
+            kv(&[("thread_count", "8")])
+        );
     }
 
     #[test]
     fn gds_mt_threads_and_gds_request_size() {
-        assert_eq!(translate("GDS_MT", kv(&[("thread_count", "8")])), kv(&[("cufile_threads", "8")]));
-        assert_eq!(translate("GDS_MT", kv(&[("thread_count", "500")])), kv(&[("cufile_threads", "64")]));
+        assert_eq!(
+            translate("GDS_MT", kv(&[("thread_count", "8")])),
+            kv(&[("cufile_threads", "8")])
+        );
+        assert_eq!(
+            translate("GDS_MT", kv(&[("thread_count", "500")])),
+            kv(&[("cufile_threads", "64")])
+        );
         assert_eq!(translate("GDS_MT", kv(&[("thread_count", "0")])), kv(&[]));
-        assert_eq!(translate("GDS_MT", kv(&[("thread_count", "many")])), kv(&[]));
-        let gds = translate("GDS", kv(&[("batch_pool_size", "32"), ("batch_limit", "128"), ("max_request_size", "16777216")]));
+        assert_eq!(
+            translate("GDS_MT", kv(&[("thread_count", "many")])),
+            kv(&[])
+        );
+        let gds = translate(
+            "GDS",
+            kv(&[
+                ("batch_pool_size", "32"),
+                ("batch_limit", "128"),
+                ("max_request_size", "16777216"),
+            ]),
+        );
         assert_eq!(gds, kv(&[("max_io_size", "16777216")]));
     }
 
@@ -211,7 +291,11 @@ mod tests {
         assert_eq!(mems_for("IO_URING_DMABUF"), &manifest::MEMS[..]);
         assert_eq!(mems_for("SOMETHING_ELSE"), &manifest::MEMS[..]);
         for a in ALIASES {
-            assert!(a.mems.iter().all(|m| manifest::MEMS.contains(m)), "{} reports a kind we lack", a.name);
+            assert!(
+                a.mems.iter().all(|m| manifest::MEMS.contains(m)),
+                "{} reports a kind we lack",
+                a.name
+            );
         }
     }
 }

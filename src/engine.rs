@@ -25,9 +25,9 @@ use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{FileKey, Progress, Ring, WorkerConfig, WriterLimits};
 use crate::xfer::driver::{Driver, RequestKey};
-use crate::xfer::progress::ProgressThread;
 use crate::xfer::plan::{parts_for, PlanContext};
 use crate::xfer::prep_pool::PrepPool;
+use crate::xfer::progress::ProgressThread;
 use crate::xfer::recycle::OpLists;
 use crate::xfer::{plan, profile, Plan, XferOp};
 
@@ -89,21 +89,50 @@ impl Request {
 }
 
 impl Engine {
-    pub fn new<'a>(local_agent: &str, params: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Engine> {
+    pub fn new<'a>(
+        local_agent: &str,
+        params: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Engine> {
         let (params, ignored) = EngineParams::parse(params)?;
         if !ignored.is_empty() {
-            tracing::debug!("ignoring backend parameters this backend does not define: {}", ignored.join(", "));
+            tracing::debug!(
+                "ignoring backend parameters this backend does not define: {}",
+                ignored.join(", ")
+            );
         }
         let failure = Arc::new(Failure::default());
-        let workers = WorkerConfig { threads: params.page_cache_threads, writers: WriterLimits { file: params.page_cache_file_writers as usize, all: params.page_cache_writers as usize }, spin_us: params.page_cache_spin_us };
-        let ring = Arc::new(Ring::new(params.ring_entries, params.fixed_files, workers, Arc::clone(&failure))?);
+        let workers = WorkerConfig {
+            threads: params.page_cache_threads,
+            writers: WriterLimits {
+                file: params.page_cache_file_writers as usize,
+                all: params.page_cache_writers as usize,
+            },
+            spin_us: params.page_cache_spin_us,
+        };
+        let ring = Arc::new(Ring::new(
+            params.ring_entries,
+            params.fixed_files,
+            workers,
+            Arc::clone(&failure),
+        )?);
         let record_path = match params.record.as_str() {
             "" => std::env::var("IO_URING_DMABUF_RECORD").unwrap_or_default(),
             p => p.to_owned(),
         };
-        let recorder = if record_path.is_empty() { None } else { Some(Recorder::open(&record_path)?) };
-        tracing::debug!(agent = local_agent, ?params, "IO_URING_DMABUF engine created");
-        let driver = Arc::new(Driver::new(Arc::clone(&ring), Arc::clone(&failure)).with_caller_reads(params.page_cache_caller_reads));
+        let recorder = if record_path.is_empty() {
+            None
+        } else {
+            Some(Recorder::open(&record_path)?)
+        };
+        tracing::debug!(
+            agent = local_agent,
+            ?params,
+            "IO_URING_DMABUF engine created"
+        );
+        let driver = Arc::new(
+            Driver::new(Arc::clone(&ring), Arc::clone(&failure))
+                .with_caller_reads(params.page_cache_caller_reads),
+        );
         Ok(Engine {
             local_agent: local_agent.to_owned(),
             params,
@@ -125,12 +154,22 @@ impl Engine {
     }
 
     /// Registers one descriptor; returns the MD pointer handed to NIXL.
-    pub fn register(&self, kind: i32, addr: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<*const c_void> {
+    pub fn register(
+        &self,
+        kind: i32,
+        addr: u64,
+        len: u64,
+        dev_id: u64,
+        meta_info: &str,
+    ) -> Result<*const c_void> {
         self.failure.check()?;
         let kind = MemKind::from_nixl(kind)
             .ok_or_else(|| Error::invalid(format!("registerMem: unknown memory kind {kind}")))?;
         if len == 0 {
-            return Err(Error::invalid(format!("registerMem: {} descriptor devId {dev_id} at {addr} has zero length", kind.name())));
+            return Err(Error::invalid(format!(
+                "registerMem: {} descriptor devId {dev_id} at {addr} has zero length",
+                kind.name()
+            )));
         }
         let reg = match kind {
             MemKind::Dram => Registration::Dram(self.register_dram(addr, len, dev_id)?),
@@ -152,20 +191,29 @@ impl Engine {
 
     fn register_dram(&self, addr: u64, len: u64, dev_id: u64) -> Result<DramRegion> {
         if addr == 0 || addr.checked_add(len).is_none() {
-            return Err(Error::invalid(format!("registerMem: DRAM range 0x{addr:x}+{len} is not a valid address range")));
+            return Err(Error::invalid(format!(
+                "registerMem: DRAM range 0x{addr:x}+{len} is not a valid address range"
+            )));
         }
         let want_fixed = self.params.fixed_buffers == FixedBuffers::Auto;
         // SAFETY: NIXL's contract: registered memory stays mapped until deregisterMem, and the
         // region (with its pinned slots, taken on first use) is dropped only after
         // deregistration and the release of every request using it.
-        let mut region = unsafe { DramRegion::register(Arc::clone(&self.ring), addr, len, dev_id, want_fixed) };
+        let mut region =
+            unsafe { DramRegion::register(Arc::clone(&self.ring), addr, len, dev_id, want_fixed) };
         match (self.params.dram_dmabuf, dmabuf_support()) {
             (DramDmabuf::On, DmabufSupport::Absent(why)) => {
-                return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: dram_dmabuf=on cannot work here: {why}")))
+                return Err(Error::new(
+                    ErrorKind::NotSupported,
+                    format!("registerMem: dram_dmabuf=on cannot work here: {why}"),
+                ))
             }
             (DramDmabuf::On, DmabufSupport::Available) => {
                 if let Err(why) = region.export_udmabuf() {
-                    return Err(Error::not_supported(format!("registerMem: dram_dmabuf=on: DRAM 0x{addr:x}+{len}: {why}")).caused_by(why));
+                    return Err(Error::not_supported(format!(
+                        "registerMem: dram_dmabuf=on: DRAM 0x{addr:x}+{len}: {why}"
+                    ))
+                    .caused_by(why));
                 }
             }
             (DramDmabuf::Auto, DmabufSupport::Available) => {
@@ -189,23 +237,36 @@ impl Engine {
     }
 
     fn register_vram(&self, addr: u64, len: u64, dev_id: u64) -> Result<VramRegion> {
-        let device = i32::try_from(dev_id).map_err(|_| Error::invalid(format!("registerMem: VRAM devId {dev_id} is not a GPU ordinal")))?;
+        let device = i32::try_from(dev_id).map_err(|_| {
+            Error::invalid(format!(
+                "registerMem: VRAM devId {dev_id} is not a GPU ordinal"
+            ))
+        })?;
         let provider = self.gpu()?;
         let (export, required) = match self.params.vram_path {
             VramPath::Dmabuf => {
                 if let DmabufSupport::Absent(why) = dmabuf_support() {
-                    return Err(Error::new(ErrorKind::NotSupported, format!("registerMem: vram_path=dmabuf cannot work here: {why}")));
+                    return Err(Error::new(
+                        ErrorKind::NotSupported,
+                        format!("registerMem: vram_path=dmabuf cannot work here: {why}"),
+                    ));
                 }
                 (true, true)
             }
             VramPath::Cufile => {
-                CuFile::load().map_err(|e| Error::new(ErrorKind::NotSupported, format!("registerMem: vram_path=cufile: {}", e.message)))?;
+                CuFile::load().map_err(|e| {
+                    Error::new(
+                        ErrorKind::NotSupported,
+                        format!("registerMem: vram_path=cufile: {}", e.message),
+                    )
+                })?;
                 (false, false)
             }
             VramPath::Auto => (dmabuf_support().is_available(), false),
             VramPath::Staging => (false, false),
         };
-        let region = VramRegion::register(Arc::clone(&provider), addr, len, device, export, required)?;
+        let region =
+            VramRegion::register(Arc::clone(&provider), addr, len, device, export, required)?;
         self.prepare_vram_paths(&provider)?;
         Ok(region)
     }
@@ -222,7 +283,8 @@ impl Engine {
             VramPath::Auto | VramPath::Dmabuf | VramPath::Cufile => false,
         };
         if staging_possible {
-            self.driver.enable_staging(Arc::clone(provider), self.staging_shape())?;
+            self.driver
+                .enable_staging(Arc::clone(provider), self.staging_shape())?;
         }
         Ok(())
     }
@@ -236,7 +298,11 @@ impl Engine {
             }
         }
         let key = (mem as *const Registration as usize, file.key());
-        let cached = || self.failure.lock(&self.routes, "route cache").map(|routes| routes.get(&key).cloned());
+        let cached = || {
+            self.failure
+                .lock(&self.routes, "route cache")
+                .map(|routes| routes.get(&key).cloned())
+        };
         if let Some(r) = cached()? {
             return Ok(r);
         }
@@ -250,14 +316,20 @@ impl Engine {
         let what = match mem {
             Registration::Vram(v) => format!("VRAM 0x{:x}+{} (GPU {})", v.addr, v.len, v.device),
             Registration::Dram(d) => format!("DRAM 0x{:x}+{}", d.addr, d.len),
-            Registration::Storage(_) => return Err(Error::invalid("a storage registration on the memory side")),
+            Registration::Storage(_) => {
+                return Err(Error::invalid("a storage registration on the memory side"))
+            }
         };
-        let selector = Selector { ring: &self.ring, params: &self.params, dmabuf_support: dmabuf_support() };
+        let selector = Selector {
+            ring: &self.ring,
+            params: &self.params,
+            dmabuf_support: dmabuf_support(),
+        };
         let (route, reason) = selector.choose(mem, file)?;
         match (&route, mem) {
-            (Route::Staging, Registration::Vram(v)) => {
-                self.driver.enable_staging(Arc::clone(&v.provider), self.staging_shape())?
-            }
+            (Route::Staging, Registration::Vram(v)) => self
+                .driver
+                .enable_staging(Arc::clone(&v.provider), self.staging_shape())?,
             (Route::Cufile, _) => {
                 self.cufile_executor();
             }
@@ -266,21 +338,44 @@ impl Engine {
         // Once per distinct route and reason at info: a client registering a file per key
         // would otherwise log a line per file.
         let described = format!("{} ({reason})", route.describe());
-        if self.failure.lock(&self.routes_logged, "route log")?.insert(described.clone()) {
+        if self
+            .failure
+            .lock(&self.routes_logged, "route log")?
+            .insert(described.clone())
+        {
             tracing::info!("{what} <-> fd {}: {described}", file.fd);
         } else {
             tracing::debug!("{what} <-> fd {}: {described}", file.fd);
         }
-        self.failure.lock(&self.routes, "route cache")?.insert(key, route.clone());
+        self.failure
+            .lock(&self.routes, "route cache")?
+            .insert(key, route.clone());
         Ok(route)
     }
 
     fn cufile_executor(&self) -> &CufileExecutor {
-        self.cufile_exec.get_or_init(|| path::cufile::executor(self.params.cufile_api, self.params.cufile_threads))
+        self.cufile_exec.get_or_init(|| {
+            path::cufile::executor(self.params.cufile_api, self.params.cufile_threads)
+        })
     }
 
-    fn register_storage(&self, kind: MemKind, offset: u64, len: u64, dev_id: u64, meta_info: &str) -> Result<FileRegion> {
-        let region = FileRegion::register(Arc::clone(&self.ring), kind, offset, len, dev_id, meta_info, self.params.fixed_files)?;
+    fn register_storage(
+        &self,
+        kind: MemKind,
+        offset: u64,
+        len: u64,
+        dev_id: u64,
+        meta_info: &str,
+    ) -> Result<FileRegion> {
+        let region = FileRegion::register(
+            Arc::clone(&self.ring),
+            kind,
+            offset,
+            len,
+            dev_id,
+            meta_info,
+            self.params.fixed_files,
+        )?;
         if region.owned_path.is_some() {
             let mut ids = self.failure.lock(&self.path_dev_ids, "path-mode devIds")?;
             if !ids.insert(dev_id) {
@@ -316,10 +411,14 @@ impl Engine {
             _ => None,
         };
         let mem = Arc::as_ptr(&reg) as usize;
-        self.failure.lock(&self.routes, "route cache")?.retain(|(m, k), _| *m != mem && Some(*k) != file);
+        self.failure
+            .lock(&self.routes, "route cache")?
+            .retain(|(m, k), _| *m != mem && Some(*k) != file);
         if let Registration::Storage(f) = &*reg {
             if f.owned_path.is_some() {
-                self.failure.lock(&self.path_dev_ids, "path-mode devIds")?.remove(&f.dev_id);
+                self.failure
+                    .lock(&self.path_dev_ids, "path-mode devIds")?
+                    .remove(&f.dev_id);
             }
         }
         drop(reg);
@@ -332,7 +431,9 @@ impl Engine {
         if parts_for(descriptors, self.params.prep_threads) < 2 {
             return None;
         }
-        self.prep_pool.get_or_init(|| PrepPool::start(self.params.prep_threads - 1)).as_ref()
+        self.prep_pool
+            .get_or_init(|| PrepPool::start(self.params.prep_threads - 1))
+            .as_ref()
     }
 
     /// Validates the lists against the live registrations and prepares a request.
@@ -366,27 +467,55 @@ impl Engine {
             lists: &self.op_lists,
             pool: self.prep_pool(local.len()),
         };
-        let plan = plan(op, local_kind, local, remote_kind, remote, &self.registry, &ctx)?;
+        let plan = plan(
+            op,
+            local_kind,
+            local,
+            remote_kind,
+            remote,
+            &self.registry,
+            &ctx,
+        )?;
         for reg in &plan.registrations {
             if let Registration::Storage(f) = &**reg {
                 f.check_still_open()?;
             }
         }
         let key = self.driver.add_request(Arc::clone(&plan.ops))?;
-        let cufile = plan.cufile.then(|| Arc::new(CufileProgress::new(Arc::clone(&self.failure))));
+        let cufile = plan
+            .cufile
+            .then(|| Arc::new(CufileProgress::new(Arc::clone(&self.failure))));
         let req = Box::new(Request { key, plan, cufile });
         if let Some(r) = &self.recorder {
-            r.prep(req.id(), op as i32, local_kind, local, remote_kind, remote, req.plan.ops.ops.len(), req.plan.total_bytes);
+            r.prep(
+                req.id(),
+                op as i32,
+                local_kind,
+                local,
+                remote_kind,
+                remote,
+                req.plan.ops.ops.len(),
+                req.plan.total_bytes,
+            );
         }
         profile::prep_done(started, local.len(), req.plan.ops.ops.len());
         Ok(req)
     }
 
     /// Starts a prepared request; Ok(Done) when it completed during the call.
-    pub fn post(&self, req: &Request, op: i32, local_count: usize, remote_count: usize) -> Result<Progress> {
+    pub fn post(
+        &self,
+        req: &Request,
+        op: i32,
+        local_count: usize,
+        remote_count: usize,
+    ) -> Result<Progress> {
         self.failure.check()?;
         let op = XferOp::from_nixl(op)?;
-        if op != req.plan.op || local_count != req.plan.local_count || remote_count != req.plan.remote_count {
+        if op != req.plan.op
+            || local_count != req.plan.local_count
+            || remote_count != req.plan.remote_count
+        {
             return Err(Error::new(
                 ErrorKind::Mismatch,
                 "postXfer: operation or descriptor lists differ from what was prepared",
@@ -401,12 +530,19 @@ impl Engine {
         }
         self.fence_app_work(req)?;
         let result = match &req.cufile {
-            Some(progress) => path::cufile::jobs(&req.plan.ops.ops, req.plan.ops.write, &req.plan.registrations, progress)
-                .and_then(|jobs| self.cufile_executor().post(progress, jobs)),
+            Some(progress) => path::cufile::jobs(
+                &req.plan.ops.ops,
+                req.plan.ops.write,
+                &req.plan.registrations,
+                progress,
+            )
+            .and_then(|jobs| self.cufile_executor().post(progress, jobs)),
             None => {
                 let result = self.driver.post(req.key, self.params.inline_write_max);
                 if let (Ok(Progress::InFlight), true) = (&result, self.params.progress_thread) {
-                    let thread = self.progress.get_or_init(|| ProgressThread::start(Arc::downgrade(&self.driver)));
+                    let thread = self
+                        .progress
+                        .get_or_init(|| ProgressThread::start(Arc::downgrade(&self.driver)));
                     if let Some(t) = thread {
                         t.wake();
                     }
@@ -415,11 +551,14 @@ impl Engine {
             }
         };
         if let Some(r) = &self.recorder {
-            r.post(req.id(), match &result {
-                Ok(Progress::Done) => "DONE",
-                Ok(Progress::InFlight) => "PROC",
-                Err(_) => "ERR",
-            });
+            r.post(
+                req.id(),
+                match &result {
+                    Ok(Progress::Done) => "DONE",
+                    Ok(Progress::InFlight) => "PROC",
+                    Err(_) => "ERR",
+                },
+            );
         }
         result
     }
@@ -430,9 +569,12 @@ impl Engine {
     fn fence_app_work(&self, req: &Request) -> Result<()> {
         let mut fenced: Vec<i32> = Vec::new();
         for reg in &req.plan.registrations {
-            let Registration::Vram(v) = &**reg else { continue };
+            let Registration::Vram(v) = &**reg else {
+                continue;
+            };
             if !fenced.contains(&v.device) {
-                v.provider.fence_app_work(v.device, req.plan.vram_outside_streams)?;
+                v.provider
+                    .fence_app_work(v.device, req.plan.vram_outside_streams)?;
                 fenced.push(v.device);
             }
         }
@@ -454,7 +596,15 @@ impl Engine {
     }
 
     fn staging_shape(&self) -> StagingShape {
-        StagingShape { buffer_size: self.params.staging_buffer_size, buffers: self.params.staging_buffers, pack_max: self.params.staging_pack_max, packed_copy: self.params.staging_copy, write_window: self.params.staged_write_window, max_io_size: self.params.max_io_size, kernel_streams: self.params.staging_kernel_streams }
+        StagingShape {
+            buffer_size: self.params.staging_buffer_size,
+            buffers: self.params.staging_buffers,
+            pack_max: self.params.staging_pack_max,
+            packed_copy: self.params.staging_copy,
+            write_window: self.params.staged_write_window,
+            max_io_size: self.params.max_io_size,
+            kernel_streams: self.params.staging_kernel_streams,
+        }
     }
 
     /// Whether the staging pool exists (for tests and diagnostics).
@@ -472,7 +622,10 @@ impl Engine {
             r.release(req.id());
         }
         if let Some(progress) = &req.cufile {
-            if let Err(e) = self.cufile_executor().drain(progress, std::time::Duration::from_secs(30)) {
+            if let Err(e) = self
+                .cufile_executor()
+                .drain(progress, std::time::Duration::from_secs(30))
+            {
                 return Err((req, e));
             }
         }
@@ -498,7 +651,9 @@ mod tests {
     fn a_poisoned_lock_makes_every_later_call_an_error_not_a_panic() {
         let e = Engine::new("agent", []).expect("engine");
         let buf = vec![0u8; 4096];
-        let md = e.register(0, buf.as_ptr() as u64, buf.len() as u64, 0, "").expect("register DRAM");
+        let md = e
+            .register(0, buf.as_ptr() as u64, buf.len() as u64, 0, "")
+            .expect("register DRAM");
         std::thread::scope(|s| {
             let poisoner = s.spawn(|| {
                 let _g = e.routes.lock().unwrap();
@@ -508,8 +663,14 @@ mod tests {
         });
         let err = e.deregister(md).unwrap_err();
         assert_eq!(err.to_status(), status::ERR_BACKEND);
-        assert!(err.message.contains("route cache is poisoned"), "{}", err.message);
-        let err = e.register(0, buf.as_ptr() as u64, buf.len() as u64, 0, "").unwrap_err();
+        assert!(
+            err.message.contains("route cache is poisoned"),
+            "{}",
+            err.message
+        );
+        let err = e
+            .register(0, buf.as_ptr() as u64, buf.len() as u64, 0, "")
+            .unwrap_err();
         assert_eq!(err.to_status(), status::ERR_BACKEND);
         assert!(err.message.contains("failed earlier"), "{}", err.message);
     }

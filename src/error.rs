@@ -83,7 +83,12 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into(), context: Context::default(), source: None }
+        Error {
+            kind,
+            message: message.into(),
+            context: Context::default(),
+            source: None,
+        }
     }
     pub fn with_descriptor(mut self, index: usize) -> Self {
         self.context.descriptor = Some(index);
@@ -172,7 +177,9 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
     }
 }
 
@@ -192,14 +199,18 @@ impl Failure {
             return Ok(());
         }
         let cause = self.cause.get().map_or("unknown cause", String::as_str);
-        Err(Error::backend(format!("the engine failed earlier and answers every call with an error: {cause}")))
+        Err(Error::backend(format!(
+            "the engine failed earlier and answers every call with an error: {cause}"
+        )))
     }
 
     /// Locks `m`; a poisoned lock marks the engine failed and becomes an error naming `what`.
     pub fn lock<'a, T>(&self, m: &'a Mutex<T>, what: &str) -> Result<MutexGuard<'a, T>> {
         m.lock().map_err(|_| {
             let cause = self.mark(what);
-            Error::backend(format!("{cause}; the engine is now failed and answers every call with an error"))
+            Error::backend(format!(
+                "{cause}; the engine is now failed and answers every call with an error"
+            ))
         })
     }
 
@@ -212,7 +223,9 @@ impl Failure {
             let first = !self.failed.load(Ordering::Acquire);
             let cause = self.mark(what);
             if first {
-                tracing::error!("{cause}; the engine is now failed; teardown goes on with the lock's value");
+                tracing::error!(
+                    "{cause}; the engine is now failed; teardown goes on with the lock's value"
+                );
             }
             poisoned.into_inner()
         })
@@ -220,7 +233,8 @@ impl Failure {
 
     /// Marks the engine failed by the poisoned lock `what` (the first cause is kept).
     fn mark(&self, what: &str) -> String {
-        let cause = format!("internal lock {what} is poisoned (a thread panicked while holding it)");
+        let cause =
+            format!("internal lock {what} is poisoned (a thread panicked while holding it)");
         let _ = self.cause.set(cause.clone());
         self.failed.store(true, Ordering::Release);
         cause
@@ -242,7 +256,10 @@ pub fn poison<T: Send>(m: &Mutex<T>) {
 
 /// The text a panic carried (`panic!` with a literal or a formatted message), if any.
 pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<String> {
-    payload.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| payload.downcast_ref::<String>().cloned())
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
 }
 
 /// "EIO (Input/output error)" style text for an OS error.
@@ -297,9 +314,18 @@ mod tests {
     #[test]
     fn a_panics_text_is_read_whether_literal_or_formatted() {
         let caught = |f: fn()| std::panic::catch_unwind(f).expect_err("it panics");
-        assert_eq!(panic_message(&*caught(|| panic!("literal"))).as_deref(), Some("literal"));
-        assert_eq!(panic_message(&*caught(|| panic!("formatted {}", 7))).as_deref(), Some("formatted 7"));
-        assert_eq!(panic_message(&*caught(|| std::panic::panic_any(7u32))), None);
+        assert_eq!(
+            panic_message(&*caught(|| panic!("literal"))).as_deref(),
+            Some("literal")
+        );
+        assert_eq!(
+            panic_message(&*caught(|| panic!("formatted {}", 7))).as_deref(),
+            Some("formatted 7")
+        );
+        assert_eq!(
+            panic_message(&*caught(|| std::panic::panic_any(7u32))),
+            None
+        );
     }
 
     #[test]
@@ -334,9 +360,21 @@ mod tests {
     #[test]
     fn a_wrapping_error_keeps_the_inner_context_and_its_own() {
         let inner = Error::os("register", &io::Error::from_raw_os_error(libc::EINVAL)).with_fd(9);
-        let e = Error::not_supported("cannot reach fd 9: register: EINVAL").with_descriptor(2).caused_by(inner);
-        assert_eq!(e.context, Context { descriptor: Some(2), fd: Some(9), errno: Some(libc::EINVAL), ..Context::default() });
-        assert!(std::error::Error::source(&e).is_some_and(|s| s.to_string().starts_with("register")));
+        let e = Error::not_supported("cannot reach fd 9: register: EINVAL")
+            .with_descriptor(2)
+            .caused_by(inner);
+        assert_eq!(
+            e.context,
+            Context {
+                descriptor: Some(2),
+                fd: Some(9),
+                errno: Some(libc::EINVAL),
+                ..Context::default()
+            }
+        );
+        assert!(
+            std::error::Error::source(&e).is_some_and(|s| s.to_string().starts_with("register"))
+        );
         assert_eq!(e.clone().at_descriptor(7).context.descriptor, Some(2));
     }
 
@@ -353,10 +391,18 @@ mod tests {
         assert!(failure.check().is_ok());
         let e = failure.lock(&m, "test").unwrap_err();
         assert_eq!(e.to_status(), status::ERR_BACKEND);
-        assert!(e.message.contains("internal lock test is poisoned"), "{}", e.message);
+        assert!(
+            e.message.contains("internal lock test is poisoned"),
+            "{}",
+            e.message
+        );
         let e = failure.check().unwrap_err();
         assert_eq!(e.to_status(), status::ERR_BACKEND);
-        assert!(e.message.contains("failed earlier") && e.message.contains("lock test"), "{}", e.message);
+        assert!(
+            e.message.contains("failed earlier") && e.message.contains("lock test"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
@@ -366,6 +412,10 @@ mod tests {
         poison(&m);
         assert_eq!(*failure.lock_or_recover(&m, "teardown test"), 5);
         let e = failure.check().unwrap_err();
-        assert!(e.message.contains("lock teardown test is poisoned"), "{}", e.message);
+        assert!(
+            e.message.contains("lock teardown test is poisoned"),
+            "{}",
+            e.message
+        );
     }
 }

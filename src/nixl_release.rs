@@ -47,8 +47,12 @@ pub enum Verdict {
 /// The release line ("1.5") of a version ("1.5.1", "1.5.2rc1").
 pub fn release_line(version: &str) -> Option<String> {
     let mut parts = version.splitn(3, '.');
-    let major = parts.next().filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))?;
-    let minor = parts.next().filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))?;
+    let major = parts
+        .next()
+        .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))?;
+    let minor = parts
+        .next()
+        .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))?;
     Some(format!("{major}.{minor}"))
 }
 
@@ -66,7 +70,10 @@ pub fn classify(version: &str) -> Verdict {
 /// (`<digits>.<digits>.<digits>` and an optional suffix such as `rc1`).
 pub fn version_after_marker(bytes: &[u8]) -> Option<&str> {
     let mut from = 0;
-    while let Some(k) = bytes[from..].windows(MARKER.len()).position(|w| w == MARKER) {
+    while let Some(k) = bytes[from..]
+        .windows(MARKER.len())
+        .position(|w| w == MARKER)
+    {
         let at = from + k + MARKER.len();
         if let Some(v) = version_at(&bytes[at..bytes.len().min(at + 64)]) {
             return Some(v);
@@ -80,9 +87,16 @@ fn version_at(rest: &[u8]) -> Option<&str> {
     let text = std::str::from_utf8(&rest[..rest.iter().position(|&b| b == 0)?]).ok()?;
     let numeric: Vec<&str> = text.splitn(3, '.').collect();
     let ok = numeric.len() == 3
-        && numeric[..2].iter().all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
-        && numeric[2].bytes().next().is_some_and(|b| b.is_ascii_digit())
-        && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"+-._".contains(&b));
+        && numeric[..2]
+            .iter()
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        && numeric[2]
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_digit())
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"+-._".contains(&b));
     ok.then_some(text)
 }
 
@@ -93,7 +107,11 @@ struct Search<'a> {
     seen: Option<String>,
 }
 
-unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
+unsafe extern "C" fn visit(
+    info: *mut libc::dl_phdr_info,
+    _size: usize,
+    data: *mut c_void,
+) -> c_int {
     // SAFETY: `data` is the `Search` scan_loaded passed to dl_iterate_phdr, alive for the call.
     let search = unsafe { &mut *(data as *mut Search) };
     // SAFETY: the dynamic linker passes a valid dl_phdr_info for the duration of the callback.
@@ -102,7 +120,9 @@ unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *m
         String::new()
     } else {
         // SAFETY: dlpi_name is a C string owned by the dynamic linker.
-        unsafe { CStr::from_ptr(info.dlpi_name) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(info.dlpi_name) }
+            .to_string_lossy()
+            .into_owned()
     };
     if !(search.wanted)(&name) {
         return 0;
@@ -111,7 +131,10 @@ unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *m
     for i in 0..info.dlpi_phnum as usize {
         // SAFETY: dlpi_phdr points at dlpi_phnum program headers.
         let ph = unsafe { &*info.dlpi_phdr.add(i) };
-        if ph.p_type != libc::PT_LOAD || ph.p_flags & libc::PF_R == 0 || ph.p_flags & libc::PF_W != 0 {
+        if ph.p_type != libc::PT_LOAD
+            || ph.p_flags & libc::PF_R == 0
+            || ph.p_flags & libc::PF_W != 0
+        {
             continue;
         }
         let start = (info.dlpi_addr + ph.p_vaddr) as *const u8;
@@ -120,7 +143,10 @@ unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *m
         // p_filesz bytes of it come from the file.
         let bytes = unsafe { std::slice::from_raw_parts(start, ph.p_filesz as usize) };
         if let Some(v) = version_after_marker(bytes) {
-            search.found = Some(Runtime { version: v.to_owned(), library: name });
+            search.found = Some(Runtime {
+                version: v.to_owned(),
+                library: name,
+            });
             return 1;
         }
     }
@@ -135,7 +161,11 @@ pub fn scan_loaded(wanted: &dyn Fn(&str) -> bool) -> Option<Runtime> {
 
 /// The version found, and the first wanted object seen (with or without a version).
 fn scan(wanted: &dyn Fn(&str) -> bool) -> (Option<Runtime>, Option<String>) {
-    let mut search = Search { wanted, found: None, seen: None };
+    let mut search = Search {
+        wanted,
+        found: None,
+        seen: None,
+    };
     // SAFETY: visit only reads the headers and segments the dynamic linker reports.
     unsafe { libc::dl_iterate_phdr(Some(visit), &mut search as *mut Search as *mut c_void) };
     (search.found, search.seen)
@@ -154,7 +184,11 @@ pub enum Found {
 /// The NIXL runtime of this process: the wheel's (or a source build's) libnixl_common.so, else a
 /// program NIXL is linked into statically.
 pub fn find_runtime() -> Found {
-    let common = |p: &str| p.rsplit('/').next().is_some_and(|f| f.starts_with("libnixl_common"));
+    let common = |p: &str| {
+        p.rsplit('/')
+            .next()
+            .is_some_and(|f| f.starts_with("libnixl_common"))
+    };
     match scan(&common) {
         (Some(rt), _) => Found::Release(rt),
         (None, Some(lib)) => Found::Unreadable(lib),
@@ -164,7 +198,12 @@ pub fn find_runtime() -> Found {
 
 /// Whether the plugin may hand NIXL its plugin struct. Decided and logged once per process.
 pub fn admit() -> bool {
-    static ADMIT: Lazy<bool> = Lazy::new(|| decide(find_runtime(), std::env::var(ALLOW_UNTESTED).is_ok_and(|v| v == "1")));
+    static ADMIT: Lazy<bool> = Lazy::new(|| {
+        decide(
+            find_runtime(),
+            std::env::var(ALLOW_UNTESTED).is_ok_and(|v| v == "1"),
+        )
+    });
     *ADMIT
 }
 
@@ -211,13 +250,31 @@ mod tests {
 
     #[test]
     fn versions_are_read_after_the_marker_only_when_they_look_like_versions() {
-        assert_eq!(version_after_marker(b"xx\0NIXL version: \01.5.1\0 (git: \01d2a52eb\0"), Some("1.5.1"));
-        assert_eq!(version_after_marker(b"NIXL version: \01.5.2rc1\0"), Some("1.5.2rc1"));
+        assert_eq!(
+            version_after_marker(b"xx\0NIXL version: \01.5.1\0 (git: \01d2a52eb\0"),
+            Some("1.5.1")
+        );
+        assert_eq!(
+            version_after_marker(b"NIXL version: \01.5.2rc1\0"),
+            Some("1.5.2rc1")
+        );
         assert_eq!(version_after_marker(b"NIXL version: \0 (git: \0"), None);
         assert_eq!(version_after_marker(b"NIXL version: \01.5\0"), None);
-        assert_eq!(version_after_marker(b"NIXL version: \01.5.1"), None, "no terminating NUL");
-        assert_eq!(version_after_marker(b"NIXL version: 1.5.1\0"), None, "marker without its NUL");
-        assert_eq!(version_after_marker(b"NIXL version: \0%s\0NIXL version: \01.3.2\0"), Some("1.3.2"), "a later marker");
+        assert_eq!(
+            version_after_marker(b"NIXL version: \01.5.1"),
+            None,
+            "no terminating NUL"
+        );
+        assert_eq!(
+            version_after_marker(b"NIXL version: 1.5.1\0"),
+            None,
+            "marker without its NUL"
+        );
+        assert_eq!(
+            version_after_marker(b"NIXL version: \0%s\0NIXL version: \01.3.2\0"),
+            Some("1.3.2"),
+            "a later marker"
+        );
     }
 
     #[test]
@@ -236,13 +293,21 @@ mod tests {
 
     #[test]
     fn only_unverified_lines_are_refused_and_the_override_admits_them() {
-        let rt = |v: &str| Found::Release(Runtime { version: v.into(), library: "/x/libnixl_common.so".into() });
+        let rt = |v: &str| {
+            Found::Release(Runtime {
+                version: v.into(),
+                library: "/x/libnixl_common.so".into(),
+            })
+        };
         assert!(decide(rt("1.5.1"), false));
         assert!(decide(rt("1.4.0"), false));
         assert!(!decide(rt("0.10.1"), false));
         assert!(decide(rt("0.10.1"), true));
         assert!(decide(Found::Nothing, false));
-        assert!(decide(Found::Unreadable("/x/libnixl_common.so".into()), false));
+        assert!(decide(
+            Found::Unreadable("/x/libnixl_common.so".into()),
+            false
+        ));
     }
 
     // A version string in this test program's own read-only data, found the way the plugin finds
@@ -254,9 +319,16 @@ mod tests {
     fn the_loaded_objects_are_scanned() {
         // The first valid string in this program's read-only segments: EMBEDDED, or one of the
         // literals of the test above (the linker decides their order).
-        let found = scan_loaded(&|p: &str| p.is_empty()).expect("this program's own version string");
-        assert!(["9.8.7", "1.5.1", "1.5.2rc1", "1.3.2"].contains(&found.version.as_str()), "{found:?}");
+        let found =
+            scan_loaded(&|p: &str| p.is_empty()).expect("this program's own version string");
+        assert!(
+            ["9.8.7", "1.5.1", "1.5.2rc1", "1.3.2"].contains(&found.version.as_str()),
+            "{found:?}"
+        );
         assert_eq!(found.library, "");
-        assert_eq!(scan_loaded(&|p: &str| p.ends_with("/no-such-object.so")), None);
+        assert_eq!(
+            scan_loaded(&|p: &str| p.ends_with("/no-such-object.so")),
+            None
+        );
     }
 }

@@ -7,7 +7,9 @@
 use crate::error::{Error, Result};
 use crate::gpu::{PackedCopy, ProviderChoice};
 use crate::manifest;
-use crate::uring::{default_page_cache_threads, default_page_cache_writers, usable_cpus, MAX_FIXED_BUFFER};
+use crate::uring::{
+    default_page_cache_threads, default_page_cache_writers, usable_cpus, MAX_FIXED_BUFFER,
+};
 
 /// Whether DRAM registrations become io_uring fixed buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,13 +121,21 @@ impl EngineParams {
     /// `staged_read_piece_max` would not be packed (`staging_pack_max`): each would hold a whole
     /// staging buffer, and the pool would carry a fraction of its bytes.
     pub fn staged_read_piece(&self) -> u64 {
-        if self.staged_read_piece_max <= self.staging_pack_max { self.staged_read_piece_max } else { 0 }
+        if self.staged_read_piece_max <= self.staging_pack_max {
+            self.staged_read_piece_max
+        } else {
+            0
+        }
     }
 
     /// Parses `(key, value)` pairs; returns the params and the keys that were ignored.
-    pub fn parse<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<(Self, Vec<String>)> {
-        let mut values: Vec<(&'static str, String)> =
-            manifest::PARAMS.iter().map(|p| (p.name, p.default.to_owned())).collect();
+    pub fn parse<'a>(
+        pairs: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<(Self, Vec<String>)> {
+        let mut values: Vec<(&'static str, String)> = manifest::PARAMS
+            .iter()
+            .map(|p| (p.name, p.default.to_owned()))
+            .collect();
         let mut ignored = Vec::new();
         for (key, value) in pairs {
             match values.iter_mut().find(|(name, _)| *name == key) {
@@ -134,7 +144,11 @@ impl EngineParams {
             }
         }
         let get = |name: &str| -> &str {
-            values.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str()).expect("manifest param")
+            values
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.as_str())
+                .expect("manifest param")
         };
         let ring_entries = parse_u64("ring_entries", get("ring_entries"))?;
         let (lo, hi) = RING_ENTRIES_RANGE;
@@ -212,7 +226,11 @@ impl EngineParams {
             "auto" => default_page_cache_threads(),
             v => match parse_u64("page_cache_threads", v)? {
                 n @ 1..=64 => n as usize,
-                n => return Err(Error::invalid(format!("backend parameter page_cache_threads={n} must be within 1..64 (or auto)"))),
+                n => {
+                    return Err(Error::invalid(format!(
+                        "backend parameter page_cache_threads={n} must be within 1..64 (or auto)"
+                    )))
+                }
             },
         };
         let page_cache_caller_reads = match get("page_cache_caller_reads") {
@@ -220,7 +238,11 @@ impl EngineParams {
             v => match parse_bool("page_cache_caller_reads", v) {
                 Ok(true) => CallerReads::Always,
                 Ok(false) => CallerReads::Never,
-                Err(_) => return Err(Error::invalid(format!("backend parameter page_cache_caller_reads={v:?} must be auto, true or false"))),
+                Err(_) => {
+                    return Err(Error::invalid(format!(
+                    "backend parameter page_cache_caller_reads={v:?} must be auto, true or false"
+                )))
+                }
             },
         };
         let progress_thread = match get("progress_thread") {
@@ -236,10 +258,20 @@ impl EngineParams {
             // as progress_thread; two threads gained nothing there at 8192 descriptors). On the
             // 16-CPU H200 four threads planned 8192 descriptors in 242-250 us against 298-311
             // whole (bench/results/2026-12-05-per-request-h200-midday.md).
-            "auto" => if usable_cpus() >= 8 { 4 } else { 1 },
+            "auto" => {
+                if usable_cpus() >= 8 {
+                    4
+                } else {
+                    1
+                }
+            }
             v => match parse_u64("prep_threads", v)? {
                 n @ 1..=16 => n as usize,
-                n => return Err(Error::invalid(format!("backend parameter prep_threads={n} must be within 1..16 (or auto)"))),
+                n => {
+                    return Err(Error::invalid(format!(
+                        "backend parameter prep_threads={n} must be within 1..16 (or auto)"
+                    )))
+                }
             },
         };
         let vram_path = match get("vram_path").to_ascii_lowercase().as_str() {
@@ -257,35 +289,56 @@ impl EngineParams {
             "auto" => CufileApiChoice::Auto,
             "threads" => CufileApiChoice::Threads,
             "batch" => CufileApiChoice::Batch,
-            other => return Err(Error::invalid(format!("backend parameter cufile_api={other:?} must be auto, threads or batch"))),
+            other => {
+                return Err(Error::invalid(format!(
+                    "backend parameter cufile_api={other:?} must be auto, threads or batch"
+                )))
+            }
         };
         let dram_dmabuf = match get("dram_dmabuf").to_ascii_lowercase().as_str() {
             "auto" => DramDmabuf::Auto,
             "on" | "true" => DramDmabuf::On,
             "off" | "false" => DramDmabuf::Off,
-            other => return Err(Error::invalid(format!("backend parameter dram_dmabuf={other:?} must be auto, on or off"))),
+            other => {
+                return Err(Error::invalid(format!(
+                    "backend parameter dram_dmabuf={other:?} must be auto, on or off"
+                )))
+            }
         };
         let gpu_provider = ProviderChoice::parse(get("gpu_provider")).ok_or_else(|| {
-            Error::invalid(format!("backend parameter gpu_provider={:?} must be cuda, rocm, vulkan or auto", get("gpu_provider")))
+            Error::invalid(format!(
+                "backend parameter gpu_provider={:?} must be cuda, rocm, vulkan or auto",
+                get("gpu_provider")
+            ))
         })?;
         let verify_dma = parse_bool("verify_dma", get("verify_dma"))?;
         let staging_buffer_size = parse_u64("staging_buffer_size", get("staging_buffer_size"))?;
-        if staging_buffer_size < 65536 || staging_buffer_size % 4096 != 0 || staging_buffer_size > MAX_FIXED_BUFFER {
+        if staging_buffer_size < 65536
+            || staging_buffer_size % 4096 != 0
+            || staging_buffer_size > MAX_FIXED_BUFFER
+        {
             return Err(Error::invalid(format!(
                 "backend parameter staging_buffer_size={staging_buffer_size} must be a multiple of 4096 between 65536 and 1 GiB"
             )));
         }
-        let staged_write_piece_max = parse_u64("staged_write_piece_max", get("staged_write_piece_max"))?;
-        if staged_write_piece_max < 4096 || staged_write_piece_max % 4096 != 0 || staged_write_piece_max > MAX_FIXED_BUFFER {
+        let staged_write_piece_max =
+            parse_u64("staged_write_piece_max", get("staged_write_piece_max"))?;
+        if staged_write_piece_max < 4096
+            || staged_write_piece_max % 4096 != 0
+            || staged_write_piece_max > MAX_FIXED_BUFFER
+        {
             return Err(Error::invalid(format!(
                 "backend parameter staged_write_piece_max={staged_write_piece_max} must be a multiple of 4096 between 4096 and 1 GiB"
             )));
         }
         let page_cache_spin_us = parse_u64("page_cache_spin_us", get("page_cache_spin_us"))?;
         if page_cache_spin_us > 10_000 {
-            return Err(Error::invalid(format!("backend parameter page_cache_spin_us={page_cache_spin_us} must be at most 10000")));
+            return Err(Error::invalid(format!(
+                "backend parameter page_cache_spin_us={page_cache_spin_us} must be at most 10000"
+            )));
         }
-        let staged_read_piece_max = parse_u64("staged_read_piece_max", get("staged_read_piece_max"))?;
+        let staged_read_piece_max =
+            parse_u64("staged_read_piece_max", get("staged_read_piece_max"))?;
         if staged_read_piece_max % 4096 != 0 || staged_read_piece_max > MAX_FIXED_BUFFER {
             return Err(Error::invalid(format!(
                 "backend parameter staged_read_piece_max={staged_read_piece_max} must be 0 or a multiple of 4096 up to 1 GiB"
@@ -317,17 +370,22 @@ impl EngineParams {
             "dma-kernel" => PackedCopy::DmaKernel,
             other => return Err(Error::invalid(format!("backend parameter staging_copy={other:?} must be auto, batch, kernel or dma-kernel"))),
         };
-        let staging_kernel_streams = parse_u64("staging_kernel_streams", get("staging_kernel_streams"))?;
+        let staging_kernel_streams =
+            parse_u64("staging_kernel_streams", get("staging_kernel_streams"))?;
         if !(1..=4).contains(&staging_kernel_streams) {
             return Err(Error::invalid(format!("backend parameter staging_kernel_streams={staging_kernel_streams} must be within 1..4")));
         }
         let staging_buffers = parse_u64("staging_buffers", get("staging_buffers"))?;
         if !(2..=256).contains(&staging_buffers) {
-            return Err(Error::invalid(format!("backend parameter staging_buffers={staging_buffers} must be within 2..256")));
+            return Err(Error::invalid(format!(
+                "backend parameter staging_buffers={staging_buffers} must be within 2..256"
+            )));
         }
         let cufile_threads = parse_u64("cufile_threads", get("cufile_threads"))?;
         if !(1..=64).contains(&cufile_threads) {
-            return Err(Error::invalid(format!("backend parameter cufile_threads={cufile_threads} must be within 1..64")));
+            return Err(Error::invalid(format!(
+                "backend parameter cufile_threads={cufile_threads} must be within 1..64"
+            )));
         }
         let params = EngineParams {
             ring_entries: ring_entries as u32,
@@ -365,21 +423,27 @@ impl EngineParams {
 
 impl Default for EngineParams {
     fn default() -> Self {
-        Self::parse(std::iter::empty()).expect("manifest defaults parse").0
+        Self::parse(std::iter::empty())
+            .expect("manifest defaults parse")
+            .0
     }
 }
 
 fn parse_u64(name: &str, value: &str) -> Result<u64> {
-    value
-        .parse::<u64>()
-        .map_err(|_| Error::invalid(format!("backend parameter {name}={value:?} is not a non-negative integer")))
+    value.parse::<u64>().map_err(|_| {
+        Error::invalid(format!(
+            "backend parameter {name}={value:?} is not a non-negative integer"
+        ))
+    })
 }
 
 fn parse_bool(name: &str, value: &str) -> Result<bool> {
     match value.to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" | "on" => Ok(true),
         "false" | "0" | "no" | "off" => Ok(false),
-        _ => Err(Error::invalid(format!("backend parameter {name}={value:?} must be true or false"))),
+        _ => Err(Error::invalid(format!(
+            "backend parameter {name}={value:?} must be true or false"
+        ))),
     }
 }
 
@@ -397,9 +461,23 @@ mod tests {
 
     #[test]
     fn caller_reads_auto_steps_aside_while_staging_buffers_are_in_use() {
-        assert_eq!(EngineParams::default().page_cache_caller_reads, CallerReads::Auto);
-        for (v, want) in [("auto", CallerReads::Auto), ("true", CallerReads::Always), ("off", CallerReads::Never)] {
-            assert_eq!(EngineParams::parse([("page_cache_caller_reads", v)]).unwrap().0.page_cache_caller_reads, want, "{v}");
+        assert_eq!(
+            EngineParams::default().page_cache_caller_reads,
+            CallerReads::Auto
+        );
+        for (v, want) in [
+            ("auto", CallerReads::Auto),
+            ("true", CallerReads::Always),
+            ("off", CallerReads::Never),
+        ] {
+            assert_eq!(
+                EngineParams::parse([("page_cache_caller_reads", v)])
+                    .unwrap()
+                    .0
+                    .page_cache_caller_reads,
+                want,
+                "{v}"
+            );
         }
         assert!(CallerReads::Auto.helps(false));
         assert!(!CallerReads::Auto.helps(true));
@@ -412,8 +490,19 @@ mod tests {
     #[test]
     fn staged_reads_are_cut_for_the_workers_only_when_the_pieces_pack() {
         assert_eq!(EngineParams::default().staged_read_piece(), 262144);
-        let piece = |pairs: &[(&str, &str)]| EngineParams::parse(pairs.iter().copied()).unwrap().0.staged_read_piece();
-        assert_eq!(piece(&[("staging_pack_max", "1048576"), ("staged_read_piece_max", "1048576")]), 1 << 20);
+        let piece = |pairs: &[(&str, &str)]| {
+            EngineParams::parse(pairs.iter().copied())
+                .unwrap()
+                .0
+                .staged_read_piece()
+        };
+        assert_eq!(
+            piece(&[
+                ("staging_pack_max", "1048576"),
+                ("staged_read_piece_max", "1048576")
+            ]),
+            1 << 20
+        );
         // Pieces larger than the pack limit would each hold a whole staging buffer.
         assert_eq!(piece(&[("staging_pack_max", "131072")]), 0);
         assert_eq!(piece(&[("staging_pack_max", "0")]), 0);
@@ -422,10 +511,17 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_reported_not_rejected() {
-        let (p, ignored) =
-            EngineParams::parse([("file_path", "/x"), ("use_direct_io", "True"), ("ring_entries", "64")]).unwrap();
+        let (p, ignored) = EngineParams::parse([
+            ("file_path", "/x"),
+            ("use_direct_io", "True"),
+            ("ring_entries", "64"),
+        ])
+        .unwrap();
         assert_eq!(p.ring_entries, 64);
-        assert_eq!(ignored, vec!["file_path".to_owned(), "use_direct_io".to_owned()]);
+        assert_eq!(
+            ignored,
+            vec!["file_path".to_owned(), "use_direct_io".to_owned()]
+        );
     }
 
     #[test]

@@ -62,11 +62,15 @@ impl Recorder {
             .open(path)
             .map_err(|e| Error::os(format!("record: cannot open {path:?} for appending"), &e))?;
         tracing::info!("recording registrations and transfers to {path}");
-        Ok(Recorder { out: Mutex::new(BufWriter::new(f)) })
+        Ok(Recorder {
+            out: Mutex::new(BufWriter::new(f)),
+        })
     }
 
     fn line(&self, body: String) {
-        let t = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros());
+        let t = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros());
         let mut out = self.out.lock().unwrap_or_else(|p| p.into_inner());
         // A failing record file must not fail transfers; it is reported once per write error.
         if let Err(e) = writeln!(out, "{{\"t_us\":{t},{body}}}").and_then(|_| out.flush()) {
@@ -89,7 +93,17 @@ impl Recorder {
     /// A prepared request: both lists in full, and how many I/Os they became after splitting
     /// and merging.
     #[allow(clippy::too_many_arguments)]
-    pub fn prep(&self, req: usize, op: i32, local_kind: i32, local: &[iud_desc], remote_kind: i32, remote: &[iud_desc], ios: usize, bytes: u64) {
+    pub fn prep(
+        &self,
+        req: usize,
+        op: i32,
+        local_kind: i32,
+        local: &[iud_desc],
+        remote_kind: i32,
+        remote: &[iud_desc],
+        ios: usize,
+        bytes: u64,
+    ) {
         self.line(format!(
             "\"event\":\"prep\",\"req\":{req},\"op\":\"{}\",\"local_kind\":\"{}\",\"remote_kind\":\"{}\",\"count\":{},\"bytes\":{bytes},\"ios_after_merge\":{ios},\"local\":{},\"remote\":{}",
             if op == 1 { "WRITE" } else { "READ" },
@@ -102,7 +116,10 @@ impl Recorder {
     }
 
     pub fn post(&self, req: usize, status: &str) {
-        self.line(format!("\"event\":\"post\",\"req\":{req},\"status\":{}", json_str(status)));
+        self.line(format!(
+            "\"event\":\"post\",\"req\":{req},\"status\":{}",
+            json_str(status)
+        ));
     }
 
     pub fn release(&self, req: usize) {
@@ -121,7 +138,20 @@ mod tests {
 
     #[test]
     fn descriptor_lists_are_arrays_of_triples() {
-        let d = [iud_desc { addr: 1, len: 2, dev_id: 3, md: std::ptr::null() }, iud_desc { addr: 4, len: 5, dev_id: 6, md: std::ptr::null() }];
+        let d = [
+            iud_desc {
+                addr: 1,
+                len: 2,
+                dev_id: 3,
+                md: std::ptr::null(),
+            },
+            iud_desc {
+                addr: 4,
+                len: 5,
+                dev_id: 6,
+                md: std::ptr::null(),
+            },
+        ];
         assert_eq!(descs_json(&d), "[[1,2,3],[4,5,6]]");
     }
 }

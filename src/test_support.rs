@@ -11,10 +11,17 @@ pub fn skip(reason: &str) {
     let line = format!("SKIP {test}: {reason}");
     println!("{line}");
     if let Some(path) = std::env::var_os("IUD_TEST_SKIP_LOG") {
-        let written = std::fs::OpenOptions::new().create(true).append(true).open(&path).and_then(|mut f| writeln!(f, "{line}"));
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| writeln!(f, "{line}"));
         if let Err(e) = written {
             // A skip that is not counted would pass silently: fail the test instead.
-            panic!("could not record the skip in {}: {e}", std::path::Path::new(&path).display());
+            panic!(
+                "could not record the skip in {}: {e}",
+                std::path::Path::new(&path).display()
+            );
         }
     }
 }

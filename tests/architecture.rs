@@ -34,7 +34,10 @@ struct SrcFile {
 }
 
 fn collect(dir: &Path, root: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<_> = std::fs::read_dir(dir).expect("read src").map(|e| e.expect("dir entry").path()).collect();
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .expect("read src")
+        .map(|e| e.expect("dir entry").path())
+        .collect();
     entries.sort();
     for p in entries {
         if p.is_dir() {
@@ -73,7 +76,10 @@ fn strip(src: &str) -> String {
                 i += 1;
             }
             i += 2;
-        } else if c == b'r' && (b.get(i + 1) == Some(&b'"') || b.get(i + 1) == Some(&b'#')) && !is_ident(b.get(i.wrapping_sub(1)).copied()) {
+        } else if c == b'r'
+            && (b.get(i + 1) == Some(&b'"') || b.get(i + 1) == Some(&b'#'))
+            && !is_ident(b.get(i.wrapping_sub(1)).copied())
+        {
             let mut j = i + 1;
             let mut hashes = 0;
             while b.get(j) == Some(&b'#') {
@@ -90,7 +96,14 @@ fn strip(src: &str) -> String {
                 if j >= b.len() {
                     break;
                 }
-                if b[j] == b'"' && b[j + 1..].iter().take(hashes).filter(|&&h| h == b'#').count() == hashes {
+                if b[j] == b'"'
+                    && b[j + 1..]
+                        .iter()
+                        .take(hashes)
+                        .filter(|&&h| h == b'#')
+                        .count()
+                        == hashes
+                {
                     j += 1 + hashes;
                     break;
                 }
@@ -108,7 +121,14 @@ fn strip(src: &str) -> String {
             }
             i += 1;
             out.push_str("\"\"");
-        } else if c == b'\'' && (b.get(i + 2) == Some(&b'\'') || (b.get(i + 1) == Some(&b'\\') && b[i + 2..].iter().position(|&x| x == b'\'').is_some_and(|p| p < 10))) {
+        } else if c == b'\''
+            && (b.get(i + 2) == Some(&b'\'')
+                || (b.get(i + 1) == Some(&b'\\')
+                    && b[i + 2..]
+                        .iter()
+                        .position(|&x| x == b'\'')
+                        .is_some_and(|p| p < 10)))
+        {
             let end = i + 2 + b[i + 2..].iter().position(|&x| x == b'\'').unwrap();
             out.push_str("' '");
             i = end + 1;
@@ -130,7 +150,11 @@ fn expand_use(tree: &str, prefix: &[String], out: &mut Vec<Vec<String>>) {
     if let Some(open) = tree.find('{') {
         let head = tree[..open].trim().trim_end_matches("::");
         let mut base = prefix.to_vec();
-        base.extend(head.split("::").map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()));
+        base.extend(
+            head.split("::")
+                .map(|s| s.trim().to_owned())
+                .filter(|s| !s.is_empty()),
+        );
         let inner = &tree[open + 1..tree.rfind('}').expect("balanced use tree")];
         let mut depth = 0;
         let mut start = 0;
@@ -227,7 +251,11 @@ fn split_inline_mods(code: &str) -> (String, Vec<(String, String)>) {
 /// The crate-internal paths in one module's code; `children` are the file's child modules,
 /// nameable without a prefix only from the file's own top level.
 fn paths_in(code: &str, children: &BTreeSet<String>, top: bool) -> Vec<Vec<String>> {
-    let children_here = if top { children.clone() } else { BTreeSet::new() };
+    let children_here = if top {
+        children.clone()
+    } else {
+        BTreeSet::new()
+    };
     let b = code.as_bytes();
     let mut out = Vec::new();
     let mut i = 0;
@@ -247,7 +275,9 @@ fn paths_in(code: &str, children: &BTreeSet<String>, top: bool) -> Vec<Vec<Strin
             i = end;
             continue;
         }
-        if code[i..].starts_with("::") && (matches!(word, "crate" | "super" | "self") || children_here.contains(word)) {
+        if code[i..].starts_with("::")
+            && (matches!(word, "crate" | "super" | "self") || children_here.contains(word))
+        {
             // Skip a path that continues another (`a::crate` cannot happen; `x::self` neither).
             if b.get(start.wrapping_sub(1)) == Some(&b':') {
                 continue;
@@ -271,7 +301,12 @@ fn paths_in(code: &str, children: &BTreeSet<String>, top: bool) -> Vec<Vec<Strin
     out
 }
 
-fn resolve(f: &SrcFile, from: &[String], path: &[String], modules: &BTreeMap<Vec<String>, String>) -> Option<String> {
+fn resolve(
+    f: &SrcFile,
+    from: &[String],
+    path: &[String],
+    modules: &BTreeMap<Vec<String>, String>,
+) -> Option<String> {
     let mut abs: Vec<String> = match path.first().map(String::as_str) {
         Some("crate") => Vec::new(),
         Some("self") => from.to_vec(),
@@ -293,11 +328,15 @@ fn resolve(f: &SrcFile, from: &[String], path: &[String], modules: &BTreeMap<Vec
         rest = &rest[1..];
     }
     abs.extend(rest.iter().cloned());
-    (0..=abs.len()).rev().find_map(|n| modules.get(&abs[..n]).cloned())
+    (0..=abs.len())
+        .rev()
+        .find_map(|n| modules.get(&abs[..n]).cloned())
 }
 
 fn layer_of(rel: &str) -> Option<usize> {
-    LAYERS.iter().position(|(_, prefixes)| prefixes.iter().any(|p| rel.starts_with(p)))
+    LAYERS
+        .iter()
+        .position(|(_, prefixes)| prefixes.iter().any(|p| rel.starts_with(p)))
 }
 
 fn load() -> (Vec<SrcFile>, BTreeMap<String, BTreeSet<String>>) {
@@ -308,7 +347,11 @@ fn load() -> (Vec<SrcFile>, BTreeMap<String, BTreeSet<String>>) {
         .iter()
         .map(|p| {
             let text = std::fs::read_to_string(p).expect("read source");
-            let rel = p.strip_prefix(&root).unwrap().to_string_lossy().into_owned();
+            let rel = p
+                .strip_prefix(&root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
             SrcFile {
                 module: module_of(&rel),
                 rel,
@@ -319,7 +362,10 @@ fn load() -> (Vec<SrcFile>, BTreeMap<String, BTreeSet<String>>) {
             }
         })
         .collect();
-    let modules: BTreeMap<Vec<String>, String> = files.iter().map(|f| (f.module.clone(), f.rel.clone())).collect();
+    let modules: BTreeMap<Vec<String>, String> = files
+        .iter()
+        .map(|f| (f.module.clone(), f.rel.clone()))
+        .collect();
     for f in &mut files {
         f.children = modules
             .keys()
@@ -329,8 +375,11 @@ fn load() -> (Vec<SrcFile>, BTreeMap<String, BTreeSet<String>>) {
     }
     let mut graph = BTreeMap::new();
     for f in &files {
-        let edges: BTreeSet<String> =
-            paths_of(f).iter().filter_map(|(from, p)| resolve(f, from, p, &modules)).filter(|t| *t != f.rel && t != "lib.rs").collect();
+        let edges: BTreeSet<String> = paths_of(f)
+            .iter()
+            .filter_map(|(from, p)| resolve(f, from, p, &modules))
+            .filter(|t| *t != f.rel && t != "lib.rs")
+            .collect();
         graph.insert(f.rel.clone(), edges);
     }
     (files, graph)
@@ -380,7 +429,14 @@ fn cycles(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
             }
         }
     }
-    let mut t = T { g: graph, index: BTreeMap::new(), low: BTreeMap::new(), stack: Vec::new(), on: BTreeSet::new(), out: Vec::new() };
+    let mut t = T {
+        g: graph,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on: BTreeSet::new(),
+        out: Vec::new(),
+    };
     for v in graph.keys() {
         if !t.index.contains_key(v.as_str()) {
             visit(&mut t, v);
@@ -394,11 +450,17 @@ fn no_import_circles_and_layers_import_downwards() {
     let (_, graph) = load();
     if std::env::var_os("IUD_PRINT_IMPORTS").is_some() {
         for (f, edges) in &graph {
-            println!("{f} -> {}", edges.iter().cloned().collect::<Vec<_>>().join(", "));
+            println!(
+                "{f} -> {}",
+                edges.iter().cloned().collect::<Vec<_>>().join(", ")
+            );
         }
     }
     let circles = cycles(&graph);
-    let mut problems: Vec<String> = circles.iter().map(|c| format!("import circle: {}", c.join(" <-> "))).collect();
+    let mut problems: Vec<String> = circles
+        .iter()
+        .map(|c| format!("import circle: {}", c.join(" <-> ")))
+        .collect();
     for (f, edges) in &graph {
         let from = layer_of(f);
         for t in edges {
@@ -423,10 +485,16 @@ fn files_are_small_and_say_their_job() {
     let mut problems = Vec::new();
     for f in &files {
         if f.lines > MAX_LINES {
-            problems.push(format!("src/{} has {} lines (at most {MAX_LINES})", f.rel, f.lines));
+            problems.push(format!(
+                "src/{} has {} lines (at most {MAX_LINES})",
+                f.rel, f.lines
+            ));
         }
         if !f.first_line.starts_with("//!") {
-            problems.push(format!("src/{} does not open with a `//!` line saying its job", f.rel));
+            problems.push(format!(
+                "src/{} does not open with a `//!` line saying its job",
+                f.rel
+            ));
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
@@ -438,5 +506,8 @@ fn the_checker_sees_use_trees_and_relative_paths() {
     expand_use("crate::{a::{self, B}, c::D as E}", &[], &mut out);
     let joined: Vec<String> = out.iter().map(|p| p.join("::")).collect();
     assert_eq!(joined, ["crate::a", "crate::a::B", "crate::c::D"]);
-    assert_eq!(strip("let s = \"crate::x\"; // crate::y\nlet c = '\"'; crate::z"), "let s = \"\"; \nlet c = ' '; crate::z");
+    assert_eq!(
+        strip("let s = \"crate::x\"; // crate::y\nlet c = '\"'; crate::z"),
+        "let s = \"\"; \nlet c = ' '; crate::z"
+    );
 }

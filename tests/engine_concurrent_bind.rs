@@ -5,9 +5,9 @@
 //! (tests/rocm_double), whose route is the staging path; each binding logs one line naming the
 //! pair ("VRAM ... <-> fd N: ..."), which this test counts.
 
+mod common;
 #[path = "rocm_double/mod.rs"]
 mod double;
-mod common;
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -33,7 +33,11 @@ impl Write for Capture {
 
 #[test]
 fn a_pair_first_used_by_eight_threads_at_once_is_bound_once() {
-    tracing_subscriber::fmt().with_writer(|| Capture).with_max_level(tracing::Level::DEBUG).with_ansi(false).init();
+    tracing_subscriber::fmt()
+        .with_writer(|| Capture)
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .init();
     let lib = double::instance(Variant::NoExport, "concurrent-bind");
     std::env::set_var("IUD_HSA_LIBRARY", &lib);
     let ctl = Ctl::open(&lib);
@@ -41,12 +45,22 @@ fn a_pair_first_used_by_eight_threads_at_once_is_bound_once() {
     const THREADS: usize = 8;
     const BLOCK: u64 = 64 << 10;
     let path = std::env::temp_dir().join(format!("iud-concurrent-bind-{}", std::process::id()));
-    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
     f.set_len(THREADS as u64 * BLOCK).unwrap();
     let fd = f.as_raw_fd();
-    let m_file = e.register(FILE, 0, THREADS as u64 * BLOCK, fd as u64, "").unwrap();
+    let m_file = e
+        .register(FILE, 0, THREADS as u64 * BLOCK, fd as u64, "")
+        .unwrap();
     let vram = ctl.alloc_vram((THREADS as u64 * BLOCK) as usize);
-    let m_vram = e.register(VRAM, vram, THREADS as u64 * BLOCK, 0, "").unwrap();
+    let m_vram = e
+        .register(VRAM, vram, THREADS as u64 * BLOCK, 0, "")
+        .unwrap();
     let start = Barrier::new(THREADS);
     std::thread::scope(|s| {
         for t in 0..THREADS as u64 {
@@ -56,8 +70,12 @@ fn a_pair_first_used_by_eight_threads_at_once_is_bound_once() {
                 let local = [desc(vram + t * BLOCK, BLOCK, 0, m_vram as *const _)];
                 let remote = [desc(t * BLOCK, BLOCK, fd as u64, m_file as *const _)];
                 start.wait();
-                let req = e.prep(WRITE, VRAM, &local, FILE, &remote, AGENT).unwrap_or_else(|err| panic!("prep: {}", err.message));
-                e.release(req).map_err(|(_, err)| err.message).expect("release");
+                let req = e
+                    .prep(WRITE, VRAM, &local, FILE, &remote, AGENT)
+                    .unwrap_or_else(|err| panic!("prep: {}", err.message));
+                e.release(req)
+                    .map_err(|(_, err)| err.message)
+                    .expect("release");
             });
         }
     });

@@ -31,19 +31,91 @@ struct HostPath {
     block: u64,
 }
 
-const RING: &[(&str, &str)] = &[("inline_write_max", "0"), ("punt_buffered_min", "0"), ("page_cache_caller_reads", "false")];
-const RING_RAW: &[(&str, &str)] = &[("inline_write_max", "0"), ("punt_buffered_min", "0"), ("page_cache_caller_reads", "false"), ("fixed_files", "false")];
+const RING: &[(&str, &str)] = &[
+    ("inline_write_max", "0"),
+    ("punt_buffered_min", "0"),
+    ("page_cache_caller_reads", "false"),
+];
+const RING_RAW: &[(&str, &str)] = &[
+    ("inline_write_max", "0"),
+    ("punt_buffered_min", "0"),
+    ("page_cache_caller_reads", "false"),
+    ("fixed_files", "false"),
+];
 
 const PATHS: &[HostPath] = &[
-    HostPath { name: "inline pwrite", params: &[], direct: false, op: WRITE, descs: 4, block: 16 * KIB },
-    HostPath { name: "preadv2 RWF_NOWAIT", params: &[], direct: false, op: READ, descs: 4, block: 16 * KIB },
-    HostPath { name: "page-cache workers", params: &[("punt_buffered_min", "4096")], direct: false, op: READ, descs: 32, block: 256 * KIB },
-    HostPath { name: "ring WRITE, fixed file", params: RING, direct: false, op: WRITE, descs: 8, block: 64 * KIB },
-    HostPath { name: "ring READ, fixed file", params: RING, direct: false, op: READ, descs: 8, block: 64 * KIB },
-    HostPath { name: "ring WRITE, raw fd", params: RING_RAW, direct: false, op: WRITE, descs: 8, block: 64 * KIB },
-    HostPath { name: "ring READ, raw fd", params: RING_RAW, direct: false, op: READ, descs: 8, block: 64 * KIB },
-    HostPath { name: "O_DIRECT WRITE", params: &[], direct: true, op: WRITE, descs: 8, block: 64 * KIB },
-    HostPath { name: "O_DIRECT READ", params: &[], direct: true, op: READ, descs: 8, block: 64 * KIB },
+    HostPath {
+        name: "inline pwrite",
+        params: &[],
+        direct: false,
+        op: WRITE,
+        descs: 4,
+        block: 16 * KIB,
+    },
+    HostPath {
+        name: "preadv2 RWF_NOWAIT",
+        params: &[],
+        direct: false,
+        op: READ,
+        descs: 4,
+        block: 16 * KIB,
+    },
+    HostPath {
+        name: "page-cache workers",
+        params: &[("punt_buffered_min", "4096")],
+        direct: false,
+        op: READ,
+        descs: 32,
+        block: 256 * KIB,
+    },
+    HostPath {
+        name: "ring WRITE, fixed file",
+        params: RING,
+        direct: false,
+        op: WRITE,
+        descs: 8,
+        block: 64 * KIB,
+    },
+    HostPath {
+        name: "ring READ, fixed file",
+        params: RING,
+        direct: false,
+        op: READ,
+        descs: 8,
+        block: 64 * KIB,
+    },
+    HostPath {
+        name: "ring WRITE, raw fd",
+        params: RING_RAW,
+        direct: false,
+        op: WRITE,
+        descs: 8,
+        block: 64 * KIB,
+    },
+    HostPath {
+        name: "ring READ, raw fd",
+        params: RING_RAW,
+        direct: false,
+        op: READ,
+        descs: 8,
+        block: 64 * KIB,
+    },
+    HostPath {
+        name: "O_DIRECT WRITE",
+        params: &[],
+        direct: true,
+        op: WRITE,
+        descs: 8,
+        block: 64 * KIB,
+    },
+    HostPath {
+        name: "O_DIRECT READ",
+        params: &[],
+        direct: true,
+        op: READ,
+        descs: 8,
+        block: 64 * KIB,
+    },
 ];
 
 fn pattern(len: u64, seed: u64) -> Vec<u8> {
@@ -58,7 +130,12 @@ fn flags(direct: bool) -> i32 {
     }
 }
 
-fn run_to_end(e: &Engine, req: &io_uring_dmabuf::engine::Request, op: i32, n: usize) -> Result<(), String> {
+fn run_to_end(
+    e: &Engine,
+    req: &io_uring_dmabuf::engine::Request,
+    op: i32,
+    n: usize,
+) -> Result<(), String> {
     let mut p = e.post(req, op, n, n).map_err(|e| e.message)?;
     while p == Progress::InFlight {
         p = e.check(req).map_err(|e| e.message)?;
@@ -68,8 +145,19 @@ fn run_to_end(e: &Engine, req: &io_uring_dmabuf::engine::Request, op: i32, n: us
 
 /// One case: prepare, maybe post once, doom the fd, post again: refused, nothing moved.
 fn refused_after(p: &HostPath, fate: FdFate, between_posts: bool) {
-    let case = format!("{} / {fate:?} / {}", p.name, if between_posts { "between posts" } else { "before the first post" });
-    let dir = TestDir::new(&format!("fd-rule-{}-{fate:?}-{between_posts}", p.name.replace([' ', ','], "_")));
+    let case = format!(
+        "{} / {fate:?} / {}",
+        p.name,
+        if between_posts {
+            "between posts"
+        } else {
+            "before the first post"
+        }
+    );
+    let dir = TestDir::new(&format!(
+        "fd-rule-{}-{fate:?}-{between_posts}",
+        p.name.replace([' ', ','], "_")
+    ));
     let span = p.descs * p.block * 2;
     let (a, b) = (dir.path.join("registered"), dir.path.join("other"));
     std::fs::write(&a, pattern(span, 1)).unwrap();
@@ -79,23 +167,46 @@ fn refused_after(p: &HostPath, fate: FdFate, between_posts: bool) {
     let mem = Buf::new(span as usize, 3);
     let m = e.register(DRAM, mem.addr(), span, 0, "").unwrap();
     let mf = e.register(FILE, 0, span, fd as u64, "").unwrap();
-    let local: Vec<_> = (0..p.descs).map(|i| desc(mem.addr() + 2 * i * p.block, p.block, 0, m)).collect();
-    let remote: Vec<_> = (0..p.descs).map(|i| desc(2 * i * p.block + p.block, p.block, fd as u64, mf)).collect();
-    let req = e.prep(p.op, DRAM, &local, FILE, &remote, AGENT).unwrap_or_else(|err| panic!("{case}: prep: {}", err.message));
+    let local: Vec<_> = (0..p.descs)
+        .map(|i| desc(mem.addr() + 2 * i * p.block, p.block, 0, m))
+        .collect();
+    let remote: Vec<_> = (0..p.descs)
+        .map(|i| desc(2 * i * p.block + p.block, p.block, fd as u64, mf))
+        .collect();
+    let req = e
+        .prep(p.op, DRAM, &local, FILE, &remote, AGENT)
+        .unwrap_or_else(|err| panic!("{case}: prep: {}", err.message));
     if between_posts {
-        run_to_end(&e, &req, p.op, local.len()).unwrap_or_else(|err| panic!("{case}: first post: {err}"));
+        run_to_end(&e, &req, p.op, local.len())
+            .unwrap_or_else(|err| panic!("{case}: first post: {err}"));
     }
     let (a_before, mem_before) = (std::fs::read(&a).unwrap(), mem.bytes().to_vec());
     doom_fd(fd, fate, &b, flags(p.direct));
-    let err = run_to_end(&e, &req, p.op, local.len()).expect_err(&format!("{case}: the post must be refused"));
-    let cause = if fate == FdFate::Closed { "is no longer open" } else { "now refers to a different file" };
+    let err = run_to_end(&e, &req, p.op, local.len())
+        .expect_err(&format!("{case}: the post must be refused"));
+    let cause = if fate == FdFate::Closed {
+        "is no longer open"
+    } else {
+        "now refers to a different file"
+    };
     let named = format!("fd {fd} registered as FILE for {}", a.display());
     assert!(err.contains(&named) && err.contains(cause), "{case}: {err}");
-    assert!(std::fs::read(&a).unwrap() == a_before, "{case}: the registered file changed");
-    assert!(std::fs::read(&b).unwrap() == pattern(span, 2), "{case}: the other file changed");
-    assert!(mem.bytes() == mem_before.as_slice(), "{case}: memory changed");
+    assert!(
+        std::fs::read(&a).unwrap() == a_before,
+        "{case}: the registered file changed"
+    );
+    assert!(
+        std::fs::read(&b).unwrap() == pattern(span, 2),
+        "{case}: the other file changed"
+    );
+    assert!(
+        mem.bytes() == mem_before.as_slice(),
+        "{case}: memory changed"
+    );
     // A new request is refused at prep the same way.
-    let again = e.prep(p.op, DRAM, &local, FILE, &remote, AGENT).expect_err("prep after the fd went");
+    let again = e
+        .prep(p.op, DRAM, &local, FILE, &remote, AGENT)
+        .expect_err("prep after the fd went");
     assert!(again.message.contains(cause), "{case}: {}", again.message);
     e.release(req).map_err(|(_, err)| err.message).unwrap();
     e.deregister(mf).unwrap();
@@ -133,26 +244,45 @@ fn in_flight(name: &str, params: &[(&str, &str)], direct: bool, op: i32) {
     let m = e.register(DRAM, mem.addr(), span, 0, "").unwrap();
     let mf = e.register(FILE, 0, span, fd as u64, "").unwrap();
     let n = span / block;
-    let local: Vec<_> = (0..n).map(|i| desc(mem.addr() + i * block, block, 0, m)).collect();
+    let local: Vec<_> = (0..n)
+        .map(|i| desc(mem.addr() + i * block, block, 0, m))
+        .collect();
     // File blocks in reverse order: nothing merges into one large I/O.
-    let remote: Vec<_> = (0..n).map(|i| desc((n - 1 - i) * block, block, fd as u64, mf)).collect();
+    let remote: Vec<_> = (0..n)
+        .map(|i| desc((n - 1 - i) * block, block, fd as u64, mf))
+        .collect();
     let req = e.prep(op, DRAM, &local, FILE, &remote, AGENT).unwrap();
     let mut p = e.post(&req, op, n as usize, n as usize).unwrap();
     let was_in_flight = p == Progress::InFlight;
     doom_fd(fd, FdFate::Reused, &b, flags(direct));
     while p == Progress::InFlight {
-        p = e.check(&req).unwrap_or_else(|err| panic!("{name}: {}", err.message));
+        p = e
+            .check(&req)
+            .unwrap_or_else(|err| panic!("{name}: {}", err.message));
     }
     e.release(req).map_err(|(_, err)| err.message).unwrap();
-    assert!(std::fs::read(&b).unwrap() == pattern(span, 5), "{name}: the other file changed");
-    let want_file = if op == WRITE { mem.bytes().to_vec() } else { file_a.clone() };
+    assert!(
+        std::fs::read(&b).unwrap() == pattern(span, 5),
+        "{name}: the other file changed"
+    );
+    let want_file = if op == WRITE {
+        mem.bytes().to_vec()
+    } else {
+        file_a.clone()
+    };
     let file_now = std::fs::read(&a).unwrap();
     for i in 0..n as usize {
         let (mo, fo) = (i * block as usize, (n as usize - 1 - i) * block as usize);
         let (got, want) = if op == WRITE {
-            (&file_now[fo..fo + block as usize], &want_file[mo..mo + block as usize])
+            (
+                &file_now[fo..fo + block as usize],
+                &want_file[mo..mo + block as usize],
+            )
         } else {
-            (&mem.bytes()[mo..mo + block as usize], &file_a[fo..fo + block as usize])
+            (
+                &mem.bytes()[mo..mo + block as usize],
+                &file_a[fo..fo + block as usize],
+            )
         };
         assert!(got == want, "{name}: block {i} is not the registered file's (in flight at the reuse: {was_in_flight})");
     }
@@ -165,7 +295,12 @@ fn in_flight(name: &str, params: &[(&str, &str)], direct: bool, op: i32) {
 #[test]
 fn a_reuse_while_in_flight_cannot_redirect_the_request() {
     let _fds = FDS.lock().unwrap_or_else(|p| p.into_inner());
-    in_flight("page-cache workers READ", &[("punt_buffered_min", "4096")], false, READ);
+    in_flight(
+        "page-cache workers READ",
+        &[("punt_buffered_min", "4096")],
+        false,
+        READ,
+    );
     in_flight("ring WRITE raw fd", RING_RAW, false, WRITE);
     in_flight("O_DIRECT WRITE", &[], true, WRITE);
     in_flight("O_DIRECT READ", &[], true, READ);

@@ -23,7 +23,10 @@ struct TempFile {
 
 impl TempFile {
     fn new(name: &str, direct: bool) -> TempFile {
-        let path = std::path::PathBuf::from(format!("/var/tmp/iud-error-context-{}-{name}", std::process::id()));
+        let path = std::path::PathBuf::from(format!(
+            "/var/tmp/iud-error-context-{}-{name}",
+            std::process::id()
+        ));
         let mut opts = OpenOptions::new();
         opts.read(true).write(true).create(true).truncate(true);
         if direct {
@@ -51,7 +54,9 @@ fn an_invalid_descriptor_is_named_in_the_context() {
     let f = TempFile::new("invalid", false);
     let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
     let mf = e.register(FILE, 0, 1 << 16, f.fd(), "").unwrap();
-    let mut l: Vec<_> = (0..5).map(|i| desc(buf.addr() + i * 4096, 4096, 0, m)).collect();
+    let mut l: Vec<_> = (0..5)
+        .map(|i| desc(buf.addr() + i * 4096, 4096, 0, m))
+        .collect();
     let r: Vec<_> = (0..5).map(|i| desc(i * 4096, 4096, f.fd(), mf)).collect();
     // Descriptor 3 runs past the end of its memory registration.
     l[3] = desc(buf.addr() + (1 << 16) - 100, 4096, 0, m);
@@ -61,7 +66,10 @@ fn an_invalid_descriptor_is_named_in_the_context() {
     // Descriptor 2 with unequal lengths: the first invalid one is reported.
     l[2] = desc(buf.addr(), 512, 0, m);
     let err = e.prep(WRITE, DRAM, &l, FILE, &r, AGENT).unwrap_err();
-    assert_eq!((err.kind, err.context.descriptor), (ErrorKind::Mismatch, Some(2)));
+    assert_eq!(
+        (err.kind, err.context.descriptor),
+        (ErrorKind::Mismatch, Some(2))
+    );
 }
 
 #[test]
@@ -71,12 +79,18 @@ fn a_misaligned_direct_descriptor_names_descriptor_fd_and_offset() {
     let f = TempFile::new("misaligned", true);
     let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
     let mf = e.register(FILE, 0, 1 << 16, f.fd(), "").unwrap();
-    let l = [desc(buf.addr(), 4096, 0, m), desc(buf.addr() + 4096, 4096, 0, m)];
+    let l = [
+        desc(buf.addr(), 4096, 0, m),
+        desc(buf.addr() + 4096, 4096, 0, m),
+    ];
     let r = [desc(0, 4096, f.fd(), mf), desc(4196, 4096, f.fd(), mf)];
     let err = e.prep(WRITE, DRAM, &l, FILE, &r, AGENT).unwrap_err();
     assert!(err.message.contains("O_DIRECT"), "{}", err.message);
     let c = err.context;
-    assert_eq!((c.descriptor, c.fd, c.offset), (Some(1), Some(f.fd() as i32), Some(4196)));
+    assert_eq!(
+        (c.descriptor, c.fd, c.offset),
+        (Some(1), Some(f.fd() as i32), Some(4196))
+    );
 }
 
 #[test]
@@ -88,12 +102,22 @@ fn a_failed_read_carries_descriptor_fd_offset_and_no_errno_at_end_of_file() {
     let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
     let mf = e.register(FILE, 0, 1 << 16, f.fd(), "").unwrap();
     // A gap in memory keeps the two descriptors from merging into one op.
-    let l = [desc(buf.addr(), 4096, 0, m), desc(buf.addr() + 8192, 8192, 0, m)];
+    let l = [
+        desc(buf.addr(), 4096, 0, m),
+        desc(buf.addr() + 8192, 8192, 0, m),
+    ];
     let r = [desc(0, 4096, f.fd(), mf), desc(4096, 8192, f.fd(), mf)];
     let err = run_kind(&e, READ, FILE, &l, &r).unwrap_err();
-    assert!(err.message.contains("read past end of file"), "{}", err.message);
+    assert!(
+        err.message.contains("read past end of file"),
+        "{}",
+        err.message
+    );
     let c = err.context;
-    assert_eq!((c.descriptor, c.fd, c.offset, c.errno), (Some(1), Some(f.fd() as i32), Some(6000), None));
+    assert_eq!(
+        (c.descriptor, c.fd, c.offset, c.errno),
+        (Some(1), Some(f.fd() as i32), Some(6000), None)
+    );
 }
 
 #[test]
@@ -105,9 +129,19 @@ fn a_closed_fd_at_post_carries_the_fd_and_ebadf() {
     let m = e.register(DRAM, buf.addr(), 1 << 16, 0, "").unwrap();
     let mf = e.register(FILE, 0, 1 << 16, fd, "").unwrap();
     drop(f);
-    let err = run_kind(&e, WRITE, FILE, &[desc(buf.addr(), 4096, 0, m)], &[desc(0, 4096, fd, mf)]).unwrap_err();
+    let err = run_kind(
+        &e,
+        WRITE,
+        FILE,
+        &[desc(buf.addr(), 4096, 0, m)],
+        &[desc(0, 4096, fd, mf)],
+    )
+    .unwrap_err();
     assert!(err.message.contains("no longer open"), "{}", err.message);
-    assert_eq!((err.context.fd, err.context.errno), (Some(fd as i32), Some(libc::EBADF)));
+    assert_eq!(
+        (err.context.fd, err.context.errno),
+        (Some(fd as i32), Some(libc::EBADF))
+    );
 }
 
 #[test]
@@ -117,6 +151,13 @@ fn registering_a_closed_fd_carries_the_fd_and_errno() {
     let fd = f.fd();
     drop(f);
     let err = e.register(FILE, 0, 4096, fd, "").unwrap_err();
-    assert_eq!((err.context.fd, err.context.errno), (Some(fd as i32), Some(libc::EBADF)), "{err:?}");
-    assert!(std::error::Error::source(&err).is_some(), "the OS error is the source");
+    assert_eq!(
+        (err.context.fd, err.context.errno),
+        (Some(fd as i32), Some(libc::EBADF)),
+        "{err:?}"
+    );
+    assert!(
+        std::error::Error::source(&err).is_some(),
+        "the OS error is the source"
+    );
 }

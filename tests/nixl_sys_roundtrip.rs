@@ -71,7 +71,9 @@ fn preflight() {
 /// `[[param]]` name/default pairs and `[plugin] mems` of the plugin manifest (a tiny reader for
 /// this flat file; the build script owns the real parser).
 fn manifest() -> (Vec<(String, String)>, Vec<String>) {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("plugin-manifest").join(format!("{PLUGIN}.toml"));
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("plugin-manifest")
+        .join(format!("{PLUGIN}.toml"));
     let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     let unquote = |v: &str| v.trim().trim_matches('"').to_string();
     let (mut params, mut mems) = (Vec::new(), Vec::new());
@@ -82,14 +84,22 @@ fn manifest() -> (Vec<(String, String)>, Vec<String>) {
             name = None;
             continue;
         }
-        let Some((k, v)) = line.split_once('=') else { continue };
+        let Some((k, v)) = line.split_once('=') else {
+            continue;
+        };
         match (section.as_str(), k.trim()) {
             ("[[param]]", "name") => name = Some(unquote(v)),
             ("[[param]]", "default") => {
                 params.push((name.clone().expect("param default before name"), unquote(v)))
             }
             ("[plugin]", "mems") => {
-                mems = v.trim().trim_matches(['[', ']']).split(',').map(unquote).filter(|s| !s.is_empty()).collect()
+                mems = v
+                    .trim()
+                    .trim_matches(['[', ']'])
+                    .split(',')
+                    .map(unquote)
+                    .filter(|s| !s.is_empty())
+                    .collect()
             }
             _ => {}
         }
@@ -208,13 +218,28 @@ impl TestFile {
             let path = dir.join(format!("iud-roundtrip-{tag}-{}.dat", std::process::id()));
             let c = CString::new(path.as_os_str().as_bytes()).unwrap();
             // SAFETY: valid C string.
-            let view = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC | libc::O_CLOEXEC, 0o644) };
-            assert!(view >= 0, "open {}: {}", path.display(), std::io::Error::last_os_error());
+            let view = unsafe {
+                libc::open(
+                    c.as_ptr(),
+                    libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC | libc::O_CLOEXEC,
+                    0o644,
+                )
+            };
+            assert!(
+                view >= 0,
+                "open {}: {}",
+                path.display(),
+                std::io::Error::last_os_error()
+            );
             let flags = libc::O_RDWR | libc::O_CLOEXEC | if direct { libc::O_DIRECT } else { 0 };
             // SAFETY: valid C string.
             let fd = unsafe { libc::open(c.as_ptr(), flags) };
             if fd < 0 {
-                last_err = format!("open {} (O_DIRECT={direct}): {}", path.display(), std::io::Error::last_os_error());
+                last_err = format!(
+                    "open {} (O_DIRECT={direct}): {}",
+                    path.display(),
+                    std::io::Error::last_os_error()
+                );
                 // SAFETY: our fd.
                 unsafe { libc::close(view) };
                 let _ = std::fs::remove_file(&path);
@@ -232,7 +257,12 @@ impl TestFile {
         while done < data.len() {
             // SAFETY: in-bounds source.
             let n = unsafe {
-                libc::pwrite(self.view, data[done..].as_ptr().cast(), data.len() - done, (off + done as u64) as i64)
+                libc::pwrite(
+                    self.view,
+                    data[done..].as_ptr().cast(),
+                    data.len() - done,
+                    (off + done as u64) as i64,
+                )
             };
             assert!(n > 0, "pwrite: {}", std::io::Error::last_os_error());
             done += n as usize;
@@ -245,9 +275,23 @@ impl TestFile {
         while done < len {
             // SAFETY: in-bounds destination.
             let n = unsafe {
-                libc::pread(self.view, v[done..].as_mut_ptr().cast(), len - done, (off + done as u64) as i64)
+                libc::pread(
+                    self.view,
+                    v[done..].as_mut_ptr().cast(),
+                    len - done,
+                    (off + done as u64) as i64,
+                )
             };
-            assert!(n > 0, "pread at {}: {}", off + done as u64, if n == 0 { "EOF".to_string() } else { std::io::Error::last_os_error().to_string() });
+            assert!(
+                n > 0,
+                "pread at {}: {}",
+                off + done as u64,
+                if n == 0 {
+                    "EOF".to_string()
+                } else {
+                    std::io::Error::last_os_error().to_string()
+                }
+            );
             done += n as usize;
         }
         v
@@ -272,7 +316,10 @@ fn plugin_params(agent: &Agent, overrides: &[(&str, &str)]) -> Params {
     let (_, defaults) = agent
         .get_plugin_params(PLUGIN)
         .unwrap_or_else(|e| panic!("get_plugin_params({PLUGIN}): {e:?} — is the plugin loadable?"));
-    let mut kv: Vec<(String, String)> = defaults.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let mut kv: Vec<(String, String)> = defaults
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     for (k, v) in overrides {
         kv.retain(|(kk, _)| kk != k);
         kv.push((k.to_string(), v.to_string()));
@@ -288,14 +335,19 @@ fn backend_args(backend: &Backend) -> OptArgs {
 
 /// Posts `req` and polls until it completes; panics on error or after XFER_TIMEOUT.
 fn run_xfer(agent: &Agent, req: &XferRequest, what: &str) {
-    let in_prog = agent.post_xfer_req(req, None).unwrap_or_else(|e| panic!("{what}: post_xfer_req: {e:?}"));
+    let in_prog = agent
+        .post_xfer_req(req, None)
+        .unwrap_or_else(|e| panic!("{what}: post_xfer_req: {e:?}"));
     let t = Instant::now();
     if in_prog {
         loop {
             match agent.get_xfer_status(req) {
                 Ok(XferStatus::Success) => break,
                 Ok(XferStatus::InProgress) => {
-                    assert!(t.elapsed() < XFER_TIMEOUT, "{what}: still in progress after {XFER_TIMEOUT:?}");
+                    assert!(
+                        t.elapsed() < XFER_TIMEOUT,
+                        "{what}: still in progress after {XFER_TIMEOUT:?}"
+                    );
                     std::thread::yield_now();
                 }
                 Err(e) => panic!("{what}: get_xfer_status: {e:?}"),
@@ -332,7 +384,13 @@ fn layout(sizes: &[usize], rng: &mut SplitMix64, align: usize) -> (Vec<Pair>, us
         mem_off[i] = m;
         m = up(m + sizes[i]) + gap(rng);
     }
-    let pairs = (0..sizes.len()).map(|i| Pair { mem: mem_off[i], file: file_off[i], len: sizes[i] }).collect();
+    let pairs = (0..sizes.len())
+        .map(|i| Pair {
+            mem: mem_off[i],
+            file: file_off[i],
+            len: sizes[i],
+        })
+        .collect();
     (pairs, m, f as u64)
 }
 
@@ -386,23 +444,48 @@ fn check_mem(file: &TestFile, buf: &Buf, pairs: &[Pair], mem_len: usize, fill: u
 
 /// WRITE then READ (into a different DRAM layout) of `sizes`, each verified, then both requests
 /// reposted with fresh data and verified again.
-fn roundtrip(agent: &Agent, backend: &Backend, sizes: &[usize], direct: bool, seed: u64, tag: &str) {
+fn roundtrip(
+    agent: &Agent,
+    backend: &Backend,
+    sizes: &[usize],
+    direct: bool,
+    seed: u64,
+    tag: &str,
+) {
     let name = agent.name();
     let mut rng = SplitMix64(seed);
     let align = if direct { 4096 } else { 1 };
     let (wpairs, wmem, flen) = layout(sizes, &mut rng, align);
     // READ side: same file ranges, another DRAM layout.
     let (rlayout, rmem, _) = layout(sizes, &mut rng, align);
-    let rpairs: Vec<Pair> = wpairs.iter().zip(&rlayout).map(|(w, r)| Pair { mem: r.mem, ..*w }).collect();
+    let rpairs: Vec<Pair> = wpairs
+        .iter()
+        .zip(&rlayout)
+        .map(|(w, r)| Pair { mem: r.mem, ..*w })
+        .collect();
     let mem_len = wmem.max(rmem);
 
     let buf = Buf::new(mem_len);
     let file = TestFile::create(tag, flen as usize, 0xEE, direct);
     let args = backend_args(backend);
-    let dram = Region { addr: buf.addr(), len: mem_len, dev_id: 0, kind: MemType::Dram };
-    let freg = Region { addr: 0, len: flen as usize, dev_id: file.fd as u64, kind: MemType::File };
-    let _dram_reg = agent.register_memory(&dram, Some(&args)).unwrap_or_else(|e| panic!("register DRAM: {e:?}"));
-    let _file_reg = agent.register_memory(&freg, Some(&args)).unwrap_or_else(|e| panic!("register FILE (fd mode): {e:?}"));
+    let dram = Region {
+        addr: buf.addr(),
+        len: mem_len,
+        dev_id: 0,
+        kind: MemType::Dram,
+    };
+    let freg = Region {
+        addr: 0,
+        len: flen as usize,
+        dev_id: file.fd as u64,
+        kind: MemType::File,
+    };
+    let _dram_reg = agent
+        .register_memory(&dram, Some(&args))
+        .unwrap_or_else(|e| panic!("register DRAM: {e:?}"));
+    let _file_reg = agent
+        .register_memory(&freg, Some(&args))
+        .unwrap_or_else(|e| panic!("register FILE (fd mode): {e:?}"));
 
     // WRITE: random DRAM -> file.
     buf.bytes().fill(0x5A);
@@ -412,7 +495,12 @@ fn roundtrip(agent: &Agent, backend: &Backend, sizes: &[usize], direct: bool, se
     let (wl, wr) = lists(&wpairs, &buf, file.fd);
     let wreq = agent
         .create_xfer_req(XferOp::Write, &wl, &wr, &name, Some(&args))
-        .unwrap_or_else(|e| panic!("{tag}: create_xfer_req(WRITE, {} descriptors): {e:?}", wpairs.len()));
+        .unwrap_or_else(|e| {
+            panic!(
+                "{tag}: create_xfer_req(WRITE, {} descriptors): {e:?}",
+                wpairs.len()
+            )
+        });
     run_xfer(agent, &wreq, &format!("{tag} WRITE"));
     check_file(&file, &buf, &wpairs, flen, 0xEE, &format!("{tag} WRITE"));
 
@@ -431,10 +519,24 @@ fn roundtrip(agent: &Agent, backend: &Backend, sizes: &[usize], direct: bool, se
         rng.fill(&mut buf.bytes()[p.mem..p.mem + p.len]);
     }
     run_xfer(agent, &wreq, &format!("{tag} WRITE repost"));
-    check_file(&file, &buf, &wpairs, flen, 0xEE, &format!("{tag} WRITE repost"));
+    check_file(
+        &file,
+        &buf,
+        &wpairs,
+        flen,
+        0xEE,
+        &format!("{tag} WRITE repost"),
+    );
     buf.bytes().fill(0x22);
     run_xfer(agent, &rreq, &format!("{tag} READ repost"));
-    check_mem(&file, &buf, &rpairs, mem_len, 0x22, &format!("{tag} READ repost"));
+    check_mem(
+        &file,
+        &buf,
+        &rpairs,
+        mem_len,
+        0x22,
+        &format!("{tag} READ repost"),
+    );
 
     drop(wreq);
     drop(rreq);
@@ -442,8 +544,12 @@ fn roundtrip(agent: &Agent, backend: &Backend, sizes: &[usize], direct: bool, se
 
 /// Mixed sizes: tiny, odd, page-sized, larger than max_io_size (split), around 1 MiB.
 fn mixed_sizes(rng: &mut SplitMix64, n: usize) -> Vec<usize> {
-    const SMALL: &[usize] = &[1, 3, 7, 511, 512, 4095, 4096, 4097, 8192, 12345, 65536, 131071];
-    let mut v: Vec<usize> = (0..n).map(|_| SMALL[rng.below(SMALL.len() as u64) as usize]).collect();
+    const SMALL: &[usize] = &[
+        1, 3, 7, 511, 512, 4095, 4096, 4097, 8192, 12345, 65536, 131071,
+    ];
+    let mut v: Vec<usize> = (0..n)
+        .map(|_| SMALL[rng.below(SMALL.len() as u64) as usize])
+        .collect();
     v.extend([1 << 20, (1 << 20) + 123, (5 << 20) + 17, 9 << 20]);
     rng.shuffle(&mut v);
     v
@@ -457,39 +563,64 @@ fn plugin_is_listed_and_advertises_manifest_params() {
     let _g = serial();
     preflight();
     let agent = Agent::new("iud-roundtrip-params").expect("Agent::new");
-    let plugins = agent.get_available_plugins().expect("get_available_plugins");
-    let names: Vec<String> = (0..plugins.len().unwrap()).map(|i| plugins.get(i).unwrap().to_string()).collect();
-    assert!(names.iter().any(|n| n == PLUGIN), "{PLUGIN} not among the plugins NIXL found: {names:?}");
+    let plugins = agent
+        .get_available_plugins()
+        .expect("get_available_plugins");
+    let names: Vec<String> = (0..plugins.len().unwrap())
+        .map(|i| plugins.get(i).unwrap().to_string())
+        .collect();
+    assert!(
+        names.iter().any(|n| n == PLUGIN),
+        "{PLUGIN} not among the plugins NIXL found: {names:?}"
+    );
 
     let (mems, params) = agent.get_plugin_params(PLUGIN).expect("get_plugin_params");
-    let mut got: Vec<(String, String)> = params.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let mut got: Vec<(String, String)> = params
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     let (mut want, want_mems) = manifest();
     got.sort();
     want.sort();
-    assert_eq!(got, want, "get_plugin_params({PLUGIN}) differs from plugin-manifest/{PLUGIN}.toml");
+    assert_eq!(
+        got, want,
+        "get_plugin_params({PLUGIN}) differs from plugin-manifest/{PLUGIN}.toml"
+    );
     let mut mem_names: Vec<String> = mems.iter().map(|m| format!("{:?}", m.unwrap())).collect();
     mem_names.sort();
     let mut want_mem_names: Vec<String> = want_mems
         .iter()
-        .map(|m| match m.as_str() {
-            "DRAM_SEG" => "Dram",
-            "VRAM_SEG" => "Vram",
-            "FILE_SEG" => "File",
-            "BLK_SEG" => "Block",
-            "OBJ_SEG" => "Object",
-            other => panic!("unknown mem {other} in manifest"),
-        }
-        .to_string())
+        .map(|m| {
+            match m.as_str() {
+                "DRAM_SEG" => "Dram",
+                "VRAM_SEG" => "Vram",
+                "FILE_SEG" => "File",
+                "BLK_SEG" => "Block",
+                "OBJ_SEG" => "Object",
+                other => panic!("unknown mem {other} in manifest"),
+            }
+            .to_string()
+        })
         .collect();
     want_mem_names.sort();
     assert_eq!(mem_names, want_mem_names, "plugin mems vs manifest");
 
     // Created with its defaults, the backend reports them back.
-    let backend = agent.create_backend(PLUGIN, &plugin_params(&agent, &[])).expect("create_backend with defaults");
-    let (_, bp) = agent.get_backend_params(&backend).expect("get_backend_params");
-    let mut bp: Vec<(String, String)> = bp.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let backend = agent
+        .create_backend(PLUGIN, &plugin_params(&agent, &[]))
+        .expect("create_backend with defaults");
+    let (_, bp) = agent
+        .get_backend_params(&backend)
+        .expect("get_backend_params");
+    let mut bp: Vec<(String, String)> = bp
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     bp.sort();
-    assert_eq!(bp, want, "get_backend_params after create_backend with the defaults");
+    assert_eq!(
+        bp, want,
+        "get_backend_params after create_backend with the defaults"
+    );
 }
 
 #[test]
@@ -512,7 +643,17 @@ fn write_read_roundtrip_buffered_no_fixed_resources() {
     preflight();
     let agent = Agent::new("iud-roundtrip-plain").expect("Agent::new");
     let backend = agent
-        .create_backend(PLUGIN, &plugin_params(&agent, &[("fixed_buffers", "off"), ("fixed_files", "false"), ("max_io_size", "0")]))
+        .create_backend(
+            PLUGIN,
+            &plugin_params(
+                &agent,
+                &[
+                    ("fixed_buffers", "off"),
+                    ("fixed_files", "false"),
+                    ("max_io_size", "0"),
+                ],
+            ),
+        )
         .expect("create_backend(fixed_buffers=off, fixed_files=false, max_io_size=0)");
     let mut rng = SplitMix64(0x5678);
     let sizes = mixed_sizes(&mut rng, 100);
@@ -524,10 +665,14 @@ fn write_read_roundtrip_o_direct() {
     let _g = serial();
     preflight();
     let agent = Agent::new("iud-roundtrip-direct").expect("Agent::new");
-    let backend = agent.create_backend(PLUGIN, &plugin_params(&agent, &[])).expect("create_backend");
+    let backend = agent
+        .create_backend(PLUGIN, &plugin_params(&agent, &[]))
+        .expect("create_backend");
     let mut rng = SplitMix64(0x9abc);
     const ALIGNED: &[usize] = &[4096, 8192, 12288, 65536, 1 << 20];
-    let mut sizes: Vec<usize> = (0..120).map(|_| ALIGNED[rng.below(ALIGNED.len() as u64) as usize]).collect();
+    let mut sizes: Vec<usize> = (0..120)
+        .map(|_| ALIGNED[rng.below(ALIGNED.len() as u64) as usize])
+        .collect();
     sizes.push(5 << 20);
     roundtrip(&agent, &backend, &sizes, true, 9, "direct");
 }
@@ -538,26 +683,54 @@ fn prepped_dlists_and_make_xfer_req() {
     preflight();
     let agent = Agent::new("iud-roundtrip-prepped").expect("Agent::new");
     let name = agent.name();
-    let backend = agent.create_backend(PLUGIN, &plugin_params(&agent, &[])).expect("create_backend");
+    let backend = agent
+        .create_backend(PLUGIN, &plugin_params(&agent, &[]))
+        .expect("create_backend");
     let args = backend_args(&backend);
     // 64 contiguous 16 KiB blocks in both DRAM and file (mergeable), in a 1 MiB region.
     let (n, bs) = (64usize, 16384usize);
     let len = n * bs;
     let buf = Buf::new(len);
     let file = TestFile::create("prepped", len, 0xEE, false);
-    let dram = Region { addr: buf.addr(), len, dev_id: 0, kind: MemType::Dram };
-    let freg = Region { addr: 0, len, dev_id: file.fd as u64, kind: MemType::File };
-    let _r1 = agent.register_memory(&dram, Some(&args)).expect("register DRAM");
-    let _r2 = agent.register_memory(&freg, Some(&args)).expect("register FILE");
-    let pairs: Vec<Pair> = (0..n).map(|i| Pair { mem: i * bs, file: (i * bs) as u64, len: bs }).collect();
+    let dram = Region {
+        addr: buf.addr(),
+        len,
+        dev_id: 0,
+        kind: MemType::Dram,
+    };
+    let freg = Region {
+        addr: 0,
+        len,
+        dev_id: file.fd as u64,
+        kind: MemType::File,
+    };
+    let _r1 = agent
+        .register_memory(&dram, Some(&args))
+        .expect("register DRAM");
+    let _r2 = agent
+        .register_memory(&freg, Some(&args))
+        .expect("register FILE");
+    let pairs: Vec<Pair> = (0..n)
+        .map(|i| Pair {
+            mem: i * bs,
+            file: (i * bs) as u64,
+            len: bs,
+        })
+        .collect();
     let (local, remote) = lists(&pairs, &buf, file.fd);
-    let lh = agent.prepare_xfer_dlist("", &local, Some(&args)).expect("prep_xfer_dlist(DRAM, NIXL_INIT_AGENT)");
-    let rh = agent.prepare_xfer_dlist(&name, &remote, Some(&args)).expect("prep_xfer_dlist(FILE, own name)");
+    let lh = agent
+        .prepare_xfer_dlist("", &local, Some(&args))
+        .expect("prep_xfer_dlist(DRAM, NIXL_INIT_AGENT)");
+    let rh = agent
+        .prepare_xfer_dlist(&name, &remote, Some(&args))
+        .expect("prep_xfer_dlist(FILE, own name)");
 
     // WRITE all blocks by index, in order.
     let all: Vec<i32> = (0..n as i32).collect();
     SplitMix64(11).fill(buf.bytes());
-    let w = agent.make_xfer_req(XferOp::Write, &lh, &all, &rh, &all, Some(&args)).expect("make_xfer_req(WRITE)");
+    let w = agent
+        .make_xfer_req(XferOp::Write, &lh, &all, &rh, &all, Some(&args))
+        .expect("make_xfer_req(WRITE)");
     run_xfer(&agent, &w, "prepped WRITE");
     check_file(&file, &buf, &pairs, len as u64, 0xEE, "prepped WRITE");
 
@@ -565,11 +738,16 @@ fn prepped_dlists_and_make_xfer_req() {
     let mut perm = all.clone();
     SplitMix64(12).shuffle(&mut perm);
     buf.bytes().fill(0x33);
-    let r = agent.make_xfer_req(XferOp::Read, &lh, &all, &rh, &perm, Some(&args)).expect("make_xfer_req(READ)");
+    let r = agent
+        .make_xfer_req(XferOp::Read, &lh, &all, &rh, &perm, Some(&args))
+        .expect("make_xfer_req(READ)");
     run_xfer(&agent, &r, "prepped READ");
     let content = file.pread(len, 0);
     for (i, &j) in perm.iter().enumerate() {
-        let (m, f) = (&buf.bytes()[i * bs..(i + 1) * bs], &content[j as usize * bs..(j as usize + 1) * bs]);
+        let (m, f) = (
+            &buf.bytes()[i * bs..(i + 1) * bs],
+            &content[j as usize * bs..(j as usize + 1) * bs],
+        );
         assert!(m == f, "prepped READ: DRAM block {i} != file block {j}");
     }
     drop((w, r));
@@ -580,25 +758,47 @@ fn prepped_dlists_and_make_xfer_req() {
 fn concurrent_threads_in_sync_mode_rw() {
     let _g = serial();
     preflight();
-    let cfg = AgentConfig { thread_sync: ThreadSync::Rw, enable_prog_thread: false, ..AgentConfig::default() };
-    let agent = Agent::new_configured("iud-roundtrip-threads", &cfg).expect("Agent::new_configured(RW)");
+    let cfg = AgentConfig {
+        thread_sync: ThreadSync::Rw,
+        enable_prog_thread: false,
+        ..AgentConfig::default()
+    };
+    let agent =
+        Agent::new_configured("iud-roundtrip-threads", &cfg).expect("Agent::new_configured(RW)");
     let name = agent.name();
-    let backend = agent.create_backend(PLUGIN, &plugin_params(&agent, &[("ring_entries", "64")])).expect("create_backend");
+    let backend = agent
+        .create_backend(PLUGIN, &plugin_params(&agent, &[("ring_entries", "64")]))
+        .expect("create_backend");
     const THREADS: usize = 2;
     const PER: usize = 8 << 20;
     let buf = Buf::new(THREADS * PER);
     let file = TestFile::create("threads", THREADS * PER, 0xEE, false);
     let args = backend_args(&backend);
-    let dram = Region { addr: buf.addr(), len: THREADS * PER, dev_id: 0, kind: MemType::Dram };
-    let freg = Region { addr: 0, len: THREADS * PER, dev_id: file.fd as u64, kind: MemType::File };
-    let _r1 = agent.register_memory(&dram, Some(&args)).expect("register DRAM");
-    let _r2 = agent.register_memory(&freg, Some(&args)).expect("register FILE");
+    let dram = Region {
+        addr: buf.addr(),
+        len: THREADS * PER,
+        dev_id: 0,
+        kind: MemType::Dram,
+    };
+    let freg = Region {
+        addr: 0,
+        len: THREADS * PER,
+        dev_id: file.fd as u64,
+        kind: MemType::File,
+    };
+    let _r1 = agent
+        .register_memory(&dram, Some(&args))
+        .expect("register DRAM");
+    let _r2 = agent
+        .register_memory(&freg, Some(&args))
+        .expect("register FILE");
     SplitMix64(21).fill(buf.bytes());
     let expect = buf.bytes().to_vec();
     let barrier = Barrier::new(THREADS);
     std::thread::scope(|s| {
         for t in 0..THREADS {
-            let (agent, name, backend, buf, file, barrier) = (&agent, &name, &backend, &buf, &file, &barrier);
+            let (agent, name, backend, buf, file, barrier) =
+                (&agent, &name, &backend, &buf, &file, &barrier);
             s.spawn(move || {
                 let args = backend_args(backend);
                 // 256 blocks of 32 KiB per thread, written in two requests of interleaved blocks.
@@ -607,11 +807,17 @@ fn concurrent_threads_in_sync_mode_rw() {
                 for round in 0..2 {
                     let pairs: Vec<Pair> = (0..PER / bs)
                         .filter(|i| i % 2 == round)
-                        .map(|i| Pair { mem: base + i * bs, file: (base + i * bs) as u64, len: bs })
+                        .map(|i| Pair {
+                            mem: base + i * bs,
+                            file: (base + i * bs) as u64,
+                            len: bs,
+                        })
                         .collect();
                     let (l, r) = lists(&pairs, buf, file.fd);
                     barrier.wait();
-                    let req = agent.create_xfer_req(XferOp::Write, &l, &r, name, Some(&args)).expect("create_xfer_req");
+                    let req = agent
+                        .create_xfer_req(XferOp::Write, &l, &r, name, Some(&args))
+                        .expect("create_xfer_req");
                     for _ in 0..3 {
                         run_xfer(agent, &req, &format!("thread {t} round {round}"));
                     }
@@ -619,7 +825,10 @@ fn concurrent_threads_in_sync_mode_rw() {
             });
         }
     });
-    assert!(file.pread(THREADS * PER, 0) == expect, "file content after concurrent WRITEs differs from DRAM");
+    assert!(
+        file.pread(THREADS * PER, 0) == expect,
+        "file content after concurrent WRITEs differs from DRAM"
+    );
     // And back: both threads READ their halves concurrently into a wiped buffer.
     buf.bytes().fill(0);
     std::thread::scope(|s| {
@@ -627,12 +836,21 @@ fn concurrent_threads_in_sync_mode_rw() {
             let (agent, name, backend, buf, file) = (&agent, &name, &backend, &buf, &file);
             s.spawn(move || {
                 let args = backend_args(backend);
-                let pairs = [Pair { mem: t * PER, file: (t * PER) as u64, len: PER }];
+                let pairs = [Pair {
+                    mem: t * PER,
+                    file: (t * PER) as u64,
+                    len: PER,
+                }];
                 let (l, r) = lists(&pairs, buf, file.fd);
-                let req = agent.create_xfer_req(XferOp::Read, &l, &r, name, Some(&args)).expect("create_xfer_req(READ)");
+                let req = agent
+                    .create_xfer_req(XferOp::Read, &l, &r, name, Some(&args))
+                    .expect("create_xfer_req(READ)");
                 run_xfer(agent, &req, &format!("thread {t} READ"));
             });
         }
     });
-    assert!(buf.bytes() == expect.as_slice(), "DRAM after concurrent READs differs from what was written");
+    assert!(
+        buf.bytes() == expect.as_slice(),
+        "DRAM after concurrent READs differs from what was written"
+    );
 }

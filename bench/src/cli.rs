@@ -62,7 +62,11 @@ impl BackendSpec {
         if self.params.is_empty() {
             self.name.clone()
         } else {
-            let p: Vec<String> = self.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let p: Vec<String> = self
+                .params
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
             format!("{}:{}", self.name, p.join(";"))
         }
     }
@@ -141,7 +145,11 @@ pub struct ReqConfig {
 impl ReqConfig {
     /// File bytes the largest scattered point needs (no two blocks adjacent).
     pub fn file_len(&self) -> u64 {
-        self.points.iter().map(|&(b, n)| (2 * n).saturating_sub(1) * b).max().unwrap_or(0)
+        self.points
+            .iter()
+            .map(|&(b, n)| (2 * n).saturating_sub(1) * b)
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -149,8 +157,15 @@ pub fn parse_points(v: &str) -> Result<Vec<(u64, u64)>, String> {
     v.split(',')
         .filter(|x| !x.trim().is_empty())
         .map(|x| {
-            let (b, n) = x.split_once(':').ok_or_else(|| format!("--req_points: BLOCK:COUNT, got '{x}'"))?;
-            Ok((parse_size(b)?, n.trim().parse::<u64>().map_err(|_| format!("--req_points: bad count '{n}'"))?))
+            let (b, n) = x
+                .split_once(':')
+                .ok_or_else(|| format!("--req_points: BLOCK:COUNT, got '{x}'"))?;
+            Ok((
+                parse_size(b)?,
+                n.trim()
+                    .parse::<u64>()
+                    .map_err(|_| format!("--req_points: bad count '{n}'"))?,
+            ))
         })
         .collect()
 }
@@ -284,7 +299,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         _ => (t, 1),
     };
     let n: u64 = num.parse().map_err(|_| format!("bad size '{s}'"))?;
-    n.checked_mul(mult).ok_or_else(|| format!("size '{s}' overflows"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size '{s}' overflows"))
 }
 
 fn parse_bool(s: &str) -> Result<bool, String> {
@@ -318,7 +334,10 @@ pub fn parse_backends(s: &str) -> Result<Vec<BackendSpec>, String> {
                 if n.is_empty() {
                     return Err(format!("empty backend name in '{tok}'"));
                 }
-                out.push(BackendSpec { name: n.to_string(), params: kv })
+                out.push(BackendSpec {
+                    name: n.to_string(),
+                    params: kv,
+                })
             }
             None => match out.last_mut() {
                 Some(last) => last.params.extend(kv),
@@ -436,14 +455,18 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             }
         };
         let num = |v: &str| -> Result<u64, String> {
-            v.trim().parse::<u64>().map_err(|_| format!("--{key}: bad number '{v}'"))
+            v.trim()
+                .parse::<u64>()
+                .map_err(|_| format!("--{key}: bad number '{v}'"))
         };
         match key.as_str() {
             "backend" => c.backends = parse_backends(&val)?,
             "posix_api_type" => {
                 let t = val.to_ascii_uppercase();
                 if !["AIO", "URING", "POSIXAIO"].contains(&t.as_str()) {
-                    return Err(format!("--posix_api_type: expected AIO|URING|POSIXAIO, got '{val}'"));
+                    return Err(format!(
+                        "--posix_api_type: expected AIO|URING|POSIXAIO, got '{val}'"
+                    ));
                 }
                 c.posix_api_type = Some(t);
             }
@@ -465,8 +488,11 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "start_batch_size" => c.start_batch_size = num(&val)?,
             "max_batch_size" => c.max_batch_size = num(&val)?,
             "batch_sizes" => {
-                let v: Result<Vec<u64>, String> =
-                    val.split(',').filter(|s| !s.trim().is_empty()).map(&num).collect();
+                let v: Result<Vec<u64>, String> = val
+                    .split(',')
+                    .filter(|s| !s.trim().is_empty())
+                    .map(&num)
+                    .collect();
                 c.batch_sizes = Some(v?);
             }
             "num_iter" => c.num_iter = num(&val)?,
@@ -479,12 +505,18 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                 c.randomize_blockaligned = match val.to_ascii_lowercase().as_str() {
                     "none" => false,
                     "blockaligned" => true,
-                    _ => return Err(format!("--randomize_location_mode: none|blockaligned, got '{val}'")),
+                    _ => {
+                        return Err(format!(
+                            "--randomize_location_mode: none|blockaligned, got '{val}'"
+                        ))
+                    }
                 }
             }
             "initiator_seg_type" => {
                 if !val.eq_ignore_ascii_case("DRAM") {
-                    return Err(format!("--initiator_seg_type {val}: only DRAM is supported"));
+                    return Err(format!(
+                        "--initiator_seg_type {val}: only DRAM is supported"
+                    ));
                 }
             }
             "storage_seg_type" => {
@@ -500,9 +532,14 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                 c.poll = match val.to_ascii_lowercase().as_str() {
                     "spin" => PollMode::Spin,
                     "yield" => PollMode::Yield,
-                    v => match v.strip_prefix("sleep:").and_then(|us| us.parse::<u64>().ok()) {
+                    v => match v
+                        .strip_prefix("sleep:")
+                        .and_then(|us| us.parse::<u64>().ok())
+                    {
                         Some(us) => PollMode::Sleep(std::time::Duration::from_micros(us)),
-                        None => return Err(format!("--poll_mode: spin|yield|sleep:<us>, got '{val}'")),
+                        None => {
+                            return Err(format!("--poll_mode: spin|yield|sleep:<us>, got '{val}'"))
+                        }
                     },
                 }
             }
@@ -516,7 +553,9 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                         "kv" => c.run_kv = true,
                         "req" => c.run_req = true,
                         "" => {}
-                        _ => return Err(format!("--workload: any of req, kv, contig, got '{val}'")),
+                        _ => {
+                            return Err(format!("--workload: any of req, kv, contig, got '{val}'"))
+                        }
                     }
                 }
             }
@@ -537,7 +576,11 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                         "prepped" | "" => {}
                         "init" => c.req.init = true,
                         "repost" => c.req.repost = true,
-                        _ => return Err(format!("--req_modes: any of prepped, init, repost, got '{val}'")),
+                        _ => {
+                            return Err(format!(
+                                "--req_modes: any of prepped, init, repost, got '{val}'"
+                            ))
+                        }
                     }
                 }
             }
@@ -583,7 +626,11 @@ fn validate(c: &Config) -> Result<(), String> {
     }
     if c.run_req {
         let r = &c.req;
-        if r.points.is_empty() || r.points.iter().any(|&(b, n)| b == 0 || b % 512 != 0 || n == 0) {
+        if r.points.is_empty()
+            || r.points
+                .iter()
+                .any(|&(b, n)| b == 0 || b % 512 != 0 || n == 0)
+        {
             return Err("--req_points: every block a multiple of 512, every count >= 1".into());
         }
         if c.kv.regions == 0 || c.kv.rounds == 0 {
@@ -600,17 +647,26 @@ fn validate(c: &Config) -> Result<(), String> {
     }
     if c.run_kv {
         let k = &c.kv;
-        if k.start_block_size == 0 || k.start_block_size > k.max_block_size || k.start_block_size % 512 != 0 {
-            return Err("need 0 < --kv_start_block_size <= --kv_max_block_size, a multiple of 512".into());
+        if k.start_block_size == 0
+            || k.start_block_size > k.max_block_size
+            || k.start_block_size % 512 != 0
+        {
+            return Err(
+                "need 0 < --kv_start_block_size <= --kv_max_block_size, a multiple of 512".into(),
+            );
         }
         if k.regions == 0 || k.rounds == 0 {
             return Err("--kv_regions and --kv_rounds must be >= 1".into());
         }
         if k.region_size < k.max_block_size || k.region_size % 4096 != 0 {
-            return Err("--kv_region_size must be a multiple of 4096 and >= --kv_max_block_size".into());
+            return Err(
+                "--kv_region_size must be a multiple of 4096 and >= --kv_max_block_size".into(),
+            );
         }
         if c.total_buffer_size < k.max_block_size {
-            return Err("--total_buffer_size (the file region) must be >= --kv_max_block_size".into());
+            return Err(
+                "--total_buffer_size (the file region) must be >= --kv_max_block_size".into(),
+            );
         }
     }
     Ok(())
@@ -656,11 +712,17 @@ mod tests {
         assert!(c.storage_enable_direct && !c.check_consistency);
         assert_eq!(c.batches(), vec![1, 64]);
         assert_eq!(c.num_iter, 100);
-        assert!(parse(&s(&["--bogus", "1"])).unwrap_err().contains("unknown flag"));
-        assert!(parse(&s(&["--bogus"])).unwrap_err().contains("unknown flag"));
+        assert!(parse(&s(&["--bogus", "1"]))
+            .unwrap_err()
+            .contains("unknown flag"));
+        assert!(parse(&s(&["--bogus"]))
+            .unwrap_err()
+            .contains("unknown flag"));
         assert!(parse(&s(&["--max_block_size"])).is_err());
         assert_eq!(parse_size("1G").unwrap(), 1 << 30);
-        let Parsed::Run(c) = parse(&s(&["--storage_seg_type", "block", "--csv=/tmp/x.csv"])).unwrap() else {
+        let Parsed::Run(c) =
+            parse(&s(&["--storage_seg_type", "block", "--csv=/tmp/x.csv"])).unwrap()
+        else {
             panic!()
         };
         assert_eq!(c.storage_seg_type, SegType::Block);
@@ -682,7 +744,10 @@ mod tests {
         assert_eq!(c.kv.block_sizes(), vec![4096, 8192, 16384, 32768, 65536]);
         assert_eq!(c.kv.blocks_for(4096), MAX_KV_BLOCKS);
         assert_eq!(c.kv.blocks_for(2 << 20), 32);
-        assert_eq!((c.kv.regions, c.background_load, c.out_dir.as_deref()), (3, 2, Some("/tmp/o")));
+        assert_eq!(
+            (c.kv.regions, c.background_load, c.out_dir.as_deref()),
+            (3, 2, Some("/tmp/o"))
+        );
         assert!(parse(&s(&["--workload", "fast"])).is_err());
     }
 
@@ -696,10 +761,16 @@ mod tests {
             .collect();
         let known: Vec<&str> = BOOL_FLAGS.iter().chain(VALUE_FLAGS).copied().collect();
         for f in &known {
-            assert!(listed.contains(f), "--{f} is parsed but missing from usage.txt");
+            assert!(
+                listed.contains(f),
+                "--{f} is parsed but missing from usage.txt"
+            );
         }
         for f in &listed {
-            assert!(known.contains(f), "usage.txt lists --{f}, which the parser does not take");
+            assert!(
+                known.contains(f),
+                "usage.txt lists --{f}, which the parser does not take"
+            );
         }
     }
 }

@@ -44,7 +44,14 @@ pub fn max_blocks(block: u64, region_size: u64, regions: usize, file_len: u64) -
 /// `n` blocks at random, distinct slots of the regions, paired with random file slots of which
 /// no two are neighbours (so no pair of descriptors can merge, in any order), in random order.
 /// Deterministic for a seed. `n` must be at most `max_blocks`.
-pub fn layout(seed: u64, block: u64, n: u64, region_size: u64, regions: usize, file_len: u64) -> Layout {
+pub fn layout(
+    seed: u64,
+    block: u64,
+    n: u64,
+    region_size: u64,
+    regions: usize,
+    file_len: u64,
+) -> Layout {
     assert!(n >= 1 && n <= max_blocks(block, region_size, regions, file_len));
     let mut rng = SplitMix64::new(seed ^ 0x6B76_0000 ^ block.rotate_left(29) ^ n.rotate_left(7));
     let per_region = region_size / block;
@@ -56,7 +63,11 @@ pub fn layout(seed: u64, block: u64, n: u64, region_size: u64, regions: usize, f
     let slots = file_len / block;
     let mut c = sample(&mut rng, slots - n + 1, n as usize);
     c.sort_unstable();
-    let mut file: Vec<u64> = c.iter().enumerate().map(|(k, &v)| (v + k as u64) * block).collect();
+    let mut file: Vec<u64> = c
+        .iter()
+        .enumerate()
+        .map(|(k, &v)| (v + k as u64) * block)
+        .collect();
     for i in (1..file.len()).rev() {
         let j = (rng.next_u64() % (i as u64 + 1)) as usize;
         file.swap(i, j);
@@ -89,7 +100,12 @@ impl Point {
     }
 
     pub fn median_cpu(&self, b: usize) -> f64 {
-        median(&self.samples[b].iter().map(|s| s.cpu_s_per_gb).collect::<Vec<_>>())
+        median(
+            &self.samples[b]
+                .iter()
+                .map(|s| s.cpu_s_per_gb)
+                .collect::<Vec<_>>(),
+        )
     }
 
     /// true: every sample verified; false: one failed; None: no samples.
@@ -125,15 +141,35 @@ pub struct Live {
 }
 
 /// Backend `i` in its own agent, with `regions` and the storage registered.
-pub fn open(i: usize, spec: &BackendSpec, ctx: &Ctx, regions: &[AlignedBuf]) -> Result<Live, String> {
+pub fn open(
+    i: usize,
+    spec: &BackendSpec,
+    ctx: &Ctx,
+    regions: &[AlignedBuf],
+) -> Result<Live, String> {
     let name = format!("iud-bench-kv-{i}");
     let (agent, backend) = open_backend(&name, spec, ctx.cfg, ThreadSync::Default)?;
     let mut regs = Vec::new();
     for (r, buf) in regions.iter().enumerate() {
-        let reg = Region { addr: buf.addr(), len: buf.len(), dev_id: 0, kind: MemType::Dram };
-        regs.push(register(&agent, &backend, &reg, &format!("DRAM region {r}"))?);
+        let reg = Region {
+            addr: buf.addr(),
+            len: buf.len(),
+            dev_id: 0,
+            kind: MemType::Dram,
+        };
+        regs.push(register(
+            &agent,
+            &backend,
+            &reg,
+            &format!("DRAM region {r}"),
+        )?);
     }
-    let file = Region { addr: 0, len: ctx.file_len as usize, dev_id: ctx.fd as u64, kind: ctx.storage_kind };
+    let file = Region {
+        addr: 0,
+        len: ctx.file_len as usize,
+        dev_id: ctx.fd as u64,
+        kind: ctx.storage_kind,
+    };
     regs.push(register(&agent, &backend, &file, "storage, fd mode")?);
     println!(
         "registered {} DRAM region(s) of {} bytes each and the storage (0, {}, fd {})",
@@ -142,20 +178,30 @@ pub fn open(i: usize, spec: &BackendSpec, ctx: &Ctx, regions: &[AlignedBuf]) -> 
         ctx.file_len,
         ctx.fd
     );
-    Ok(Live { agent, name, backend, _regs: regs })
+    Ok(Live {
+        agent,
+        name,
+        backend,
+        _regs: regs,
+    })
 }
 
 pub fn run(ctx: &Ctx) -> Outcome {
     let cfg = ctx.cfg;
     let k = &cfg.kv;
-    let mut out = Outcome { points: Vec::new(), errors: Vec::new(), consistency_failures: 0 };
+    let mut out = Outcome {
+        points: Vec::new(),
+        errors: Vec::new(),
+        consistency_failures: 0,
+    };
     let t = Instant::now();
     let mut regions = Vec::new();
     for r in 0..k.regions {
         match AlignedBuf::new(k.region_size as usize, 4096) {
             Ok(b) => {
                 // SAFETY: nothing uses the buffer yet. Touches every page before the first point.
-                SplitMix64::new(cfg.seed ^ 0x4B56 ^ r as u64).fill(unsafe { b.slice_mut(0, b.len()) });
+                SplitMix64::new(cfg.seed ^ 0x4B56 ^ r as u64)
+                    .fill(unsafe { b.slice_mut(0, b.len()) });
                 regions.push(b);
             }
             Err(e) => {
@@ -187,7 +233,11 @@ pub fn run(ctx: &Ctx) -> Outcome {
         println!();
         println!(
             "=== KV-cache {op} | {} | {} region(s) x {} | rounds {} (order rotated), medians ===",
-            if cfg.storage_enable_direct { "O_DIRECT" } else { "buffered" },
+            if cfg.storage_enable_direct {
+                "O_DIRECT"
+            } else {
+                "buffered"
+            },
             k.regions,
             human_size(k.region_size),
             k.rounds
@@ -212,11 +262,25 @@ pub fn run(ctx: &Ctx) -> Outcome {
                 );
             }
             let lay = layout(cfg.seed, block, n, k.region_size, k.regions, ctx.file_len);
-            let pairs: Vec<(usize, u64)> =
-                lay.mem.iter().zip(&lay.file).map(|(&(r, off), &f)| (regions[r].addr() + off as usize, f)).collect();
-            let mut point = Point { op, block, blocks: n, samples: vec![Vec::new(); nb] };
+            let pairs: Vec<(usize, u64)> = lay
+                .mem
+                .iter()
+                .zip(&lay.file)
+                .map(|(&(r, off), &f)| (regions[r].addr() + off as usize, f))
+                .collect();
+            let mut point = Point {
+                op,
+                block,
+                blocks: n,
+                samples: vec![Vec::new(); nb],
+            };
             for round in 0..k.rounds {
-                let mut line = format!("{op} {} x {n} round {}/{}:", human_size(block), round + 1, k.rounds);
+                let mut line = format!(
+                    "{op} {} x {n} round {}/{}:",
+                    human_size(block),
+                    round + 1,
+                    k.rounds
+                );
                 for j in 0..nb {
                     let b = (j + round) % nb;
                     let Some(l) = &live[b] else { continue };
@@ -272,7 +336,9 @@ fn measure(
 ) -> Result<Sample, String> {
     let cfg = ctx.cfg;
     let block = lay.block as usize;
-    let mut rng = SplitMix64::new(cfg.seed ^ lay.block.rotate_left(13) ^ ((round as u64) << 40) ^ ((b as u64) << 52) ^ 0xD1CE);
+    let mut rng = SplitMix64::new(
+        cfg.seed ^ lay.block.rotate_left(13) ^ ((round as u64) << 40) ^ ((b as u64) << 52) ^ 0xD1CE,
+    );
     for &(r, off) in &lay.mem {
         // SAFETY: no transfer is in flight between measurements.
         let s = unsafe { regions[r].slice_mut(off as usize, block) };
@@ -305,7 +371,11 @@ fn measure(
     let t0 = Instant::now();
     let mut n = 0u64;
     loop {
-        let done = if cfg.num_iter > 0 { n >= cfg.num_iter } else { n >= 3 && t0.elapsed() >= duration };
+        let done = if cfg.num_iter > 0 {
+            n >= cfg.num_iter
+        } else {
+            n >= 3 && t0.elapsed() >= duration
+        };
         if done {
             break;
         }
@@ -323,7 +393,12 @@ fn measure(
         // SAFETY: plain syscall on our fd.
         unsafe { libc::fdatasync(ctx.verify_fd) };
     }
-    Ok(Sample { gbps: bytes / elapsed / 1e9, cpu_s_per_gb: per_gb(cpu, bytes), requests: n, verified })
+    Ok(Sample {
+        gbps: bytes / elapsed / 1e9,
+        cpu_s_per_gb: per_gb(cpu, bytes),
+        requests: n,
+        verified,
+    })
 }
 
 /// Every block of the request against the file (read through the buffered fd).
@@ -353,7 +428,11 @@ pub fn table(labels: &[String], points: &[Point], op: Op) -> String {
     ));
     let mut hdr = format!("{:<6}{:>8}{:>8}", "Op", "Block", "Blocks");
     for i in 0..labels.len() {
-        hdr.push_str(&format!("{:>10}{:>8}", format!("{} GB/s", letter(i)), format!("{} cpu", letter(i))));
+        hdr.push_str(&format!(
+            "{:>10}{:>8}",
+            format!("{} GB/s", letter(i)),
+            format!("{} cpu", letter(i))
+        ));
     }
     for i in 1..labels.len() {
         hdr.push_str(&format!("{:>8}", format!("A/{}", letter(i))));
@@ -363,12 +442,21 @@ pub fn table(labels: &[String], points: &[Point], op: Op) -> String {
     out.push_str(&"-".repeat(hdr.len()));
     out.push('\n');
     for p in points.iter().filter(|p| p.op == op) {
-        let mut row = format!("{:<6}{:>8}{:>8}", op.to_string(), human_size(p.block), p.blocks);
+        let mut row = format!(
+            "{:<6}{:>8}{:>8}",
+            op.to_string(),
+            human_size(p.block),
+            p.blocks
+        );
         for i in 0..labels.len() {
             if p.samples[i].is_empty() {
                 row.push_str(&format!("{:>10}{:>8}", "-", "-"));
             } else {
-                row.push_str(&format!("{:>10.3}{:>8.3}", p.median_gbps(i), p.median_cpu(i)));
+                row.push_str(&format!(
+                    "{:>10.3}{:>8.3}",
+                    p.median_gbps(i),
+                    p.median_cpu(i)
+                ));
             }
         }
         for i in 1..labels.len() {
@@ -403,14 +491,21 @@ mod tests {
             let mut f = l.file.clone();
             f.sort_unstable();
             for w in f.windows(2) {
-                assert!(w[1] >= w[0] + 2 * block, "file blocks {} and {} touch", w[0], w[1]);
+                assert!(
+                    w[1] >= w[0] + 2 * block,
+                    "file blocks {} and {} touch",
+                    w[0],
+                    w[1]
+                );
             }
             assert!(f.iter().all(|&o| o % block == 0 && o + block <= file));
             let mut m = l.mem.clone();
             m.sort_unstable();
             m.dedup();
             assert_eq!(m.len(), n as usize, "two blocks share a memory slot");
-            assert!(m.iter().all(|&(r, o)| r < regions && o % block == 0 && o + block <= region));
+            assert!(m
+                .iter()
+                .all(|&(r, o)| r < regions && o % block == 0 && o + block <= region));
             // Not simply in file order: a request whose file offsets only rise would be a
             // sequential pattern in disguise.
             if n > 4 {

@@ -13,14 +13,20 @@ impl BackgroundLoad {
     pub fn start(n: usize) -> Result<Self, String> {
         // SAFETY: plain syscall; -1 is a valid nice value, so errno is not checked (never fails for self).
         let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
-        let mut load = Self { pids: Vec::new(), nice };
+        let mut load = Self {
+            pids: Vec::new(),
+            nice,
+        };
         // SAFETY: getpid has no preconditions.
         let parent = unsafe { libc::getpid() };
         for _ in 0..n {
             // SAFETY: single-threaded here (see above); the child only spins and _exits.
             let pid = unsafe { libc::fork() };
             if pid < 0 {
-                return Err(format!("fork for --background_load: {}", std::io::Error::last_os_error()));
+                return Err(format!(
+                    "fork for --background_load: {}",
+                    std::io::Error::last_os_error()
+                ));
             }
             if pid == 0 {
                 busy_child(parent);
@@ -48,7 +54,13 @@ impl BackgroundLoad {
 fn busy_child(parent: libc::pid_t) -> ! {
     // SAFETY: prctl/getppid/_exit are async-signal-safe, so fine after fork.
     unsafe {
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        );
         if libc::getppid() != parent {
             libc::_exit(0);
         }

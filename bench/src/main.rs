@@ -13,12 +13,12 @@ mod results;
 mod runner;
 mod sysinfo;
 
+use once_cell::sync::OnceCell;
 use std::ffi::CString;
 use std::io::Write as _;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
-use once_cell::sync::OnceCell;
 use std::time::Instant;
 
 use cli::{Config, Op, Parsed, SegType};
@@ -63,7 +63,11 @@ fn open_fd(path: &Path, flags: i32) -> Result<i32, String> {
     // SAFETY: valid C string.
     let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC, 0o644) };
     if fd < 0 {
-        return Err(format!("open {}: {}", path.display(), std::io::Error::last_os_error()));
+        return Err(format!(
+            "open {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        ));
     }
     Ok(fd)
 }
@@ -73,22 +77,37 @@ fn setup_file(cfg: &Config, total: u64) -> Result<FileSetup, String> {
         Some(p) if !Path::new(p).is_dir() => (PathBuf::from(p), false),
         other => {
             let dir = other.clone().unwrap_or_else(|| "/tmp".into());
-            (Path::new(&dir).join(format!("iud-bench-{}.dat", std::process::id())), true)
+            (
+                Path::new(&dir).join(format!("iud-bench-{}.dat", std::process::id())),
+                true,
+            )
         }
     };
     if temp {
         let _ = TEMP_PATH.set(CString::new(path.as_os_str().as_bytes()).unwrap());
         // SAFETY: installing an async-signal-safe handler.
         unsafe {
-            libc::signal(libc::SIGINT, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
-            libc::signal(libc::SIGTERM, on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t);
+            libc::signal(
+                libc::SIGINT,
+                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+            libc::signal(
+                libc::SIGTERM,
+                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
         }
     }
-    let is_blk = std::fs::metadata(&path).map(|m| m.file_type().is_block_device()).unwrap_or(false);
+    let is_blk = std::fs::metadata(&path)
+        .map(|m| m.file_type().is_block_device())
+        .unwrap_or(false);
     // nixlbench: O_RDWR|O_CREAT|O_LARGEFILE (+O_DIRECT). Block devices: no O_CREAT.
     let creat = if is_blk { 0 } else { libc::O_CREAT };
     let verify_fd = open_fd(&path, libc::O_RDWR | creat | libc::O_LARGEFILE)?;
-    let direct = if cfg.storage_enable_direct { libc::O_DIRECT } else { 0 };
+    let direct = if cfg.storage_enable_direct {
+        libc::O_DIRECT
+    } else {
+        0
+    };
     let fd = match open_fd(&path, libc::O_RDWR | libc::O_LARGEFILE | direct) {
         Ok(fd) => fd,
         Err(e) => {
@@ -97,7 +116,14 @@ fn setup_file(cfg: &Config, total: u64) -> Result<FileSetup, String> {
             if temp {
                 let _ = std::fs::remove_file(&path);
             }
-            return Err(format!("{e}{}", if direct != 0 { " (does this filesystem support O_DIRECT?)" } else { "" }));
+            return Err(format!(
+                "{e}{}",
+                if direct != 0 {
+                    " (does this filesystem support O_DIRECT?)"
+                } else {
+                    ""
+                }
+            ));
         }
     };
     let block_dev = if is_blk {
@@ -116,10 +142,19 @@ fn setup_file(cfg: &Config, total: u64) -> Result<FileSetup, String> {
     } else {
         None
     };
-    let fs = FileSetup { path, temp, fd, verify_fd, block_dev };
+    let fs = FileSetup {
+        path,
+        temp,
+        fd,
+        verify_fd,
+        block_dev,
+    };
     if let Some(bytes) = block_dev {
         if bytes < total {
-            return Err(format!("block device {} holds {bytes} bytes < --total_buffer_size {total}", fs.path.display()));
+            return Err(format!(
+                "block device {} holds {bytes} bytes < --total_buffer_size {total}",
+                fs.path.display()
+            ));
         }
         println!(
             "setup: block device of {bytes} bytes: used in place, not prefilled (WRITE points overwrite its first {total} bytes)"
@@ -138,7 +173,8 @@ fn setup_file(cfg: &Config, total: u64) -> Result<FileSetup, String> {
         while off < total {
             let n = chunk.min((total - off) as usize);
             rng.fill(&mut buf[..n]);
-            pwrite_full(fs.verify_fd, &buf[..n], off).map_err(|e| format!("prefill write at {off}: {e}"))?;
+            pwrite_full(fs.verify_fd, &buf[..n], off)
+                .map_err(|e| format!("prefill write at {off}: {e}"))?;
             off += n as u64;
         }
         // SAFETY: plain syscall.
@@ -161,17 +197,44 @@ fn config_rows(cfg: &Config) -> Vec<(&'static str, String)> {
     let b: Vec<String> = cfg.backends.iter().map(|b| b.label()).collect();
     let mut rows: Vec<(&'static str, String)> = vec![
         ("backend", b.join(",")),
-        ("posix_api_type", cfg.posix_api_type.clone().unwrap_or_else(|| "(spec params)".into())),
-        ("filepath", cfg.filepath.clone().unwrap_or_else(|| "(temp file in /tmp)".into())),
-        ("op_type", cfg.ops.iter().map(|o| o.to_string()).collect::<Vec<_>>().join(",")),
+        (
+            "posix_api_type",
+            cfg.posix_api_type
+                .clone()
+                .unwrap_or_else(|| "(spec params)".into()),
+        ),
+        (
+            "filepath",
+            cfg.filepath
+                .clone()
+                .unwrap_or_else(|| "(temp file in /tmp)".into()),
+        ),
+        (
+            "op_type",
+            cfg.ops
+                .iter()
+                .map(|o| o.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
         ("total_buffer_size", cfg.total_buffer_size.to_string()),
         ("start_block_size", cfg.start_block_size.to_string()),
         ("max_block_size", cfg.max_block_size.to_string()),
-        ("batch sizes", cfg.batches().iter().map(|b| b.to_string()).collect::<Vec<_>>().join(",")),
+        (
+            "batch sizes",
+            cfg.batches()
+                .iter()
+                .map(|b| b.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
         (
             "num_iter",
             if cfg.num_iter == 0 {
-                format!("0 (time-based: {} ms per point, >= 3 iterations)", cfg.duration_ms)
+                format!(
+                    "0 (time-based: {} ms per point, >= 3 iterations)",
+                    cfg.duration_ms
+                )
             } else {
                 cfg.num_iter.to_string()
             },
@@ -179,12 +242,22 @@ fn config_rows(cfg: &Config) -> Vec<(&'static str, String)> {
         ("warmup_iter", cfg.warmup_iter.to_string()),
         ("large_blk_iter_ftr", cfg.large_blk_iter_ftr.to_string()),
         ("num_threads", cfg.num_threads.to_string()),
-        ("storage_enable_direct", cfg.storage_enable_direct.to_string()),
+        (
+            "storage_enable_direct",
+            cfg.storage_enable_direct.to_string(),
+        ),
         ("check_consistency", cfg.check_consistency.to_string()),
         ("recreate_xfer", cfg.recreate_xfer.to_string()),
         ("prepared_xfer", cfg.prepared_xfer.to_string()),
         ("enable_pt", cfg.enable_pt.to_string()),
-        ("randomize_location_mode", if cfg.randomize_blockaligned { "blockaligned (file blocks of a request shuffled)".into() } else { "none (a request = one contiguous range in DRAM and file)".into() }),
+        (
+            "randomize_location_mode",
+            if cfg.randomize_blockaligned {
+                "blockaligned (file blocks of a request shuffled)".into()
+            } else {
+                "none (a request = one contiguous range in DRAM and file)".into()
+            },
+        ),
         ("seed", cfg.seed.to_string()),
         (
             "storage_seg_type",
@@ -198,12 +271,16 @@ fn config_rows(cfg: &Config) -> Vec<(&'static str, String)> {
         ("csv", cfg.csv.clone().unwrap_or_else(|| "(none)".into())),
         (
             "workload",
-            [(cfg.run_req, "req (per request, printed first)"), (cfg.run_kv, "kv"), (cfg.contig, "contig")]
-                .iter()
-                .filter(|(on, _)| *on)
-                .map(|(_, n)| *n)
-                .collect::<Vec<_>>()
-                .join(", "),
+            [
+                (cfg.run_req, "req (per request, printed first)"),
+                (cfg.run_kv, "kv"),
+                (cfg.contig, "contig"),
+            ]
+            .iter()
+            .filter(|(on, _)| *on)
+            .map(|(_, n)| *n)
+            .collect::<Vec<_>>()
+            .join(", "),
         ),
     ];
     if cfg.run_kv {
@@ -214,11 +291,19 @@ fn config_rows(cfg: &Config) -> Vec<(&'static str, String)> {
                 "blocks {}..{}, {} per request ({}), {} region(s) x {} bytes, {} rounds",
                 k.start_block_size,
                 k.max_block_size,
-                if k.blocks > 0 { k.blocks.to_string() } else { "auto".into() },
+                if k.blocks > 0 {
+                    k.blocks.to_string()
+                } else {
+                    "auto".into()
+                },
                 if k.blocks > 0 {
                     "fixed".to_string()
                 } else {
-                    format!("{} bytes / block, at most {}", k.request_size, cli::MAX_KV_BLOCKS)
+                    format!(
+                        "{} bytes / block, at most {}",
+                        k.request_size,
+                        cli::MAX_KV_BLOCKS
+                    )
                 },
                 k.regions,
                 k.region_size,
@@ -226,7 +311,10 @@ fn config_rows(cfg: &Config) -> Vec<(&'static str, String)> {
             ),
         ));
     }
-    rows.push(("out_dir", cfg.out_dir.clone().unwrap_or_else(|| "(none)".into())));
+    rows.push((
+        "out_dir",
+        cfg.out_dir.clone().unwrap_or_else(|| "(none)".into()),
+    ));
     rows
 }
 
@@ -273,7 +361,14 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
         info(&mut inf, "git", rev);
     }
     let (listed, usable) = sysinfo::cpu_count();
-    info(&mut inf, "cpu", format!("{} ({listed} logical CPUs, {usable} usable by this process)", sysinfo::cpu_model()));
+    info(
+        &mut inf,
+        "cpu",
+        format!(
+            "{} ({listed} logical CPUs, {usable} usable by this process)",
+            sysinfo::cpu_model()
+        ),
+    );
     info(&mut inf, "memory", sysinfo::mem_total());
     info(&mut inf, "kernel", sysinfo::kernel());
     info(&mut inf, "background load", load.describe());
@@ -310,7 +405,11 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
 
     let total = cfg.region_per_thread() * cfg.num_threads as u64;
     // The per-request points may need a longer file than the other workloads' region.
-    let file_total = if cfg.run_req { total.max(cfg.req.file_len().div_ceil(1 << 20) << 20) } else { total };
+    let file_total = if cfg.run_req {
+        total.max(cfg.req.file_len().div_ceil(1 << 20) << 20)
+    } else {
+        total
+    };
     let files = match setup_file(cfg, file_total) {
         Ok(f) => f,
         Err(e) => {
@@ -324,9 +423,17 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
         format!(
             "{}{} (fd {}{})",
             files.path.display(),
-            if files.temp { " (temporary, removed at exit)" } else { "" },
+            if files.temp {
+                " (temporary, removed at exit)"
+            } else {
+                ""
+            },
             files.fd,
-            if cfg.storage_enable_direct { ", O_DIRECT" } else { ", buffered" }
+            if cfg.storage_enable_direct {
+                ", O_DIRECT"
+            } else {
+                ", buffered"
+            }
         ),
     );
     let storage_kind = match (cfg.storage_seg_type, files.block_dev.is_some()) {
@@ -334,7 +441,9 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
         _ => nixl_sys::MemType::File,
     };
     if storage_kind == nixl_sys::MemType::Block && !cfg.storage_enable_direct {
-        eprintln!("iud-bench: BLOCK (BLK_SEG) targets need an O_DIRECT fd: add --storage_enable_direct");
+        eprintln!(
+            "iud-bench: BLOCK (BLK_SEG) targets need an O_DIRECT fd: add --storage_enable_direct"
+        );
         return 1;
     }
     match files.block_dev {
@@ -345,10 +454,21 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
         ),
         None => info(&mut inf, "filesystem", sysinfo::filesystem_of(&files.path)),
     }
-    println!("registered as: {}", if storage_kind == nixl_sys::MemType::Block { "BLOCK (BLK_SEG)" } else { "FILE (FILE_SEG)" });
+    println!(
+        "registered as: {}",
+        if storage_kind == nixl_sys::MemType::Block {
+            "BLOCK (BLK_SEG)"
+        } else {
+            "FILE (FILE_SEG)"
+        }
+    );
     let csv = match &cfg.csv {
         None => None,
-        Some(p) => match std::fs::OpenOptions::new().create(true).append(true).open(p) {
+        Some(p) => match std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+        {
             Ok(mut f) => {
                 if f.metadata().map(|m| m.len() == 0).unwrap_or(false) {
                     let _ = writeln!(f, "{}", report::CSV_HEADER);
@@ -378,9 +498,11 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
             (Op::Read, true) => {
                 "note: O_DIRECT READ: reads bypass the page cache and come from the device".into()
             }
-            (Op::Write, false) => "note: buffered WRITE: data lands in the page cache (dirty pages); \
+            (Op::Write, false) => {
+                "note: buffered WRITE: data lands in the page cache (dirty pages); \
                                    fdatasync after each point, not timed"
-                .into(),
+                    .into()
+            }
             (Op::Write, true) => "note: O_DIRECT WRITE: data goes to the device (no fsync)".into(),
         })
     };
@@ -425,7 +547,10 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
             println!("PER-REQUEST ERROR: {e}");
         }
         consistency_failures += o.consistency_failures;
-        println!("per-request consistency: {} measurement(s) failed", o.consistency_failures);
+        println!(
+            "per-request consistency: {} measurement(s) failed",
+            o.consistency_failures
+        );
         first = o.text;
         rows.extend(results::req_rows(&o.points));
         notes.push(format!(
@@ -457,7 +582,10 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
             println!("KV ERROR: {e}");
         }
         consistency_failures += o.consistency_failures;
-        println!("KV consistency: {} measurement(s) failed", o.consistency_failures);
+        println!(
+            "KV consistency: {} measurement(s) failed",
+            o.consistency_failures
+        );
         rows.extend(results::kv_rows(&o.points));
         notes.push(format!(
             "KV-cache: one request of N descriptors per block size, blocks at random slots of {} separately \
@@ -497,7 +625,12 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
         let mut all = Vec::new();
         for (i, spec) in cfg.backends.iter().enumerate() {
             println!();
-            println!("########## backend {}/{}: {} ##########", i + 1, cfg.backends.len(), spec.label());
+            println!(
+                "########## backend {}/{}: {} ##########",
+                i + 1,
+                cfg.backends.len(),
+                spec.label()
+            );
             let _ = std::io::stdout().flush();
             let o = runner::run_spec(i, spec, &ctx);
             if let Some(e) = &o.error {
@@ -520,10 +653,16 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
             } else {
                 "none (a request is one contiguous range in DRAM and file: backends may merge descriptors)"
             },
-            if cfg.storage_enable_direct { "O_DIRECT" } else { "buffered (page cache)" }
+            if cfg.storage_enable_direct {
+                "O_DIRECT"
+            } else {
+                "buffered (page cache)"
+            }
         );
         println!("{layout}");
-        notes.push(format!("nixlbench-style sweep: {layout}; one run per point, backends one after another."));
+        notes.push(format!(
+            "nixlbench-style sweep: {layout}; one run per point, backends one after another."
+        ));
         rows.extend(results::contig_rows(&all, cfg.randomize_blockaligned));
     }
     info(&mut inf, "loadavg at end", load::loadavg());
@@ -536,7 +675,9 @@ fn run(cfg: &Config, load: &load::BackgroundLoad) -> i32 {
     }
     if cfg.check_consistency || cfg.run_kv || cfg.run_req {
         println!("consistency: {consistency_failures} point(s) failed in total");
-        notes.push(format!("consistency: {consistency_failures} point(s) failed in total"));
+        notes.push(format!(
+            "consistency: {consistency_failures} point(s) failed in total"
+        ));
         if consistency_failures > 0 {
             rc = 1;
         }

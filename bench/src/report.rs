@@ -205,14 +205,20 @@ pub fn summary(labels: &[String], results: &[Vec<PointResult>], ops: &[Op]) -> S
     }
     for (op, block, batch) in keys {
         let find = |i: usize| {
-            results
-                .get(i)
-                .and_then(|res| res.iter().find(|r| r.op == op && r.block == block && r.batch == batch))
+            results.get(i).and_then(|res| {
+                res.iter()
+                    .find(|r| r.op == op && r.block == block && r.batch == batch)
+            })
         };
         let mut row = format!("{:<6}{:>10}{:>7}", op.to_string(), human_size(block), batch);
         for i in 0..labels.len() {
             match find(i) {
-                Some(r) => row.push_str(&format!("{:>10.3}{:>10}{:>8.3}", r.gbps(), si(r.iops()), r.cpu_s_per_gb())),
+                Some(r) => row.push_str(&format!(
+                    "{:>10.3}{:>10}{:>8.3}",
+                    r.gbps(),
+                    si(r.iops()),
+                    r.cpu_s_per_gb()
+                )),
                 None => row.push_str(&format!("{:>10}{:>10}{:>8}", "-", "-", "-")),
             }
         }
@@ -261,8 +267,15 @@ mod tests {
         assert!((r.gbps() - 4000.0 * 4096.0 / 1e9).abs() < 1e-12);
         assert!((r.avg_lat_us() - 500.0).abs() < 1e-9);
         assert!(table_row(&r).starts_with("4096"));
-        let s = summary(&["X".into(), "Y".into()], &[vec![r.clone()], vec![r.clone()]], &[Op::Read]);
+        let s = summary(
+            &["X".into(), "Y".into()],
+            &[vec![r.clone()], vec![r.clone()]],
+            &[Op::Read],
+        );
         assert!(s.contains("1.00"), "{s}");
-        assert_eq!(csv_row("A:x=1", "rand", &r), "\"A:x=1\",READ,rand,4096,2,1000,2000,8192000,0.500000,0.016384,4000.0,500.000,0.5000");
+        assert_eq!(
+            csv_row("A:x=1", "rand", &r),
+            "\"A:x=1\",READ,rand,4096,2,1000,2000,8192000,0.500000,0.016384,4000.0,500.000,0.5000"
+        );
     }
 }

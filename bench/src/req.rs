@@ -65,7 +65,12 @@ pub struct Point {
 
 impl Point {
     pub fn med(&self, b: usize, m: Mode, f: impl Fn(&Sample) -> f64) -> f64 {
-        median(&self.samples[b][m as usize].iter().map(f).collect::<Vec<_>>())
+        median(
+            &self.samples[b][m as usize]
+                .iter()
+                .map(f)
+                .collect::<Vec<_>>(),
+        )
     }
 
     pub fn verified(&self, b: usize, m: Mode) -> Option<bool> {
@@ -84,20 +89,31 @@ pub struct Outcome {
 
 fn modes(ctx: &Ctx) -> Vec<Mode> {
     let r = &ctx.cfg.req;
-    Mode::ALL.into_iter().filter(|&m| m == Mode::Prepped || (m == Mode::Init && r.init) || (m == Mode::Repost && r.repost)).collect()
+    Mode::ALL
+        .into_iter()
+        .filter(|&m| {
+            m == Mode::Prepped || (m == Mode::Init && r.init) || (m == Mode::Repost && r.repost)
+        })
+        .collect()
 }
 
 pub fn run(ctx: &Ctx) -> Outcome {
     let cfg = ctx.cfg;
     let r = &cfg.req;
-    let mut out = Outcome { points: Vec::new(), errors: Vec::new(), consistency_failures: 0, text: String::new() };
+    let mut out = Outcome {
+        points: Vec::new(),
+        errors: Vec::new(),
+        consistency_failures: 0,
+        text: String::new(),
+    };
     let t = Instant::now();
     let mut regions = Vec::new();
     for i in 0..cfg.kv.regions {
         match AlignedBuf::new(r.region_size as usize, 4096) {
             Ok(b) => {
                 // SAFETY: nothing uses the buffer yet. Touches every page before the first point.
-                SplitMix64::new(cfg.seed ^ 0x5245_5155 ^ i as u64).fill(unsafe { b.slice_mut(0, b.len()) });
+                SplitMix64::new(cfg.seed ^ 0x5245_5155 ^ i as u64)
+                    .fill(unsafe { b.slice_mut(0, b.len()) });
                 regions.push(b);
             }
             Err(e) => {
@@ -106,7 +122,12 @@ pub fn run(ctx: &Ctx) -> Outcome {
             }
         }
     }
-    println!("setup: {} per-request DRAM region(s) of {} bytes in {:.2} s", cfg.kv.regions, r.region_size, t.elapsed().as_secs_f64());
+    println!(
+        "setup: {} per-request DRAM region(s) of {} bytes in {:.2} s",
+        cfg.kv.regions,
+        r.region_size,
+        t.elapsed().as_secs_f64()
+    );
     let mut live: Vec<Option<Live>> = Vec::new();
     for (i, spec) in cfg.backends.iter().enumerate() {
         println!("--- [{}] {} ---", letter(i), spec.label());
@@ -131,18 +152,43 @@ pub fn run(ctx: &Ctx) -> Outcome {
         println!(
             "=== per request {op}{} | {} | rounds {} (order rotated), medians ===",
             if contig { " contiguous" } else { "" },
-            if cfg.storage_enable_direct { "O_DIRECT" } else { "buffered" },
+            if cfg.storage_enable_direct {
+                "O_DIRECT"
+            } else {
+                "buffered"
+            },
             cfg.kv.rounds
         );
         for &(block, n) in &r.points {
             let lay = if contig {
-                Layout { block, mem: (0..n).map(|j| (0, j * block)).collect(), file: (0..n).map(|j| j * block).collect() }
+                Layout {
+                    block,
+                    mem: (0..n).map(|j| (0, j * block)).collect(),
+                    file: (0..n).map(|j| j * block).collect(),
+                }
             } else {
-                kv::layout(cfg.seed, block, n, r.region_size, cfg.kv.regions, ctx.file_len)
+                kv::layout(
+                    cfg.seed,
+                    block,
+                    n,
+                    r.region_size,
+                    cfg.kv.regions,
+                    ctx.file_len,
+                )
             };
-            let pairs: Vec<(usize, u64)> =
-                lay.mem.iter().zip(&lay.file).map(|(&(ri, off), &f)| (regions[ri].addr() + off as usize, f)).collect();
-            let mut point = Point { op, contig, block, blocks: n, samples: vec![Default::default(); nb] };
+            let pairs: Vec<(usize, u64)> = lay
+                .mem
+                .iter()
+                .zip(&lay.file)
+                .map(|(&(ri, off), &f)| (regions[ri].addr() + off as usize, f))
+                .collect();
+            let mut point = Point {
+                op,
+                contig,
+                block,
+                blocks: n,
+                samples: vec![Default::default(); nb],
+            };
             for round in 0..cfg.kv.rounds {
                 let mut line = format!(
                     "{op}{} {} x {n} round {}/{}:",
@@ -173,13 +219,20 @@ pub fn run(ctx: &Ctx) -> Outcome {
                                     if s.verified.is_ok() { "ok" } else { "MISMATCH" }
                                 ));
                                 if let Err(e) = &s.verified {
-                                    println!("  CONSISTENCY FAILED [{}] {}: {e}", letter(b), m.name());
+                                    println!(
+                                        "  CONSISTENCY FAILED [{}] {}: {e}",
+                                        letter(b),
+                                        m.name()
+                                    );
                                     out.consistency_failures += 1;
                                 }
                                 point.samples[b][m as usize].push(s);
                             }
                             Err(e) => {
-                                let e = format!("per request {op} block {block} x {n} {}: {e}", m.name());
+                                let e = format!(
+                                    "per request {op} block {block} x {n} {}: {e}",
+                                    m.name()
+                                );
                                 println!("ERROR [{}] {}: {e}", letter(b), cfg.backends[b].label());
                                 out.errors.push((b, e));
                                 live[b] = None;
@@ -214,7 +267,16 @@ fn before(regions: &[AlignedBuf], lay: &Layout, op: Op, seq: u64) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn measure(l: &Live, ctx: &Ctx, regions: &[AlignedBuf], lay: &Layout, pairs: &[(usize, u64)], op: Op, mode: Mode, seq: &mut u64) -> Result<Sample, String> {
+fn measure(
+    l: &Live,
+    ctx: &Ctx,
+    regions: &[AlignedBuf],
+    lay: &Layout,
+    pairs: &[(usize, u64)],
+    op: Op,
+    mode: Mode,
+    seq: &mut u64,
+) -> Result<Sample, String> {
     let cfg = ctx.cfg;
     if op == Op::Write {
         let mut rng = SplitMix64::new(cfg.seed ^ lay.block.rotate_left(11) ^ *seq ^ 0xBEEF);
@@ -223,7 +285,17 @@ fn measure(l: &Live, ctx: &Ctx, regions: &[AlignedBuf], lay: &Layout, pairs: &[(
             rng.fill(unsafe { regions[r].slice_mut(off as usize, lay.block as usize) });
         }
     }
-    let x = ThreadXfer::from_pairs(&l.agent, &l.name, &l.backend, mode != Mode::Init, ctx.storage_kind, ctx.fd, op, lay.block, pairs)?;
+    let x = ThreadXfer::from_pairs(
+        &l.agent,
+        &l.name,
+        &l.backend,
+        mode != Mode::Init,
+        ctx.storage_kind,
+        ctx.fd,
+        op,
+        lay.block,
+        pairs,
+    )?;
     let held = match mode {
         Mode::Repost => Some(x.create(&l.agent, &l.name, None)?),
         _ => None,
@@ -241,7 +313,11 @@ fn measure(l: &Live, ctx: &Ctx, regions: &[AlignedBuf], lay: &Layout, pairs: &[(
         let t2 = Instant::now();
         drop(owned);
         let t3 = Instant::now();
-        Ok(((t1 - t0).as_secs_f64(), (t2 - t1).as_secs_f64(), (t3 - t2).as_secs_f64()))
+        Ok((
+            (t1 - t0).as_secs_f64(),
+            (t2 - t1).as_secs_f64(),
+            (t3 - t2).as_secs_f64(),
+        ))
     };
     *seq += 1;
     before(regions, lay, op, *seq);
@@ -294,7 +370,10 @@ pub fn tables(labels: &[String], points: &[Point], ms: &[Mode]) -> String {
     let mut hdr = String::from("| op | block | descriptors |");
     let mut sep = String::from("|---|---:|---:|");
     for i in 0..nb {
-        hdr.push_str(&format!(" [{0}] GB/s | [{0}] prep / post->DONE / release ms |", letter(i)));
+        hdr.push_str(&format!(
+            " [{0}] GB/s | [{0}] prep / post->DONE / release ms |",
+            letter(i)
+        ));
         sep.push_str("---:|---:|");
     }
     for i in 1..nb {
@@ -312,9 +391,21 @@ pub fn tables(labels: &[String], points: &[Point], ms: &[Mode]) -> String {
         }
     }
     s.push_str(&format!("{hdr} verified |\n{sep}---|\n"));
-    let ratio = |a: f64, x: f64| if a.is_finite() && x.is_finite() && x > 0.0 { format!("{:.2}x", a / x) } else { "-".into() };
+    let ratio = |a: f64, x: f64| {
+        if a.is_finite() && x.is_finite() && x > 0.0 {
+            format!("{:.2}x", a / x)
+        } else {
+            "-".into()
+        }
+    };
     for p in points {
-        let mut row = format!("| {}{} | {} | {} |", p.op, if p.contig { " contiguous" } else { "" }, human_size(p.block), p.blocks);
+        let mut row = format!(
+            "| {}{} | {} | {} |",
+            p.op,
+            if p.contig { " contiguous" } else { "" },
+            human_size(p.block),
+            p.blocks
+        );
         let g = |b: usize, m: Mode| p.med(b, m, |x| x.gbps);
         for b in 0..nb {
             if p.samples[b][0].is_empty() {
@@ -330,19 +421,35 @@ pub fn tables(labels: &[String], points: &[Point], ms: &[Mode]) -> String {
             }
         }
         for b in 1..nb {
-            row.push_str(&format!(" {} |", ratio(g(0, Mode::Prepped), g(b, Mode::Prepped))));
+            row.push_str(&format!(
+                " {} |",
+                ratio(g(0, Mode::Prepped), g(b, Mode::Prepped))
+            ));
         }
         for &m in ms.iter().filter(|&&m| m != Mode::Prepped) {
             for b in 0..nb {
                 let v = g(b, m);
-                row.push_str(&if v.is_finite() { format!(" {v:.3} |") } else { " - |".into() });
+                row.push_str(&if v.is_finite() {
+                    format!(" {v:.3} |")
+                } else {
+                    " - |".into()
+                });
             }
             for b in 1..nb {
                 row.push_str(&format!(" {} |", ratio(g(0, m), g(b, m))));
             }
         }
-        let v: Vec<Option<bool>> = (0..nb).flat_map(|b| ms.iter().map(move |&m| (b, m))).map(|(b, m)| p.verified(b, m)).collect();
-        let verdict = if v.contains(&Some(false)) { "FAILED" } else if v.iter().any(|x| x.is_some()) { "yes" } else { "not run" };
+        let v: Vec<Option<bool>> = (0..nb)
+            .flat_map(|b| ms.iter().map(move |&m| (b, m)))
+            .map(|(b, m)| p.verified(b, m))
+            .collect();
+        let verdict = if v.contains(&Some(false)) {
+            "FAILED"
+        } else if v.iter().any(|x| x.is_some()) {
+            "yes"
+        } else {
+            "not run"
+        };
         s.push_str(&format!("{row} {verdict} |\n"));
     }
     let contig: Vec<&Point> = points.iter().filter(|p| p.contig).collect();
@@ -353,11 +460,23 @@ pub fn tables(labels: &[String], points: &[Point], ms: &[Mode]) -> String {
         }
         s.push_str(&format!("\n|---|{}\n", "---:|".repeat(nb)));
         for c in contig {
-            let Some(sc) = points.iter().find(|p| !p.contig && p.op == Op::Read && p.block == c.block) else { continue };
+            let Some(sc) = points
+                .iter()
+                .find(|p| !p.contig && p.op == Op::Read && p.block == c.block)
+            else {
+                continue;
+            };
             s.push_str(&format!("| {} |", human_size(c.block)));
             for b in 0..nb {
-                let (x, y) = (sc.med(b, Mode::Prepped, |v| v.gbps), c.med(b, Mode::Prepped, |v| v.gbps));
-                s.push_str(&if x.is_finite() && y > 0.0 { format!(" {:.0} % |", 100.0 * x / y) } else { " - |".into() });
+                let (x, y) = (
+                    sc.med(b, Mode::Prepped, |v| v.gbps),
+                    c.med(b, Mode::Prepped, |v| v.gbps),
+                );
+                s.push_str(&if x.is_finite() && y > 0.0 {
+                    format!(" {:.0} % |", 100.0 * x / y)
+                } else {
+                    " - |".into()
+                });
             }
             s.push('\n');
         }

@@ -146,7 +146,8 @@ fn verified_str(v: Option<bool>) -> &'static str {
     }
 }
 
-pub const CSV_HEADER: &str = "workload,op,layout,block,descs,threads,backend_index,backend,gbps,iops,cpu_s_per_gb,\
+pub const CSV_HEADER: &str =
+    "workload,op,layout,block,descs,threads,backend_index,backend,gbps,iops,cpu_s_per_gb,\
 avg_lat_us,rounds,gbps_rounds,ratio_vs_baseline,verified,background_load";
 
 pub fn csv(labels: &[String], rows: &[Row], background_load: usize) -> String {
@@ -167,7 +168,11 @@ pub fn csv(labels: &[String], rows: &[Row], background_load: usize) -> String {
             num(r.cpu_s_per_gb, 4),
             r.avg_lat_us.map(|v| num(v, 3)).unwrap_or_default(),
             r.gbps_rounds.len(),
-            r.gbps_rounds.iter().map(|g| num(*g, 6)).collect::<Vec<_>>().join(";"),
+            r.gbps_rounds
+                .iter()
+                .map(|g| num(*g, 6))
+                .collect::<Vec<_>>()
+                .join(";"),
             ratio(rows, r).map(|v| num(v, 4)).unwrap_or_default(),
             verified_str(r.verified),
             background_load
@@ -186,7 +191,13 @@ fn md_table(labels: &[String], rows: &[Row], workload: &str, op: Op) -> String {
     if keys.is_empty() {
         return String::new();
     }
-    keys.sort_by_key(|k| (k.4 != 1 && workload == "contig", if workload == "contig" { k.4 } else { 0 }, k.3));
+    keys.sort_by_key(|k| {
+        (
+            k.4 != 1 && workload == "contig",
+            if workload == "contig" { k.4 } else { 0 },
+            k.3,
+        )
+    });
     let nb = labels.len();
     let mut s = String::from("| op | block | descriptors |");
     let mut sep = String::from("|---|---:|---:|");
@@ -206,13 +217,20 @@ fn md_table(labels: &[String], rows: &[Row], workload: &str, op: Op) -> String {
         let mut line = format!("| {} | {} | {} |", op, human_size(k.3), k.4);
         for b in 0..nb {
             match find(b) {
-                Some(r) => line.push_str(&format!(" {} | {} |", num(r.gbps, 3), num(r.cpu_s_per_gb, 3))),
+                Some(r) => line.push_str(&format!(
+                    " {} | {} |",
+                    num(r.gbps, 3),
+                    num(r.cpu_s_per_gb, 3)
+                )),
                 None => line.push_str(" - | - |"),
             }
         }
         for b in (0..nb).filter(|&i| i != 1 && nb > 1) {
             let v = find(b).and_then(|r| ratio(rows, r));
-            line.push_str(&format!(" {} |", v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into())));
+            line.push_str(&format!(
+                " {} |",
+                v.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into())
+            ));
         }
         let all: Vec<Option<bool>> = (0..nb).filter_map(find).map(|r| r.verified).collect();
         let v = if all.contains(&Some(false)) {
@@ -229,7 +247,13 @@ fn md_table(labels: &[String], rows: &[Row], workload: &str, op: Op) -> String {
 }
 
 /// results.md: what ran where, then the tables (KV first), then how to read them.
-pub fn markdown(info: &[(String, String)], labels: &[String], rows: &[Row], notes: &[String], first: &str) -> String {
+pub fn markdown(
+    info: &[(String, String)],
+    labels: &[String],
+    rows: &[Row],
+    notes: &[String],
+    first: &str,
+) -> String {
     let mut s = String::from("# iud-bench results\n\n");
     for (k, v) in info {
         s.push_str(&format!("- {k}: {}\n", v.replace('|', "\\|")));
@@ -245,7 +269,9 @@ pub fn markdown(info: &[(String, String)], labels: &[String], rows: &[Row], note
     }
     s.push('\n');
     if !first.is_empty() {
-        s.push_str(&format!("## Per request (what clients wait for)\n\n{first}\n"));
+        s.push_str(&format!(
+            "## Per request (what clients wait for)\n\n{first}\n"
+        ));
     }
     for (workload, title) in [
         ("kv", "KV-cache pattern: scattered blocks, random non-adjacent file offsets, medians of rounds"),
@@ -297,14 +323,24 @@ mod tests {
 
     #[test]
     fn csv_and_markdown_carry_ratios_vs_the_first_baseline() {
-        let labels = vec!["IUD".to_string(), "POSIX:u".to_string(), "POSIX:a".to_string()];
+        let labels = vec![
+            "IUD".to_string(),
+            "POSIX:u".to_string(),
+            "POSIX:a".to_string(),
+        ];
         let rows = vec![row(0, 4.0), row(1, 2.0), row(2, 1.0)];
         let c = csv(&labels, &rows, 2);
         let lines: Vec<&str> = c.lines().collect();
         assert_eq!(lines[0], CSV_HEADER);
         assert_eq!(lines[1], "kv,READ,kv,16384,64,1,0,\"IUD\",4.000000,244140.6,0.5000,,3,4.000000;5.000000;3.000000,2.0000,yes,2");
         assert!(lines[3].contains(",0.5000,yes,2"), "{}", lines[3]);
-        let md = markdown(&[("date".into(), "now".into())], &labels, &rows, &["n".into()], "");
+        let md = markdown(
+            &[("date".into(), "now".into())],
+            &labels,
+            &rows,
+            &["n".into()],
+            "",
+        );
         assert!(md.contains("| READ | 16K | 64 | 4.000 | 0.500 | 2.000 | 0.500 | 1.000 | 0.500 | 2.00x | 0.50x | yes |"), "{md}");
     }
 }

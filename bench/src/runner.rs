@@ -7,8 +7,8 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use nixl_sys::{
-    Agent, AgentConfig, Backend, MemType, NixlError, OptArgs, Params, RegistrationHandle, ThreadSync,
-    XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
+    Agent, AgentConfig, Backend, MemType, NixlError, OptArgs, Params, RegistrationHandle,
+    ThreadSync, XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
 use crate::cli::{BackendSpec, Config, Op, PollMode};
@@ -115,7 +115,11 @@ fn mems_str(m: &nixl_sys::MemList) -> String {
 }
 
 pub fn run_spec(idx: usize, spec: &BackendSpec, ctx: &Ctx) -> SpecOutcome {
-    let mut outcome = SpecOutcome { results: Vec::new(), error: None, consistency_failures: 0 };
+    let mut outcome = SpecOutcome {
+        results: Vec::new(),
+        error: None,
+        consistency_failures: 0,
+    };
     if let Err(e) = run_spec_inner(idx, spec, ctx, &mut outcome) {
         outcome.error = Some(e);
     }
@@ -124,8 +128,17 @@ pub fn run_spec(idx: usize, spec: &BackendSpec, ctx: &Ctx) -> SpecOutcome {
 
 /// Creates agent `agent_name` and backend `spec` in it (params: the plugin's defaults, then the
 /// POSIX flags, then the spec's own), printing what was asked and what the backend reports.
-pub fn open_backend(agent_name: &str, spec: &BackendSpec, cfg: &Config, sync: ThreadSync) -> Result<(Agent, Backend), String> {
-    let acfg = AgentConfig { enable_prog_thread: cfg.enable_pt, thread_sync: sync, ..AgentConfig::default() };
+pub fn open_backend(
+    agent_name: &str,
+    spec: &BackendSpec,
+    cfg: &Config,
+    sync: ThreadSync,
+) -> Result<(Agent, Backend), String> {
+    let acfg = AgentConfig {
+        enable_prog_thread: cfg.enable_pt,
+        thread_sync: sync,
+        ..AgentConfig::default()
+    };
     let agent = Agent::new_configured(agent_name, &acfg).map_err(|e| nerr("creating agent", e))?;
     let (plugin_mems, defaults) = agent.get_plugin_params(&spec.name).map_err(|e| {
         nerr(
@@ -136,10 +149,19 @@ pub fn open_backend(agent_name: &str, spec: &BackendSpec, cfg: &Config, sync: Th
             e,
         )
     })?;
-    println!("plugin {}: mems [{}], defaults: {}", spec.name, mems_str(&plugin_mems), fmt_map(&defaults));
+    println!(
+        "plugin {}: mems [{}], defaults: {}",
+        spec.name,
+        mems_str(&plugin_mems),
+        fmt_map(&defaults)
+    );
     let (params, effective, unknown) = build_params(spec, cfg, &defaults)?;
     if !unknown.is_empty() {
-        println!("warning: {} does not advertise param(s) {} (passed anyway)", spec.name, unknown.join(","));
+        println!(
+            "warning: {} does not advertise param(s) {} (passed anyway)",
+            spec.name,
+            unknown.join(",")
+        );
     }
     println!(
         "create_backend({}) with: {}",
@@ -150,29 +172,65 @@ pub fn open_backend(agent_name: &str, spec: &BackendSpec, cfg: &Config, sync: Th
         .create_backend(&spec.name, &params)
         .map_err(|e| nerr(&format!("create_backend({})", spec.name), e))?;
     match agent.get_backend_params(&backend) {
-        Ok((m, p)) => println!("backend params after init: mems [{}], {}", mems_str(&m), fmt_map(&p)),
+        Ok((m, p)) => println!(
+            "backend params after init: mems [{}], {}",
+            mems_str(&m),
+            fmt_map(&p)
+        ),
         Err(e) => println!("get_backend_params failed: {e}"),
     }
     Ok((agent, backend))
 }
 
 /// Registers `r` with `backend` only.
-pub fn register(agent: &Agent, backend: &Backend, r: &Region, what: &str) -> Result<RegistrationHandle, String> {
+pub fn register(
+    agent: &Agent,
+    backend: &Backend,
+    r: &Region,
+    what: &str,
+) -> Result<RegistrationHandle, String> {
     let mut reg_args = OptArgs::new().map_err(|e| nerr("OptArgs", e))?;
-    reg_args.add_backend(backend).map_err(|e| nerr("OptArgs::add_backend", e))?;
-    agent.register_memory(r, Some(&reg_args)).map_err(|e| nerr(&format!("register_memory({what})"), e))
+    reg_args
+        .add_backend(backend)
+        .map_err(|e| nerr("OptArgs::add_backend", e))?;
+    agent
+        .register_memory(r, Some(&reg_args))
+        .map_err(|e| nerr(&format!("register_memory({what})"), e))
 }
 
-fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutcome) -> Result<(), String> {
+fn run_spec_inner(
+    idx: usize,
+    spec: &BackendSpec,
+    ctx: &Ctx,
+    out: &mut SpecOutcome,
+) -> Result<(), String> {
     let cfg = ctx.cfg;
     let agent_name = format!("iud-bench-{idx}");
-    let sync = if cfg.num_threads > 1 { ThreadSync::Rw } else { ThreadSync::Default };
+    let sync = if cfg.num_threads > 1 {
+        ThreadSync::Rw
+    } else {
+        ThreadSync::Default
+    };
     let (agent, backend) = open_backend(&agent_name, spec, cfg, sync)?;
 
     let total = cfg.region_per_thread() as usize * cfg.num_threads;
-    let dram = Region { addr: ctx.dram.addr(), len: total, dev_id: 0, kind: MemType::Dram };
-    let file = Region { addr: 0, len: total, dev_id: ctx.fd as u64, kind: ctx.storage_kind };
-    let kind_name = if ctx.storage_kind == MemType::Block { "BLOCK" } else { "FILE" };
+    let dram = Region {
+        addr: ctx.dram.addr(),
+        len: total,
+        dev_id: 0,
+        kind: MemType::Dram,
+    };
+    let file = Region {
+        addr: 0,
+        len: total,
+        dev_id: ctx.fd as u64,
+        kind: ctx.storage_kind,
+    };
+    let kind_name = if ctx.storage_kind == MemType::Block {
+        "BLOCK"
+    } else {
+        "FILE"
+    };
     let t = Instant::now();
     let _dram_reg = register(&agent, &backend, &dram, "DRAM")?;
     let _file_reg = register(&agent, &backend, &file, &format!("{kind_name}, fd mode"))?;
@@ -185,7 +243,17 @@ fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutco
 
     for &op in &cfg.ops {
         println!();
-        println!("=== {} | {} | {} | threads {} ===", spec.label(), op, if cfg.storage_enable_direct { "O_DIRECT" } else { "buffered" }, cfg.num_threads);
+        println!(
+            "=== {} | {} | {} | threads {} ===",
+            spec.label(),
+            op,
+            if cfg.storage_enable_direct {
+                "O_DIRECT"
+            } else {
+                "buffered"
+            },
+            cfg.num_threads
+        );
         if let Some(n) = (ctx.page_cache_note)(op) {
             println!("{n}");
         }
@@ -200,13 +268,19 @@ fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutco
                     );
                     continue;
                 }
-                let r = run_point(&agent, &agent_name, &backend, ctx, op, block, batch)
-                    .map_err(|e| format!("{} {} block {block} batch {batch}: {e}", spec.label(), op))?;
+                let r = run_point(&agent, &agent_name, &backend, ctx, op, block, batch).map_err(
+                    |e| format!("{} {} block {block} batch {batch}: {e}", spec.label(), op),
+                )?;
                 println!("{}", table_row(&r));
                 if let Some(csv) = ctx.csv {
-                    let layout = if cfg.randomize_blockaligned { "rand" } else { "seq" };
+                    let layout = if cfg.randomize_blockaligned {
+                        "rand"
+                    } else {
+                        "seq"
+                    };
                     let mut f = csv.lock().unwrap_or_else(|p| p.into_inner());
-                    writeln!(f, "{}", csv_row(&spec.label(), layout, &r)).map_err(|e| format!("--csv: {e}"))?;
+                    writeln!(f, "{}", csv_row(&spec.label(), layout, &r))
+                        .map_err(|e| format!("--csv: {e}"))?;
                 }
                 if let Some(Err(e)) = &r.consistency {
                     println!("  CONSISTENCY FAILED: {e}");
@@ -222,8 +296,14 @@ fn run_spec_inner(idx: usize, spec: &BackendSpec, ctx: &Ctx, out: &mut SpecOutco
         }
         if cfg.check_consistency {
             let mine = out.results.iter().filter(|r| r.op == op);
-            let failed = mine.clone().filter(|r| matches!(r.consistency, Some(Err(_)))).count();
-            println!("consistency: {} point(s) verified, {failed} failed", mine.count());
+            let failed = mine
+                .clone()
+                .filter(|r| matches!(r.consistency, Some(Err(_))))
+                .count();
+            println!(
+                "consistency: {} point(s) verified, {failed} failed",
+                mine.count()
+            );
         }
     }
     Ok(())
@@ -256,9 +336,17 @@ fn plan(cfg: &Config, block: u64) -> Plan {
             n /= cfg.large_blk_iter_ftr;
             w /= cfg.large_blk_iter_ftr;
         }
-        Plan { iters: Some(n.div_ceil(threads).max(1)), warmup: w.div_ceil(threads), duration: None }
+        Plan {
+            iters: Some(n.div_ceil(threads).max(1)),
+            warmup: w.div_ceil(threads),
+            duration: None,
+        }
     } else {
-        Plan { iters: None, warmup: cfg.warmup_iter, duration: Some(Duration::from_millis(cfg.duration_ms)) }
+        Plan {
+            iters: None,
+            warmup: cfg.warmup_iter,
+            duration: Some(Duration::from_millis(cfg.duration_ms)),
+        }
     }
 }
 
@@ -271,7 +359,8 @@ fn desc_pairs(cfg: &Config, block: u64, batch: u64, t: usize) -> Vec<(u64, u64)>
     let base = t as u64 * cfg.region_per_thread();
     let mut file: Vec<u64> = (0..batch).map(|j| base + j * block).collect();
     if cfg.randomize_blockaligned {
-        let mut rng = SplitMix64::new(cfg.seed ^ 0x5EED ^ (t as u64) << 32 ^ block ^ batch.rotate_left(20));
+        let mut rng =
+            SplitMix64::new(cfg.seed ^ 0x5EED ^ (t as u64) << 32 ^ block ^ batch.rotate_left(20));
         for i in (1..file.len()).rev() {
             let j = (rng.next_u64() % (i as u64 + 1)) as usize;
             file.swap(i, j);
@@ -293,7 +382,8 @@ fn run_point(
     if cfg.check_consistency {
         // WRITE: fresh random source data, so the file cannot already hold it.
         // READ: zero the destinations, so stale data cannot pass.
-        let mut rng = SplitMix64::new(cfg.seed ^ block.rotate_left(17) ^ batch.rotate_left(41) ^ 0xA5A5);
+        let mut rng =
+            SplitMix64::new(cfg.seed ^ block.rotate_left(17) ^ batch.rotate_left(41) ^ 0xA5A5);
         for t in 0..cfg.num_threads {
             for (mem, _) in desc_pairs(cfg, block, batch, t) {
                 // SAFETY: no transfer is in flight between points.
@@ -313,7 +403,9 @@ fn run_point(
             .map(|t| {
                 let (barrier, abort, p) = (&barrier, &abort, &p);
                 s.spawn(move || {
-                    let r = thread_run(agent, agent_name, backend, ctx, op, block, batch, t, barrier, abort, p);
+                    let r = thread_run(
+                        agent, agent_name, backend, ctx, op, block, batch, t, barrier, abort, p,
+                    );
                     if r.is_err() {
                         abort.store(true, Ordering::Relaxed);
                     }
@@ -323,7 +415,10 @@ fn run_point(
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("benchmark thread panicked".into())))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("benchmark thread panicked".into()))
+            })
             .collect()
     });
     let (mut stats, mut errs) = (Vec::new(), Vec::new());
@@ -335,7 +430,11 @@ fn run_point(
     }
     if !errs.is_empty() {
         // Report the thread that failed, not the ones it stopped.
-        return Err(errs.iter().find(|e| *e != ABORTED).unwrap_or(&errs[0]).clone());
+        return Err(errs
+            .iter()
+            .find(|e| *e != ABORTED)
+            .unwrap_or(&errs[0])
+            .clone());
     }
     let start = stats.iter().map(|s| s.start).min().unwrap();
     let end = stats.iter().map(|s| s.end).max().unwrap();
@@ -365,7 +464,8 @@ fn verify(ctx: &Ctx, block: u64, batch: u64) -> Result<(), String> {
     let mut tmp = vec![0u8; block as usize];
     for t in 0..ctx.cfg.num_threads {
         for (j, (mem, file)) in desc_pairs(ctx.cfg, block, batch, t).into_iter().enumerate() {
-            pread_full(ctx.verify_fd, &mut tmp, file).map_err(|e| format!("pread at {file}: {e}"))?;
+            pread_full(ctx.verify_fd, &mut tmp, file)
+                .map_err(|e| format!("pread at {file}: {e}"))?;
             // SAFETY: no transfer is in flight after the point.
             let d = unsafe { ctx.dram.slice(mem as usize, block as usize) };
             if d != tmp.as_slice() {
@@ -407,7 +507,17 @@ impl ThreadXfer<'_> {
             .into_iter()
             .map(|(mem, file)| (ctx.dram.addr() + mem as usize, file))
             .collect();
-        Self::from_pairs(agent, agent_name, backend, ctx.cfg.prepared_xfer, ctx.storage_kind, ctx.fd, op, block, &pairs)
+        Self::from_pairs(
+            agent,
+            agent_name,
+            backend,
+            ctx.cfg.prepared_xfer,
+            ctx.storage_kind,
+            ctx.fd,
+            op,
+            block,
+            &pairs,
+        )
     }
 
     /// One DRAM descriptor (absolute address) and one storage descriptor (offset in `fd`) of
@@ -424,14 +534,17 @@ impl ThreadXfer<'_> {
         block: u64,
         pairs: &[(usize, u64)],
     ) -> Result<Self, String> {
-        let mut local = XferDescList::new(MemType::Dram).map_err(|e| nerr("XferDescList(DRAM)", e))?;
-        let mut remote = XferDescList::new(storage_kind).map_err(|e| nerr("XferDescList(storage)", e))?;
+        let mut local =
+            XferDescList::new(MemType::Dram).map_err(|e| nerr("XferDescList(DRAM)", e))?;
+        let mut remote =
+            XferDescList::new(storage_kind).map_err(|e| nerr("XferDescList(storage)", e))?;
         for &(addr, file) in pairs {
             local.add_desc(addr, block as usize, 0);
             remote.add_desc(file as usize, block as usize, fd as u64);
         }
         let mut opt = OptArgs::new().map_err(|e| nerr("OptArgs", e))?;
-        opt.add_backend(backend).map_err(|e| nerr("OptArgs::add_backend", e))?;
+        opt.add_backend(backend)
+            .map_err(|e| nerr("OptArgs::add_backend", e))?;
         let prepped = if prepared {
             // NIXL_INIT_AGENT ("") for the local side, our own name for the loopback FILE side.
             let lh = agent
@@ -448,18 +561,36 @@ impl ThreadXfer<'_> {
             Op::Read => XferOp::Read,
             Op::Write => XferOp::Write,
         };
-        Ok(Self { xop, local, remote, opt, idx: (0..pairs.len() as i32).collect(), prepped })
+        Ok(Self {
+            xop,
+            local,
+            remote,
+            opt,
+            idx: (0..pairs.len() as i32).collect(),
+            prepped,
+        })
     }
 
     /// createXferReq (or makeXferReq from the prepped lists); the time goes to `prep` if given.
-    pub fn create(&self, agent: &Agent, agent_name: &str, prep: Option<&mut Vec<f64>>) -> Result<XferRequest, String> {
+    pub fn create(
+        &self,
+        agent: &Agent,
+        agent_name: &str,
+        prep: Option<&mut Vec<f64>>,
+    ) -> Result<XferRequest, String> {
         let t0 = Instant::now();
         let r = match &self.prepped {
             Some((lh, rh)) => agent
                 .make_xfer_req(self.xop, lh, &self.idx, rh, &self.idx, Some(&self.opt))
                 .map_err(|e| nerr("make_xfer_req", e)),
             None => agent
-                .create_xfer_req(self.xop, &self.local, &self.remote, agent_name, Some(&self.opt))
+                .create_xfer_req(
+                    self.xop,
+                    &self.local,
+                    &self.remote,
+                    agent_name,
+                    Some(&self.opt),
+                )
                 .map_err(|e| nerr("create_xfer_req", e)),
         }?;
         if let Some(p) = prep {
@@ -535,7 +666,9 @@ fn thread_run(
         }
         if recreate && n > 0 {
             drop(req);
-            req = x.create(agent, agent_name, Some(&mut st.prep)).map_err(|e| format!("iteration {n}: {e}"))?;
+            req = x
+                .create(agent, agent_name, Some(&mut st.prep))
+                .map_err(|e| format!("iteration {n}: {e}"))?;
         }
         match post_and_wait(agent, &req, ctx.cfg.poll) {
             Ok((post, tx)) => {
@@ -572,9 +705,15 @@ impl ThreadStats {
 
 /// Posts and polls get_xfer_status until done (spinning as nixlbench does, or as `poll` says).
 /// Returns (post µs, tx µs).
-pub fn post_and_wait(agent: &Agent, req: &XferRequest, poll: PollMode) -> Result<(f64, f64), String> {
+pub fn post_and_wait(
+    agent: &Agent,
+    req: &XferRequest,
+    poll: PollMode,
+) -> Result<(f64, f64), String> {
     let t0 = Instant::now();
-    let in_prog = agent.post_xfer_req(req, None).map_err(|e| nerr("post_xfer_req", e))?;
+    let in_prog = agent
+        .post_xfer_req(req, None)
+        .map_err(|e| nerr("post_xfer_req", e))?;
     let t1 = Instant::now();
     if in_prog {
         let mut polls = 0u64;

@@ -21,7 +21,9 @@ pub fn cpu_model() -> String {
 pub fn cpu_count() -> (usize, usize) {
     let info = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let listed = info.lines().filter(|l| l.starts_with("processor")).count();
-    let usable = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let usable = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
     (listed, usable)
 }
 
@@ -39,14 +41,25 @@ pub fn kernel() -> String {
     }
     let f = |a: &[libc::c_char]| {
         // SAFETY: uname NUL-terminates every field.
-        unsafe { CStr::from_ptr(a.as_ptr()) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(a.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
     };
-    format!("{} {} {} {}", f(&u.sysname), f(&u.release), f(&u.version), f(&u.machine))
+    format!(
+        "{} {} {} {}",
+        f(&u.sysname),
+        f(&u.release),
+        f(&u.version),
+        f(&u.machine)
+    )
 }
 
 /// UTC time as `YYYY-MM-DD HH:MM:SS UTC` (days-from-civil inverse, no date crate needed).
 pub fn utc_now() -> String {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     let z = days + 719_468;
@@ -113,20 +126,36 @@ pub fn filesystem_of(path: &Path) -> String {
         }
         let mp = f[1].replace("\\040", " ");
         if canon.starts_with(&mp) && best.as_ref().map_or(true, |b| mp.len() >= b.0) {
-            best = Some((mp.len(), format!("{} on {}", f[0], mp), f[2].to_string(), f[3].to_string()));
+            best = Some((
+                mp.len(),
+                format!("{} on {}", f[0], mp),
+                f[2].to_string(),
+                f[3].to_string(),
+            ));
         }
     }
     if let Some((_, dev_mp, fstype, opts)) = best {
         out.push_str(&format!("; mount: {dev_mp} type {fstype} ({opts})"));
-        if let Some(dev) = dev_mp.split_whitespace().next().and_then(|d| d.strip_prefix("/dev/")) {
+        if let Some(dev) = dev_mp
+            .split_whitespace()
+            .next()
+            .and_then(|d| d.strip_prefix("/dev/"))
+        {
             let q = Path::new("/sys/class/block").join(dev).join("queue");
             // Partitions have no queue dir of their own: use the parent disk's.
             let q = if q.exists() {
                 q
             } else {
-                Path::new("/sys/class/block").join(dev).join("..").join("queue")
+                Path::new("/sys/class/block")
+                    .join(dev)
+                    .join("..")
+                    .join("queue")
             };
-            let rd = |n: &str| fs::read_to_string(q.join(n)).ok().map(|s| s.trim().to_string());
+            let rd = |n: &str| {
+                fs::read_to_string(q.join(n))
+                    .ok()
+                    .map(|s| s.trim().to_string())
+            };
             if let Some(rot) = rd("rotational") {
                 out.push_str(&format!(
                     "; /dev/{dev}: rotational={rot} scheduler={} max_sectors_kb={} logical_block_size={}",
@@ -145,7 +174,8 @@ pub fn command_line() -> String {
     std::env::args()
         .map(|a| {
             if !a.is_empty()
-                && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
             {
                 a
             } else {
@@ -167,8 +197,18 @@ pub fn file_desc(p: &Path) -> String {
                 .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
                 .map(|d| d.as_secs())
                 .unwrap_or(0);
-            let link = if target != p { format!(" -> {}", target.display()) } else { String::new() };
-            format!("{}{} ({} bytes, mtime {} s since epoch)", p.display(), link, m.len(), mtime)
+            let link = if target != p {
+                format!(" -> {}", target.display())
+            } else {
+                String::new()
+            };
+            format!(
+                "{}{} ({} bytes, mtime {} s since epoch)",
+                p.display(),
+                link,
+                m.len(),
+                mtime
+            )
         }
         Err(e) => format!("{}: {e}", p.display()),
     }
@@ -202,8 +242,12 @@ pub fn locate_capi() -> Result<String, String> {
     // SAFETY: dladdr on a symbol address from this library.
     if !p.is_null() && unsafe { libc::dladdr(p, &mut info) } != 0 && !info.dli_fname.is_null() {
         // SAFETY: dli_fname is a C string owned by the loader.
-        let f = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
-        return Ok(fs::canonicalize(&f).map(|p| p.display().to_string()).unwrap_or(f));
+        let f = unsafe { CStr::from_ptr(info.dli_fname) }
+            .to_string_lossy()
+            .into_owned();
+        return Ok(fs::canonicalize(&f)
+            .map(|p| p.display().to_string())
+            .unwrap_or(f));
     }
     Ok("libnixl_capi.so (path unknown)".into())
 }
@@ -215,7 +259,14 @@ pub fn page_cache_residency(fd: i32, len: usize) -> Option<f64> {
     }
     // SAFETY: read-only shared mapping of a range of an open file.
     let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
     };
     if p == libc::MAP_FAILED {
         return None;
@@ -237,11 +288,19 @@ pub fn page_cache_residency(fd: i32, len: usize) -> Option<f64> {
 /// loop devices the backing file and whether it is opened with direct I/O).
 pub fn block_queue_info(path: &Path) -> String {
     let canon = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    let Some(name) = canon.file_name().and_then(|n| n.to_str()).map(str::to_owned) else {
+    let Some(name) = canon
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(str::to_owned)
+    else {
         return "(no sysfs name)".into();
     };
     let base = Path::new("/sys/class/block").join(&name);
-    let rd = |rel: &str| fs::read_to_string(base.join(rel)).map(|s| s.trim().to_owned()).ok();
+    let rd = |rel: &str| {
+        fs::read_to_string(base.join(rel))
+            .map(|s| s.trim().to_owned())
+            .ok()
+    };
     let mut parts = vec![name.clone()];
     for (label, rel) in [
         ("logical_block_size", "queue/logical_block_size"),
@@ -267,5 +326,7 @@ pub fn hostname() -> String {
         return "unknown".into();
     }
     // SAFETY: uname NUL-terminates every field.
-    unsafe { CStr::from_ptr(u.nodename.as_ptr()) }.to_string_lossy().into_owned()
+    unsafe { CStr::from_ptr(u.nodename.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
 }

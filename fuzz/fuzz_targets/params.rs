@@ -15,9 +15,10 @@ fuzz_target!(|data: &[u8]| {
     for line in text.split('\n') {
         let (k, v) = line.split_once('=').unwrap_or((line, ""));
         let key = match k.as_bytes().first() {
-            Some(&b) if b < 0x20 && !manifest::PARAMS.is_empty() => {
-                manifest::PARAMS[b as usize % manifest::PARAMS.len()].name.to_owned()
-            }
+            Some(&b) if b < 0x20 && !manifest::PARAMS.is_empty() => manifest::PARAMS
+                [b as usize % manifest::PARAMS.len()]
+            .name
+            .to_owned(),
             _ => k.to_owned(),
         };
         owned.push((key, v.to_owned()));
@@ -25,12 +26,19 @@ fuzz_target!(|data: &[u8]| {
     let pairs = owned.iter().map(|(k, v)| (k.as_str(), v.as_str()));
     match EngineParams::parse(pairs) {
         Ok((p, ignored)) => {
-            assert!((16..=32768).contains(&p.ring_entries), "ring_entries {}", p.ring_entries);
+            assert!(
+                (16..=32768).contains(&p.ring_entries),
+                "ring_entries {}",
+                p.ring_entries
+            );
             assert!(p.max_io_size == 0 || p.max_io_size >= 4096);
             assert!(p.staging_buffer_size >= 65536 && p.staging_buffer_size % 4096 == 0);
             assert!((2..=256).contains(&p.staging_buffers));
             for k in &ignored {
-                assert!(manifest::PARAMS.iter().all(|d| d.name != k), "declared key {k} ignored");
+                assert!(
+                    manifest::PARAMS.iter().all(|d| d.name != k),
+                    "declared key {k} ignored"
+                );
             }
         }
         Err(e) => {

@@ -39,7 +39,11 @@ const SENTINEL: u8 = 0xA5;
 fn pattern(off: u64) -> u8 {
     let x = off.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (off >> 7);
     let b = (x >> 29) as u8;
-    if b == SENTINEL { 0x5A } else { b }
+    if b == SENTINEL {
+        0x5A
+    } else {
+        b
+    }
 }
 
 struct EngineFix {
@@ -73,7 +77,12 @@ fn fix() -> &'static Fix {
         let path = dir.join("data");
         let bytes: Vec<u8> = (0..FILE_LEN).map(pattern).collect();
         std::fs::write(&path, &bytes).unwrap();
-        let fd_b = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap().into_raw_fd();
+        let fd_b = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .into_raw_fd();
         let fd_d = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECT)
@@ -84,19 +93,33 @@ fn fix() -> &'static Fix {
         let _ = std::fs::remove_dir(&dir);
         let mut mem: *mut c_void = std::ptr::null_mut();
         // SAFETY: posix_memalign writes an aligned allocation (kept for the process's life).
-        assert_eq!(unsafe { libc::posix_memalign(&mut mem, 4096, MEM_LEN as usize) }, 0);
+        assert_eq!(
+            unsafe { libc::posix_memalign(&mut mem, 4096, MEM_LEN as usize) },
+            0
+        );
         let mem = mem as usize;
         let mut engines = Vec::new();
         for (max_io, ring) in [("0", "16"), ("4096", "16"), ("65536", "512")] {
-            let engine = Engine::new(AGENT, [("max_io_size", max_io), ("ring_entries", ring)]).unwrap();
+            let engine =
+                Engine::new(AGENT, [("max_io_size", max_io), ("ring_entries", ring)]).unwrap();
             let half = MEM_LEN / 2;
             let d0 = engine.register(DRAM, mem as u64, half, 0, "").unwrap() as usize;
-            let d1 = engine.register(DRAM, mem as u64 + half, half, 0, "").unwrap() as usize;
+            let d1 = engine
+                .register(DRAM, mem as u64 + half, half, 0, "")
+                .unwrap() as usize;
             let f0 = engine.register(FILE, 0, FILE_LEN, fd_b as u64, "").unwrap() as usize;
             let f1 = engine.register(FILE, 0, FILE_LEN, fd_d as u64, "").unwrap() as usize;
-            engines.push(EngineFix { engine, dram: [d0, d1], files: [f0, f1] });
+            engines.push(EngineFix {
+                engine,
+                dram: [d0, d1],
+                files: [f0, f1],
+            });
         }
-        Fix { mem, fds: [fd_b, fd_d], engines }
+        Fix {
+            mem,
+            fds: [fd_b, fd_d],
+            engines,
+        }
     })
 }
 
@@ -124,14 +147,18 @@ impl Cursor<'_> {
 fn value(c: &mut Cursor<'_>, max: u64) -> u64 {
     let sel = c.u8();
     let v = match sel % 8 {
-        0 => c.u16() as u64,                         // any small value
-        1 | 2 => (c.u16() as u64) * 512,             // sector aligned
-        3 | 4 => (c.u8() as u64) * 4096,             // page aligned
-        5 => (c.u8() as u64 % 17) * 65536,           // large, aligned
-        6 => c.u32() as u64,                         // anything
+        0 => c.u16() as u64,               // any small value
+        1 | 2 => (c.u16() as u64) * 512,   // sector aligned
+        3 | 4 => (c.u8() as u64) * 4096,   // page aligned
+        5 => (c.u8() as u64 % 17) * 65536, // large, aligned
+        6 => c.u32() as u64,               // anything
         _ => (c.u8() as u64 % 5) * 262144 + (c.u8() as u64 % 3) * 4096,
     };
-    if sel & 0x80 != 0 { v } else { v % (max + 1) }
+    if sel & 0x80 != 0 {
+        v
+    } else {
+        v % (max + 1)
+    }
 }
 
 /// Outcome counters, printed every 2^13 inputs: inputs, accepted, refused, READs executed and
@@ -142,7 +169,10 @@ fn count(i: usize, n: u64) {
     let v = STATS[i].fetch_add(n, Relaxed) + n;
     if i == 0 && v % (1 << 13) == 0 {
         let s: Vec<u64> = STATS.iter().map(|a| a.load(Relaxed)).collect();
-        eprintln!("plan stats: inputs {} accepted {} refused {} reads-verified {} bytes-verified {}", s[0], s[1], s[2], s[3], s[4]);
+        eprintln!(
+            "plan stats: inputs {} accepted {} refused {} reads-verified {} bytes-verified {}",
+            s[0], s[1], s[2], s[3], s[4]
+        );
     }
 }
 
@@ -172,7 +202,11 @@ fuzz_target!(|data: &[u8]| {
         let mem_reg = (flags & 1) as usize;
         let file_reg = ((flags >> 1) & 1) as usize;
         let len = value(&mut c, FILE_LEN);
-        let rlen = if flags & 0x40 != 0 { value(&mut c, FILE_LEN) } else { len };
+        let rlen = if flags & 0x40 != 0 {
+            value(&mut c, FILE_LEN)
+        } else {
+            len
+        };
         let moff = value(&mut c, MEM_LEN / 2);
         let foff = value(&mut c, FILE_LEN);
         let mstart = f.mem as u64 + mem_reg as u64 * (MEM_LEN / 2);
@@ -182,18 +216,40 @@ fuzz_target!(|data: &[u8]| {
             1 if flags & 0x80 != 0 => ef.files[file_reg] as *const c_void, // wrong kind
             _ => ef.dram[mem_reg] as *const c_void,
         };
-        let l_dev = if flags & 0x08 != 0 && flags & 0x80 != 0 { 7 } else { 0 };
-        let r_dev = if flags & 0x04 != 0 && flags & 0x80 != 0 { 12345 } else { f.fds[file_reg] as u64 };
-        local.push(iud_desc { addr: maddr, len, dev_id: l_dev, md: lmd });
-        remote.push(iud_desc { addr: foff, len: rlen, dev_id: r_dev, md: ef.files[file_reg] as *const c_void });
+        let l_dev = if flags & 0x08 != 0 && flags & 0x80 != 0 {
+            7
+        } else {
+            0
+        };
+        let r_dev = if flags & 0x04 != 0 && flags & 0x80 != 0 {
+            12345
+        } else {
+            f.fds[file_reg] as u64
+        };
+        local.push(iud_desc {
+            addr: maddr,
+            len,
+            dev_id: l_dev,
+            md: lmd,
+        });
+        remote.push(iud_desc {
+            addr: foff,
+            len: rlen,
+            dev_id: r_dev,
+            md: ef.files[file_reg] as *const c_void,
+        });
         // The MD is only a hint (the engine resolves a descriptor by its kind, devId and range):
         // a null or wrong-kind MD is fine when one DRAM registration holds the whole range.
         let mem_ok = l_dev == 0
             && (0..2u64).any(|r| {
                 let start = f.mem as u64 + r * (MEM_LEN / 2);
-                maddr >= start && maddr.checked_add(len).is_some_and(|e| e <= start + MEM_LEN / 2)
+                maddr >= start
+                    && maddr
+                        .checked_add(len)
+                        .is_some_and(|e| e <= start + MEM_LEN / 2)
             });
-        let file_ok = r_dev == f.fds[file_reg] as u64 && foff.checked_add(rlen).is_some_and(|e| e <= FILE_LEN);
+        let file_ok = r_dev == f.fds[file_reg] as u64
+            && foff.checked_add(rlen).is_some_and(|e| e <= FILE_LEN);
         valid &= len == rlen && len > 0 && mem_ok && file_ok && !(op == 1 && file_reg == 1);
         if file_reg == 1 {
             let a = maddr | foff | len;
@@ -209,18 +265,33 @@ fuzz_target!(|data: &[u8]| {
     if valid && some_not_512 {
         valid = false;
     }
-    let res = ef.engine.prep(op, local_kind, &local, remote_kind, &remote, AGENT);
+    let res = ef
+        .engine
+        .prep(op, local_kind, &local, remote_kind, &remote, AGENT);
     let req = match res {
         Ok(req) => {
-            assert!(valid || direct_undecided, "prep accepted an invalid request: {local:?} {remote:?}");
+            assert!(
+                valid || direct_undecided,
+                "prep accepted an invalid request: {local:?} {remote:?}"
+            );
             count(1, 1);
             req
         }
         Err(e) => {
-            assert!(!valid, "prep refused a valid request: {} ({local:?} {remote:?})", e.message);
+            assert!(
+                !valid,
+                "prep refused a valid request: {} ({local:?} {remote:?})",
+                e.message
+            );
             count(2, 1);
             assert!(
-                matches!(e.kind, ErrorKind::InvalidParam | ErrorKind::NotFound | ErrorKind::Mismatch | ErrorKind::NotSupported),
+                matches!(
+                    e.kind,
+                    ErrorKind::InvalidParam
+                        | ErrorKind::NotFound
+                        | ErrorKind::Mismatch
+                        | ErrorKind::NotSupported
+                ),
                 "refusal of kind {:?}: {}",
                 e.kind,
                 e.message
@@ -251,12 +322,21 @@ fuzz_target!(|data: &[u8]| {
             let m0 = (l.addr - f.mem as u64) as usize;
             for k in 0..l.len as usize {
                 let want = pattern(r.addr + k as u64);
-                assert_eq!(mem[m0 + k], want, "byte {k} of descriptor at mem {:#x} file {}", l.addr, r.addr);
+                assert_eq!(
+                    mem[m0 + k],
+                    want,
+                    "byte {k} of descriptor at mem {:#x} file {}",
+                    l.addr,
+                    r.addr
+                );
                 covered[m0 + k] = true;
             }
         }
         for (i, b) in mem.iter().enumerate() {
-            assert!(covered[i] || *b == SENTINEL, "byte {i} outside every descriptor was written");
+            assert!(
+                covered[i] || *b == SENTINEL,
+                "byte {i} outside every descriptor was written"
+            );
         }
         count(3, 1);
         count(4, local.iter().map(|d| d.len).sum());

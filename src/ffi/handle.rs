@@ -112,10 +112,16 @@ mod tests {
         // SAFETY: null is allowed and refused by every one of these.
         unsafe {
             let e = Engine::try_ref(std::ptr::null()).err().unwrap();
-            assert_eq!((e.to_status(), e.message.as_str()), (status::ERR_INVALID_PARAM, "engine handle is NULL"));
+            assert_eq!(
+                (e.to_status(), e.message.as_str()),
+                (status::ERR_INVALID_PARAM, "engine handle is NULL")
+            );
             let e = Request::try_take(std::ptr::null_mut()).err().unwrap();
             assert_eq!(e.message, "request handle is NULL");
-            assert_eq!(arg::<u32>(std::ptr::null(), "config").unwrap_err().message, "config is NULL");
+            assert_eq!(
+                arg::<u32>(std::ptr::null(), "config").unwrap_err().message,
+                "config is NULL"
+            );
             assert!(write_out::<u32>(std::ptr::null_mut(), 1, "md_out").is_err());
         }
     }

@@ -15,7 +15,10 @@ use std::ptr;
 
 use once_cell::sync::Lazy;
 
-use crate::bridge::{iud_desc_list, iud_engine_config, iud_file_info, iud_param_default, iud_reg_desc, iud_rust_api, iud_shim_plugin, iud_str};
+use crate::bridge::{
+    iud_desc_list, iud_engine_config, iud_file_info, iud_param_default, iud_reg_desc, iud_rust_api,
+    iud_shim_plugin, iud_str,
+};
 use crate::engine::{Engine, Request};
 use crate::error::{panic_message, status, Result};
 use crate::uring::Progress;
@@ -53,7 +56,10 @@ fn progress_status(p: Progress) -> i32 {
     }
 }
 
-unsafe extern "C" fn engine_create(config: *const iud_engine_config, engine_out: *mut *mut c_void) -> i32 {
+unsafe extern "C" fn engine_create(
+    config: *const iud_engine_config,
+    engine_out: *mut *mut c_void,
+) -> i32 {
     boundary("create_backend", || {
         // SAFETY: the shim passes a config that is valid for this call.
         let cfg = unsafe { arg(config, "engine config") }?;
@@ -66,10 +72,19 @@ unsafe extern "C" fn engine_create(config: *const iud_engine_config, engine_out:
             unsafe { std::slice::from_raw_parts(cfg.params, cfg.param_count as usize) }
                 .iter()
                 // SAFETY: each key/value view points into the agent's params map.
-                .map(|kv| unsafe { (kv.key.as_string().into_owned(), kv.value.as_string().into_owned()) })
+                .map(|kv| unsafe {
+                    (
+                        kv.key.as_string().into_owned(),
+                        kv.value.as_string().into_owned(),
+                    )
+                })
                 .collect()
         };
-        tracing::debug!(sync_mode = cfg.sync_mode, enable_prog_thread = cfg.enable_prog_thread, "create_backend");
+        tracing::debug!(
+            sync_mode = cfg.sync_mode,
+            enable_prog_thread = cfg.enable_prog_thread,
+            "create_backend"
+        );
         // SAFETY: the type string lives for the duration of this call.
         let served = unsafe { cfg.backend_type.as_string() };
         alias::announce(&served);
@@ -97,10 +112,20 @@ unsafe extern "C" fn engine_destroy(engine: *mut c_void) {
     });
 }
 
-unsafe extern "C" fn register_mem(engine: *mut c_void, desc: *const iud_reg_desc, mem_kind: i32, md_out: *mut *mut c_void) -> i32 {
+unsafe extern "C" fn register_mem(
+    engine: *mut c_void,
+    desc: *const iud_reg_desc,
+    mem_kind: i32,
+    md_out: *mut *mut c_void,
+) -> i32 {
     boundary("registerMem", || {
         // SAFETY: engine and desc are valid for the call (shim contract).
-        let (engine, d) = unsafe { (Engine::try_ref(engine)?, arg(desc, "registration descriptor")?) };
+        let (engine, d) = unsafe {
+            (
+                Engine::try_ref(engine)?,
+                arg(desc, "registration descriptor")?,
+            )
+        };
         // SAFETY: meta_info points into the agent's descriptor for the duration of the call.
         let meta = unsafe { d.meta_info.as_string() };
         // Before registering: a registration made for nowhere would have to be undone.
@@ -131,7 +156,13 @@ unsafe extern "C" fn prep_xfer(
     boundary("prepXfer", || {
         // SAFETY: the lists point at the agent's descriptor vectors, valid during the call (their
         // MDs are opaque tokens the engine looks up, never dereferences).
-        let (engine, l, r) = unsafe { (Engine::try_ref(engine)?, arg(local, "local list")?, arg(remote, "remote list")?) };
+        let (engine, l, r) = unsafe {
+            (
+                Engine::try_ref(engine)?,
+                arg(local, "local list")?,
+                arg(remote, "remote list")?,
+            )
+        };
         check_out(req_out, "req_out")?;
         // SAFETY: as above: the lists' descriptor arrays and the agent name, valid for the call.
         let (ld, rd, agent) = unsafe { (l.as_slice(), r.as_slice(), remote_agent.as_string()) };
@@ -151,8 +182,17 @@ unsafe extern "C" fn post_xfer(
 ) -> i32 {
     boundary("postXfer", || {
         // SAFETY: req was returned by prep_xfer and not released; lists are valid for the call.
-        let (engine, req, l, r) = unsafe { (Engine::try_ref(engine)?, Request::try_ref(req)?, arg(local, "local list")?, arg(remote, "remote list")?) };
-        engine.post(req, op, l.count as usize, r.count as usize).map(progress_status)
+        let (engine, req, l, r) = unsafe {
+            (
+                Engine::try_ref(engine)?,
+                Request::try_ref(req)?,
+                arg(local, "local list")?,
+                arg(remote, "remote list")?,
+            )
+        };
+        engine
+            .post(req, op, l.count as usize, r.count as usize)
+            .map(progress_status)
     })
 }
 
@@ -209,7 +249,13 @@ unsafe extern "C" fn query_file(meta_info: iud_str, info_out: *mut iud_file_info
         Ok(match crate::mem::file_query::query(&meta) {
             Some(i) => {
                 // SAFETY: info_out is a valid out-pointer from the shim.
-                unsafe { *info_out = iud_file_info { size: i.size, mode: i.mode, mtime: i.mtime } };
+                unsafe {
+                    *info_out = iud_file_info {
+                        size: i.size,
+                        mode: i.mode,
+                        mtime: i.mtime,
+                    }
+                };
                 1
             }
             None => 0,
@@ -232,7 +278,10 @@ unsafe impl Send for ApiTable {}
 static API: Lazy<ApiTable> = Lazy::new(|| {
     let params: Vec<iud_param_default> = manifest::PARAMS
         .iter()
-        .map(|p| iud_param_default { name: p.name_c.as_ptr(), default_value: p.default_c.as_ptr() })
+        .map(|p| iud_param_default {
+            name: p.name_c.as_ptr(),
+            default_value: p.default_c.as_ptr(),
+        })
         .collect();
     let api = iud_rust_api {
         plugin_name: manifest::PLUGIN_NAME_C.as_ptr(),
@@ -255,7 +304,10 @@ static API: Lazy<ApiTable> = Lazy::new(|| {
         engine_mems: Some(engine_mems),
         query_file: Some(query_file),
     };
-    ApiTable { api, _params: params }
+    ApiTable {
+        api,
+        _params: params,
+    }
 });
 
 /// NIXL's plugin entry point: returns the process-wide `nixlBackendPlugin`. Idempotent (NIXL

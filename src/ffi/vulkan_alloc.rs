@@ -53,7 +53,11 @@ fn boundary(what: &str, body: impl FnOnce() -> Result<()>) -> c_int {
             IUD_VK_OK
         }
         Ok(Err(e)) => {
-            let msg = if e.message.starts_with(what) { e.message.clone() } else { format!("{what}: {}", e.message) };
+            let msg = if e.message.starts_with(what) {
+                e.message.clone()
+            } else {
+                format!("{what}: {}", e.message)
+            };
             tracing::warn!("{msg}");
             set_last_error(&msg);
             code_of(&e)
@@ -82,7 +86,9 @@ pub unsafe extern "C" fn iud_vulkan_alloc(device: c_int, size: u64, out_addr: *m
             return Err(Error::invalid("iud_vulkan_alloc: size 0"));
         }
         if device < 0 {
-            return Err(Error::invalid(format!("iud_vulkan_alloc: device {device} is negative")));
+            return Err(Error::invalid(format!(
+                "iud_vulkan_alloc: device {device} is negative"
+            )));
         }
         let a = VulkanProvider::get()?.allocate(device, size)?;
         // SAFETY: checked non-NULL; the caller guarantees it is writable.
@@ -102,7 +108,8 @@ pub extern "C" fn iud_vulkan_free(addr: u64) -> c_int {
 /// `addr` (a static string), or NULL when no allocation contains it.
 #[no_mangle]
 pub extern "C" fn iud_vulkan_variant(addr: u64) -> *const c_char {
-    catch_unwind(|| lookup(addr, 1).map_or(std::ptr::null(), |a| a.variant.c_name().as_ptr())).unwrap_or(std::ptr::null())
+    catch_unwind(|| lookup(addr, 1).map_or(std::ptr::null(), |a| a.variant.c_name().as_ptr()))
+        .unwrap_or(std::ptr::null())
 }
 
 /// `const char *iud_vulkan_last_error(void)`: why the calling thread's last failed call failed
@@ -121,7 +128,9 @@ mod tests {
 
     fn last_error() -> String {
         // SAFETY: the API returns a NUL-terminated thread-local string.
-        unsafe { CStr::from_ptr(iud_vulkan_last_error()) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(iud_vulkan_last_error()) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     #[test]
@@ -139,7 +148,11 @@ mod tests {
         for (device, size, what) in [(0, 0, "size 0"), (-1, 4096, "negative")] {
             let mut addr = 0u64;
             // SAFETY: addr is a valid out-pointer.
-            assert_eq!(unsafe { iud_vulkan_alloc(device, size, &mut addr) }, IUD_VK_EINVAL, "{what}");
+            assert_eq!(
+                unsafe { iud_vulkan_alloc(device, size, &mut addr) },
+                IUD_VK_EINVAL,
+                "{what}"
+            );
             assert_eq!(addr, 0);
             let msg = last_error();
             assert!(msg.contains(what), "{msg}");
@@ -165,13 +178,24 @@ mod tests {
         };
         let mut addr = 0u64;
         // SAFETY: addr is a valid out-pointer.
-        assert_eq!(unsafe { iud_vulkan_alloc(0, 3 * 4096 + 100, &mut addr) }, IUD_VK_OK, "{}", last_error());
+        assert_eq!(
+            unsafe { iud_vulkan_alloc(0, 3 * 4096 + 100, &mut addr) },
+            IUD_VK_OK,
+            "{}",
+            last_error()
+        );
         assert_eq!(last_error(), "");
         // SAFETY: the variant string is static.
-        let name = unsafe { CStr::from_ptr(iud_vulkan_variant(addr + 5000)) }.to_str().unwrap();
+        let name = unsafe { CStr::from_ptr(iud_vulkan_variant(addr + 5000)) }
+            .to_str()
+            .unwrap();
         assert_eq!(name, variant.name());
         assert_eq!(iud_vulkan_free(addr), IUD_VK_OK);
         assert!(lookup(addr, 1).is_none());
-        assert_eq!(iud_vulkan_free(addr), IUD_VK_EINVAL, "a second free is refused");
+        assert_eq!(
+            iud_vulkan_free(addr),
+            IUD_VK_EINVAL,
+            "a second free is refused"
+        );
     }
 }

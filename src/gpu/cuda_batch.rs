@@ -8,9 +8,9 @@
 //! copy). Layouts from CUDA 12.8's cuda.h (CUmemcpyAttributes: access order, source and
 //! destination location hints, flags; 24 bytes).
 
+use once_cell::sync::OnceCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use once_cell::sync::OnceCell;
 
 use cudarc::driver::sys;
 
@@ -38,8 +38,27 @@ const ACCESS_ORDER_STREAM: u32 = 1;
 const LOC_DEVICE: u32 = 1;
 const LOC_HOST: u32 = 2;
 
-type V1 = unsafe extern "C" fn(*mut u64, *mut u64, *mut usize, usize, *mut Attributes, *mut usize, usize, *mut usize, sys::CUstream) -> sys::CUresult;
-type V2 = unsafe extern "C" fn(*mut u64, *mut u64, *mut usize, usize, *mut Attributes, *mut usize, usize, sys::CUstream) -> sys::CUresult;
+type V1 = unsafe extern "C" fn(
+    *mut u64,
+    *mut u64,
+    *mut usize,
+    usize,
+    *mut Attributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    sys::CUstream,
+) -> sys::CUresult;
+type V2 = unsafe extern "C" fn(
+    *mut u64,
+    *mut u64,
+    *mut usize,
+    usize,
+    *mut Attributes,
+    *mut usize,
+    usize,
+    sys::CUstream,
+) -> sys::CUresult;
 
 #[derive(Clone, Copy)]
 enum Entry {
@@ -63,12 +82,16 @@ fn entry() -> Option<Entry> {
                 return Some(Entry::V2(*f));
             }
             // SAFETY: as above.
-            unsafe { lib.get::<V1>(b"cuMemcpyBatchAsync\0") }.ok().map(|f| Entry::V1(*f))
+            unsafe { lib.get::<V1>(b"cuMemcpyBatchAsync\0") }
+                .ok()
+                .map(|f| Entry::V1(*f))
         }))
         .ok()
         .flatten();
         if found.is_none() {
-            log_once("per-piece cuMemcpy*Async (the driver has no cuMemcpyBatchAsync; CUDA < 12.8)");
+            log_once(
+                "per-piece cuMemcpy*Async (the driver has no cuMemcpyBatchAsync; CUDA < 12.8)",
+            );
         }
         found
     })
@@ -86,24 +109,46 @@ fn log_once(what: &str) {
 ///
 /// # Safety
 /// The ranges must stay valid until the stream passed them; the device's context is current.
-pub unsafe fn copy(device: i32, pieces: &[CopyPiece], to_host: bool, stream: sys::CUstream) -> bool {
+pub unsafe fn copy(
+    device: i32,
+    pieces: &[CopyPiece],
+    to_host: bool,
+    stream: sys::CUstream,
+) -> bool {
     if pieces.len() < 2 || DISABLED.load(Ordering::Relaxed) {
         return false;
     }
     let Some(entry) = entry() else { return false };
     let (mut dsts, mut srcs, mut sizes): (Vec<u64>, Vec<u64>, Vec<usize>) = pieces
         .iter()
-        .map(|p| if to_host { (p.host, p.dev, p.len as usize) } else { (p.dev, p.host, p.len as usize) })
+        .map(|p| {
+            if to_host {
+                (p.host, p.dev, p.len as usize)
+            } else {
+                (p.dev, p.host, p.len as usize)
+            }
+        })
         .fold((Vec::new(), Vec::new(), Vec::new()), |mut v, (d, s, n)| {
             v.0.push(d);
             v.1.push(s);
             v.2.push(n);
             v
         });
-    let dev = Location { kind: LOC_DEVICE, id: device };
-    let host = Location { kind: LOC_HOST, id: 0 };
+    let dev = Location {
+        kind: LOC_DEVICE,
+        id: device,
+    };
+    let host = Location {
+        kind: LOC_HOST,
+        id: 0,
+    };
     let (src_loc_hint, dst_loc_hint) = if to_host { (dev, host) } else { (host, dev) };
-    let mut attrs = Attributes { src_access_order: ACCESS_ORDER_STREAM, src_loc_hint, dst_loc_hint, flags: 0 };
+    let mut attrs = Attributes {
+        src_access_order: ACCESS_ORDER_STREAM,
+        src_loc_hint,
+        dst_loc_hint,
+        flags: 0,
+    };
     let mut attr_idx: usize = 0;
     let mut fail_idx: usize = usize::MAX;
     let n = pieces.len();
@@ -111,8 +156,27 @@ pub unsafe fn copy(device: i32, pieces: &[CopyPiece], to_host: bool, stream: sys
     // ranges valid and the context current.
     let rc = unsafe {
         match entry {
-            Entry::V2(f) => f(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), n, &mut attrs, &mut attr_idx, 1, stream),
-            Entry::V1(f) => f(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), n, &mut attrs, &mut attr_idx, 1, &mut fail_idx, stream),
+            Entry::V2(f) => f(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                n,
+                &mut attrs,
+                &mut attr_idx,
+                1,
+                stream,
+            ),
+            Entry::V1(f) => f(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                n,
+                &mut attrs,
+                &mut attr_idx,
+                1,
+                &mut fail_idx,
+                stream,
+            ),
         }
     };
     if rc == sys::CUresult::CUDA_SUCCESS {

@@ -44,13 +44,22 @@ fn create() -> Result<sys::CUstream, DriverError> {
 impl CopyLanes {
     /// The device -> host stream and the DMA stream, created with the device's context current.
     pub fn new() -> Result<CopyLanes, DriverError> {
-        Ok(CopyLanes { to_host: create()?, dma_to_device: create()?, more: Default::default(), fence_lock: Mutex::new(()) })
+        Ok(CopyLanes {
+            to_host: create()?,
+            dma_to_device: create()?,
+            more: Default::default(),
+            fence_lock: Mutex::new(()),
+        })
     }
 
     /// The host -> device stream of a scatter kernel's `lane` (lane 0: the DMA stream), created
     /// on first use after the latest fence (`app_done`, recorded by `fence`). The device's
     /// context must be current.
-    pub fn to_device(&self, lane: usize, app_done: sys::CUevent) -> Result<sys::CUstream, DriverError> {
+    pub fn to_device(
+        &self,
+        lane: usize,
+        app_done: sys::CUevent,
+    ) -> Result<sys::CUstream, DriverError> {
         let Some(cell) = (lane % KERNEL_LANES).checked_sub(1).map(|i| &self.more[i]) else {
             return Ok(self.dma_to_device);
         };
@@ -61,7 +70,13 @@ impl CopyLanes {
         cell.get_or_try_init(|| {
             let s = create()?;
             // SAFETY: both belong to the current context; an event never recorded is complete.
-            unsafe { result::stream::wait_event(s, app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }?;
+            unsafe {
+                result::stream::wait_event(
+                    s,
+                    app_done,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }?;
             Ok(s)
         })
         .copied()
@@ -71,14 +86,28 @@ impl CopyLanes {
     ///
     /// # Safety
     /// The event and `after` belong to the current context.
-    pub unsafe fn fence(&self, app_done: sys::CUevent, after: sys::CUstream) -> Result<(), (&'static str, DriverError)> {
+    pub unsafe fn fence(
+        &self,
+        app_done: sys::CUevent,
+        after: sys::CUstream,
+    ) -> Result<(), (&'static str, DriverError)> {
         let _held = self.fence_lock.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: forwarded contract.
-        unsafe { result::event::record(app_done, after) }.map_err(|e| ("cuEventRecord(default stream)", e))?;
-        for s in [&self.to_host, &self.dma_to_device].into_iter().chain(self.more.iter().filter_map(|c| c.get())) {
+        unsafe { result::event::record(app_done, after) }
+            .map_err(|e| ("cuEventRecord(default stream)", e))?;
+        for s in [&self.to_host, &self.dma_to_device]
+            .into_iter()
+            .chain(self.more.iter().filter_map(|c| c.get()))
+        {
             // SAFETY: as above; the wait captures the record just made.
-            unsafe { result::stream::wait_event(*s, app_done, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                .map_err(|e| ("cuStreamWaitEvent", e))?;
+            unsafe {
+                result::stream::wait_event(
+                    *s,
+                    app_done,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(|e| ("cuStreamWaitEvent", e))?;
         }
         Ok(())
     }

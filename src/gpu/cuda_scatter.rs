@@ -96,7 +96,10 @@ struct Table([Piece; PIECES_PER_LAUNCH]);
 /// Whether the kernel can move these pieces: 16-byte aligned addresses and lengths, offsets and
 /// lengths within 32 bits.
 pub fn fits(dst: u64, src_offset: u64, len: u64) -> bool {
-    dst % 16 == 0 && src_offset % 16 == 0 && len % 16 == 0 && src_offset + len <= u64::from(u32::MAX)
+    dst % 16 == 0
+        && src_offset % 16 == 0
+        && len % 16 == 0
+        && src_offset + len <= u64::from(u32::MAX)
 }
 
 /// Buffers of pieces up to this size (on average) take the kernel under `staging_copy=auto`: on
@@ -108,7 +111,12 @@ const AUTO_PIECE_MAX: u64 = 64 << 10;
 /// The copy a packed buffer takes: `Auto` resolves by the pieces' mean size.
 pub fn resolve(asked: PackedCopy, pieces: &[CopyPiece]) -> PackedCopy {
     match asked {
-        PackedCopy::Auto if pieces.iter().map(|p| p.len).sum::<u64>() <= AUTO_PIECE_MAX * pieces.len() as u64 => PackedCopy::Kernel,
+        PackedCopy::Auto
+            if pieces.iter().map(|p| p.len).sum::<u64>()
+                <= AUTO_PIECE_MAX * pieces.len() as u64 =>
+        {
+            PackedCopy::Kernel
+        }
         PackedCopy::Auto => PackedCopy::Batch,
         other => other,
     }
@@ -118,7 +126,9 @@ pub fn resolve(asked: PackedCopy, pieces: &[CopyPiece]) -> PackedCopy {
 pub fn not_used(why: &str) {
     static LOGGED: AtomicBool = AtomicBool::new(false);
     if !LOGGED.swap(true, Ordering::Relaxed) {
-        tracing::info!("staging scatter kernel not used ({why}); packed staging copies use the batched copy");
+        tracing::info!(
+            "staging scatter kernel not used ({why}); packed staging copies use the batched copy"
+        );
     }
 }
 
@@ -142,7 +152,14 @@ pub fn mapped_address(host: u64) -> Result<u64, result::DriverError> {
     let mut mapped: sys::CUdeviceptr = 0;
     // sys: `result` has no cuPointerGetAttribute for this attribute.
     // SAFETY: writes one device pointer into a local; an unmapped address is an error code.
-    unsafe { sys::cuPointerGetAttribute(&mut mapped as *mut _ as *mut c_void, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER, host) }.result()?;
+    unsafe {
+        sys::cuPointerGetAttribute(
+            &mut mapped as *mut _ as *mut c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+            host,
+        )
+    }
+    .result()?;
     Ok(mapped)
 }
 
@@ -162,9 +179,11 @@ impl Scatter {
     pub fn load() -> Result<Scatter, String> {
         let image = std::ffi::CString::new(PTX).map_err(|e| e.to_string())?;
         // SAFETY: a NUL-terminated PTX image; the caller made the device's context current.
-        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }.map_err(|e| format!("cuModuleLoadData: {e:?}"))?;
+        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(|e| format!("cuModuleLoadData: {e:?}"))?;
         // SAFETY: the module was just loaded.
-        let func = unsafe { result::module::get_function(module, c"iud_scatter".to_owned()) }.map_err(|e| format!("cuModuleGetFunction: {e:?}"))?;
+        let func = unsafe { result::module::get_function(module, c"iud_scatter".to_owned()) }
+            .map_err(|e| format!("cuModuleGetFunction: {e:?}"))?;
         Ok(Scatter { func })
     }
 
@@ -173,7 +192,12 @@ impl Scatter {
     /// # Safety
     /// Every range must stay valid until the stream passed the launches; the context of `stream`
     /// is current; every piece `fits`.
-    pub unsafe fn launch(&self, stream: sys::CUstream, src_base: u64, pieces: &[Piece]) -> Result<(), result::DriverError> {
+    pub unsafe fn launch(
+        &self,
+        stream: sys::CUstream,
+        src_base: u64,
+        pieces: &[Piece],
+    ) -> Result<(), result::DriverError> {
         for chunk in pieces.chunks(PIECES_PER_LAUNCH) {
             let mut table = Table([Piece::default(); PIECES_PER_LAUNCH]);
             table.0[..chunk.len()].copy_from_slice(chunk);
@@ -187,7 +211,16 @@ impl Scatter {
             ];
             // SAFETY: the parameters match the kernel's signature (u64, u32, 3840 bytes); the
             // driver copies them at launch, so the locals may go out of scope after it.
-            unsafe { result::launch_kernel(self.func, (count, per_piece, 1), (THREADS, 1, 1), 0, stream, &mut params) }?;
+            unsafe {
+                result::launch_kernel(
+                    self.func,
+                    (count, per_piece, 1),
+                    (THREADS, 1, 1),
+                    0,
+                    stream,
+                    &mut params,
+                )
+            }?;
         }
         Ok(())
     }
@@ -209,8 +242,14 @@ mod tests {
     #[test]
     fn only_aligned_pieces_fit() {
         assert!(fits(0x1000, 4096, 16384));
-        assert!(!fits(0x1008, 4096, 16384), "destination not 16-byte aligned");
+        assert!(
+            !fits(0x1008, 4096, 16384),
+            "destination not 16-byte aligned"
+        );
         assert!(!fits(0x1000, 4096, 16385), "length not a multiple of 16");
-        assert!(!fits(0x1000, u64::from(u32::MAX), 16), "offset beyond 32 bits");
+        assert!(
+            !fits(0x1000, u64::from(u32::MAX), 16),
+            "offset beyond 32 bits"
+        );
     }
 }

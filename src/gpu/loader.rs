@@ -54,13 +54,21 @@ impl Library {
     /// Opens `name` (a soname or a path). Err: NotSupported, "`name` could not be loaded: dlerror".
     pub fn open(name: &str) -> Result<Library> {
         if name.contains('\0') {
-            return Err(Error::invalid(format!("library name {name:?} contains a NUL byte")));
+            return Err(Error::invalid(format!(
+                "library name {name:?} contains a NUL byte"
+            )));
         }
         // SAFETY: loading a vendor library runs its initialisers; these are the libraries the
         // plugin exists to drive, loaded exactly as their own documentation says (dlopen).
         match unsafe { RawLibrary::open(Some(name), RTLD_NOW | RTLD_LOCAL) } {
-            Ok(raw) => Ok(Library { raw: ManuallyDrop::new(raw), name: name.to_owned() }),
-            Err(e) => Err(Error::new(ErrorKind::NotSupported, format!("{name} could not be loaded: {}", describe(&e)))),
+            Ok(raw) => Ok(Library {
+                raw: ManuallyDrop::new(raw),
+                name: name.to_owned(),
+            }),
+            Err(e) => Err(Error::new(
+                ErrorKind::NotSupported,
+                format!("{name} could not be loaded: {}", describe(&e)),
+            )),
         }
     }
 
@@ -71,7 +79,12 @@ impl Library {
 
     /// Resolves `symbol` as the C function type `F`. Err: NotSupported, "`name` lacks `symbol`".
     pub fn symbol<F: CFunction>(&self, symbol: &str) -> Result<F> {
-        self.optional(symbol).ok_or_else(|| Error::new(ErrorKind::NotSupported, format!("{} lacks {symbol}", self.name)))
+        self.optional(symbol).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotSupported,
+                format!("{} lacks {symbol}", self.name),
+            )
+        })
     }
 
     /// Resolves `symbol` as `F`, or None when the library does not export it.
@@ -90,10 +103,21 @@ mod tests {
 
     #[test]
     fn a_missing_library_is_an_error_naming_it() {
-        let e = Library::open("/nonexistent/libnothing.so.1").err().expect("no such library");
+        let e = Library::open("/nonexistent/libnothing.so.1")
+            .err()
+            .expect("no such library");
         assert_eq!(e.kind, ErrorKind::NotSupported);
-        assert!(e.message.starts_with("/nonexistent/libnothing.so.1 could not be loaded: "), "{}", e.message);
-        assert!(e.message.contains("No such file"), "dlerror text: {}", e.message);
+        assert!(
+            e.message
+                .starts_with("/nonexistent/libnothing.so.1 could not be loaded: "),
+            "{}",
+            e.message
+        );
+        assert!(
+            e.message.contains("No such file"),
+            "dlerror text: {}",
+            e.message
+        );
     }
 
     #[test]
@@ -102,10 +126,15 @@ mod tests {
         let getpid: unsafe extern "C" fn() -> i32 = lib.symbol("getpid").unwrap();
         // SAFETY: getpid() -> pid_t (int) in unistd.h.
         assert_eq!(unsafe { getpid() } as u32, std::process::id());
-        let e = lib.symbol::<unsafe extern "C" fn()>("no_such_symbol_here").err().unwrap();
+        let e = lib
+            .symbol::<unsafe extern "C" fn()>("no_such_symbol_here")
+            .err()
+            .unwrap();
         assert_eq!(e.kind, ErrorKind::NotSupported);
         assert_eq!(e.message, "libc.so.6 lacks no_such_symbol_here");
-        assert!(lib.optional::<unsafe extern "C" fn()>("no_such_symbol_here").is_none());
+        assert!(lib
+            .optional::<unsafe extern "C" fn()>("no_such_symbol_here")
+            .is_none());
         assert!(Library::open("bad\0name").is_err());
     }
 }

@@ -11,14 +11,16 @@ mod cuda_lanes;
 mod cuda_scatter;
 pub mod cufile;
 mod loader;
-pub mod rocm;
 pub mod provider;
+pub mod rocm;
 pub mod vulkan;
 
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-pub use provider::{CopyFinished, CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider, PackedCopy};
+pub use provider::{
+    CopyFinished, CopyPiece, CopyTicket, DeviceRange, DmabufExport, GpuProvider, PackedCopy,
+};
 
 /// Which provider the parameter asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,10 +50,18 @@ pub fn load(choice: ProviderChoice) -> Result<Arc<dyn GpuProvider>> {
         ProviderChoice::Cuda => cuda::Cuda::load().map(|c| c as Arc<dyn GpuProvider>),
         ProviderChoice::Rocm => rocm::load(),
         ProviderChoice::Vulkan => vulkan::load(),
-        ProviderChoice::Auto => cuda::Cuda::load().map(|c| c as Arc<dyn GpuProvider>).or_else(|cuda_err| {
-            rocm::load().map_err(|rocm_err| {
-                Error::new(cuda_err.kind, format!("no GPU provider available: {}; ROCm: {}", cuda_err.message, rocm_err.message))
-            })
-        }),
+        ProviderChoice::Auto => cuda::Cuda::load()
+            .map(|c| c as Arc<dyn GpuProvider>)
+            .or_else(|cuda_err| {
+                rocm::load().map_err(|rocm_err| {
+                    Error::new(
+                        cuda_err.kind,
+                        format!(
+                            "no GPU provider available: {}; ROCm: {}",
+                            cuda_err.message, rocm_err.message
+                        ),
+                    )
+                })
+            }),
     }
 }

@@ -16,7 +16,11 @@ pub struct DmabufExport {
 impl From<OwnedFd> for DmabufExport {
     /// An export of exactly the requested range (offset 0).
     fn from(fd: OwnedFd) -> DmabufExport {
-        DmabufExport { fd, offset: 0, whole_size: None }
+        DmabufExport {
+            fd,
+            offset: 0,
+            whole_size: None,
+        }
     }
 }
 
@@ -107,12 +111,24 @@ pub trait GpuProvider: Send + Sync {
     ///
     /// # Safety
     /// Both ranges must stay valid until the ticket reports completion.
-    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>>;
+    unsafe fn copy_to_host(
+        &self,
+        device: i32,
+        host: u64,
+        dev: u64,
+        len: u64,
+    ) -> Result<Box<dyn CopyTicket>>;
     /// Starts a host -> device copy.
     ///
     /// # Safety
     /// Both ranges must stay valid until the ticket reports completion.
-    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>>;
+    unsafe fn copy_to_device(
+        &self,
+        device: i32,
+        dev: u64,
+        host: u64,
+        len: u64,
+    ) -> Result<Box<dyn CopyTicket>>;
     /// Starts the copies of several pieces in one direction (`to_host`: device -> host) on one
     /// device, with one ticket for all, the way `how` asks where the provider can (host -> device
     /// only). The default issues one copy per piece; providers with a batched copy call (CUDA's
@@ -122,7 +138,14 @@ pub trait GpuProvider: Send + Sync {
     ///
     /// # Safety
     /// Every range must stay valid until the ticket reports completion.
-    unsafe fn copy_batch(&self, device: i32, pieces: &[CopyPiece], to_host: bool, how: PackedCopy, lane: usize) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_batch(
+        &self,
+        device: i32,
+        pieces: &[CopyPiece],
+        to_host: bool,
+        how: PackedCopy,
+        lane: usize,
+    ) -> Result<Box<dyn CopyTicket>> {
         let _ = (how, lane);
         let mut tickets = Vec::with_capacity(pieces.len());
         for p in pieces {
@@ -153,4 +176,3 @@ pub trait GpuProvider: Send + Sync {
         Ok(())
     }
 }
-

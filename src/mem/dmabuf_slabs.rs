@@ -43,7 +43,15 @@ impl DmabufSlabs {
     /// Slabs covering `ranges`, none exported yet.
     pub fn new(ranges: Vec<(u64, u64)>, note: &str) -> DmabufSlabs {
         DmabufSlabs {
-            slabs: ranges.into_iter().map(|(start, len)| Slab { start, len, dmabuf: None, export_offset: 0 }).collect(),
+            slabs: ranges
+                .into_iter()
+                .map(|(start, len)| Slab {
+                    start,
+                    len,
+                    dmabuf: None,
+                    export_offset: 0,
+                })
+                .collect(),
             export_note: Some(note.to_owned()),
             on_drop: Mutex::new(Vec::new()),
         }
@@ -51,7 +59,10 @@ impl DmabufSlabs {
 
     /// Exports every slab with `export`; on the first failure keeps none and records why.
     /// Returns the failure, if any (the export's error is its source).
-    pub fn export_all(&mut self, mut export: impl FnMut(u64, u64) -> Result<DmabufExport>) -> Result<()> {
+    pub fn export_all(
+        &mut self,
+        mut export: impl FnMut(u64, u64) -> Result<DmabufExport>,
+    ) -> Result<()> {
         for i in 0..self.slabs.len() {
             let (start, len) = (self.slabs[i].start, self.slabs[i].len);
             let export = export(start, len).and_then(|e| match e.whole_size {
@@ -69,7 +80,11 @@ impl DmabufSlabs {
                     self.slabs[i].export_offset = e.offset;
                 }
                 Err(e) => {
-                    let why = Error::new(e.kind, format!("DMA-BUF export of slab 0x{start:x}+{len} failed: {e}")).caused_by(e);
+                    let why = Error::new(
+                        e.kind,
+                        format!("DMA-BUF export of slab 0x{start:x}+{len} failed: {e}"),
+                    )
+                    .caused_by(e);
                     for s in &mut self.slabs {
                         s.dmabuf = None;
                         s.export_offset = 0;
@@ -88,13 +103,21 @@ impl DmabufSlabs {
         // Slabs are sorted and contiguous, but not all 1 GiB: udmabuf's size limit can make
         // them smaller.
         let i = self.slabs.partition_point(|s| s.start + s.len <= addr);
-        self.slabs.get(i).filter(|s| addr >= s.start).map(|s| (i, s.start + s.len))
+        self.slabs
+            .get(i)
+            .filter(|s| addr >= s.start)
+            .map(|s| (i, s.start + s.len))
     }
 }
 
 impl Drop for DmabufSlabs {
     fn drop(&mut self) {
-        for release in self.on_drop.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        for release in self
+            .on_drop
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
             release();
         }
     }
@@ -107,10 +130,19 @@ pub fn slab_ranges(addr: u64, len: u64, alloc_start: u64, alloc_end: u64) -> Vec
 }
 
 /// As [`slab_ranges`], with slabs of at most `max_slab` bytes (a page multiple).
-pub fn slab_ranges_of(addr: u64, len: u64, alloc_start: u64, alloc_end: u64, max_slab: u64) -> Vec<(u64, u64)> {
+pub fn slab_ranges_of(
+    addr: u64,
+    len: u64,
+    alloc_start: u64,
+    alloc_end: u64,
+    max_slab: u64,
+) -> Vec<(u64, u64)> {
     let max_slab = (max_slab / PAGE * PAGE).clamp(PAGE, MAX_DMABUF_SLAB);
     let start = (addr / PAGE * PAGE).max(alloc_start);
-    let end = (addr + len).div_ceil(PAGE).saturating_mul(PAGE).min(alloc_end);
+    let end = (addr + len)
+        .div_ceil(PAGE)
+        .saturating_mul(PAGE)
+        .min(alloc_end);
     let mut out = Vec::new();
     let mut s = start;
     while s < end {
@@ -132,7 +164,10 @@ mod tests {
         let s = slab_ranges_of(base, 96 * mib, base, base + 96 * mib, 64 * mib);
         assert_eq!(s, vec![(base, 64 * mib), (base + 64 * mib, 32 * mib)]);
         // A cap above 1 GiB still yields 1 GiB slabs (io_uring's registered-buffer limit).
-        assert_eq!(slab_ranges_of(base, 3 << 30, base, base + (3 << 30), 8 << 30).len(), 3);
+        assert_eq!(
+            slab_ranges_of(base, 3 << 30, base, base + (3 << 30), 8 << 30).len(),
+            3
+        );
     }
 
     #[test]
@@ -158,10 +193,20 @@ mod tests {
     fn a_failed_export_keeps_no_dmabuf_and_says_why() {
         let gib = 1u64 << 30;
         let mut d = DmabufSlabs::new(vec![(0, gib), (gib, 4096)], "not attempted");
-        let why = d.export_all(|start, _| if start == 0 { Err(Error::backend("nope").with_errno(libc::EIO)) } else { unreachable!() });
+        let why = d.export_all(|start, _| {
+            if start == 0 {
+                Err(Error::backend("nope").with_errno(libc::EIO))
+            } else {
+                unreachable!()
+            }
+        });
         let why = why.unwrap_err();
         assert!(why.message.contains("nope"));
-        assert_eq!(why.context.errno, Some(libc::EIO), "the export's context is kept");
+        assert_eq!(
+            why.context.errno,
+            Some(libc::EIO),
+            "the export's context is kept"
+        );
         assert!(d.slabs.iter().all(|s| s.dmabuf.is_none()));
         assert!(d.export_note.is_some());
         assert_eq!(d.slab_at(5000), Some((0, gib)));
@@ -173,7 +218,10 @@ mod tests {
     fn slab_lookup_works_for_slabs_smaller_than_one_gib() {
         let mib = 1u64 << 20;
         let base = 0x7f00_0000_0000;
-        let d = DmabufSlabs::new(slab_ranges_of(base, 96 * mib, base, base + 96 * mib, 64 * mib), "not attempted");
+        let d = DmabufSlabs::new(
+            slab_ranges_of(base, 96 * mib, base, base + 96 * mib, 64 * mib),
+            "not attempted",
+        );
         assert_eq!(d.slab_at(base - 1), None);
         assert_eq!(d.slab_at(base), Some((0, base + 64 * mib)));
         assert_eq!(d.slab_at(base + 64 * mib - 1), Some((0, base + 64 * mib)));
@@ -192,10 +240,17 @@ mod tests {
             // SAFETY: a fresh fd from dup that the export now owns.
             let fd = unsafe { OwnedFd::from_raw_fd(libc::dup(0).max(libc::dup(2))) };
             // An allocation-wide export: the slab sits (start - base) + 64 KiB into the DMA-BUF.
-            Ok(DmabufExport { fd, offset: start - base + 65536, whole_size: None })
+            Ok(DmabufExport {
+                fd,
+                offset: start - base + 65536,
+                whole_size: None,
+            })
         });
         assert!(why.is_ok());
         assert_eq!(d.slabs[0].dmabuf_offset_of(base + 4096), 65536 + 4096);
-        assert_eq!(d.slabs[1].dmabuf_offset_of(base + gib + 100), gib + 65536 + 100);
+        assert_eq!(
+            d.slabs[1].dmabuf_offset_of(base + gib + 100),
+            gib + 65536 + 100
+        );
     }
 }

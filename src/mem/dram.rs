@@ -37,7 +37,13 @@ pub struct DramRegion {
 
 impl fmt::Debug for DramRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "DramRegion(0x{:x}+{}, slots {:?})", self.addr, self.len, self.slots.get())
+        write!(
+            f,
+            "DramRegion(0x{:x}+{}, slots {:?})",
+            self.addr,
+            self.len,
+            self.slots.get()
+        )
     }
 }
 
@@ -49,8 +55,22 @@ impl DramRegion {
     /// # Safety
     /// The memory must stay mapped until the region is dropped (NIXL's registration contract:
     /// the application deregisters before freeing).
-    pub unsafe fn register(ring: Arc<Ring>, addr: u64, len: u64, dev_id: u64, want_fixed: bool) -> DramRegion {
-        DramRegion { addr, len, dev_id, want_fixed, slots: OnceCell::new(), dmabuf: None, ring }
+    pub unsafe fn register(
+        ring: Arc<Ring>,
+        addr: u64,
+        len: u64,
+        dev_id: u64,
+        want_fixed: bool,
+    ) -> DramRegion {
+        DramRegion {
+            addr,
+            len,
+            dev_id,
+            want_fixed,
+            slots: OnceCell::new(),
+            dmabuf: None,
+            ring,
+        }
     }
 
     /// Registers the region's fixed-buffer slots; none when not wanted or refused.
@@ -72,9 +92,17 @@ impl DramRegion {
                     }
                     let why = match e.raw_os_error() {
                         Some(libc::ENXIO) => "the ring has no fixed-buffer table".to_owned(),
-                        Some(libc::ENOSPC) => "the ring's 16384 fixed-buffer slots are in use".to_owned(),
-                        Some(libc::ENOMEM) => format!("{} (RLIMIT_MEMLOCK too small to pin the region?)", describe_os_error(&e)),
-                        _ => format!("{} (file-backed or special mapping?)", describe_os_error(&e)),
+                        Some(libc::ENOSPC) => {
+                            "the ring's 16384 fixed-buffer slots are in use".to_owned()
+                        }
+                        Some(libc::ENOMEM) => format!(
+                            "{} (RLIMIT_MEMLOCK too small to pin the region?)",
+                            describe_os_error(&e)
+                        ),
+                        _ => format!(
+                            "{} (file-backed or special mapping?)",
+                            describe_os_error(&e)
+                        ),
                     };
                     log_fallback(self.addr, self.len, &why);
                     return slots;
@@ -100,8 +128,17 @@ impl DramRegion {
     /// Exports the region through udmabuf in slabs of at most 1 GiB and at most udmabuf's
     /// `size_limit_mb` (64 MiB by default upstream); returns why not, if it failed.
     pub fn export_udmabuf(&mut self) -> Result<()> {
-        let (start, end) = (self.addr / PAGE * PAGE, (self.addr + self.len).div_ceil(PAGE) * PAGE);
-        let cover = slab_ranges_of(self.addr, self.len, start, end, udmabuf::size_limit().unwrap_or(MAX_FIXED_BUFFER));
+        let (start, end) = (
+            self.addr / PAGE * PAGE,
+            (self.addr + self.len).div_ceil(PAGE) * PAGE,
+        );
+        let cover = slab_ranges_of(
+            self.addr,
+            self.len,
+            start,
+            end,
+            udmabuf::size_limit().unwrap_or(MAX_FIXED_BUFFER),
+        );
         let mut slabs = DmabufSlabs::new(cover, "not exported");
         let failure = slabs.export_all(|start, len| {
             let (memfd, offset) = udmabuf::backing_memfd(start, len)?;

@@ -20,8 +20,8 @@ use std::io;
 use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::mem::path_meta::PathMeta;
 use crate::mem::kind::MemKind;
+use crate::mem::path_meta::PathMeta;
 use crate::uring::{FileKey, FileRef, Ring};
 
 /// O_DIRECT alignment of a file: memory address and file offset/length granularity.
@@ -66,7 +66,11 @@ pub struct FileRegion {
 
 impl fmt::Debug for FileRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "FileRegion(fd {}, devId {}, {}+{}, path {:?})", self.fd, self.dev_id, self.offset, self.len, self.owned_path)
+        write!(
+            f,
+            "FileRegion(fd {}, devId {}, {}+{}, path {:?})",
+            self.fd, self.dev_id, self.offset, self.len, self.owned_path
+        )
     }
 }
 
@@ -86,7 +90,9 @@ impl FileRegion {
             MemKind::Blk => "BLK_SEG",
             _ => "FILE",
         };
-        let path_meta = PathMeta::parse(meta_info).map_err(|e| Error::invalid(format!("{what} registration devId {dev_id}: {}", e.message)))?;
+        let path_meta = PathMeta::parse(meta_info).map_err(|e| {
+            Error::invalid(format!("{what} registration devId {dev_id}: {}", e.message))
+        })?;
         let (fd, owned_path) = match &path_meta {
             Some(m) => (open_path(m, dev_id)?, Some(m.path.clone())),
             None => {
@@ -98,7 +104,9 @@ impl FileRegion {
                 (fd, None)
             }
         };
-        let mut guard = ClosesOnError { fds: [owned_path.as_ref().map(|_| fd), None] };
+        let mut guard = ClosesOnError {
+            fds: [owned_path.as_ref().map(|_| fd), None],
+        };
         let st = fstat(fd).map_err(|e| {
             Error::os(
                 format!("{what} registration: fstat(fd {fd}) failed; devId must be an fd open in this process, or use path-mode metaInfo"),
@@ -110,20 +118,34 @@ impl FileRegion {
         let is_block = fmt == libc::S_IFBLK;
         match kind {
             MemKind::Blk if !is_block => {
-                return Err(Error::invalid(format!("BLK_SEG registration: fd {fd} is not a block device; register files as FILE")).with_fd(fd))
+                return Err(Error::invalid(format!(
+                    "BLK_SEG registration: fd {fd} is not a block device; register files as FILE"
+                ))
+                .with_fd(fd))
             }
             _ if fmt != libc::S_IFREG && !is_block => {
-                return Err(Error::invalid(format!("FILE registration: fd {fd} is neither a regular file nor a block device")).with_fd(fd))
+                return Err(Error::invalid(format!(
+                    "FILE registration: fd {fd} is neither a regular file nor a block device"
+                ))
+                .with_fd(fd))
             }
             _ => {}
         }
         // SAFETY: F_GETFL on an fd we just fstat'ed; no memory is involved.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
         if flags < 0 {
-            return Err(Error::os(format!("{what} registration: fcntl(fd {fd}, F_GETFL)"), &io::Error::last_os_error()).with_fd(fd));
+            return Err(Error::os(
+                format!("{what} registration: fcntl(fd {fd}, F_GETFL)"),
+                &io::Error::last_os_error(),
+            )
+            .with_fd(fd));
         }
         let access = flags & libc::O_ACCMODE;
-        let direct = if flags & libc::O_DIRECT != 0 { Some(direct_align(fd, is_block)) } else { None };
+        let direct = if flags & libc::O_DIRECT != 0 {
+            Some(direct_align(fd, is_block))
+        } else {
+            None
+        };
         if kind == MemKind::Blk {
             if direct.is_none() {
                 return Err(Error::invalid(format!(
@@ -141,9 +163,14 @@ impl FileRegion {
             }
         }
         if kind == MemKind::File && offset.checked_add(len).is_none() {
-            return Err(Error::invalid(format!("FILE registration: range [{offset}, +{len}) on fd {fd} ends past 2^64")).with_fd(fd).with_offset(offset));
+            return Err(Error::invalid(format!(
+                "FILE registration: range [{offset}, +{len}) on fd {fd} ends past 2^64"
+            ))
+            .with_fd(fd)
+            .with_offset(offset));
         }
-        let max_direct_io = direct.and_then(|_| device_max_io(if is_block { st.st_rdev } else { st.st_dev }));
+        let max_direct_io =
+            direct.and_then(|_| device_max_io(if is_block { st.st_rdev } else { st.st_dev }));
         let io_fd = match owned_path {
             Some(_) => fd,
             None => {
@@ -152,8 +179,13 @@ impl FileRegion {
                 dup
             }
         };
-        let name = std::fs::read_link(format!("/proc/self/fd/{io_fd}")).map_or_else(|_| "?".to_owned(), |p| p.display().to_string());
-        let key = FileKey { fd, dev: st.st_dev, ino: st.st_ino };
+        let name = std::fs::read_link(format!("/proc/self/fd/{io_fd}"))
+            .map_or_else(|_| "?".to_owned(), |p| p.display().to_string());
+        let key = FileKey {
+            fd,
+            dev: st.st_dev,
+            ino: st.st_ino,
+        };
         std::mem::forget(guard);
         Ok(FileRegion {
             kind,
@@ -183,7 +215,13 @@ impl FileRegion {
 
     /// How SQEs name this file. The first call acquires the fixed-file slot.
     pub fn file_ref(&self) -> FileRef {
-        let slot = self.fixed_slot.get_or_init(|| if self.fixed_files { self.ring.acquire_file(self.key, self.io_fd) } else { None });
+        let slot = self.fixed_slot.get_or_init(|| {
+            if self.fixed_files {
+                self.ring.acquire_file(self.key, self.io_fd)
+            } else {
+                None
+            }
+        });
         match *slot {
             Some(slot) => FileRef::Fixed(slot),
             None => FileRef::Raw(self.io_fd),
@@ -257,18 +295,31 @@ fn duplicate(fd: i32) -> Result<i32> {
     // SAFETY: F_DUPFD_CLOEXEC on an fd we just fstat'ed returns a new fd or -1.
     let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
     if dup < 0 {
-        return Err(Error::os(format!("FILE registration: could not duplicate fd {fd} for the registration's own use"), &io::Error::last_os_error()).with_fd(fd));
+        return Err(Error::os(
+            format!(
+                "FILE registration: could not duplicate fd {fd} for the registration's own use"
+            ),
+            &io::Error::last_os_error(),
+        )
+        .with_fd(fd));
     }
     Ok(dup)
 }
 
 fn open_path(m: &PathMeta, dev_id: u64) -> Result<i32> {
-    let c = CString::new(m.path.as_bytes())
-        .map_err(|_| Error::invalid(format!("FILE registration devId {dev_id}: path {:?} contains a NUL byte", m.path)))?;
+    let c = CString::new(m.path.as_bytes()).map_err(|_| {
+        Error::invalid(format!(
+            "FILE registration devId {dev_id}: path {:?} contains a NUL byte",
+            m.path
+        ))
+    })?;
     // SAFETY: c is a valid NUL-terminated string; the mode argument is read only with O_CREAT.
     let fd = unsafe { libc::open(c.as_ptr(), m.open_flags(), 0o644 as libc::c_uint) };
     if fd < 0 {
-        return Err(Error::os(format!("FILE registration devId {dev_id}: open({:?})", m.path), &io::Error::last_os_error()));
+        return Err(Error::os(
+            format!("FILE registration devId {dev_id}: open({:?})", m.path),
+            &io::Error::last_os_error(),
+        ));
     }
     Ok(fd)
 }
@@ -276,10 +327,16 @@ fn open_path(m: &PathMeta, dev_id: u64) -> Result<i32> {
 /// queue/max_sectors_kb of the block device `dev` (a partition reads its disk's queue), in bytes.
 fn device_max_io(dev: libc::dev_t) -> Option<u64> {
     let (major, minor) = (libc::major(dev), libc::minor(dev));
-    ["queue/max_sectors_kb", "../queue/max_sectors_kb"].iter().find_map(|rel| {
-        let kb: u64 = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/{rel}")).ok()?.trim().parse().ok()?;
-        (kb >= 4).then_some(kb * 1024)
-    })
+    ["queue/max_sectors_kb", "../queue/max_sectors_kb"]
+        .iter()
+        .find_map(|rel| {
+            let kb: u64 = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/{rel}"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
+            (kb >= 4).then_some(kb * 1024)
+        })
 }
 
 /// `_IOR(0x12, 114, size_t)` from linux/fs.h; the libc crate does not export it.
@@ -290,7 +347,11 @@ fn block_capacity(fd: i32) -> Result<u64> {
     let mut bytes: u64 = 0;
     // SAFETY: BLKGETSIZE64 writes one u64.
     if unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut bytes) } != 0 {
-        return Err(Error::os(format!("BLK_SEG registration: ioctl(fd {fd}, BLKGETSIZE64)"), &io::Error::last_os_error()).with_fd(fd));
+        return Err(Error::os(
+            format!("BLK_SEG registration: ioctl(fd {fd}, BLKGETSIZE64)"),
+            &io::Error::last_os_error(),
+        )
+        .with_fd(fd));
     }
     Ok(bytes)
 }
@@ -314,15 +375,32 @@ fn direct_align(fd: i32, is_block: bool) -> DirectAlign {
         let mut lbs: libc::c_int = 0;
         // SAFETY: BLKSSZGET writes one int.
         if unsafe { libc::ioctl(fd, libc::BLKSSZGET, &mut lbs) } == 0 && lbs > 0 {
-            return DirectAlign { mem: lbs as u64, offset: lbs as u64 };
+            return DirectAlign {
+                mem: lbs as u64,
+                offset: lbs as u64,
+            };
         }
     }
     // SAFETY: an all-zero statx is a valid value to be overwritten.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     // SAFETY: statx with AT_EMPTY_PATH and "" queries the fd itself and writes into stx.
-    let rc = unsafe { libc::statx(fd, c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx) };
+    let rc = unsafe {
+        libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
     if rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 && stx.stx_dio_offset_align > 0 {
-        return DirectAlign { mem: stx.stx_dio_mem_align.max(1) as u64, offset: stx.stx_dio_offset_align as u64 };
+        return DirectAlign {
+            mem: stx.stx_dio_mem_align.max(1) as u64,
+            offset: stx.stx_dio_offset_align as u64,
+        };
     }
-    DirectAlign { mem: 512, offset: 512 }
+    DirectAlign {
+        mem: 512,
+        offset: 512,
+    }
 }

@@ -31,7 +31,11 @@ pub fn query(meta_info: &str) -> Option<FileInfo> {
 }
 
 fn stat(path: &str) -> Option<FileInfo> {
-    std::fs::metadata(path).ok().map(|m| FileInfo { size: m.size(), mode: m.mode(), mtime: m.mtime() })
+    std::fs::metadata(path).ok().map(|m| FileInfo {
+        size: m.size(),
+        mode: m.mode(),
+        mtime: m.mtime(),
+    })
 }
 
 #[cfg(test)]
@@ -48,7 +52,10 @@ mod tests {
         let info = query(p).expect("exists");
         assert_eq!(info.size, 12345);
         assert_eq!(info.mode & 0o170000, 0o100000, "a regular file");
-        assert_eq!(query(&format!("rw,create:{p}")).map(|i| i.size), Some(12345));
+        assert_eq!(
+            query(&format!("rw,create:{p}")).map(|i| i.size),
+            Some(12345)
+        );
         assert_eq!(query(dir.join("absent").to_str().unwrap()), None);
         assert_eq!(query(""), None);
         assert_eq!(query("ro:"), None);

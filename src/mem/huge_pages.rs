@@ -21,12 +21,25 @@ pub fn map_populated(len: u64) -> io::Result<u64> {
     let align = if len >= HUGE_PAGE { HUGE_PAGE } else { 0 };
     let reserve = (len + align) as usize;
     // SAFETY: a fresh anonymous private mapping; checked for MAP_FAILED below.
-    let raw = unsafe { libc::mmap(std::ptr::null_mut(), reserve, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserve,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
     if raw == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
     let raw = raw as u64;
-    let base = if align > 0 { raw.div_ceil(align) * align } else { raw };
+    let base = if align > 0 {
+        raw.div_ceil(align) * align
+    } else {
+        raw
+    };
     // The reserve's head and tail outside [base, base + len) go back; only our own mapping is cut.
     let (head, tail) = (base - raw, raw + reserve as u64 - (base + len));
     // SAFETY: both ranges lie inside the mapping made above and nothing uses them.
@@ -42,7 +55,10 @@ pub fn map_populated(len: u64) -> io::Result<u64> {
     if align > 0 {
         // SAFETY: advice on our own mapping. EINVAL means no THP in this kernel: 4 KiB pages.
         if unsafe { libc::madvise(ptr, len as usize, libc::MADV_HUGEPAGE) } != 0 {
-            tracing::debug!("staging memory: no huge-page advice ({}); 4 KiB pages", io::Error::last_os_error());
+            tracing::debug!(
+                "staging memory: no huge-page advice ({}); 4 KiB pages",
+                io::Error::last_os_error()
+            );
         }
     }
     // Populated after the advice (MAP_POPULATE would fault 4 KiB pages in first), so that the
@@ -70,16 +86,29 @@ pub fn huge_backed(base: u64, len: u64) -> Option<(u64, bool)> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
     let mut lines = smaps.lines();
     while let Some(line) = lines.next() {
-        let Some((range, _)) = line.split_once(' ') else { continue };
-        let Some((start, end)) = range.split_once('-') else { continue };
-        let (Ok(start), Ok(end)) = (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16)) else { continue };
+        let Some((range, _)) = line.split_once(' ') else {
+            continue;
+        };
+        let Some((start, end)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16))
+        else {
+            continue;
+        };
         if start != base || end != base + len {
             continue;
         }
         let (mut huge, mut advised) = (0u64, false);
         for field in lines.by_ref() {
             if let Some(kb) = field.strip_prefix("AnonHugePages:") {
-                huge = kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()? << 10;
+                huge = kb
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .ok()?
+                    << 10;
             } else if let Some(flags) = field.strip_prefix("VmFlags:") {
                 advised = flags.split_whitespace().any(|f| f == "hg");
                 break;
@@ -107,25 +136,47 @@ mod tests {
         let pages = (len / 4096) as usize;
         let mut resident = vec![0u8; pages];
         // SAFETY: mincore on our own mapping, with one byte per page.
-        assert_eq!(unsafe { libc::mincore(base as *mut libc::c_void, len as usize, resident.as_mut_ptr()) }, 0);
+        assert_eq!(
+            unsafe {
+                libc::mincore(
+                    base as *mut libc::c_void,
+                    len as usize,
+                    resident.as_mut_ptr(),
+                )
+            },
+            0
+        );
         assert!(resident.iter().all(|r| r & 1 == 1), "every page populated");
         // SAFETY: the mapping is ours and writable for len bytes.
         let bytes = unsafe { std::slice::from_raw_parts_mut(base as *mut u8, len as usize) };
-        bytes.iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8);
+        bytes
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i % 251) as u8);
         assert!(bytes.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
         // With THP available the advice sets the mapping apart from its neighbours (VmFlags hg);
         // without it, the mapping may merge with a neighbour and there is nothing to check.
         let thp = thp_mode();
         if thp.contains('[') && !thp.contains("[never]") {
-            let (huge, advised) = huge_backed(base, len).expect("the advised mapping is one entry of smaps");
-            assert!(advised, "the huge-page advice is on the mapping (VmFlags hg)");
+            let (huge, advised) =
+                huge_backed(base, len).expect("the advised mapping is one entry of smaps");
+            assert!(
+                advised,
+                "the huge-page advice is on the mapping (VmFlags hg)"
+            );
             assert!(huge <= len);
         } else {
             println!("transparent huge pages unavailable here ({thp:?}): advice not checked");
         }
         // SAFETY: unmapping exactly what map_populated handed out.
-        assert_eq!(unsafe { libc::munmap(base as *mut libc::c_void, len as usize) }, 0);
-        assert!(huge_backed(base, len).is_none(), "the mapping is gone after munmap");
+        assert_eq!(
+            unsafe { libc::munmap(base as *mut libc::c_void, len as usize) },
+            0
+        );
+        assert!(
+            huge_backed(base, len).is_none(),
+            "the mapping is gone after munmap"
+        );
     }
 
     #[test]
@@ -135,9 +186,21 @@ mod tests {
         assert_eq!(base % 4096, 0);
         let mut resident = vec![0u8; (len / 4096) as usize];
         // SAFETY: mincore on our own mapping, with one byte per page.
-        assert_eq!(unsafe { libc::mincore(base as *mut libc::c_void, len as usize, resident.as_mut_ptr()) }, 0);
+        assert_eq!(
+            unsafe {
+                libc::mincore(
+                    base as *mut libc::c_void,
+                    len as usize,
+                    resident.as_mut_ptr(),
+                )
+            },
+            0
+        );
         assert!(resident.iter().all(|r| r & 1 == 1), "every page populated");
         // SAFETY: unmapping exactly what map_populated handed out.
-        assert_eq!(unsafe { libc::munmap(base as *mut libc::c_void, len as usize) }, 0);
+        assert_eq!(
+            unsafe { libc::munmap(base as *mut libc::c_void, len as usize) },
+            0
+        );
     }
 }

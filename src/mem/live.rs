@@ -56,13 +56,21 @@ pub struct Coverage {
 impl Coverage {
     pub fn of(reg: &Registration) -> Self {
         let (start, end) = reg.range();
-        Coverage { kind: reg.kind(), dev_id: reg.dev_id(), start, end }
+        Coverage {
+            kind: reg.kind(),
+            dev_id: reg.dev_id(),
+            start,
+            end,
+        }
     }
 
     /// Whether the registration is of `kind` and covers the descriptor's devId and range.
     #[inline]
     pub fn covers(&self, kind: MemKind, d: &iud_desc) -> bool {
-        self.kind == kind && self.dev_id == d.dev_id && d.addr >= self.start && d.addr.checked_add(d.len).is_some_and(|e| e <= self.end)
+        self.kind == kind
+            && self.dev_id == d.dev_id
+            && d.addr >= self.start
+            && d.addr.checked_add(d.len).is_some_and(|e| e <= self.end)
     }
 }
 
@@ -83,7 +91,13 @@ impl Index {
                     .max_by_key(|((.., token), _)| *token)
                     .map(|(_, r)| r)
             }
-            _ => self.storage.get(&(kind, d.dev_id))?.iter().rev().map(|(_, r)| r).find(|r| covers(r, kind, d)),
+            _ => self
+                .storage
+                .get(&(kind, d.dev_id))?
+                .iter()
+                .rev()
+                .map(|(_, r)| r)
+                .find(|r| covers(r, kind, d)),
         }
     }
 }
@@ -115,9 +129,14 @@ impl Registry {
                 ix.superseded.extend(older);
                 let longest = ix.longest.entry(kind).or_insert(0);
                 *longest = (*longest).max(end - start);
-                ix.memory.insert((kind, reg.dev_id(), start, token), Arc::clone(&reg));
+                ix.memory
+                    .insert((kind, reg.dev_id(), start, token), Arc::clone(&reg));
             }
-            _ => ix.storage.entry((kind, reg.dev_id())).or_default().push((token, Arc::clone(&reg))),
+            _ => ix
+                .storage
+                .entry((kind, reg.dev_id()))
+                .or_default()
+                .push((token, Arc::clone(&reg))),
         }
         ix.by_token.insert(token, reg);
         token as *const c_void
@@ -133,7 +152,8 @@ impl Registry {
         let kind = reg.kind();
         match kind {
             MemKind::Dram | MemKind::Vram => {
-                ix.memory.remove(&(kind, reg.dev_id(), reg.range().0, token));
+                ix.memory
+                    .remove(&(kind, reg.dev_id(), reg.range().0, token));
             }
             _ => {
                 if let Some(list) = ix.storage.get_mut(&(kind, reg.dev_id())) {
@@ -154,13 +174,24 @@ impl Registry {
         let token = d.md as usize;
         let hinted = ix.by_token.get(&token);
         if let Some(r) = hinted.filter(|r| covers(r, kind, d) && !ix.superseded.contains(&token)) {
-            return Ok(Resolved { reg: Arc::clone(r), by_hint: true });
+            return Ok(Resolved {
+                reg: Arc::clone(r),
+                by_hint: true,
+            });
         }
         if let Some(r) = ix.find(kind, d) {
-            return Ok(Resolved { reg: Arc::clone(r), by_hint: false });
+            return Ok(Resolved {
+                reg: Arc::clone(r),
+                by_hint: false,
+            });
         }
-        let other_kind = [MemKind::Dram, MemKind::Vram, MemKind::File, MemKind::Blk].into_iter().find(|&k| k != kind && ix.find(k, d).is_some());
-        Err(Unresolved { md_live: hinted.is_some(), other_kind })
+        let other_kind = [MemKind::Dram, MemKind::Vram, MemKind::File, MemKind::Blk]
+            .into_iter()
+            .find(|&k| k != kind && ix.find(k, d).is_some());
+        Err(Unresolved {
+            md_live: hinted.is_some(),
+            other_kind,
+        })
     }
 
     /// How many registrations are live (for tests and diagnostics).
@@ -194,12 +225,22 @@ mod tests {
     use super::*;
 
     fn d(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
-        iud_desc { addr, len, dev_id, md: md as *mut c_void }
+        iud_desc {
+            addr,
+            len,
+            dev_id,
+            md: md as *mut c_void,
+        }
     }
 
     fn dram(addr: u64, len: u64) -> Registration {
-        let workers = crate::uring::WorkerConfig { threads: 0, writers: crate::uring::WriterLimits::default(), spin_us: 0 };
-        let ring = Arc::new(crate::uring::Ring::new(8, false, workers, Arc::default()).expect("ring"));
+        let workers = crate::uring::WorkerConfig {
+            threads: 0,
+            writers: crate::uring::WriterLimits::default(),
+            spin_us: 0,
+        };
+        let ring =
+            Arc::new(crate::uring::Ring::new(8, false, workers, Arc::default()).expect("ring"));
         // SAFETY: without fixed buffers the region only records the range; nothing touches it.
         Registration::Dram(unsafe { crate::mem::DramRegion::register(ring, addr, len, 0, false) })
     }
@@ -210,18 +251,43 @@ mod tests {
         let a = r.insert(dram(0x10000, 0x1000));
         let b = r.insert(dram(0x20000, 0x4000));
         // b's token on a descriptor of a: found by address, not by the token.
-        let got = r.resolve(MemKind::Dram, &d(0x10100, 0x100, 0, b)).ok().unwrap();
+        let got = r
+            .resolve(MemKind::Dram, &d(0x10100, 0x100, 0, b))
+            .ok()
+            .unwrap();
         assert!(!got.by_hint && got.reg.range() == (0x10000, 0x11000));
-        assert!(r.resolve(MemKind::Dram, &d(0x20000, 0x4000, 0, b)).ok().unwrap().by_hint);
+        assert!(
+            r.resolve(MemKind::Dram, &d(0x20000, 0x4000, 0, b))
+                .ok()
+                .unwrap()
+                .by_hint
+        );
         assert!(r.remove(a).is_some() && r.remove(a).is_none());
         let c = r.insert(dram(0x10000, 0x1000));
         assert_ne!(a, c);
         // a is gone: a descriptor naming it finds c by address; a range nobody covers fails.
-        assert!(!r.resolve(MemKind::Dram, &d(0x10000, 0x1000, 0, a)).ok().unwrap().by_hint);
-        let miss = r.resolve(MemKind::Dram, &d(0x10f00, 0x200, 0, c)).err().unwrap();
+        assert!(
+            !r.resolve(MemKind::Dram, &d(0x10000, 0x1000, 0, a))
+                .ok()
+                .unwrap()
+                .by_hint
+        );
+        let miss = r
+            .resolve(MemKind::Dram, &d(0x10f00, 0x200, 0, c))
+            .err()
+            .unwrap();
         assert!(miss.md_live && miss.other_kind.is_none());
-        assert!(r.resolve(MemKind::Vram, &d(0x20000, 0x10, 0, b)).err().unwrap().other_kind == Some(MemKind::Dram));
-        assert!(r.resolve(MemKind::Dram, &d(0x20000, 0x10, 1, b)).is_err(), "devId must match");
+        assert!(
+            r.resolve(MemKind::Vram, &d(0x20000, 0x10, 0, b))
+                .err()
+                .unwrap()
+                .other_kind
+                == Some(MemKind::Dram)
+        );
+        assert!(
+            r.resolve(MemKind::Dram, &d(0x20000, 0x10, 1, b)).is_err(),
+            "devId must match"
+        );
     }
 
     #[test]
@@ -233,17 +299,56 @@ mod tests {
         let old = r.insert(dram(0x10000, 0x8000));
         let other = r.insert(dram(0x40000, 0x1000));
         let new = r.insert(dram(0x10000, 0x8000));
-        let got = r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, old)).ok().unwrap();
-        assert!(!got.by_hint && Arc::ptr_eq(&got.reg, &r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new)).ok().unwrap().reg));
-        assert!(r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new)).ok().unwrap().by_hint);
+        let got = r
+            .resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, old))
+            .ok()
+            .unwrap();
+        assert!(
+            !got.by_hint
+                && Arc::ptr_eq(
+                    &got.reg,
+                    &r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new))
+                        .ok()
+                        .unwrap()
+                        .reg
+                )
+        );
+        assert!(
+            r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new))
+                .ok()
+                .unwrap()
+                .by_hint
+        );
         // A newer registration starting lower and covering more wins over an older, closer one.
         let wider = r.insert(dram(0xf000, 0xa000));
-        let got = r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new)).ok().unwrap();
-        assert!(!got.by_hint && Arc::ptr_eq(&got.reg, &r.resolve(MemKind::Dram, &d(0xf000, 0x10, 0, wider)).ok().unwrap().reg));
+        let got = r
+            .resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new))
+            .ok()
+            .unwrap();
+        assert!(
+            !got.by_hint
+                && Arc::ptr_eq(
+                    &got.reg,
+                    &r.resolve(MemKind::Dram, &d(0xf000, 0x10, 0, wider))
+                        .ok()
+                        .unwrap()
+                        .reg
+                )
+        );
         // Registrations nothing newer overlaps keep their fast path; removal forgets the mark.
-        assert!(r.resolve(MemKind::Dram, &d(0x40000, 0x10, 0, other)).ok().unwrap().by_hint);
+        assert!(
+            r.resolve(MemKind::Dram, &d(0x40000, 0x10, 0, other))
+                .ok()
+                .unwrap()
+                .by_hint
+        );
         assert!(r.remove(old).is_some() && r.remove(new).is_some());
-        assert!(r.resolve(MemKind::Dram, &d(0x11000, 0x10, 0, wider)).ok().unwrap().by_hint);
+        assert!(
+            r.resolve(MemKind::Dram, &d(0x11000, 0x10, 0, wider))
+                .ok()
+                .unwrap()
+                .by_hint
+        );
     }
 
     #[test]
@@ -251,11 +356,23 @@ mod tests {
         let r = Registry::default();
         let long = r.insert(dram(0x1000, 1 << 30));
         let short = r.insert(dram(0x4000_0000, 0x1000));
-        let hit = r.resolve(MemKind::Dram, &d(0x3000_0000, 0x10, 0, short)).ok().unwrap();
+        let hit = r
+            .resolve(MemKind::Dram, &d(0x3000_0000, 0x10, 0, short))
+            .ok()
+            .unwrap();
         assert_eq!(hit.reg.range().0, 0x1000);
         let newer = r.insert(dram(0x1000, 1 << 30));
-        let hit = r.resolve(MemKind::Dram, &d(0x2000, 0x10, 0, std::ptr::null())).ok().unwrap();
-        assert!(Arc::ptr_eq(&hit.reg, &r.resolve(MemKind::Dram, &d(0x2000, 0x10, 0, newer)).ok().unwrap().reg));
+        let hit = r
+            .resolve(MemKind::Dram, &d(0x2000, 0x10, 0, std::ptr::null()))
+            .ok()
+            .unwrap();
+        assert!(Arc::ptr_eq(
+            &hit.reg,
+            &r.resolve(MemKind::Dram, &d(0x2000, 0x10, 0, newer))
+                .ok()
+                .unwrap()
+                .reg
+        ));
         let _ = long;
         assert_eq!(r.len(), 3);
     }

@@ -20,9 +20,18 @@ pub struct PathMeta {
 impl PathMeta {
     /// Parses metaInfo; None means fd mode. A valid mode list with an empty path is an error.
     pub fn parse(meta: &str) -> Result<Option<PathMeta>> {
-        let Some((modes, path)) = meta.split_once(':') else { return Ok(None) };
+        let Some((modes, path)) = meta.split_once(':') else {
+            return Ok(None);
+        };
         let mut access = None;
-        let mut m = PathMeta { path: String::new(), writable: false, direct: false, sync: false, noatime: false, create: false };
+        let mut m = PathMeta {
+            path: String::new(),
+            writable: false,
+            direct: false,
+            sync: false,
+            noatime: false,
+            create: false,
+        };
         for token in modes.split(',') {
             match token.trim() {
                 "ro" if access.is_none() => access = Some(false),
@@ -34,9 +43,13 @@ impl PathMeta {
                 _ => return Ok(None),
             }
         }
-        let Some(writable) = access else { return Ok(None) };
+        let Some(writable) = access else {
+            return Ok(None);
+        };
         if path.is_empty() {
-            return Err(Error::invalid(format!("path-mode metaInfo {meta:?} names no file after ':'")));
+            return Err(Error::invalid(format!(
+                "path-mode metaInfo {meta:?} names no file after ':'"
+            )));
         }
         m.writable = writable;
         m.path = path.to_owned();
@@ -45,7 +58,12 @@ impl PathMeta {
 
     /// open(2) flags for this mode.
     pub fn open_flags(&self) -> libc::c_int {
-        let mut flags = libc::O_CLOEXEC | if self.writable { libc::O_RDWR } else { libc::O_RDONLY };
+        let mut flags = libc::O_CLOEXEC
+            | if self.writable {
+                libc::O_RDWR
+            } else {
+                libc::O_RDONLY
+            };
         if self.direct {
             flags |= libc::O_DIRECT;
         }
@@ -68,7 +86,9 @@ mod tests {
 
     #[test]
     fn full_mode_list_is_parsed() {
-        let m = PathMeta::parse("rw,direct,sync,noatime,create:/tmp/a:b").unwrap().unwrap();
+        let m = PathMeta::parse("rw,direct,sync,noatime,create:/tmp/a:b")
+            .unwrap()
+            .unwrap();
         assert_eq!(m.path, "/tmp/a:b");
         assert!(m.writable && m.direct && m.sync && m.noatime && m.create);
         let f = m.open_flags();
@@ -85,7 +105,14 @@ mod tests {
 
     #[test]
     fn labels_and_empty_meta_mean_fd_mode() {
-        for meta in ["", "kv-cache", "label:with colon", "direct:/x", "ro,rw:/x", "rw,bogus:/x"] {
+        for meta in [
+            "",
+            "kv-cache",
+            "label:with colon",
+            "direct:/x",
+            "ro,rw:/x",
+            "rw,bogus:/x",
+        ] {
             assert_eq!(PathMeta::parse(meta), Ok(None), "{meta:?}");
         }
     }

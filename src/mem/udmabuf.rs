@@ -45,18 +45,27 @@ fn io_failure(message: String, err: io::Error) -> Error {
 
 /// The memfd behind `[addr, addr+len)` and the file offset of `addr`, or why there is none.
 pub fn backing_memfd(addr: u64, len: u64) -> Result<(File, u64)> {
-    let maps = std::fs::read_to_string("/proc/self/maps").map_err(|e| io_failure(format!("cannot read /proc/self/maps: {e}"), e))?;
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .map_err(|e| io_failure(format!("cannot read /proc/self/maps: {e}"), e))?;
     for line in maps.lines() {
         let mut f = line.split_whitespace();
-        let (Some(range), Some(perms), Some(off)) = (f.next(), f.next(), f.next()) else { continue };
-        let Some((s, e)) = range.split_once('-') else { continue };
-        let (Ok(start), Ok(end)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) else { continue };
+        let (Some(range), Some(perms), Some(off)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let Some((s, e)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) else {
+            continue;
+        };
         if addr < start || addr >= end {
             continue;
         }
         let path = f.nth(2).unwrap_or("");
         if addr + len > end {
-            return Err(Error::not_supported(format!("the range spans more than one mapping (mapping ends at 0x{end:x})")));
+            return Err(Error::not_supported(format!(
+                "the range spans more than one mapping (mapping ends at 0x{end:x})"
+            )));
         }
         if !path.starts_with("/memfd:") || !perms.contains('s') {
             return Err(Error::not_supported(format!(
@@ -69,8 +78,14 @@ pub fn backing_memfd(addr: u64, len: u64) -> Result<(File, u64)> {
             .write(true)
             .custom_flags(libc::O_CLOEXEC)
             .open(format!("/proc/self/map_files/{range}"))
-            .map_err(|e| io_failure(format!("cannot open the memfd through /proc/self/map_files/{range}: {e}"), e))?;
-        let map_off = u64::from_str_radix(off, 16).map_err(|_| Error::backend("bad mapping offset"))?;
+            .map_err(|e| {
+                io_failure(
+                    format!("cannot open the memfd through /proc/self/map_files/{range}: {e}"),
+                    e,
+                )
+            })?;
+        let map_off =
+            u64::from_str_radix(off, 16).map_err(|_| Error::backend("bad mapping offset"))?;
         return Ok((file, map_off + (addr - start)));
     }
     Err(Error::not_found(format!("0x{addr:x} is not mapped")))
@@ -94,7 +109,11 @@ pub fn seal_shrink(memfd: RawFd) -> Result<()> {
 
 /// udmabuf's per-buffer limit in bytes (module parameter `size_limit_mb`), when it is visible.
 pub fn size_limit() -> Option<u64> {
-    let mb: u64 = std::fs::read_to_string("/sys/module/udmabuf/parameters/size_limit_mb").ok()?.trim().parse().ok()?;
+    let mb: u64 = std::fs::read_to_string("/sys/module/udmabuf/parameters/size_limit_mb")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
     Some(mb.saturating_mul(1 << 20))
 }
 
@@ -106,12 +125,20 @@ pub fn create(memfd: RawFd, offset: u64, size: u64) -> Result<OwnedFd> {
         .custom_flags(libc::O_CLOEXEC)
         .open(DEVICE)
         .map_err(|e| io_failure(format!("cannot open {DEVICE} (CONFIG_UDMABUF): {e}"), e))?;
-    let arg = UdmabufCreate { memfd: memfd as u32, flags: UDMABUF_FLAGS_CLOEXEC, offset, size };
+    let arg = UdmabufCreate {
+        memfd: memfd as u32,
+        flags: UDMABUF_FLAGS_CLOEXEC,
+        offset,
+        size,
+    };
     // SAFETY: UDMABUF_CREATE reads one struct that outlives the call and returns a new fd.
     let fd = unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE, &arg) };
     if fd < 0 {
         let err = io::Error::last_os_error();
-        let e = Error::os(format!("UDMABUF_CREATE({size} bytes at {offset}) failed"), &err);
+        let e = Error::os(
+            format!("UDMABUF_CREATE({size} bytes at {offset}) failed"),
+            &err,
+        );
         return Err(e.with_fd(memfd).with_offset(offset));
     }
     // SAFETY: a fresh dma-buf fd that nothing else owns.
@@ -126,17 +153,31 @@ mod tests {
     fn anonymous_memory_is_refused_with_the_reason() {
         let v = vec![1u8; 1 << 16];
         let err = backing_memfd(v.as_ptr() as u64, v.len() as u64).unwrap_err();
-        assert!(err.message.contains("not a shared memfd mapping") || err.message.contains("more than one mapping"), "{err}");
+        assert!(
+            err.message.contains("not a shared memfd mapping")
+                || err.message.contains("more than one mapping"),
+            "{err}"
+        );
     }
 
     #[test]
     fn a_shared_memfd_mapping_is_found_at_the_right_offset() {
         // SAFETY: plain syscalls on fds and a mapping this test owns.
         unsafe {
-            let fd = libc::memfd_create(c"iud-test".as_ptr(), libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC);
+            let fd = libc::memfd_create(
+                c"iud-test".as_ptr(),
+                libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC,
+            );
             assert!(fd >= 0);
             assert_eq!(libc::ftruncate(fd, 1 << 20), 0);
-            let p = libc::mmap(std::ptr::null_mut(), 1 << 19, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 1 << 19);
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                1 << 19,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                1 << 19,
+            );
             assert_ne!(p, libc::MAP_FAILED);
             let (file, off) = backing_memfd(p as u64 + 8192, 4096).unwrap();
             assert_eq!(off, (1 << 19) + 8192);

@@ -26,7 +26,14 @@ pub struct VramRegion {
 
 impl fmt::Debug for VramRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "VramRegion(dev {}, 0x{:x}+{}, {} slabs)", self.device, self.addr, self.len, self.dmabuf.slabs.len())
+        write!(
+            f,
+            "VramRegion(dev {}, 0x{:x}+{}, {} slabs)",
+            self.device,
+            self.addr,
+            self.len,
+            self.dmabuf.slabs.len()
+        )
     }
 }
 
@@ -50,10 +57,20 @@ impl VramRegion {
             let p = Arc::clone(&provider);
             if let Err(why) = dmabuf.export_all(|start, n| p.export_dmabuf(device, start, n)) {
                 if export_required {
-                    return Err(Error::backend(format!("VRAM registration 0x{addr:x}+{len}: {why}")).caused_by(why));
+                    return Err(Error::backend(format!(
+                        "VRAM registration 0x{addr:x}+{len}: {why}"
+                    ))
+                    .caused_by(why));
                 }
             }
         }
-        Ok(VramRegion { addr, len, device, provider, dmabuf, cufile: once_cell::sync::OnceCell::new() })
+        Ok(VramRegion {
+            addr,
+            len,
+            device,
+            provider,
+            dmabuf,
+            cufile: once_cell::sync::OnceCell::new(),
+        })
     }
 }

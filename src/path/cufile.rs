@@ -24,7 +24,10 @@ impl Path for Cufile {
         }
         let lib = CuFile::load()?;
         if self.api == CufileApiChoice::Batch && lib.batch.is_none() {
-            return Err(Error::not_supported(format!("cufile_api=batch: {} has no batch API (cuFileBatchIO*)", lib.path)));
+            return Err(Error::not_supported(format!(
+                "cufile_api=batch: {} has no batch API (cuFileBatchIO*)",
+                lib.path
+            )));
         }
         Ok(())
     }
@@ -33,16 +36,25 @@ impl Path for Cufile {
     /// the VRAM region with cuFile (once per region; without it cuFile still works, slower).
     fn bind(&self, mem: &Registration, file: &FileRegion) -> Result<Route> {
         self.check(mem, file)?;
-        let Registration::Vram(vram) = mem else { return Err(Error::not_supported("cuFile moves only VRAM")) };
+        let Registration::Vram(vram) = mem else {
+            return Err(Error::not_supported("cuFile moves only VRAM"));
+        };
         let lib = CuFile::load()?;
         if file.cufile.get().is_none() {
-            let h = lib.register_handle(file.io_fd).map_err(|e| e.with_fd(file.fd))?;
+            let h = lib
+                .register_handle(file.io_fd)
+                .map_err(|e| e.with_fd(file.fd))?;
             let _ = file.cufile.set(Arc::new(h));
         }
         vram.cufile.get_or_init(|| {
             vram.provider.make_current(vram.device).ok()?;
             lib.register_buffer(vram.addr, vram.len)
-                .inspect_err(|e| tracing::info!("{}; cuFile moves this VRAM without a buffer registration", e.message))
+                .inspect_err(|e| {
+                    tracing::info!(
+                        "{}; cuFile moves this VRAM without a buffer registration",
+                        e.message
+                    )
+                })
                 .ok()
         });
         Ok(Route::Cufile)
@@ -54,7 +66,16 @@ impl Path for Cufile {
 pub fn executor(api: CufileApiChoice, threads: u32) -> CufileExecutor {
     let lib = CuFile::load().ok();
     let direct = cufile::mode().0;
-    let batch = lib.and_then(|l| l.batch.map(|f| (f, l.props.as_ref().map_or(128, |p| p.max_batch_io_size.max(1) as usize))));
+    let batch = lib.and_then(|l| {
+        l.batch.map(|f| {
+            (
+                f,
+                l.props
+                    .as_ref()
+                    .map_or(128, |p| p.max_batch_io_size.max(1) as usize),
+            )
+        })
+    });
     let wants_batch = match api {
         CufileApiChoice::Batch => true,
         CufileApiChoice::Auto => direct,
@@ -69,7 +90,11 @@ pub fn executor(api: CufileApiChoice, threads: u32) -> CufileExecutor {
         None => {
             tracing::info!(
                 "cuFile sub-path: {threads} worker threads{}",
-                if direct { "" } else { " (compatibility mode: the batch API is used only when cuFile is direct)" }
+                if direct {
+                    ""
+                } else {
+                    " (compatibility mode: the batch API is used only when cuFile is direct)"
+                }
             );
             CufileApi::Threads
         }
@@ -78,7 +103,12 @@ pub fn executor(api: CufileApiChoice, threads: u32) -> CufileExecutor {
 }
 
 /// The worker jobs of a cuFile request: each op with its file handle and buffer base.
-pub fn jobs(ops: &[IoOp], write: bool, registrations: &[Arc<Registration>], progress: &Arc<CufileProgress>) -> Result<Vec<Job>> {
+pub fn jobs(
+    ops: &[IoOp],
+    write: bool,
+    registrations: &[Arc<Registration>],
+    progress: &Arc<CufileProgress>,
+) -> Result<Vec<Job>> {
     let mut jobs = Vec::with_capacity(ops.len());
     for op in ops {
         let file = registrations.iter().find_map(|r| match &**r {
@@ -90,10 +120,23 @@ pub fn jobs(ops: &[IoOp], write: bool, registrations: &[Arc<Registration>], prog
             _ => None,
         });
         let (Some(handle), Some(vram)) = (file, vram) else {
-            return Err(Error::backend("cuFile request without its file handle or VRAM registration"));
+            return Err(Error::backend(
+                "cuFile request without its file handle or VRAM registration",
+            ));
         };
-        let base = if matches!(vram.cufile.get(), Some(Some(_))) { vram.addr } else { op.addr };
-        jobs.push(Job { progress: Arc::clone(progress), op: *op, write, handle, base, provider: Arc::clone(&vram.provider) });
+        let base = if matches!(vram.cufile.get(), Some(Some(_))) {
+            vram.addr
+        } else {
+            op.addr
+        };
+        jobs.push(Job {
+            progress: Arc::clone(progress),
+            op: *op,
+            write,
+            handle,
+            base,
+            provider: Arc::clone(&vram.provider),
+        });
     }
     Ok(jobs)
 }

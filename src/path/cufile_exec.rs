@@ -14,8 +14,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, ErrorKind, Failure, Result};
-use crate::gpu::cufile::CuFileHandle;
 use crate::gpu::cufile::batch::{event_status_name, Batch, BatchFns, Piece, STATUS_COMPLETE};
+use crate::gpu::cufile::CuFileHandle;
 use crate::gpu::GpuProvider;
 use crate::uring::{IoOp, Progress};
 
@@ -49,13 +49,22 @@ pub struct CufileProgress {
 
 impl std::fmt::Debug for CufileProgress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CufileProgress({} outstanding)", self.outstanding.load(Ordering::Relaxed))
+        write!(
+            f,
+            "CufileProgress({} outstanding)",
+            self.outstanding.load(Ordering::Relaxed)
+        )
     }
 }
 
 impl CufileProgress {
     pub fn new(failure: Arc<Failure>) -> CufileProgress {
-        CufileProgress { failure, outstanding: AtomicUsize::new(0), error: Mutex::new(None), batches: Mutex::new(Vec::new()) }
+        CufileProgress {
+            failure,
+            outstanding: AtomicUsize::new(0),
+            error: Mutex::new(None),
+            batches: Mutex::new(Vec::new()),
+        }
     }
 
     /// Ok(Done) when every piece finished, Ok(InFlight) before; the first error once all ended.
@@ -80,7 +89,10 @@ impl CufileProgress {
             match batch.poll() {
                 Err(e) => {
                     self.fail(e);
-                    self.outstanding.fetch_sub(batch.results.iter().filter(|r| r.is_none()).count(), Ordering::AcqRel);
+                    self.outstanding.fetch_sub(
+                        batch.results.iter().filter(|r| r.is_none()).count(),
+                        Ordering::AcqRel,
+                    );
                     false // dropping cancels and destroys it
                 }
                 Ok(false) => true,
@@ -88,7 +100,15 @@ impl CufileProgress {
                     for (job, result) in jobs.iter().zip(&batch.results) {
                         let (status, ret) = result.unwrap_or((0, 0));
                         let outcome = if status != STATUS_COMPLETE {
-                            Err(piece_error(job, 0, &format!("batch event {} (ret {})", event_status_name(status), ret as isize)))
+                            Err(piece_error(
+                                job,
+                                0,
+                                &format!(
+                                    "batch event {} (ret {})",
+                                    event_status_name(status),
+                                    ret as isize
+                                ),
+                            ))
                         } else if (ret as u64) < job.op.len as u64 {
                             // A short piece: move the rest with the synchronous call.
                             run_from(job, ret as u64)
@@ -132,23 +152,37 @@ pub struct CufileExecutor {
 impl CufileExecutor {
     pub fn new(threads: usize, api: CufileApi) -> CufileExecutor {
         if let CufileApi::Batch(..) = api {
-            return CufileExecutor { tx: Mutex::new(None), workers: Vec::new(), api };
+            return CufileExecutor {
+                tx: Mutex::new(None),
+                workers: Vec::new(),
+                api,
+            };
         }
         let (tx, rx) = channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         let workers = (0..threads.max(1))
             .map(|i| {
                 let rx = Arc::clone(&rx);
-                std::thread::Builder::new().name(format!("iud-cufile-{i}")).spawn(move || worker(&rx)).expect("spawn cuFile worker")
+                std::thread::Builder::new()
+                    .name(format!("iud-cufile-{i}"))
+                    .spawn(move || worker(&rx))
+                    .expect("spawn cuFile worker")
             })
             .collect();
-        CufileExecutor { tx: Mutex::new(Some(tx)), workers, api }
+        CufileExecutor {
+            tx: Mutex::new(Some(tx)),
+            workers,
+            api,
+        }
     }
 
     /// Starts a request. Fails if it is still running.
     pub fn post(&self, progress: &Arc<CufileProgress>, jobs: Vec<Job>) -> Result<Progress> {
         if progress.outstanding.load(Ordering::Acquire) > 0 {
-            return Err(Error::new(ErrorKind::RepostActive, "postXfer: the request is still in flight; wait for it or release it"));
+            return Err(Error::new(
+                ErrorKind::RepostActive,
+                "postXfer: the request is still in flight; wait for it or release it",
+            ));
         }
         progress.failure.check()?;
         *progress.failure.lock(&progress.error, ERROR_LOCK)? = None;
@@ -157,16 +191,25 @@ impl CufileExecutor {
             return self.post_batches(progress, jobs, fns, max);
         }
         let tx = progress.failure.lock(&self.tx, SENDER_LOCK)?;
-        let tx = tx.as_ref().ok_or_else(|| Error::backend("cuFile workers are shut down"))?;
+        let tx = tx
+            .as_ref()
+            .ok_or_else(|| Error::backend("cuFile workers are shut down"))?;
         for job in jobs {
-            tx.send(job).map_err(|_| Error::backend("cuFile workers are gone"))?;
+            tx.send(job)
+                .map_err(|_| Error::backend("cuFile workers are gone"))?;
         }
         progress.status()
     }
 
     /// Submits the jobs in batches of at most `max` pieces (one read or write direction per
     /// request, files may differ per piece).
-    fn post_batches(&self, progress: &Arc<CufileProgress>, jobs: Vec<Job>, fns: BatchFns, max: usize) -> Result<Progress> {
+    fn post_batches(
+        &self,
+        progress: &Arc<CufileProgress>,
+        jobs: Vec<Job>,
+        fns: BatchFns,
+        max: usize,
+    ) -> Result<Progress> {
         let Some(first) = jobs.first() else {
             return progress.status();
         };
@@ -181,7 +224,13 @@ impl CufileExecutor {
             let chunk: Vec<Job> = jobs.by_ref().take(max.max(1)).collect();
             let pieces: Vec<Piece<'_>> = chunk
                 .iter()
-                .map(|j| Piece { file: j.handle.raw(), base: j.base, buf_offset: j.op.addr - j.base, file_offset: j.op.file_offset, len: j.op.len as u64 })
+                .map(|j| Piece {
+                    file: j.handle.raw(),
+                    base: j.base,
+                    buf_offset: j.op.addr - j.base,
+                    file_offset: j.op.file_offset,
+                    len: j.op.len as u64,
+                })
                 .collect();
             match Batch::submit(fns, chunk[0].write, &pieces) {
                 Ok(b) => batches.push((b, chunk)),
@@ -202,14 +251,21 @@ impl CufileExecutor {
     /// be cancelled, so release waits for them; batches are cancelled.
     pub fn drain(&self, progress: &CufileProgress, limit: Duration) -> Result<()> {
         // Teardown: a poisoned list is still drained (its batches must be cancelled).
-        let cancelled: usize = progress.failure.lock_or_recover(&progress.batches, BATCHES_LOCK).drain(..).map(|(_, jobs)| jobs.len()).sum();
+        let cancelled: usize = progress
+            .failure
+            .lock_or_recover(&progress.batches, BATCHES_LOCK)
+            .drain(..)
+            .map(|(_, jobs)| jobs.len())
+            .sum();
         if cancelled > 0 {
             progress.outstanding.fetch_sub(cancelled, Ordering::AcqRel);
         }
         let deadline = Instant::now() + limit;
         while progress.outstanding.load(Ordering::Acquire) > 0 {
             if Instant::now() > deadline {
-                return Err(Error::backend("releaseReqH: cuFile I/O still running; the request is kept"));
+                return Err(Error::backend(
+                    "releaseReqH: cuFile I/O still running; the request is kept",
+                ));
             }
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -243,7 +299,12 @@ fn worker(rx: &Mutex<Receiver<Job>>) {
 
 /// Moves one piece, finishing short transfers.
 fn run(job: &Job) -> Result<()> {
-    if job.progress.failure.lock_or_recover(&job.progress.error, ERROR_LOCK).is_some() {
+    if job
+        .progress
+        .failure
+        .lock_or_recover(&job.progress.error, ERROR_LOCK)
+        .is_some()
+    {
         return Ok(()); // the request already failed: skip the rest
     }
     run_from(job, 0)
@@ -260,7 +321,9 @@ fn piece_error(job: &Job, done: u64, why: &dyn std::fmt::Display) -> Error {
         op.len as u64 - done,
         op.desc_index
     ));
-    e.at_descriptor(op.desc_index as usize).with_fd(op.fd).with_offset(op.file_offset + done)
+    e.at_descriptor(op.desc_index as usize)
+        .with_fd(op.fd)
+        .with_offset(op.file_offset + done)
 }
 
 /// Moves the piece from byte `done` on with synchronous calls.
@@ -272,7 +335,13 @@ fn run_from(job: &Job, mut done: u64) -> Result<()> {
     while done < op.len as u64 {
         let n = job
             .handle
-            .io(job.write, job.base, op.addr + done - job.base, op.len as u64 - done, op.file_offset + done)
+            .io(
+                job.write,
+                job.base,
+                op.addr + done - job.base,
+                op.len as u64 - done,
+                op.file_offset + done,
+            )
             // The piece's context plus what cuFile said (errno or cuFile status).
             .map_err(|e| piece_error(job, done, &e.message).caused_by(e))?;
         if n == 0 {
@@ -294,10 +363,19 @@ mod tests {
         assert_eq!(progress.status().unwrap(), Progress::Done);
         crate::error::poison(&progress.error);
         let e = progress.status().unwrap_err();
-        assert!(e.message.contains("cuFile request's error slot"), "{}", e.message);
+        assert!(
+            e.message.contains("cuFile request's error slot"),
+            "{}",
+            e.message
+        );
         // From now on every call of the engine answers the error.
         assert!(failure.check().is_err());
         let exec = CufileExecutor::new(1, CufileApi::Threads);
-        assert!(exec.post(&Arc::new(CufileProgress::new(Arc::clone(&failure))), Vec::new()).is_err());
+        assert!(exec
+            .post(
+                &Arc::new(CufileProgress::new(Arc::clone(&failure))),
+                Vec::new()
+            )
+            .is_err());
     }
 }

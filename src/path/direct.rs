@@ -23,7 +23,10 @@ impl Path for Direct {
     fn check(&self, mem: &Registration, _file: &FileRegion) -> Result<()> {
         match mem {
             Registration::Dram(_) => Ok(()),
-            other => Err(Error::invalid(format!("{} is not host memory", other.kind().name()))),
+            other => Err(Error::invalid(format!(
+                "{} is not host memory",
+                other.kind().name()
+            ))),
         }
     }
 
@@ -48,7 +51,14 @@ pub fn write_all(ops: &[IoOp]) -> Result<()> {
         loop {
             // SAFETY: op.addr..op.addr+op.len lies inside registered memory that NIXL's
             // contract keeps mapped while the request exists; pwrite only reads it.
-            let n = unsafe { libc::pwrite(op.io_fd, op.addr as *const libc::c_void, op.len as usize, op.file_offset as libc::off_t) };
+            let n = unsafe {
+                libc::pwrite(
+                    op.io_fd,
+                    op.addr as *const libc::c_void,
+                    op.len as usize,
+                    op.file_offset as libc::off_t,
+                )
+            };
             if n < 0 {
                 let err = io::Error::last_os_error();
                 match err.raw_os_error() {
@@ -76,14 +86,24 @@ pub fn write_all(ops: &[IoOp]) -> Result<()> {
 /// their full context.
 pub fn read_cached_prefix(ops: &[IoOp]) -> usize {
     for (i, op) in ops.iter().enumerate() {
-        let iov = libc::iovec { iov_base: op.addr as *mut libc::c_void, iov_len: op.len as usize };
+        let iov = libc::iovec {
+            iov_base: op.addr as *mut libc::c_void,
+            iov_len: op.len as usize,
+        };
         // SAFETY: op.addr..op.addr+op.len lies inside registered memory that NIXL's contract
         // keeps mapped while the request exists, and no other op of the request targets it now.
-        let n = unsafe { libc::preadv2(op.io_fd, &iov, 1, op.file_offset as libc::off_t, libc::RWF_NOWAIT) };
+        let n = unsafe {
+            libc::preadv2(
+                op.io_fd,
+                &iov,
+                1,
+                op.file_offset as libc::off_t,
+                libc::RWF_NOWAIT,
+            )
+        };
         if n != op.len as isize {
             return i;
         }
     }
     ops.len()
 }
-

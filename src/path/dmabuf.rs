@@ -54,26 +54,44 @@ impl Path for Dmabuf<'_> {
         let slabs = slabs_of(mem).ok_or_else(no_slabs)?;
         let mut slots = Vec::with_capacity(slabs.slabs.len());
         for slab in &slabs.slabs {
-            let fd = slab.dmabuf.as_ref().map(|f| f.as_raw_fd()).ok_or_else(|| Error::not_supported("slab has no DMA-BUF"))?;
+            let fd = slab
+                .dmabuf
+                .as_ref()
+                .map(|f| f.as_raw_fd())
+                .ok_or_else(|| Error::not_supported("slab has no DMA-BUF"))?;
             match self.ring.register_dmabuf(fd, file.io_fd) {
                 Ok(slot) => slots.push(slot),
                 Err(e) => {
                     for s in slots {
                         self.ring.release_buffer(s);
                     }
-                    return Err(Error::os(format!("io_uring refused the DMA-BUF for fd {}", file.fd), &e).with_fd(file.fd));
+                    return Err(Error::os(
+                        format!("io_uring refused the DMA-BUF for fd {}", file.fd),
+                        &e,
+                    )
+                    .with_fd(file.fd));
                 }
             }
         }
         let ring = Arc::clone(self.ring);
         let owned = slots.clone();
-        slabs.on_drop.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(move || {
-            for s in owned {
-                ring.release_buffer(s);
-            }
-        }));
+        slabs
+            .on_drop
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Box::new(move || {
+                for s in owned {
+                    ring.release_buffer(s);
+                }
+            }));
         if self.verify {
-            dmabuf_verify::dmabuf_read(self.ring, slabs, file, slots[0], &|to_host, dst, src, len| self_test_copy(mem, to_host, dst, src, len))?;
+            dmabuf_verify::dmabuf_read(
+                self.ring,
+                slabs,
+                file,
+                slots[0],
+                &|to_host, dst, src, len| self_test_copy(mem, to_host, dst, src, len),
+            )?;
         }
         Ok(Route::Dmabuf { slots })
     }
@@ -102,7 +120,9 @@ fn self_test_copy(mem: &Registration, to_host: bool, dst: u64, src: u64, len: u6
         _ => {
             // SAFETY: the self-test copies one block between its own buffer and the first block
             // of the registered host memory; the ranges do not overlap.
-            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize)
+            };
             Ok(())
         }
     }
@@ -111,10 +131,16 @@ fn self_test_copy(mem: &Registration, to_host: bool, dst: u64, src: u64, len: u6
 /// The piece at `addr`: its offset into the slab's DMA-BUF, the slab's slot, and the slab end.
 pub fn address(slabs: &DmabufSlabs, slots: &[u16], addr: u64) -> Option<(u64, u16, u64)> {
     let (slab, slab_end) = slabs.slab_at(addr)?;
-    Some((slabs.slabs[slab].dmabuf_offset_of(addr), slots[slab], slab_end))
+    Some((
+        slabs.slabs[slab].dmabuf_offset_of(addr),
+        slots[slab],
+        slab_end,
+    ))
 }
 
 /// The address O_DIRECT alignment is checked on: the offset into the DMA-BUF.
 pub fn aligned_address(slabs: &DmabufSlabs, addr: u64) -> u64 {
-    slabs.slab_at(addr).map_or(addr, |(s, _)| slabs.slabs[s].dmabuf_offset_of(addr))
+    slabs
+        .slab_at(addr)
+        .map_or(addr, |(s, _)| slabs.slabs[s].dmabuf_offset_of(addr))
 }

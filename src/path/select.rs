@@ -23,7 +23,11 @@ pub struct Selector<'a> {
 
 impl Selector<'_> {
     fn dmabuf(&self) -> Dmabuf<'_> {
-        Dmabuf { ring: self.ring, support: self.dmabuf_support, verify: self.params.verify_dma }
+        Dmabuf {
+            ring: self.ring,
+            support: self.dmabuf_support,
+            verify: self.params.verify_dma,
+        }
     }
 
     /// Binds the pair on the path the parameters pick and says why.
@@ -32,12 +36,16 @@ impl Selector<'_> {
             Registration::Vram(_) => self.choose_vram(mem, file),
             Registration::Dram(d) if d.dmabuf.is_some() => self.choose_dram(mem, file),
             Registration::Dram(_) => Direct.bind(mem, file).map(|r| (r, "host memory".into())),
-            Registration::Storage(_) => Err(Error::invalid("a storage registration on the memory side")),
+            Registration::Storage(_) => {
+                Err(Error::invalid("a storage registration on the memory side"))
+            }
         }
     }
 
     fn choose_vram(&self, mem: &Registration, file: &FileRegion) -> Result<(Route, String)> {
-        let cufile_path = Cufile { api: self.params.cufile_api };
+        let cufile_path = Cufile {
+            api: self.params.cufile_api,
+        };
         match self.params.vram_path {
             VramPath::Staging => Ok((Route::Staging, "vram_path=staging".into())),
             VramPath::Dmabuf => self.dmabuf().bind(mem, file).map(|r| (r, "vram_path=dmabuf".into())).map_err(|why| {
@@ -65,13 +73,31 @@ impl Selector<'_> {
     fn choose_dram(&self, mem: &Registration, file: &FileRegion) -> Result<(Route, String)> {
         let (start, end) = mem.range();
         match (self.dmabuf().bind(mem, file), self.params.dram_dmabuf) {
-            (Ok(r), _) => Ok((r, format!("dram_dmabuf: udmabuf registered, self-test {}", if self.params.verify_dma { "passed" } else { "off" }))),
+            (Ok(r), _) => Ok((
+                r,
+                format!(
+                    "dram_dmabuf: udmabuf registered, self-test {}",
+                    if self.params.verify_dma {
+                        "passed"
+                    } else {
+                        "off"
+                    }
+                ),
+            )),
             (Err(why), DramDmabuf::On) => Err(Error::new(
                 ErrorKind::NotSupported,
-                format!("dram_dmabuf=on cannot reach fd {} from DRAM 0x{:x}+{}: {why}", file.fd, start, end - start),
+                format!(
+                    "dram_dmabuf=on cannot reach fd {} from DRAM 0x{:x}+{}: {why}",
+                    file.fd,
+                    start,
+                    end - start
+                ),
             )
             .caused_by(why)),
-            (Err(why), _) => Ok((Route::Host, format!("dram_dmabuf=auto: {why}; fixed buffers"))),
+            (Err(why), _) => Ok((
+                Route::Host,
+                format!("dram_dmabuf=auto: {why}; fixed buffers"),
+            )),
         }
     }
 }

@@ -48,17 +48,24 @@ impl StagingPool {
     ) -> Result<StagingPool> {
         let total = buffer_size * count as u64;
         // Huge pages where the kernel offers them: the workers copy through these addresses.
-        let base = huge_pages::map_populated(total).map_err(|e| Error::os(format!("staging pool: mmap of {total} bytes"), &e))?;
+        let base = huge_pages::map_populated(total)
+            .map_err(|e| Error::os(format!("staging pool: mmap of {total} bytes"), &e))?;
         // SAFETY: the mapping stays until Drop, which unpins first.
         if let Err(e) = unsafe { provider.pin_host(base, total) } {
             // SAFETY: unmapping what we just mapped.
             unsafe { libc::munmap(base as *mut libc::c_void, total as usize) };
-            return Err(Error::new(e.kind, format!("staging pool: pinning {total} bytes failed: {}", e.message)));
+            return Err(Error::new(
+                e.kind,
+                format!("staging pool: pinning {total} bytes failed: {}", e.message),
+            ));
         }
         let bufs: Vec<StagingBuf> = (0..count as u64)
             .map(|i| {
                 let addr = base + i * buffer_size;
-                StagingBuf { addr, buf_index: register(addr, buffer_size) }
+                StagingBuf {
+                    addr,
+                    buf_index: register(addr, buffer_size),
+                }
             })
             .collect();
         // Debug only: reading smaps walks every mapping of the process (a GPU process has many),
@@ -70,7 +77,14 @@ impl StagingPool {
             huge_page_bytes = ?huge_pages::huge_backed(base, total).map(|(bytes, _)| bytes),
             "staging pool ready"
         );
-        Ok(StagingPool { provider, buffer_size, free: (0..count as usize).rev().collect(), bufs, base, total })
+        Ok(StagingPool {
+            provider,
+            buffer_size,
+            free: (0..count as usize).rev().collect(),
+            bufs,
+            base,
+            total,
+        })
     }
 
     pub fn take(&mut self) -> Option<usize> {
@@ -122,7 +136,11 @@ pub struct Stage {
 impl Stage {
     /// The stage's pieces, one stage each.
     pub fn pieces(self) -> impl Iterator<Item = Stage> {
-        (self.piece..self.piece + self.count).map(move |piece| Stage { group: self.group, piece, count: 1 })
+        (self.piece..self.piece + self.count).map(move |piece| Stage {
+            group: self.group,
+            piece,
+            count: 1,
+        })
     }
 }
 
@@ -192,22 +210,54 @@ pub struct Staging {
 
 impl Staging {
     pub fn new(pool: StagingPool, shape: StagingShape) -> Staging {
-        let max_io_size = if shape.max_io_size == 0 { u64::from(u32::MAX) } else { shape.max_io_size };
-        Staging { pool, pack_max: shape.pack_max, packed_copy: shape.packed_copy, groups: slab::Slab::new(), copies: Vec::new(), write_window: shape.write_window, window_used: 0, max_io_size, kernel_streams: shape.kernel_streams.max(1) as usize, next_lane: 0 }
+        let max_io_size = if shape.max_io_size == 0 {
+            u64::from(u32::MAX)
+        } else {
+            shape.max_io_size
+        };
+        Staging {
+            pool,
+            pack_max: shape.pack_max,
+            packed_copy: shape.packed_copy,
+            groups: slab::Slab::new(),
+            copies: Vec::new(),
+            write_window: shape.write_window,
+            window_used: 0,
+            max_io_size,
+            kernel_streams: shape.kernel_streams.max(1) as usize,
+            next_lane: 0,
+        }
     }
 
     /// Whether a page-cache WRITE may open a group for a piece of `len` bytes now: the window
     /// has room, or nothing fills it (a piece larger than the window still goes, alone).
     pub fn window_admits(&self, len: u32) -> bool {
-        self.write_window == 0 || self.window_used == 0 || self.window_used + u64::from(len) <= self.write_window
+        self.write_window == 0
+            || self.window_used == 0
+            || self.window_used + u64::from(len) <= self.write_window
     }
 
     /// A buffer for `first`, the group's first piece, or None while all are busy. `windowed`:
     /// a page-cache WRITE, counted against the write window.
-    pub fn open(&mut self, owner: usize, write: bool, first: IoOp, windowed: bool) -> Option<usize> {
+    pub fn open(
+        &mut self,
+        owner: usize,
+        write: bool,
+        first: IoOp,
+        windowed: bool,
+    ) -> Option<usize> {
         let buf = self.pool.take()?;
         let windowed = windowed && self.write_window > 0;
-        let g = self.groups.insert(Group { owner, buf, write, pieces: Vec::new(), used: 0, windowed, io_left: 0, io_ok: 0 });
+        let g = self.groups.insert(Group {
+            owner,
+            buf,
+            write,
+            pieces: Vec::new(),
+            used: 0,
+            windowed,
+            io_left: 0,
+            io_ok: 0,
+        });
         let added = self.try_add(g, first);
         debug_assert!(added, "a planned staged piece fits an empty buffer");
         Some(g)
@@ -221,8 +271,15 @@ impl Staging {
         let end = at + u64::from(op.len);
         if let Some((first, _)) = grp.pieces.first() {
             let small = |o: &IoOp| u64::from(o.len) <= pack_max;
-            let window_full = grp.windowed && self.window_used + (end - grp.used) > self.write_window;
-            if !small(first) || !small(&op) || first.device != op.device || grp.pieces.len() >= PACK_PIECES_MAX || end > size || window_full {
+            let window_full =
+                grp.windowed && self.window_used + (end - grp.used) > self.write_window;
+            if !small(first)
+                || !small(&op)
+                || first.device != op.device
+                || grp.pieces.len() >= PACK_PIECES_MAX
+                || end > size
+                || window_full
+            {
                 return false;
             }
         } else if u64::from(op.len) > size {
@@ -254,20 +311,31 @@ impl Staging {
     pub fn run_at(&self, group: usize, piece: u32) -> Stage {
         let grp = &self.groups[group];
         let (first, _) = grp.pieces[piece as usize];
-        let cap = if first.punt && !grp.write { self.max_io_size.min(WORKER_JOB_BYTES) } else { self.max_io_size };
+        let cap = if first.punt && !grp.write {
+            self.max_io_size.min(WORKER_JOB_BYTES)
+        } else {
+            self.max_io_size
+        };
         let mut len = u64::from(first.len);
         let mut count = 1;
         for w in grp.pieces[piece as usize..].windows(2) {
             let ((a, a_at), (b, b_at)) = (w[0], w[1]);
-            let continues = b.file == a.file && b.io_fd == a.io_fd && b.punt == a.punt
-                && b.file_offset == a.file_offset + u64::from(a.len) && b_at == a_at + u64::from(a.len);
+            let continues = b.file == a.file
+                && b.io_fd == a.io_fd
+                && b.punt == a.punt
+                && b.file_offset == a.file_offset + u64::from(a.len)
+                && b_at == a_at + u64::from(a.len);
             if !continues || len + u64::from(b.len) > cap {
                 break;
             }
             len += u64::from(b.len);
             count += 1;
         }
-        Stage { group, piece, count }
+        Stage {
+            group,
+            piece,
+            count,
+        }
     }
 
     /// The group's runs, in order (see `run_at`).
@@ -290,7 +358,10 @@ impl Staging {
         let (op, at) = run[0];
         let len: u64 = run.iter().map(|(o, _)| u64::from(o.len)).sum();
         let host = &self.pool.bufs[grp.buf];
-        IoOp { len: len as u32, ..op.on_host(host.addr + at, host.buf_index) }
+        IoOp {
+            len: len as u32,
+            ..op.on_host(host.addr + at, host.buf_index)
+        }
     }
 
     /// How many of the stage's leading pieces lie wholly within its first `done` bytes.
@@ -298,10 +369,12 @@ impl Staging {
         let grp = &self.groups[s.group];
         let mut end = 0;
         let run = &grp.pieces[s.piece as usize..(s.piece + s.count) as usize];
-        run.iter().take_while(|(o, _)| {
-            end += u64::from(o.len);
-            end <= done
-        }).count() as u32
+        run.iter()
+            .take_while(|(o, _)| {
+                end += u64::from(o.len);
+                end <= done
+            })
+            .count() as u32
     }
 
     /// A stage's storage I/O ended; `Some` when it was the group's last.
@@ -310,7 +383,11 @@ impl Staging {
         let n = s.count as usize;
         grp.io_left -= n;
         grp.io_ok += if ok { n } else { 0 };
-        (grp.io_left == 0).then(|| IoEnd { group: s.group, ok: grp.io_ok, failed: grp.pieces.len() - grp.io_ok })
+        (grp.io_left == 0).then(|| IoEnd {
+            group: s.group,
+            ok: grp.io_ok,
+            failed: grp.pieces.len() - grp.io_ok,
+        })
     }
 
     /// Starts the group's device copy: device -> buffer for a WRITE (the storage writes follow),
@@ -318,21 +395,41 @@ impl Staging {
     pub fn start_copy(&mut self, g: usize) -> Result<()> {
         let grp = &self.groups[g];
         let host = self.pool.bufs[grp.buf].addr;
-        let pieces = copy_pieces(grp.pieces.iter().map(|(op, at)| CopyPiece { dev: op.addr, host: host + at, len: u64::from(op.len) }));
+        let pieces = copy_pieces(grp.pieces.iter().map(|(op, at)| CopyPiece {
+            dev: op.addr,
+            host: host + at,
+            len: u64::from(op.len),
+        }));
         let device = grp.pieces[0].0.device.unwrap_or(0);
         let lane = self.next_lane;
         self.next_lane = (lane + 1) % self.kernel_streams;
         // SAFETY: the staging buffer is the group's until `close`; the device ranges are
         // registered VRAM kept alive by the request's plan.
         let ticket = match pieces.as_slice() {
-            [one] if grp.write => unsafe { self.pool.provider.copy_to_host(device, one.host, one.dev, one.len) },
-            [one] => unsafe { self.pool.provider.copy_to_device(device, one.dev, one.host, one.len) },
-            _ => unsafe { self.pool.provider.copy_batch(device, &pieces, grp.write, self.packed_copy, lane) },
+            [one] if grp.write => unsafe {
+                self.pool
+                    .provider
+                    .copy_to_host(device, one.host, one.dev, one.len)
+            },
+            [one] => unsafe {
+                self.pool
+                    .provider
+                    .copy_to_device(device, one.dev, one.host, one.len)
+            },
+            _ => unsafe {
+                self.pool
+                    .provider
+                    .copy_batch(device, &pieces, grp.write, self.packed_copy, lane)
+            },
         }?;
         if grp.write {
             self.groups[g].io_left = self.groups[g].pieces.len();
         }
-        self.copies.push(PendingCopy { group: g, ticket, started: std::time::Instant::now() });
+        self.copies.push(PendingCopy {
+            group: g,
+            ticket,
+            started: std::time::Instant::now(),
+        });
         Ok(())
     }
 
@@ -359,7 +456,14 @@ impl Staging {
             let c = self.copies.swap_remove(i);
             done += 1;
             let grp = &self.groups[c.group];
-            out.push(CopyDone { owner: grp.owner, group: c.group, pieces: grp.pieces.len(), result: finished.map(drop), then_write: grp.write, started: c.started });
+            out.push(CopyDone {
+                owner: grp.owner,
+                group: c.group,
+                pieces: grp.pieces.len(),
+                result: finished.map(drop),
+                then_write: grp.write,
+                started: c.started,
+            });
         }
         done
     }
@@ -414,7 +518,9 @@ fn copy_pieces(pieces: impl Iterator<Item = CopyPiece>) -> Vec<CopyPiece> {
     let mut out: Vec<CopyPiece> = Vec::new();
     for p in pieces {
         match out.last_mut() {
-            Some(last) if last.dev + last.len == p.dev && last.host + last.len == p.host => last.len += p.len,
+            Some(last) if last.dev + last.len == p.dev && last.host + last.len == p.host => {
+                last.len += p.len
+            }
             _ => out.push(p),
         }
     }
@@ -446,14 +552,30 @@ mod tests {
             Ok(())
         }
         fn unpin_host(&self, _: u64) {}
-        unsafe fn copy_to_host(&self, _: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+        unsafe fn copy_to_host(
+            &self,
+            _: i32,
+            host: u64,
+            dev: u64,
+            len: u64,
+        ) -> Result<Box<dyn CopyTicket>> {
             // SAFETY: both ranges are host memory of the test, valid for `len` bytes.
-            unsafe { std::ptr::copy_nonoverlapping(dev as *const u8, host as *mut u8, len as usize) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(dev as *const u8, host as *mut u8, len as usize)
+            };
             Ok(Box::new(CopyFinished))
         }
-        unsafe fn copy_to_device(&self, _: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+        unsafe fn copy_to_device(
+            &self,
+            _: i32,
+            dev: u64,
+            host: u64,
+            len: u64,
+        ) -> Result<Box<dyn CopyTicket>> {
             // SAFETY: as above.
-            unsafe { std::ptr::copy_nonoverlapping(host as *const u8, dev as *mut u8, len as usize) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(host as *const u8, dev as *mut u8, len as usize)
+            };
             Ok(Box::new(CopyFinished))
         }
         fn make_current(&self, _: i32) -> Result<()> {
@@ -467,13 +589,38 @@ mod tests {
     const KIB: u64 = 1024;
 
     fn staging(buffers: u32, write_window: u64) -> Staging {
-        let shape = StagingShape { buffer_size: 512 * KIB, buffers, pack_max: 256 * KIB, packed_copy: PackedCopy::Batch, write_window, max_io_size: 0, kernel_streams: 1 };
-        let pool = StagingPool::new(Arc::new(HostAsDevice), shape.buffer_size, shape.buffers, |_, _| None).expect("pool");
+        let shape = StagingShape {
+            buffer_size: 512 * KIB,
+            buffers,
+            pack_max: 256 * KIB,
+            packed_copy: PackedCopy::Batch,
+            write_window,
+            max_io_size: 0,
+            kernel_streams: 1,
+        };
+        let pool = StagingPool::new(
+            Arc::new(HostAsDevice),
+            shape.buffer_size,
+            shape.buffers,
+            |_, _| None,
+        )
+        .expect("pool");
         Staging::new(pool, shape)
     }
 
     fn piece(len: u64) -> IoOp {
-        IoOp { file: FileRef::Raw(3), fd: 3, io_fd: 3, file_offset: 0, addr: 0x1000, len: len as u32, buf_index: None, device: Some(0), punt: true, desc_index: 0 }
+        IoOp {
+            file: FileRef::Raw(3),
+            fd: 3,
+            io_fd: 3,
+            file_offset: 0,
+            addr: 0x1000,
+            len: len as u32,
+            buf_index: None,
+            device: Some(0),
+            punt: true,
+            desc_index: 0,
+        }
     }
 
     #[test]
@@ -485,11 +632,18 @@ mod tests {
         let b = s.open(1, true, piece(512 * KIB), true).expect("a buffer");
         assert!(!s.window_admits(4 * KIB as u32), "the window is full");
         // Other traffic does not count against it: reads and O_DIRECT writes still get buffers.
-        let read = s.open(2, false, piece(512 * KIB), false).expect("a buffer for a read");
-        let direct = s.open(3, true, piece(512 * KIB), false).expect("a buffer for an O_DIRECT write");
+        let read = s
+            .open(2, false, piece(512 * KIB), false)
+            .expect("a buffer for a read");
+        let direct = s
+            .open(3, true, piece(512 * KIB), false)
+            .expect("a buffer for an O_DIRECT write");
         assert!(!s.window_admits(4 * KIB as u32));
         s.close(a);
-        assert!(s.window_admits(512 * KIB as u32), "closing a group gives its bytes back");
+        assert!(
+            s.window_admits(512 * KIB as u32),
+            "closing a group gives its bytes back"
+        );
         for g in [b, read, direct] {
             s.close(g);
         }
@@ -502,7 +656,10 @@ mod tests {
         let g = s.open(1, true, piece(64 * KIB), true).expect("a buffer");
         assert!(s.try_add(g, piece(64 * KIB)));
         assert!(s.try_add(g, piece(64 * KIB)));
-        assert!(!s.try_add(g, piece(64 * KIB)), "a fourth 64 KiB piece would pass 192 KiB");
+        assert!(
+            !s.try_add(g, piece(64 * KIB)),
+            "a fourth 64 KiB piece would pass 192 KiB"
+        );
         assert_eq!(s.pieces(g), 3);
         s.close(g);
         // Nothing fills the window: a piece larger than the whole window is admitted alone.
@@ -512,22 +669,36 @@ mod tests {
         s.close(big);
         // No window: never limited.
         let mut s = staging(4, 0);
-        let gs: Vec<usize> = (0..4).map(|_| s.open(1, true, piece(512 * KIB), true).expect("a buffer")).collect();
+        let gs: Vec<usize> = (0..4)
+            .map(|_| s.open(1, true, piece(512 * KIB), true).expect("a buffer"))
+            .collect();
         assert!(s.window_admits(512 * KIB as u32));
         gs.into_iter().for_each(|g| s.close(g));
     }
 
     fn at(file_offset: u64, len: u64, punt: bool) -> IoOp {
-        IoOp { file_offset, punt, ..piece(len) }
+        IoOp {
+            file_offset,
+            punt,
+            ..piece(len)
+        }
     }
 
     #[test]
     fn pieces_end_to_end_in_file_and_buffer_become_one_run() {
         let mut s = staging(4, 0);
-        let g = s.open(1, false, at(0, 16 * KIB, false), false).expect("a buffer");
+        let g = s
+            .open(1, false, at(0, 16 * KIB, false), false)
+            .expect("a buffer");
         // 16 KiB pieces: 0, 16K, 32K follow each other; 80K leaves a gap in the file; 96K
         // continues it; a 5000-byte piece is padded in the buffer, so what follows it starts a run.
-        for op in [at(16 * KIB, 16 * KIB, false), at(32 * KIB, 16 * KIB, false), at(80 * KIB, 16 * KIB, false), at(96 * KIB, 5000, false), at(96 * KIB + 5000, 4096, false)] {
+        for op in [
+            at(16 * KIB, 16 * KIB, false),
+            at(32 * KIB, 16 * KIB, false),
+            at(80 * KIB, 16 * KIB, false),
+            at(96 * KIB, 5000, false),
+            at(96 * KIB + 5000, 4096, false),
+        ] {
             assert!(s.try_add(g, op));
         }
         let runs: Vec<(u32, u32)> = s.runs(g).iter().map(|r| (r.piece, r.count)).collect();
@@ -535,7 +706,10 @@ mod tests {
         let first = s.host_op(s.runs(g)[0]);
         assert_eq!((first.file_offset, first.len), (0, 48 * KIB as u32));
         let second = s.host_op(s.runs(g)[1]);
-        assert_eq!((second.file_offset, second.len, second.addr - first.addr), (80 * KIB, 16 * KIB as u32 + 5000, 48 * KIB));
+        assert_eq!(
+            (second.file_offset, second.len, second.addr - first.addr),
+            (80 * KIB, 16 * KIB as u32 + 5000, 48 * KIB)
+        );
         assert_eq!(s.pieces_within(s.runs(g)[0], 0), 0);
         assert_eq!(s.pieces_within(s.runs(g)[0], 32 * KIB - 1), 1);
         assert_eq!(s.pieces_within(s.runs(g)[0], 48 * KIB), 3);
@@ -545,29 +719,57 @@ mod tests {
     #[test]
     fn runs_stop_at_another_file_at_max_io_size_and_at_a_worker_job_for_buffered_reads() {
         let mut s = staging(4, 0);
-        let g = s.open(1, false, at(0, 64 * KIB, false), false).expect("a buffer");
-        assert!(s.try_add(g, IoOp { io_fd: 4, ..at(64 * KIB, 64 * KIB, false) }), "another file, end to end");
+        let g = s
+            .open(1, false, at(0, 64 * KIB, false), false)
+            .expect("a buffer");
+        assert!(
+            s.try_add(
+                g,
+                IoOp {
+                    io_fd: 4,
+                    ..at(64 * KIB, 64 * KIB, false)
+                }
+            ),
+            "another file, end to end"
+        );
         assert_eq!(s.runs(g).len(), 2);
         s.close(g);
         // Buffered reads (punted to the page-cache workers): at most one worker job per run.
-        let g = s.open(1, false, at(0, 64 * KIB, true), false).expect("a buffer");
+        let g = s
+            .open(1, false, at(0, 64 * KIB, true), false)
+            .expect("a buffer");
         (1..8).for_each(|i| assert!(s.try_add(g, at(i * 64 * KIB, 64 * KIB, true))));
         let runs: Vec<u32> = s.runs(g).iter().map(|r| r.count).collect();
         assert_eq!(runs, [WORKER_JOB_BYTES as u32 / (64 * KIB as u32); 2]);
         s.close(g);
         // The same pieces written: one run; with max_io_size 128 KiB, four.
-        let g = s.open(1, true, at(0, 64 * KIB, true), false).expect("a buffer");
+        let g = s
+            .open(1, true, at(0, 64 * KIB, true), false)
+            .expect("a buffer");
         (1..8).for_each(|i| assert!(s.try_add(g, at(i * 64 * KIB, 64 * KIB, true))));
         assert_eq!(s.runs(g).len(), 1);
         s.max_io_size = 128 * KIB;
-        assert_eq!(s.runs(g).iter().map(|r| r.count).collect::<Vec<_>>(), [2; 4]);
+        assert_eq!(
+            s.runs(g).iter().map(|r| r.count).collect::<Vec<_>>(),
+            [2; 4]
+        );
         s.close(g);
     }
 
     #[test]
     fn copies_of_neighbours_in_vram_and_buffer_merge() {
         let p = |dev: u64, host: u64, len: u64| CopyPiece { dev, host, len };
-        let merged = copy_pieces([p(0, 100, 8), p(8, 108, 8), p(16, 116, 8), p(40, 124, 8), p(48, 140, 8), p(56, 148, 8)].into_iter());
+        let merged = copy_pieces(
+            [
+                p(0, 100, 8),
+                p(8, 108, 8),
+                p(16, 116, 8),
+                p(40, 124, 8),
+                p(48, 140, 8),
+                p(56, 148, 8),
+            ]
+            .into_iter(),
+        );
         let got: Vec<(u64, u64, u64)> = merged.iter().map(|c| (c.dev, c.host, c.len)).collect();
         // A VRAM gap (24 -> 40) and a buffer gap (132 -> 140) each start a new copy.
         assert_eq!(got, [(0, 100, 24), (40, 124, 8), (48, 140, 16)]);

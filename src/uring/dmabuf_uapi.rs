@@ -77,7 +77,15 @@ const _: () = assert!(std::mem::offset_of!(IoUringRsrcUpdate2, nr) == 24);
 /// A descriptor of `kind` with every field the kernel requires to be zero left zero: `flags`,
 /// `size` and `uaddr` (DMABUF), `__resv`; the fds only for DMABUF.
 fn desc(kind: u32, dmabuf_fd: RawFd, target_fd: RawFd) -> IoUringRegbufDesc {
-    IoUringRegbufDesc { kind, flags: 0, size: 0, uaddr: 0, dmabuf_fd, target_fd, resv: [0; 6] }
+    IoUringRegbufDesc {
+        kind,
+        flags: 0,
+        size: 0,
+        uaddr: 0,
+        dmabuf_fd,
+        target_fd,
+        resv: [0; 6],
+    }
 }
 
 /// One EXTENDED buffer update of `slot` on the ring `ring_fd`.
@@ -115,7 +123,12 @@ unsafe fn update_extended(ring_fd: RawFd, slot: u32, desc: &IoUringRegbufDesc) -
 /// The ring must not be IOPOLL (reported refused after v3; see [`Ring::register_dmabuf`]).
 ///
 /// [`Ring::register_dmabuf`]: crate::uring::Ring::register_dmabuf
-pub fn register_dmabuf(ring_fd: RawFd, slot: u32, dmabuf_fd: RawFd, target_fd: RawFd) -> io::Result<()> {
+pub fn register_dmabuf(
+    ring_fd: RawFd,
+    slot: u32,
+    dmabuf_fd: RawFd,
+    target_fd: RawFd,
+) -> io::Result<()> {
     let d = desc(IO_REGBUF_TYPE_DMABUF, dmabuf_fd, target_fd);
     // SAFETY: a DMABUF descriptor references no user memory.
     unsafe { update_extended(ring_fd, slot, &d) }.map(drop)
@@ -163,10 +176,18 @@ pub fn interpret_probe(result: io::Result<i32>) -> DmabufSupport {
 pub fn probe() -> DmabufSupport {
     let ring = match io_uring::IoUring::new(4) {
         Ok(r) => r,
-        Err(e) => return DmabufSupport::Absent(format!("io_uring_setup failed: {}", crate::error::describe_os_error(&e))),
+        Err(e) => {
+            return DmabufSupport::Absent(format!(
+                "io_uring_setup failed: {}",
+                crate::error::describe_os_error(&e)
+            ))
+        }
     };
     if let Err(e) = ring.submitter().register_buffers_sparse(1) {
-        return DmabufSupport::Absent(format!("sparse buffer table refused: {}", crate::error::describe_os_error(&e)));
+        return DmabufSupport::Absent(format!(
+            "sparse buffer table refused: {}",
+            crate::error::describe_os_error(&e)
+        ));
     }
     use std::os::fd::AsRawFd;
     let d = desc(IO_REGBUF_TYPE_EMPTY, 0, 0);
@@ -185,13 +206,27 @@ mod tests {
 
     #[test]
     fn every_probe_errno_is_absent_with_a_reason() {
-        for errno in [libc::EINVAL, libc::ENXIO, libc::EOPNOTSUPP, libc::EFAULT, libc::ENOSYS, libc::EPERM, libc::EACCES, libc::ENOMEM, libc::EBUSY] {
+        for errno in [
+            libc::EINVAL,
+            libc::ENXIO,
+            libc::EOPNOTSUPP,
+            libc::EFAULT,
+            libc::ENOSYS,
+            libc::EPERM,
+            libc::EACCES,
+            libc::ENOMEM,
+            libc::EBUSY,
+        ] {
             match interpret_probe(Err(io::Error::from_raw_os_error(errno))) {
                 DmabufSupport::Absent(reason) => assert!(!reason.is_empty(), "errno {errno}"),
                 other => panic!("errno {errno} gave {other:?}"),
             }
         }
-        let DmabufSupport::Absent(r) = interpret_probe(Err(io::Error::from_raw_os_error(libc::EINVAL))) else { unreachable!() };
+        let DmabufSupport::Absent(r) =
+            interpret_probe(Err(io::Error::from_raw_os_error(libc::EINVAL)))
+        else {
+            unreachable!()
+        };
         assert!(r.starts_with(ABSENT) && !r.contains("7.4"), "{r}");
         assert!(!interpret_probe(Ok(0)).is_available());
     }
@@ -210,8 +245,14 @@ mod tests {
             assert!(!r.is_empty(), "an absence without a reason");
         }
         match std::env::var("IUD_EXPECT_DMABUF_UAPI").as_deref() {
-            Ok("1") => assert!(first.is_available(), "expected the uAPI, probe says {first:?}"),
-            Ok("0") => assert!(!first.is_available(), "expected no uAPI, probe says {first:?}"),
+            Ok("1") => assert!(
+                first.is_available(),
+                "expected the uAPI, probe says {first:?}"
+            ),
+            Ok("0") => assert!(
+                !first.is_available(),
+                "expected no uAPI, probe says {first:?}"
+            ),
             _ => {}
         }
     }

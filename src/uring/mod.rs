@@ -12,6 +12,8 @@ mod worker_defaults;
 mod workers;
 
 pub use op::{FileRef, IoOp, Progress};
-pub use ring::{CoreGuard, FileKey, Ring, RingCore, Submission, MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
+pub use ring::{
+    CoreGuard, FileKey, Ring, RingCore, Submission, MAX_FIXED_BUFFER, WORKER_JOB_BYTES,
+};
 pub use worker_defaults::{default_page_cache_threads, default_page_cache_writers, usable_cpus};
 pub use workers::{WorkerConfig, WriterLimits};

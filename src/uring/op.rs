@@ -64,7 +64,9 @@ impl IoOp {
 
     /// This op's descriptor, fd and offset on an error about it.
     pub fn annotate(&self, e: Error) -> Error {
-        e.at_descriptor(self.desc_index as usize).with_fd(self.fd).with_offset(self.file_offset)
+        e.at_descriptor(self.desc_index as usize)
+            .with_fd(self.fd)
+            .with_offset(self.file_offset)
     }
 
     /// The error for an I/O that failed with `errno`.
@@ -103,7 +105,12 @@ impl IoOp {
     /// The same storage I/O aimed at host memory `addr` in fixed-buffer slot `buf_index`
     /// (a staging buffer) instead of this op's device memory.
     pub fn on_host(&self, addr: u64, buf_index: Option<u16>) -> IoOp {
-        IoOp { addr, buf_index, device: None, ..*self }
+        IoOp {
+            addr,
+            buf_index,
+            device: None,
+            ..*self
+        }
     }
 
     /// Builds the SQE. Building is safe; pushing it is where the kernel starts using `addr`.
@@ -111,12 +118,16 @@ impl IoOp {
         macro_rules! build {
             ($fd:expr) => {
                 match (write, self.buf_index) {
-                    (false, Some(idx)) => opcode::ReadFixed::new($fd, self.addr as *mut u8, self.len, idx)
-                        .offset(self.file_offset)
-                        .build(),
-                    (true, Some(idx)) => opcode::WriteFixed::new($fd, self.addr as *const u8, self.len, idx)
-                        .offset(self.file_offset)
-                        .build(),
+                    (false, Some(idx)) => {
+                        opcode::ReadFixed::new($fd, self.addr as *mut u8, self.len, idx)
+                            .offset(self.file_offset)
+                            .build()
+                    }
+                    (true, Some(idx)) => {
+                        opcode::WriteFixed::new($fd, self.addr as *const u8, self.len, idx)
+                            .offset(self.file_offset)
+                            .build()
+                    }
                     (false, None) => opcode::Read::new($fd, self.addr as *mut u8, self.len)
                         .offset(self.file_offset)
                         .build(),
@@ -145,18 +156,49 @@ mod tests {
 
     #[test]
     fn remainder_continues_where_the_short_io_stopped() {
-        let op = IoOp { file: FileRef::Raw(3), fd: 3, io_fd: 3, file_offset: 4096, addr: 0x1000, len: 8192, buf_index: Some(2), device: None, punt: false, desc_index: 5 };
+        let op = IoOp {
+            file: FileRef::Raw(3),
+            fd: 3,
+            io_fd: 3,
+            file_offset: 4096,
+            addr: 0x1000,
+            len: 8192,
+            buf_index: Some(2),
+            device: None,
+            punt: false,
+            desc_index: 5,
+        };
         let rest = op.remainder(1000);
-        assert_eq!((rest.file_offset, rest.addr, rest.len), (5096, 0x1000 + 1000, 7192));
+        assert_eq!(
+            (rest.file_offset, rest.addr, rest.len),
+            (5096, 0x1000 + 1000, 7192)
+        );
         assert_eq!((rest.buf_index, rest.desc_index, rest.fd), (Some(2), 5, 3));
     }
 
     #[test]
     fn io_errors_carry_descriptor_fd_offset_and_errno() {
-        let op = IoOp { file: FileRef::Fixed(0), fd: 7, io_fd: 7, file_offset: 8192, addr: 0x1000, len: 4096, buf_index: None, device: None, punt: false, desc_index: 3 };
+        let op = IoOp {
+            file: FileRef::Fixed(0),
+            fd: 7,
+            io_fd: 7,
+            file_offset: 8192,
+            addr: 0x1000,
+            len: 4096,
+            buf_index: None,
+            device: None,
+            punt: false,
+            desc_index: 3,
+        };
         let c = op.failed(true, libc::EIO).context;
-        assert_eq!((c.descriptor, c.fd, c.offset, c.errno), (Some(3), Some(7), Some(8192), Some(libc::EIO)));
+        assert_eq!(
+            (c.descriptor, c.fd, c.offset, c.errno),
+            (Some(3), Some(7), Some(8192), Some(libc::EIO))
+        );
         let c = op.made_no_progress(false).context;
-        assert_eq!((c.descriptor, c.fd, c.offset, c.errno), (Some(3), Some(7), Some(8192), None));
+        assert_eq!(
+            (c.descriptor, c.fd, c.offset, c.errno),
+            (Some(3), Some(7), Some(8192), None)
+        );
     }
 }

@@ -109,7 +109,12 @@ impl Ring {
     /// Creates the ring and its sparse buffer and file tables. A table the kernel refuses is
     /// simply absent (I/O then uses plain buffers or fds), logged once. `workers`: the page-cache
     /// workers started on the first punted op.
-    pub fn new(sq_entries: u32, fixed_files: bool, workers: WorkerConfig, failure: Arc<Failure>) -> Result<Ring> {
+    pub fn new(
+        sq_entries: u32,
+        fixed_files: bool,
+        workers: WorkerConfig,
+        failure: Arc<Failure>,
+    ) -> Result<Ring> {
         let uring = IoUring::builder()
             .setup_cqsize(sq_entries * 2)
             .setup_submit_all()
@@ -124,10 +129,16 @@ impl Ring {
             })?;
         let sq = uring.params().sq_entries();
         let cq = uring.params().cq_entries();
-        let buffer_slots = match uring.submitter().register_buffers_sparse(BUFFER_TABLE_SLOTS) {
+        let buffer_slots = match uring
+            .submitter()
+            .register_buffers_sparse(BUFFER_TABLE_SLOTS)
+        {
             Ok(()) => Some(SlotPool::new(BUFFER_TABLE_SLOTS)),
             Err(e) => {
-                tracing::info!("io_uring fixed buffers unavailable ({}); DRAM uses plain READ/WRITE", describe_os_error(&e));
+                tracing::info!(
+                    "io_uring fixed buffers unavailable ({}); DRAM uses plain READ/WRITE",
+                    describe_os_error(&e)
+                );
                 None
             }
         };
@@ -136,7 +147,10 @@ impl Ring {
             match uring.submitter().register_files_sparse(nofile) {
                 Ok(()) => Some(SlotPool::new(nofile)),
                 Err(e) => {
-                    tracing::info!("io_uring fixed files unavailable ({}); I/O passes raw fds", describe_os_error(&e));
+                    tracing::info!(
+                        "io_uring fixed files unavailable ({}); I/O passes raw fds",
+                        describe_os_error(&e)
+                    );
                     None
                 }
             }
@@ -196,7 +210,9 @@ impl Ring {
     /// already (then the guard does it when released), unregisters it right away: a
     /// deregistered buffer must not stay pinned, nor a file open, until some later call.
     fn retire(&self, r: Retired) {
-        self.failure.lock_or_recover(&self.retired, "ring retired slots").push(r);
+        self.failure
+            .lock_or_recover(&self.retired, "ring retired slots")
+            .push(r);
         if HOLDER.with(|h| h.get()) != self as *const Ring as usize {
             drop(self.lock_for_teardown());
         }
@@ -211,11 +227,23 @@ impl Ring {
         debug_assert!(len <= MAX_FIXED_BUFFER);
         let mut core = self.lock().map_err(io::Error::other)?;
         let core = &mut *core;
-        let pool = core.buffer_slots.as_mut().ok_or_else(|| io::Error::from_raw_os_error(libc::ENXIO))?;
-        let slot = pool.take().ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
-        let iov = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len as usize };
+        let pool = core
+            .buffer_slots
+            .as_mut()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENXIO))?;
+        let slot = pool
+            .take()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
+        let iov = libc::iovec {
+            iov_base: addr as *mut libc::c_void,
+            iov_len: len as usize,
+        };
         // SAFETY: the caller keeps the memory mapped until the slot is released.
-        match unsafe { core.uring.submitter().register_buffers_update(slot, &[iov], None) } {
+        match unsafe {
+            core.uring
+                .submitter()
+                .register_buffers_update(slot, &[iov], None)
+        } {
             Ok(()) => Ok(slot as u16),
             Err(e) => {
                 pool.put(slot);
@@ -249,7 +277,11 @@ impl Ring {
             }
             Err(e) => {
                 pool.put(slot);
-                tracing::debug!(fd = key.fd, "fixed-file registration failed ({}); using the raw fd", describe_os_error(&e));
+                tracing::debug!(
+                    fd = key.fd,
+                    "fixed-file registration failed ({}); using the raw fd",
+                    describe_os_error(&e)
+                );
                 None
             }
         }
@@ -271,8 +303,13 @@ impl Ring {
         if core.uring.params().is_setup_iopoll() {
             return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
         }
-        let pool = core.buffer_slots.as_mut().ok_or_else(|| io::Error::from_raw_os_error(libc::ENXIO))?;
-        let slot = pool.take().ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
+        let pool = core
+            .buffer_slots
+            .as_mut()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENXIO))?;
+        let slot = pool
+            .take()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
         match dmabuf_uapi::register_dmabuf(core.uring.as_raw_fd(), slot, dmabuf_fd, target_fd) {
             Ok(()) => Ok(slot as u16),
             Err(e) => {
@@ -297,7 +334,12 @@ pub struct CoreGuard<'a> {
 impl CoreGuard<'_> {
     fn flush_retired(&mut self) {
         // The retired list is a leaf lock, also taken from Drops: recovered when poisoned.
-        let retired = std::mem::take(&mut *self.ring.failure.lock_or_recover(&self.ring.retired, "ring retired slots"));
+        let retired = std::mem::take(
+            &mut *self
+                .ring
+                .failure
+                .lock_or_recover(&self.ring.retired, "ring retired slots"),
+        );
         for r in retired {
             self.core.unregister(r);
         }
@@ -327,7 +369,10 @@ impl Drop for CoreGuard<'_> {
 impl Drop for RingCore {
     fn drop(&mut self) {
         if self.in_flight() > 0 {
-            tracing::error!(ops = self.in_flight(), "io_uring ring closed with I/O still in flight after cancellation");
+            tracing::error!(
+                ops = self.in_flight(),
+                "io_uring ring closed with I/O still in flight after cancellation"
+            );
         }
     }
 }
@@ -350,7 +395,10 @@ impl RingCore {
 
     /// The workers' queue, for a caller that runs queued reads itself while ops are on it.
     pub fn page_cache_helper(&self) -> Option<QueueHelper> {
-        self.workers.as_ref().filter(|_| self.on_workers > 0).map(PageCacheWorkers::helper)
+        self.workers
+            .as_ref()
+            .filter(|_| self.on_workers > 0)
+            .map(PageCacheWorkers::helper)
     }
 
     /// Queues one op: a punted op goes to the page-cache workers (started on first use), any
@@ -388,12 +436,21 @@ impl RingCore {
                     tracing::debug!(threads = w.threads(), "page-cache workers started");
                     self.workers = Some(w);
                 }
-                Err(e) => tracing::info!("page-cache workers unavailable ({e}); punted I/O goes to io_uring's workers"),
+                Err(e) => tracing::info!(
+                    "page-cache workers unavailable ({e}); punted I/O goes to io_uring's workers"
+                ),
             }
         }
         let Some(w) = &self.workers else { return false };
         let op = s.op;
-        let job = Job { token: s.token, fd: op.io_fd, offset: op.file_offset, addr: op.addr, len: op.len, write: s.write };
+        let job = Job {
+            token: s.token,
+            fd: op.io_fd,
+            offset: op.file_offset,
+            addr: op.addr,
+            len: op.len,
+            write: s.write,
+        };
         self.on_workers += 1;
         if u64::from(op.len) >= WORKER_JOB_BYTES {
             w.submit(job);
@@ -437,7 +494,9 @@ impl RingCore {
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                 // The kernel is short of resources or CQ room: what was not consumed stays in
                 // the SQ and goes with the next submit.
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EBUSY)) => return Ok(()),
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EBUSY)) => {
+                    return Ok(())
+                }
                 Err(e) => return Err(Error::os("io_uring_enter (submit)", &e)),
             }
         }
@@ -506,12 +565,25 @@ impl RingCore {
             }
             return Ok(());
         }
-        let timeout = if poll_soon || self.on_workers > 0 { Duration::from_millis(1) } else { timeout };
-        let ts = types::Timespec::new().sec(timeout.as_secs()).nsec(timeout.subsec_nanos());
+        let timeout = if poll_soon || self.on_workers > 0 {
+            Duration::from_millis(1)
+        } else {
+            timeout
+        };
+        let ts = types::Timespec::new()
+            .sec(timeout.as_secs())
+            .nsec(timeout.subsec_nanos());
         let args = types::SubmitArgs::new().timespec(&ts);
         match self.uring.submitter().submit_with_args(1, &args) {
             Ok(_) => Ok(()),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => Ok(()),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
+                ) =>
+            {
+                Ok(())
+            }
             Err(e) => Err(Error::os("io_uring_enter (wait)", &e)),
         }
     }
@@ -521,7 +593,11 @@ impl RingCore {
     /// such as the DMA-BUF self-test.
     pub fn run_one(&mut self, op: IoOp, write: bool) -> Result<i32> {
         let op = IoOp { punt: false, ..op };
-        while !self.push(&Submission { op, write, token: RUN_ONE_CQE }) {
+        while !self.push(&Submission {
+            op,
+            write,
+            token: RUN_ONE_CQE,
+        }) {
             self.submit()?;
         }
         loop {
@@ -545,7 +621,11 @@ impl RingCore {
             }
             match self.uring.submitter().submit_and_wait(1) {
                 Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)
+                    ) => {}
                 Err(e) => return Err(Error::os("io_uring_enter (wait)", &e)),
             }
         }
@@ -554,20 +634,33 @@ impl RingCore {
     fn unregister(&mut self, r: Retired) {
         match r {
             Retired::Buffer(slot) => {
-                let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+                let empty = libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                };
                 // SAFETY: an empty iovec clears the slot; no memory is handed to the kernel.
-                let res = unsafe { self.uring.submitter().register_buffers_update(slot as u32, &[empty], None) };
+                let res = unsafe {
+                    self.uring
+                        .submitter()
+                        .register_buffers_update(slot as u32, &[empty], None)
+                };
                 match res {
                     Ok(()) => {
                         if let Some(pool) = self.buffer_slots.as_mut() {
                             pool.put(slot as u32)
                         }
                     }
-                    Err(e) => tracing::error!(slot, "unregistering fixed buffer slot failed ({}); slot leaked", describe_os_error(&e)),
+                    Err(e) => tracing::error!(
+                        slot,
+                        "unregistering fixed buffer slot failed ({}); slot leaked",
+                        describe_os_error(&e)
+                    ),
                 }
             }
             Retired::File(key) => {
-                let Some(f) = self.files.get_mut(&key) else { return };
+                let Some(f) = self.files.get_mut(&key) else {
+                    return;
+                };
                 f.refs -= 1;
                 if f.refs > 0 {
                     return;
@@ -580,7 +673,11 @@ impl RingCore {
                             pool.put(slot)
                         }
                     }
-                    Err(e) => tracing::error!(slot, "unregistering fixed file slot failed ({}); slot leaked", describe_os_error(&e)),
+                    Err(e) => tracing::error!(
+                        slot,
+                        "unregistering fixed file slot failed ({}); slot leaked",
+                        describe_os_error(&e)
+                    ),
                 }
             }
         }
@@ -588,7 +685,10 @@ impl RingCore {
 }
 
 fn nofile_limit() -> u64 {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: getrlimit writes into the struct we pass.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
         lim.rlim_cur

@@ -11,7 +11,16 @@ use crate::test_support::skip;
 #[test]
 fn a_poisoned_ring_lock_fails_the_engine_and_slots_are_still_released() {
     let failure = Arc::new(Failure::default());
-    let ring = match Ring::new(8, true, WorkerConfig { threads: 2, writers: WriterLimits::default(), spin_us: 0 }, Arc::clone(&failure)) {
+    let ring = match Ring::new(
+        8,
+        true,
+        WorkerConfig {
+            threads: 2,
+            writers: WriterLimits::default(),
+            spin_us: 0,
+        },
+        Arc::clone(&failure),
+    ) {
         Ok(r) => r,
         Err(e) => return skip(&e.message),
     };
@@ -21,7 +30,12 @@ fn a_poisoned_ring_lock_fails_the_engine_and_slots_are_still_released() {
     ring.poison_core();
     let e = ring.lock().err().expect("a poisoned ring lock is an error");
     assert_eq!(e.to_status(), status::ERR_BACKEND);
-    assert!(e.message.contains("internal lock io_uring ring is poisoned"), "{}", e.message);
+    assert!(
+        e.message
+            .contains("internal lock io_uring ring is poisoned"),
+        "{}",
+        e.message
+    );
     let e = failure.check().unwrap_err();
     assert!(e.message.contains("io_uring ring"), "{}", e.message);
     // Teardown cannot answer an error: releasing recovers the lock instead of panicking.

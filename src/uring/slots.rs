@@ -8,7 +8,9 @@ pub struct SlotPool {
 
 impl SlotPool {
     pub fn new(capacity: u32) -> Self {
-        SlotPool { free: (0..capacity).rev().collect() }
+        SlotPool {
+            free: (0..capacity).rev().collect(),
+        }
     }
 
     pub fn take(&mut self) -> Option<u32> {

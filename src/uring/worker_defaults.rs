@@ -15,7 +15,8 @@ const PAGE_CACHE_WRITERS_DEFAULT_MAX: usize = 8;
 /// Asked once per process (the answer reads cgroup files).
 pub fn default_page_cache_threads() -> usize {
     static THREADS: once_cell::sync::OnceCell<usize> = once_cell::sync::OnceCell::new();
-    *THREADS.get_or_init(|| (usable_cpus().saturating_sub(2)).clamp(1, PAGE_CACHE_WORKERS_DEFAULT_MAX))
+    *THREADS
+        .get_or_init(|| (usable_cpus().saturating_sub(2)).clamp(1, PAGE_CACHE_WORKERS_DEFAULT_MAX))
 }
 
 /// How many page-cache workers may write at once by default, all files together: half the CPUs,

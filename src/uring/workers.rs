@@ -141,7 +141,9 @@ const READ_STEP: usize = 128 << 10;
 /// writer limit counts a batch against the right file and a caller helping with reads never
 /// takes a write along.
 pub fn joins_batch(batch: &[Job], job: &Job) -> bool {
-    batch.first().is_none_or(|first| first.fd == job.fd && first.write == job.write)
+    batch
+        .first()
+        .is_none_or(|first| first.fd == job.fd && first.write == job.write)
 }
 
 /// How many workers may write at once (0 = no limit).
@@ -171,16 +173,22 @@ fn write_fd(batch: &[Job]) -> Option<i32> {
 
 impl Queues {
     fn new(workers: usize) -> Queues {
-        Queues { running: vec![Vec::new(); workers], ..Queues::default() }
+        Queues {
+            running: vec![Vec::new(); workers],
+            ..Queues::default()
+        }
     }
 
     /// The position of the first batch a worker may run now: any read, or a write within `limits`.
     fn first_runnable(&self, limits: WriterLimits) -> Option<usize> {
         let (writing, all) = (&self.writing, self.writing_all);
         let admits = |fd: i32| {
-            (limits.file == 0 || writing.get(&fd).copied().unwrap_or(0) < limits.file) && (limits.all == 0 || all < limits.all)
+            (limits.file == 0 || writing.get(&fd).copied().unwrap_or(0) < limits.file)
+                && (limits.all == 0 || all < limits.all)
         };
-        self.jobs.iter().position(|b| write_fd(b).is_none_or(admits))
+        self.jobs
+            .iter()
+            .position(|b| write_fd(b).is_none_or(admits))
     }
 
     /// Takes the first batch a worker may run now.
@@ -216,10 +224,19 @@ impl Queues {
     /// (bench/results/2026-12-05-per-request-h200.md).
     /// True when one sleeping worker is to be woken: the place a write freed let a batch run
     /// besides the one taken.
-    fn end_and_take(&mut self, batch: &[Job], worker: usize, limits: WriterLimits) -> (Option<Vec<Job>>, bool) {
+    fn end_and_take(
+        &mut self,
+        batch: &[Job],
+        worker: usize,
+        limits: WriterLimits,
+    ) -> (Option<Vec<Job>>, bool) {
         self.batch_ended(batch, worker);
         let next = self.take_runnable(limits, worker);
-        let wake = limits.any() && write_fd(batch).is_some() && next.is_some() && self.first_runnable(limits).is_some() && self.wake_one();
+        let wake = limits.any()
+            && write_fd(batch).is_some()
+            && next.is_some()
+            && self.first_runnable(limits).is_some()
+            && self.wake_one();
         (next, wake)
     }
 
@@ -258,7 +275,12 @@ impl PageCacheWorkers {
     /// skipped. At most `config.writers` of them write at once.
     pub fn new(config: WorkerConfig, failure: Arc<Failure>) -> std::io::Result<PageCacheWorkers> {
         let count = config.threads;
-        let shared = Arc::new(Shared::new(count.max(1), config.writers, config.spin_us, failure));
+        let shared = Arc::new(Shared::new(
+            count.max(1),
+            config.writers,
+            config.spin_us,
+            failure,
+        ));
         let mut threads = Vec::new();
         for i in 0..count.max(1) {
             let s = Arc::clone(&shared);
@@ -286,7 +308,9 @@ impl PageCacheWorkers {
 
     /// A handle with which a posting or polling thread runs queued reads itself.
     pub fn helper(&self) -> QueueHelper {
-        QueueHelper { shared: Arc::clone(&self.shared) }
+        QueueHelper {
+            shared: Arc::clone(&self.shared),
+        }
     }
 
     /// Queues a job. The memory and the fd must stay valid until its result is taken.
@@ -317,7 +341,11 @@ impl PageCacheWorkers {
         let mut q = self.lock();
         let before_running = q.cancelled.len();
         let running_now: HashSet<u64> = q.running.iter().flatten().copied().collect();
-        let running: Vec<u64> = tokens.iter().copied().filter(|t| running_now.contains(t)).collect();
+        let running: Vec<u64> = tokens
+            .iter()
+            .copied()
+            .filter(|t| running_now.contains(t))
+            .collect();
         q.cancelled.extend(running);
         if q.cancelled.len() != before_running {
             self.shared.cancel_epoch.fetch_add(1, Ordering::Release);
@@ -356,7 +384,11 @@ impl PageCacheWorkers {
         let mut q = self.lock();
         if q.done.is_empty() {
             q.done_waiters += 1;
-            let (mut q, _) = self.shared.done_ready.wait_timeout(q, timeout).unwrap_or_else(|p| p.into_inner());
+            let (mut q, _) = self
+                .shared
+                .done_ready
+                .wait_timeout(q, timeout)
+                .unwrap_or_else(|p| p.into_inner());
             q.done_waiters -= 1;
         }
     }
@@ -394,7 +426,9 @@ impl QueueHelper {
             let batch = {
                 let mut q = s.lock();
                 match q.jobs.front() {
-                    Some(b) if b.first().is_some_and(|j| !j.write) => q.jobs.pop_front().unwrap_or_default(),
+                    Some(b) if b.first().is_some_and(|j| !j.write) => {
+                        q.jobs.pop_front().unwrap_or_default()
+                    }
                     _ => return ran,
                 }
             };
@@ -436,15 +470,22 @@ impl QueueHelper {
 /// A page-cache read that must not wait for the disk: Some(bytes or -errno), or None when the
 /// pages are not cached (or the file system cannot say so without blocking).
 fn read_nowait(job: &Job) -> Option<i32> {
-    let iov = libc::iovec { iov_base: job.addr as *mut libc::c_void, iov_len: job.len as usize };
+    let iov = libc::iovec {
+        iov_base: job.addr as *mut libc::c_void,
+        iov_len: job.len as usize,
+    };
     loop {
         // SAFETY: as for `run`: the core keeps the memory and the fd valid until it takes this
         // job's result, and the job is off the queue, so no other thread runs it.
-        let n = unsafe { libc::preadv2(job.fd, &iov, 1, job.offset as libc::off_t, libc::RWF_NOWAIT) };
+        let n =
+            unsafe { libc::preadv2(job.fd, &iov, 1, job.offset as libc::off_t, libc::RWF_NOWAIT) };
         if n >= 0 {
             return Some(n as i32);
         }
-        match std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) {
+        match std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+        {
             libc::EINTR => continue,
             libc::EAGAIN | libc::EOPNOTSUPP => return None,
             errno => return Some(-errno),
@@ -473,9 +514,15 @@ fn work(s: &Shared, me: usize) {
                 if !spun {
                     // Watch for the next job a moment, off the lock: a sleeping worker's
                     // wake-up costs the submitter a system call and the job a scheduler delay.
-                    let (seen, until) = (s.submitted.load(Ordering::Acquire), std::time::Instant::now() + s.spin);
+                    let (seen, until) = (
+                        s.submitted.load(Ordering::Acquire),
+                        std::time::Instant::now() + s.spin,
+                    );
                     drop(q);
-                    while s.submitted.load(Ordering::Acquire) == seen && std::time::Instant::now() < until && !s.stop.load(Ordering::Relaxed) {
+                    while s.submitted.load(Ordering::Acquire) == seen
+                        && std::time::Instant::now() < until
+                        && !s.stop.load(Ordering::Relaxed)
+                    {
                         std::hint::spin_loop();
                     }
                     spun = true;
@@ -491,11 +538,16 @@ fn work(s: &Shared, me: usize) {
             }
         };
         let mut seen = s.cancel_epoch.load(Ordering::Acquire);
-        results.extend(
-            batch
-                .iter()
-                .map(|j| (j.token, if s.cancelled(j.token, &mut seen) { -libc::ECANCELED } else { run(j, s, &mut seen) })),
-        );
+        results.extend(batch.iter().map(|j| {
+            (
+                j.token,
+                if s.cancelled(j.token, &mut seen) {
+                    -libc::ECANCELED
+                } else {
+                    run(j, s, &mut seen)
+                },
+            )
+        }));
         let mut q = s.lock();
         q.add_done(s, results.drain(..));
         let held_back;
@@ -526,9 +578,18 @@ fn run(job: &Job, s: &Shared, seen: &mut u64) -> i32 {
     };
     while done < job.len {
         if s.cancelled(job.token, seen) {
-            return if done > 0 { done as i32 } else { -libc::ECANCELED };
+            return if done > 0 {
+                done as i32
+            } else {
+                -libc::ECANCELED
+            };
         }
-        let step = Job { offset: job.offset + u64::from(done), addr: job.addr + u64::from(done), len: (job.len - done).min(READ_STEP as u32), ..*job };
+        let step = Job {
+            offset: job.offset + u64::from(done),
+            addr: job.addr + u64::from(done),
+            len: (job.len - done).min(READ_STEP as u32),
+            ..*job
+        };
         match pread_or_pwrite(&step) {
             n if n < 0 => return if done > 0 { done as i32 } else { n },
             0 => break,

@@ -21,7 +21,11 @@ pub struct Inside<'a>(&'a CallerClock);
 
 impl Default for CallerClock {
     fn default() -> Self {
-        CallerClock { inside: AtomicUsize::new(0), last_exit: AtomicU64::new(0), epoch: Instant::now() }
+        CallerClock {
+            inside: AtomicUsize::new(0),
+            last_exit: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
     }
 }
 
@@ -43,7 +47,9 @@ impl CallerClock {
 
 impl Drop for Inside<'_> {
     fn drop(&mut self) {
-        self.0.last_exit.store(self.0.epoch.elapsed().as_nanos() as u64, Ordering::Release);
+        self.0
+            .last_exit
+            .store(self.0.epoch.elapsed().as_nanos() as u64, Ordering::Release);
         self.0.inside.fetch_sub(1, Ordering::AcqRel);
     }
 }

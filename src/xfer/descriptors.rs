@@ -10,10 +10,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::bridge::iud_desc;
-use crate::error::{Error, ErrorKind, Result};
 use super::direction::XferOp;
 use super::recycle::OpLists;
+use crate::bridge::iud_desc;
+use crate::error::{Error, ErrorKind, Result};
 use crate::mem::live::{Coverage, Registry, Unresolved};
 use crate::mem::{FileRegion, MemKind, Registration};
 use crate::path::{direct, dmabuf, staging, Route};
@@ -58,12 +58,24 @@ impl Hint {
 
 impl<'a> Registrations<'a> {
     fn new(registry: &'a Registry) -> Self {
-        Registrations { registry, index: HashMap::new(), list: Vec::new(), hints: [Vec::new(), Vec::new()], victim: [0; 2], unhinted: 0 }
+        Registrations {
+            registry,
+            index: HashMap::new(),
+            list: Vec::new(),
+            hints: [Vec::new(), Vec::new()],
+            victim: [0; 2],
+            unhinted: 0,
+        }
     }
 
     /// Index into `list` of the live registration of `kind` that covers `d`.
     #[inline]
-    fn get(&mut self, side: usize, kind: MemKind, d: &iud_desc) -> std::result::Result<usize, Unresolved> {
+    fn get(
+        &mut self,
+        side: usize,
+        kind: MemKind,
+        d: &iud_desc,
+    ) -> std::result::Result<usize, Unresolved> {
         match self.hints[side].iter().find(|h| h.covers(kind, d)) {
             Some(h) => Ok(h.index),
             None => self.resolve(side, kind, d),
@@ -72,18 +84,30 @@ impl<'a> Registrations<'a> {
 
     /// `get` past the hints: the registry, then a hint for the MD.
     #[cold]
-    fn resolve(&mut self, side: usize, kind: MemKind, d: &iud_desc) -> std::result::Result<usize, Unresolved> {
+    fn resolve(
+        &mut self,
+        side: usize,
+        kind: MemKind,
+        d: &iud_desc,
+    ) -> std::result::Result<usize, Unresolved> {
         let md = d.md as usize;
         let found = self.registry.resolve(kind, d)?;
         self.unhinted += usize::from(!found.by_hint);
         let list = &mut self.list;
-        let i = *self.index.entry(Arc::as_ptr(&found.reg) as usize).or_insert_with(|| {
-            list.push(found.reg);
-            list.len() - 1
-        });
+        let i = *self
+            .index
+            .entry(Arc::as_ptr(&found.reg) as usize)
+            .or_insert_with(|| {
+                list.push(found.reg);
+                list.len() - 1
+            });
         // A new MD takes a free hint, else the oldest one's place: a list naming more than
         // `HINTS` MDs in runs (one region after another) still finds each run's MD here.
-        let hint = Hint { md, index: i, coverage: Coverage::of(&self.list[i]) };
+        let hint = Hint {
+            md,
+            index: i,
+            coverage: Coverage::of(&self.list[i]),
+        };
         let hints = &mut self.hints[side];
         if let Some(h) = hints.iter_mut().find(|h| h.md == md) {
             *h = hint;
@@ -126,7 +150,8 @@ impl Pairs {
             let k = (self.list.len() - 1) as u32;
             if self.list.len() > Self::SCAN {
                 if self.map.is_empty() {
-                    self.map.extend(self.list.iter().enumerate().map(|(j, &p)| (p, j as u32)));
+                    self.map
+                        .extend(self.list.iter().enumerate().map(|(j, &p)| (p, j as u32)));
                 } else {
                     self.map.insert(pair, k);
                 }
@@ -140,11 +165,20 @@ impl Pairs {
 
 /// The message for a descriptor that no live registration covers.
 fn not_covered(i: usize, what: String, kind: MemKind, d: &iud_desc, why: Unresolved) -> Error {
-    let mut m = format!("descriptor {i}: {what} is not covered by any live {} registration of this engine", kind.name());
+    let mut m = format!(
+        "descriptor {i}: {what} is not covered by any live {} registration of this engine",
+        kind.name()
+    );
     if let Some(other) = why.other_kind {
-        m += &format!(" (a {} registration covers it: the list's memory type does not match)", other.name());
+        m += &format!(
+            " (a {} registration covers it: the list's memory type does not match)",
+            other.name()
+        );
     } else if !d.md.is_null() && !why.md_live {
-        m += &format!(" (its MD {:p} was deregistered, or NIXL handed back a stale MD)", d.md);
+        m += &format!(
+            " (its MD {:p} was deregistered, or NIXL handed back a stale MD)",
+            d.md
+        );
     }
     Error::not_found(m)
 }
@@ -219,13 +253,17 @@ pub fn plan_part(
         let pair = validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?;
         let k = distinct.index(pair) as usize;
         let (m, f) = pair;
-        let Registration::Storage(file) = &*regs.list[f] else { unreachable!("validated as storage") };
+        let Registration::Storage(file) = &*regs.list[f] else {
+            unreachable!("validated as storage")
+        };
         if k == routes.len() {
-            routes.push(route(&regs.list[m], file).map_err(|e| e.at_descriptor(i).with_fd(file.fd))?);
+            routes
+                .push(route(&regs.list[m], file).map_err(|e| e.at_descriptor(i).with_fd(file.fd))?);
         }
         let (mem, route) = (&*regs.list[m], &routes[k]);
         cufile_descs += usize::from(*route == Route::Cufile);
-        check_alignment(i, l, r, mem, file, route).map_err(|e| e.at_descriptor(i).with_fd(file.fd).with_offset(r.addr))?;
+        check_alignment(i, l, r, mem, file, route)
+            .map_err(|e| e.at_descriptor(i).with_fd(file.fd).with_offset(r.addr))?;
         cut(i, op, l, r, mem, file, route, limits, &mut ops).map_err(|e| e.at_descriptor(i))?;
         vram_outside_streams |= matches!(mem, Registration::Vram(_)) && *route != Route::Staging;
         all_buffered &= file.direct.is_none();
@@ -241,32 +279,85 @@ pub fn plan_part(
     let mut any_punt = false;
     for o in &mut ops {
         let kind_ok = op == XferOp::Read || o.device.is_some();
-        let big_enough = (o.len as u64 >= limits.punt_buffered_min && limits.spreadable) || o.device.is_some();
+        let big_enough =
+            (o.len as u64 >= limits.punt_buffered_min && limits.spreadable) || o.device.is_some();
         o.punt &= kind_ok && limits.punt_buffered_min > 0 && big_enough;
         any_punt |= o.punt;
     }
-    Ok(Part { ops, registrations: regs.list, unhinted: regs.unhinted, cufile_descs, all_buffered, all_host, any_punt, vram_outside_streams })
+    Ok(Part {
+        ops,
+        registrations: regs.list,
+        unhinted: regs.unhinted,
+        cufile_descs,
+        all_buffered,
+        all_host,
+        any_punt,
+        vram_outside_streams,
+    })
 }
 
 /// Checks one descriptor pair: equal non-zero lengths, live registrations of the lists' kinds
 /// that cover it, the file's access mode. Returns (memory, storage) indices into `regs`.
-fn validate(i: usize, op: XferOp, lk: MemKind, rk: MemKind, l: &iud_desc, r: &iud_desc, regs: &mut Registrations<'_>) -> Result<(usize, usize)> {
+fn validate(
+    i: usize,
+    op: XferOp,
+    lk: MemKind,
+    rk: MemKind,
+    l: &iud_desc,
+    r: &iud_desc,
+    regs: &mut Registrations<'_>,
+) -> Result<(usize, usize)> {
     if l.len != r.len {
-        return Err(Error::new(ErrorKind::Mismatch, format!("descriptor {i}: local length {} differs from remote length {}", l.len, r.len)));
+        return Err(Error::new(
+            ErrorKind::Mismatch,
+            format!(
+                "descriptor {i}: local length {} differs from remote length {}",
+                l.len, r.len
+            ),
+        ));
     }
     if l.len == 0 {
         return Err(Error::invalid(format!("descriptor {i}: zero length")));
     }
-    let mi = regs
-        .get(0, lk, l)
-        .map_err(|why| not_covered(i, format!("local memory devId {} [0x{:x}, +{})", l.dev_id, l.addr, l.len), lk, l, why))?;
-    let fi = regs
-        .get(1, rk, r)
-        .map_err(|why| not_covered(i, format!("file range devId {} [{}, +{})", r.dev_id, r.addr, r.len), rk, r, why))?;
-    let Registration::Storage(file) = &*regs.list[fi] else { unreachable!("resolved as {}", rk.name()) };
+    let mi = regs.get(0, lk, l).map_err(|why| {
+        not_covered(
+            i,
+            format!(
+                "local memory devId {} [0x{:x}, +{})",
+                l.dev_id, l.addr, l.len
+            ),
+            lk,
+            l,
+            why,
+        )
+    })?;
+    let fi = regs.get(1, rk, r).map_err(|why| {
+        not_covered(
+            i,
+            format!("file range devId {} [{}, +{})", r.dev_id, r.addr, r.len),
+            rk,
+            r,
+            why,
+        )
+    })?;
+    let Registration::Storage(file) = &*regs.list[fi] else {
+        unreachable!("resolved as {}", rk.name())
+    };
     match op {
-        XferOp::Write if !file.writable => return Err(Error::invalid(format!("descriptor {i}: WRITE to fd {} which is open read-only", file.fd)).with_fd(file.fd)),
-        XferOp::Read if !file.readable => return Err(Error::invalid(format!("descriptor {i}: READ from fd {} which is open write-only", file.fd)).with_fd(file.fd)),
+        XferOp::Write if !file.writable => {
+            return Err(Error::invalid(format!(
+                "descriptor {i}: WRITE to fd {} which is open read-only",
+                file.fd
+            ))
+            .with_fd(file.fd))
+        }
+        XferOp::Read if !file.readable => {
+            return Err(Error::invalid(format!(
+                "descriptor {i}: READ from fd {} which is open write-only",
+                file.fd
+            ))
+            .with_fd(file.fd))
+        }
         _ => {}
     }
     Ok((mi, fi))
@@ -274,7 +365,14 @@ fn validate(i: usize, op: XferOp, lk: MemKind, rk: MemKind, l: &iud_desc, r: &iu
 
 /// O_DIRECT needs offset, length and memory aligned; the memory address is the one the path
 /// hands to storage (an offset into the DMA-BUF; staged VRAM goes through page-aligned buffers).
-fn check_alignment(i: usize, l: &iud_desc, r: &iud_desc, mem: &Registration, file: &FileRegion, route: &Route) -> Result<()> {
+fn check_alignment(
+    i: usize,
+    l: &iud_desc,
+    r: &iud_desc,
+    mem: &Registration,
+    file: &FileRegion,
+    route: &Route,
+) -> Result<()> {
     let Some(a) = file.direct else { return Ok(()) };
     let mem_addr = match (route, dmabuf::slabs_of(mem)) {
         (Route::Dmabuf { .. }, Some(slabs)) => dmabuf::aligned_address(slabs, l.addr),
@@ -305,13 +403,28 @@ pub struct Limits {
 /// Cuts one descriptor into ops that fit the limits and never straddle a fixed-buffer slot or a
 /// slab, merging pieces that continue each other.
 #[allow(clippy::too_many_arguments)]
-fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, file: &FileRegion, route: &Route, lim: &Limits, ops: &mut Vec<IoOp>) -> Result<()> {
+fn cut(
+    i: usize,
+    op: XferOp,
+    l: &iud_desc,
+    r: &iud_desc,
+    mem: &Registration,
+    file: &FileRegion,
+    route: &Route,
+    lim: &Limits,
+    ops: &mut Vec<IoOp>,
+) -> Result<()> {
     let staged = *route == Route::Staging;
     let mut limit = if staged { lim.staged } else { lim.max_piece };
     if staged && op == XferOp::Write && file.direct.is_none() {
         limit = limit.min(lim.staged_write);
     }
-    if staged && op == XferOp::Read && file.direct.is_none() && lim.punt_buffered_min > 0 && lim.staged_read > 0 {
+    if staged
+        && op == XferOp::Read
+        && file.direct.is_none()
+        && lim.punt_buffered_min > 0
+        && lim.staged_read > 0
+    {
         // Worker-sized pieces share a buffer and are read by several workers at once: the
         // buffer's copy to the GPU starts after one piece's read, not one buffer's.
         limit = limit.min(lim.staged_read);
@@ -324,7 +437,11 @@ fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, fil
         // One device request per I/O keeps O_DIRECT on io_uring's non-blocking path.
         limit = limit.min(dev_max);
     }
-    let outside = |what: &str, addr: u64| Error::not_found(format!("descriptor {i}: {what}address 0x{addr:x} is outside the registration's slabs"));
+    let outside = |what: &str, addr: u64| {
+        Error::not_found(format!(
+            "descriptor {i}: {what}address 0x{addr:x} is outside the registration's slabs"
+        ))
+    };
     let mut done = 0u64;
     while done < l.len {
         let addr = l.addr + done;
@@ -336,15 +453,21 @@ fn cut(i: usize, op: XferOp, l: &iud_desc, r: &iud_desc, mem: &Registration, fil
             }
             (_, Route::Dmabuf { slots }) => {
                 let slabs = dmabuf::slabs_of(mem).ok_or_else(|| outside("", addr))?;
-                let (a, slot, end) = dmabuf::address(slabs, slots, addr).ok_or_else(|| outside("", addr))?;
+                let (a, slot, end) =
+                    dmabuf::address(slabs, slots, addr).ok_or_else(|| outside("", addr))?;
                 (a, Some(slot), None, Some(end))
             }
             // Both move VRAM by its address; pieces still stop at slab ends.
             (Registration::Vram(vram), Route::Staging | Route::Cufile) => {
-                let (a, device, end) = staging::address(vram, addr).ok_or_else(|| outside("VRAM ", addr))?;
+                let (a, device, end) =
+                    staging::address(vram, addr).ok_or_else(|| outside("VRAM ", addr))?;
                 (a, None, Some(device), Some(end))
             }
-            _ => return Err(Error::backend(format!("descriptor {i}: no way to address this memory for the chosen route {route:?}"))),
+            _ => {
+                return Err(Error::backend(format!(
+                    "descriptor {i}: no way to address this memory for the chosen route {route:?}"
+                )))
+            }
         };
         if let Some(end) = end {
             piece = piece.min(end - addr);
@@ -396,32 +519,68 @@ mod tests {
     use crate::uring::FileRef;
 
     fn op(file_offset: u64, addr: u64, len: u32, buf_index: Option<u16>) -> IoOp {
-        IoOp { file: FileRef::Fixed(0), fd: 5, io_fd: 5, file_offset, addr, len, buf_index, device: None, punt: false, desc_index: 0 }
+        IoOp {
+            file: FileRef::Fixed(0),
+            fd: 5,
+            io_fd: 5,
+            file_offset,
+            addr,
+            len,
+            buf_index,
+            device: None,
+            punt: false,
+            desc_index: 0,
+        }
     }
 
     #[test]
     fn registrations_resolve_every_descriptor_to_its_region_with_more_regions_than_hints() {
-        let workers = crate::uring::WorkerConfig { threads: 0, writers: crate::uring::WriterLimits::default(), spin_us: 0 };
-        let ring = Arc::new(crate::uring::Ring::new(8, false, workers, Arc::default()).expect("ring"));
+        let workers = crate::uring::WorkerConfig {
+            threads: 0,
+            writers: crate::uring::WriterLimits::default(),
+            spin_us: 0,
+        };
+        let ring =
+            Arc::new(crate::uring::Ring::new(8, false, workers, Arc::default()).expect("ring"));
         let registry = Registry::default();
         // 12 regions (more than HINTS) of 64 KiB, 1 MiB apart.
         let mds: Vec<*const std::ffi::c_void> = (0..12u64)
             .map(|k| {
                 // SAFETY: without fixed buffers the region only records the range; nothing touches it.
-                let r = unsafe { crate::mem::DramRegion::register(Arc::clone(&ring), 0x100_0000 + (k << 20), 0x1_0000, 0, false) };
+                let r = unsafe {
+                    crate::mem::DramRegion::register(
+                        Arc::clone(&ring),
+                        0x100_0000 + (k << 20),
+                        0x1_0000,
+                        0,
+                        false,
+                    )
+                };
                 registry.insert(Registration::Dram(r))
             })
             .collect();
         let mut regs = Registrations::new(&registry);
-        let desc = |k: u64, j: u64, md: *const std::ffi::c_void| iud_desc { addr: 0x100_0000 + (k << 20) + j * 0x1000, len: 0x1000, dev_id: 0, md: md as *mut _ };
+        let desc = |k: u64, j: u64, md: *const std::ffi::c_void| iud_desc {
+            addr: 0x100_0000 + (k << 20) + j * 0x1000,
+            len: 0x1000,
+            dev_id: 0,
+            md: md as *mut _,
+        };
         // Runs (region after region), then interleaved, then stale MDs (another region's).
-        let order: Vec<(u64, u64)> = (0..12).flat_map(|k| (0..4).map(move |j| (k, j)))
+        let order: Vec<(u64, u64)> = (0..12)
+            .flat_map(|k| (0..4).map(move |j| (k, j)))
             .chain((0..48).map(|i| (i % 12, i % 16)))
             .collect();
         for (pass, &(k, j)) in order.iter().enumerate() {
             for md in [mds[k as usize], mds[(k as usize + 5) % 12]] {
-                let i = regs.get(0, MemKind::Dram, &desc(k, j, md)).unwrap_or_else(|_| panic!("descriptor {pass} unresolved"));
-                assert_eq!(regs.list[i].range().0, 0x100_0000 + (k << 20), "descriptor {pass} (region {k}) resolved elsewhere");
+                let i = regs
+                    .get(0, MemKind::Dram, &desc(k, j, md))
+                    .unwrap_or_else(|_| panic!("descriptor {pass} unresolved"));
+                assert_eq!(
+                    regs.list[i].range().0,
+                    0x100_0000 + (k << 20),
+                    "descriptor {pass} (region {k}) resolved elsewhere"
+                );
             }
         }
         assert_eq!(regs.list.len(), 12);
@@ -460,10 +619,17 @@ mod tests {
     fn neighbours_in_memory_and_file_merge_up_to_the_limit() {
         let mut ops = Vec::new();
         for i in 0..4u64 {
-            push_coalesced(&mut ops, op(i * 4096, 0x10000 + i * 4096, 4096, Some(1)), 8192);
+            push_coalesced(
+                &mut ops,
+                op(i * 4096, 0x10000 + i * 4096, 4096, Some(1)),
+                8192,
+            );
         }
         assert_eq!(ops.len(), 2);
-        assert_eq!((ops[0].len, ops[1].file_offset, ops[1].len), (8192, 8192, 8192));
+        assert_eq!(
+            (ops[0].len, ops[1].file_offset, ops[1].len),
+            (8192, 8192, 8192)
+        );
     }
 
     #[test]

@@ -14,7 +14,9 @@ impl XferOp {
         match value {
             0 => Ok(XferOp::Read),
             1 => Ok(XferOp::Write),
-            v => Err(Error::invalid(format!("unknown transfer operation {v} (expected NIXL_READ=0 or NIXL_WRITE=1)"))),
+            v => Err(Error::invalid(format!(
+                "unknown transfer operation {v} (expected NIXL_READ=0 or NIXL_WRITE=1)"
+            ))),
         }
     }
 }

@@ -7,13 +7,13 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::bridge::iud_desc;
-use crate::error::{Error, ErrorKind, Result};
 use super::descriptors::{plan_part, Limits, Part, RouteFn};
 use super::direction::XferOp;
 use super::prep_pool::PrepPool;
 use super::recycle::OpLists;
 use super::request::RequestOps;
+use crate::bridge::iud_desc;
+use crate::error::{Error, ErrorKind, Result};
 use crate::mem::live::Registry;
 use crate::mem::{MemKind, Registration};
 use crate::uring::{MAX_FIXED_BUFFER, WORKER_JOB_BYTES};
@@ -122,7 +122,11 @@ pub fn plan(
     if local.len() != remote.len() {
         return Err(Error::new(
             ErrorKind::Mismatch,
-            format!("local list has {} descriptors but remote list has {}", local.len(), remote.len()),
+            format!(
+                "local list has {} descriptors but remote list has {}",
+                local.len(),
+                remote.len()
+            ),
         ));
     }
     // The request's size sets the piece limits, so it is summed before the descriptors are cut.
@@ -130,12 +134,20 @@ pub fn plan(
     // A host request no larger than one worker job stays with the posting thread: one job
     // cannot be spread, and the hand-off would only add a wake-up.
     let spreadable = total_bytes > WORKER_JOB_BYTES;
-    let max_piece = if ctx.max_io_size == 0 { MAX_FIXED_BUFFER } else { ctx.max_io_size.min(MAX_FIXED_BUFFER) };
+    let max_piece = if ctx.max_io_size == 0 {
+        MAX_FIXED_BUFFER
+    } else {
+        ctx.max_io_size.min(MAX_FIXED_BUFFER)
+    };
     let limits = Limits {
         max_piece,
         staged: max_piece.min(staged_piece(ctx, total_bytes)),
         // Cut for the workers only what goes to them.
-        worker: if ctx.punt_buffered_min > 0 && spreadable { max_piece.min(worker_piece(ctx, total_bytes)) } else { max_piece },
+        worker: if ctx.punt_buffered_min > 0 && spreadable {
+            max_piece.min(worker_piece(ctx, total_bytes))
+        } else {
+            max_piece
+        },
         punt_buffered_min: ctx.punt_buffered_min,
         staged_write: ctx.staged_write_piece_max,
         staged_read: ctx.staged_read_piece_max,
@@ -143,13 +155,36 @@ pub fn plan(
     };
     let kinds = (lk, rk);
     // In parts when the list is large enough and the helpers are free, else whole.
-    let in_parts = match ctx.pool.map(|pool| (pool, parts_for(local.len(), pool.width()))) {
-        Some((pool, parts)) if parts > 1 => in_parts(pool, parts, op, kinds, Lists(local), Lists(remote), registry, ctx, &limits)?,
+    let in_parts = match ctx
+        .pool
+        .map(|pool| (pool, parts_for(local.len(), pool.width())))
+    {
+        Some((pool, parts)) if parts > 1 => in_parts(
+            pool,
+            parts,
+            op,
+            kinds,
+            Lists(local),
+            Lists(remote),
+            registry,
+            ctx,
+            &limits,
+        )?,
         _ => None,
     };
     let part = match in_parts {
         Some(part) => part,
-        None => plan_part(0, op, kinds, local, remote, registry, ctx.route, &limits, ctx.lists.take(local.len()))?,
+        None => plan_part(
+            0,
+            op,
+            kinds,
+            local,
+            remote,
+            registry,
+            ctx.route,
+            &limits,
+            ctx.lists.take(local.len()),
+        )?,
     };
     if part.unhinted > 0 {
         tracing::debug!("prepXfer: {} of {} descriptor pairs carried an MD of no registration covering them (NIXL's lists in sync mode NONE); resolved by address", part.unhinted, local.len());
@@ -165,7 +200,13 @@ pub fn plan(
     // Reads meant for the page-cache workers are not served by the posting thread.
     Ok(Plan {
         op,
-        ops: Arc::new(RequestOps { write, inline_writes: write && all_buffered && all_host, inline_reads: !write && all_buffered && all_host && !part.any_punt, page_cache: all_buffered, ops: part.ops }),
+        ops: Arc::new(RequestOps {
+            write,
+            inline_writes: write && all_buffered && all_host,
+            inline_reads: !write && all_buffered && all_host && !part.any_punt,
+            page_cache: all_buffered,
+            ops: part.ops,
+        }),
         registrations: part.registrations,
         local_count: local.len(),
         remote_count: remote.len(),
@@ -213,7 +254,17 @@ fn in_parts(
         let (a, b) = bounds(p);
         // Part 0's list becomes the request's: room for all of them.
         let ops = ctx.lists.take(if p == 0 { n } else { b - a });
-        let r = plan_part(a, op, kinds, local.range(a, b), remote.range(a, b), registry, ctx.route, limits, ops);
+        let r = plan_part(
+            a,
+            op,
+            kinds,
+            local.range(a, b),
+            remote.range(a, b),
+            registry,
+            ctx.route,
+            limits,
+            ops,
+        );
         *results[p].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
     });
     if !ran {
@@ -222,7 +273,14 @@ fn in_parts(
     let mut joined: Option<Part> = None;
     let mut failed = None;
     for slot in results {
-        let r = slot.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| Err(Error::backend("prepXfer: a part of the lists was not planned")));
+        let r = slot
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(|| {
+                Err(Error::backend(
+                    "prepXfer: a part of the lists was not planned",
+                ))
+            });
         match (r, &mut joined) {
             (Err(e), _) => {
                 failed.get_or_insert(e);

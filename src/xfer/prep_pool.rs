@@ -72,14 +72,25 @@ pub struct PrepPool {
 impl PrepPool {
     /// Starts `helpers` threads; None when none could start (prepXfer then plans alone).
     pub fn start(helpers: usize) -> Option<PrepPool> {
-        let shared = Arc::new(Shared { state: Mutex::new(State::default()), helping: AtomicUsize::new(0), wake: Condvar::new(), done: Condvar::new() });
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            helping: AtomicUsize::new(0),
+            wake: Condvar::new(),
+            done: Condvar::new(),
+        });
         let mut threads = Vec::new();
         for k in 0..helpers {
             let s = Arc::clone(&shared);
-            match std::thread::Builder::new().name(format!("iud-prep-{k}")).spawn(move || help(&s)) {
+            match std::thread::Builder::new()
+                .name(format!("iud-prep-{k}"))
+                .spawn(move || help(&s))
+            {
                 Ok(t) => threads.push(t),
                 Err(e) => {
-                    tracing::warn!("prepXfer helper thread {k} did not start ({e}); {} of {helpers} run", threads.len());
+                    tracing::warn!(
+                        "prepXfer helper thread {k} did not start ({e}); {} of {helpers} run",
+                        threads.len()
+                    );
                     break;
                 }
             }
@@ -105,8 +116,15 @@ impl PrepPool {
                 return false;
             }
             // SAFETY: only the lifetime is erased; see `WorkRef` and the wait below.
-            let erased: *const Work<'static> = unsafe { std::mem::transmute(work as *const Work<'_>) };
-            *st = State { work: Some(WorkRef(erased)), next: 1, parts, panicked: None, stop: false };
+            let erased: *const Work<'static> =
+                unsafe { std::mem::transmute(work as *const Work<'_>) };
+            *st = State {
+                work: Some(WorkRef(erased)),
+                next: 1,
+                parts,
+                panicked: None,
+                stop: false,
+            };
         }
         self.shared.wake.notify_all();
         let mut failed = catch_unwind(AssertUnwindSafe(|| work(0))).err();
@@ -201,7 +219,10 @@ mod tests {
                     part0_here.fetch_add(1, Ordering::Relaxed);
                 }
             }));
-            assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1), "{parts} parts: each once");
+            assert!(
+                counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                "{parts} parts: each once"
+            );
             assert_eq!(part0_here.load(Ordering::Relaxed), 1);
         }
     }
@@ -224,9 +245,16 @@ mod tests {
     #[test]
     fn a_second_job_while_one_runs_is_refused_and_the_first_completes() {
         let pool = Arc::new(PrepPool::start(1).expect("helpers"));
-        let (entered, release) = (Arc::new(std::sync::Barrier::new(2)), Arc::new(std::sync::Barrier::new(2)));
+        let (entered, release) = (
+            Arc::new(std::sync::Barrier::new(2)),
+            Arc::new(std::sync::Barrier::new(2)),
+        );
         let first = {
-            let (pool, entered, release) = (Arc::clone(&pool), Arc::clone(&entered), Arc::clone(&release));
+            let (pool, entered, release) = (
+                Arc::clone(&pool),
+                Arc::clone(&entered),
+                Arc::clone(&release),
+            );
             std::thread::spawn(move || {
                 pool.run(1, &|_| {
                     entered.wait();
@@ -238,7 +266,10 @@ mod tests {
         assert!(!pool.run(2, &|_| panic!("a refused job must not run")));
         release.wait();
         assert!(first.join().unwrap());
-        assert!(pool.run(2, &|_| {}), "free again once the first job returned");
+        assert!(
+            pool.run(2, &|_| {}),
+            "free again once the first job returned"
+        );
     }
 
     #[test]

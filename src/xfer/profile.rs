@@ -12,11 +12,14 @@ use std::time::{Duration, Instant};
 use once_cell::sync::Lazy;
 
 /// (requests, prepXfer) profiled, from IO_URING_DMABUF_PROFILE (read once).
-static ENABLED: Lazy<(bool, bool)> = Lazy::new(|| match std::env::var("IO_URING_DMABUF_PROFILE").as_deref() {
-    Ok("1") => (true, true),
-    Ok("prep") => (false, true),
-    _ => (false, false),
-});
+static ENABLED: Lazy<(bool, bool)> =
+    Lazy::new(
+        || match std::env::var("IO_URING_DMABUF_PROFILE").as_deref() {
+            Ok("1") => (true, true),
+            Ok("prep") => (false, true),
+            _ => (false, false),
+        },
+    );
 
 /// Whether each prepXfer's time is logged.
 pub fn prep_enabled() -> bool {
@@ -66,7 +69,10 @@ pub struct Profiles {
 
 impl Profiles {
     pub fn from_env() -> Profiles {
-        Profiles { on: ENABLED.0, running: HashMap::new() }
+        Profiles {
+            on: ENABLED.0,
+            running: HashMap::new(),
+        }
     }
 
     pub fn on(&self) -> bool {
@@ -87,7 +93,10 @@ impl Profiles {
 
     pub fn start(&mut self, key: usize) {
         if let Some(p) = self.get(key) {
-            *p = Profile { start: Some(Instant::now()), ..Profile::default() };
+            *p = Profile {
+                start: Some(Instant::now()),
+                ..Profile::default()
+            };
         }
     }
 
@@ -130,7 +139,9 @@ impl Profiles {
         if !self.on {
             return;
         }
-        let Some(p) = self.running.remove(&key) else { return };
+        let Some(p) = self.running.remove(&key) else {
+            return;
+        };
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         tracing::info!(
             "profile: request {} in {:.3} ms: storage I/O {:.3} ms summed over {} I/Os; device copies: {} started in {:.3} ms, waited {:.3} ms summed; {} staging buffers holding {} pieces; first / last I/O reaped at {:.3} / {:.3} ms, first copy started at {:.3} ms, last seen done at {:.3} ms",

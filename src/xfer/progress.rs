@@ -39,10 +39,18 @@ impl ProgressThread {
     pub fn start(driver: Weak<Driver>) -> Option<ProgressThread> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
-        match std::thread::Builder::new().name("iud-progress".into()).spawn(move || run(&driver, &flag)) {
-            Ok(handle) => Some(ProgressThread { stop, handle: Some(handle) }),
+        match std::thread::Builder::new()
+            .name("iud-progress".into())
+            .spawn(move || run(&driver, &flag))
+        {
+            Ok(handle) => Some(ProgressThread {
+                stop,
+                handle: Some(handle),
+            }),
             Err(e) => {
-                tracing::info!("progress thread not started ({e}); requests advance only when polled");
+                tracing::info!(
+                    "progress thread not started ({e}); requests advance only when polled"
+                );
                 None
             }
         }

@@ -51,7 +51,18 @@ mod tests {
     use crate::uring::FileRef;
 
     fn op() -> IoOp {
-        IoOp { file: FileRef::Raw(3), fd: 3, io_fd: 3, file_offset: 0, addr: 0, len: 4096, buf_index: None, device: None, punt: false, desc_index: 0 }
+        IoOp {
+            file: FileRef::Raw(3),
+            fd: 3,
+            io_fd: 3,
+            file_offset: 0,
+            addr: 0,
+            len: 4096,
+            buf_index: None,
+            device: None,
+            punt: false,
+            desc_index: 0,
+        }
     }
 
     #[test]
@@ -75,6 +86,11 @@ mod tests {
         }
         lists.give_back(Vec::with_capacity(KEPT_OPS_MAX + 1));
         assert_eq!(lists.kept.lock().unwrap().len(), KEPT);
-        assert!(lists.kept.lock().unwrap().iter().all(|l| l.capacity() <= KEPT_OPS_MAX));
+        assert!(lists
+            .kept
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|l| l.capacity() <= KEPT_OPS_MAX));
     }
 }

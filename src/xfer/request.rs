@@ -80,13 +80,20 @@ const MAX_STALLED_RETRIES: u32 = 100_000;
 
 impl RequestProgress {
     pub fn new(ops: Arc<RequestOps>) -> RequestProgress {
-        RequestProgress { ops, state: State::Idle, stalled_retries: 0 }
+        RequestProgress {
+            ops,
+            state: State::Idle,
+            stalled_retries: 0,
+        }
     }
 
     /// Starts (or restarts) the request. Some(Done) when there is nothing to do.
     pub fn start(&mut self) -> Result<Option<Progress>> {
         if self.is_running() {
-            return Err(Error::new(ErrorKind::RepostActive, "postXfer: the request is still in flight; wait for it or release it"));
+            return Err(Error::new(
+                ErrorKind::RepostActive,
+                "postXfer: the request is still in flight; wait for it or release it",
+            ));
         }
         let total = self.ops.ops.len();
         self.stalled_retries = 0;
@@ -94,7 +101,13 @@ impl RequestProgress {
             self.state = State::Done;
             return Ok(Some(Progress::Done));
         }
-        self.state = State::Running { next: 0, outstanding: total, inline_active: 0, error: None, abort: false };
+        self.state = State::Running {
+            next: 0,
+            outstanding: total,
+            inline_active: 0,
+            error: None,
+            abort: false,
+        };
         Ok(None)
     }
 
@@ -104,13 +117,23 @@ impl RequestProgress {
 
     /// Whether the request's ops should still go ahead.
     pub fn is_healthy(&self) -> bool {
-        matches!(self.state, State::Running { error: None, abort: false, .. })
+        matches!(
+            self.state,
+            State::Running {
+                error: None,
+                abort: false,
+                ..
+            }
+        )
     }
 
     /// The state as a post/check result.
     pub fn status(&self) -> Result<Progress> {
         match &self.state {
-            State::Idle => Err(Error::new(ErrorKind::InvalidParam, "checkXfer on a request that was never posted")),
+            State::Idle => Err(Error::new(
+                ErrorKind::InvalidParam,
+                "checkXfer on a request that was never posted",
+            )),
             State::Running { .. } => Ok(Progress::InFlight),
             State::Done => Ok(Progress::Done),
             State::Failed(e) => Err(e.clone()),
@@ -120,11 +143,22 @@ impl RequestProgress {
     /// The next op to hand to the ring (see [`Next`]); [`RequestProgress::advance`] takes it.
     pub fn peek_next(&self) -> Next {
         let total = self.ops.ops.len();
-        let State::Running { next, outstanding, inline_active, error: None, abort: false } = self.state else { return Next::Nothing };
+        let State::Running {
+            next,
+            outstanding,
+            inline_active,
+            error: None,
+            abort: false,
+        } = self.state
+        else {
+            return Next::Nothing;
+        };
         if next >= total {
             return Next::Nothing;
         }
-        if self.ops.inline_writes && next - (total - outstanding) - inline_active >= RING_WRITES_PER_REQUEST {
+        if self.ops.inline_writes
+            && next - (total - outstanding) - inline_active >= RING_WRITES_PER_REQUEST
+        {
             return Next::Throttled;
         }
         Next::Op(self.ops.ops[next])
@@ -174,7 +208,9 @@ impl RequestProgress {
             self.stalled_retries = 0;
         }
         let stalled = &mut self.stalled_retries;
-        let State::Running { error, abort, .. } = &mut self.state else { return Outcome::Over };
+        let State::Running { error, abort, .. } = &mut self.state else {
+            return Outcome::Over;
+        };
         if res >= 0 && res as u32 == op.len {
             Outcome::Complete
         } else if res > 0 && *abort {
@@ -192,7 +228,9 @@ impl RequestProgress {
             let errno = -res;
             // EAGAIN includes the spurious ones of DMA-BUF slots (mapping invalidated by the
             // exporter), which the series asks users to reissue (v3 10/10, checked up to v7).
-            let retryable = errno == libc::EAGAIN || errno == libc::EINTR || (errno == libc::ECANCELED && !*abort);
+            let retryable = errno == libc::EAGAIN
+                || errno == libc::EINTR
+                || (errno == libc::ECANCELED && !*abort);
             *stalled += u32::from(retryable);
             if retryable && error.is_none() && !*abort && *stalled <= MAX_STALLED_RETRIES {
                 Outcome::Retry(*op)
@@ -200,7 +238,9 @@ impl RequestProgress {
                 if error.is_none() && !*abort {
                     let mut e = op.failed(write, errno);
                     if retryable {
-                        e.message.push_str(&format!(" after {MAX_STALLED_RETRIES} retries in a row without progress"));
+                        e.message.push_str(&format!(
+                            " after {MAX_STALLED_RETRIES} retries in a row without progress"
+                        ));
                     }
                     *error = Some(e);
                 }
@@ -221,7 +261,16 @@ impl RequestProgress {
             return None;
         }
         let ops = &self.ops.ops;
-        let State::Running { next, inline_active, error: None, abort: false, .. } = &mut self.state else { return None };
+        let State::Running {
+            next,
+            inline_active,
+            error: None,
+            abort: false,
+            ..
+        } = &mut self.state
+        else {
+            return None;
+        };
         let (start, mut end, mut bytes) = (*next, *next, 0u64);
         while end < ops.len() && bytes < budget {
             bytes += ops[end].len as u64;
@@ -237,7 +286,12 @@ impl RequestProgress {
 
     /// An inline writer finished `n` ops with `result`.
     pub fn inline_writes_done(&mut self, n: usize, result: Result<()>) {
-        if let State::Running { outstanding, inline_active, .. } = &mut self.state {
+        if let State::Running {
+            outstanding,
+            inline_active,
+            ..
+        } = &mut self.state
+        {
             *outstanding -= n;
             *inline_active -= n;
         }
@@ -250,7 +304,16 @@ impl RequestProgress {
     /// Hands every op to an inline reader if none was handed out yet: how many.
     pub fn take_inline_read(&mut self) -> Option<usize> {
         let n = self.ops.ops.len();
-        let State::Running { next: next @ 0, inline_active, error: None, abort: false, .. } = &mut self.state else { return None };
+        let State::Running {
+            next: next @ 0,
+            inline_active,
+            error: None,
+            abort: false,
+            ..
+        } = &mut self.state
+        else {
+            return None;
+        };
         *next = n;
         *inline_active += n;
         Some(n)
@@ -258,7 +321,13 @@ impl RequestProgress {
 
     /// The inline reader served the first `done` of its `n` ops; the rest go to the ring.
     pub fn inline_read_done(&mut self, n: usize, done: usize) {
-        if let State::Running { next, outstanding, inline_active, .. } = &mut self.state {
+        if let State::Running {
+            next,
+            outstanding,
+            inline_active,
+            ..
+        } = &mut self.state
+        {
             *inline_active -= n;
             *outstanding -= done;
             *next = done;
@@ -269,7 +338,14 @@ impl RequestProgress {
 
     fn stop_if_failing(&mut self) {
         let total = self.ops.ops.len();
-        if let State::Running { next, outstanding, error, abort, .. } = &mut self.state {
+        if let State::Running {
+            next,
+            outstanding,
+            error,
+            abort,
+            ..
+        } = &mut self.state
+        {
             if (error.is_some() || *abort) && *next < total {
                 *outstanding -= total - *next;
                 *next = total;
@@ -278,9 +354,18 @@ impl RequestProgress {
     }
 
     fn finish_if_drained(&mut self) {
-        if let State::Running { outstanding: 0, error, abort, .. } = &mut self.state {
+        if let State::Running {
+            outstanding: 0,
+            error,
+            abort,
+            ..
+        } = &mut self.state
+        {
             self.state = if *abort {
-                State::Failed(Error::new(ErrorKind::Canceled, "request released while in flight"))
+                State::Failed(Error::new(
+                    ErrorKind::Canceled,
+                    "request released while in flight",
+                ))
             } else if let Some(e) = error.take() {
                 State::Failed(e)
             } else {
@@ -296,8 +381,25 @@ mod tests {
     use crate::uring::FileRef;
 
     fn request(n: usize, write: bool, inline_writes: bool) -> RequestProgress {
-        let op = |i: usize| IoOp { file: FileRef::Raw(3), fd: 3, io_fd: 3, file_offset: i as u64 * 4096, addr: 0x10000 + i as u64 * 4096, len: 4096, buf_index: None, device: None, punt: false, desc_index: i as u32 };
-        RequestProgress::new(Arc::new(RequestOps { write, ops: (0..n).map(op).collect(), inline_writes, inline_reads: false, page_cache: true }))
+        let op = |i: usize| IoOp {
+            file: FileRef::Raw(3),
+            fd: 3,
+            io_fd: 3,
+            file_offset: i as u64 * 4096,
+            addr: 0x10000 + i as u64 * 4096,
+            len: 4096,
+            buf_index: None,
+            device: None,
+            punt: false,
+            desc_index: i as u32,
+        };
+        RequestProgress::new(Arc::new(RequestOps {
+            write,
+            ops: (0..n).map(op).collect(),
+            inline_writes,
+            inline_reads: false,
+            page_cache: true,
+        }))
     }
 
     fn run_all(r: &mut RequestProgress) -> Vec<IoOp> {
@@ -339,19 +441,27 @@ mod tests {
         let mut r = request(1, false, false);
         r.start().unwrap();
         let op = run_all(&mut r)[0];
-        let Outcome::Retry(rest) = r.on_result(&op, 1000) else { panic!("short read must retry") };
+        let Outcome::Retry(rest) = r.on_result(&op, 1000) else {
+            panic!("short read must retry")
+        };
         assert_eq!((rest.file_offset, rest.len), (1000, 3096));
         assert_eq!(r.on_result(&rest, 0), Outcome::Over);
         r.op_over();
         r.settle();
-        assert!(r.status().unwrap_err().message.contains("read past end of file"));
+        assert!(r
+            .status()
+            .unwrap_err()
+            .message
+            .contains("read past end of file"));
     }
 
     #[test]
     fn an_error_stops_the_ops_not_handed_out() {
         let mut r = request(4, true, false);
         r.start().unwrap();
-        let Next::Op(first) = r.peek_next() else { panic!() };
+        let Next::Op(first) = r.peek_next() else {
+            panic!()
+        };
         r.advance();
         assert_eq!(r.on_result(&first, -libc::EIO), Outcome::Over);
         r.op_over();
@@ -372,7 +482,11 @@ mod tests {
         r.op_over();
         r.settle();
         let e = r.status().unwrap_err();
-        assert!(e.message.contains("retries in a row without progress"), "{}", e.message);
+        assert!(
+            e.message.contains("retries in a row without progress"),
+            "{}",
+            e.message
+        );
         assert_eq!(e.context.errno, Some(libc::EAGAIN));
         // A repost starts counting again, and any byte moved resets the count.
         r.start().unwrap();
@@ -424,6 +538,9 @@ mod tests {
         assert_eq!(r.take_inline_read(), None);
         r.inline_read_done(3, 1);
         let rest = run_all(&mut r);
-        assert_eq!(rest.iter().map(|o| o.desc_index).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(
+            rest.iter().map(|o| o.desc_index).collect::<Vec<_>>(),
+            [1, 2]
+        );
     }
 }

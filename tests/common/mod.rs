@@ -55,7 +55,10 @@ impl Buf {
         let mut ptr = std::ptr::null_mut();
         // SAFETY: posix_memalign writes an aligned allocation into ptr.
         assert_eq!(unsafe { libc::posix_memalign(&mut ptr, 4096, len) }, 0);
-        Buf { ptr: ptr.cast(), len }
+        Buf {
+            ptr: ptr.cast(),
+            len,
+        }
     }
 
     pub fn addr(&self) -> u64 {
@@ -95,7 +98,11 @@ impl TestDir {
     pub fn new(name: &str) -> TestDir {
         use std::sync::atomic::{AtomicU64, Ordering};
         static N: AtomicU64 = AtomicU64::new(0);
-        let path = std::path::PathBuf::from(format!("/var/tmp/iud-{name}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        let path = std::path::PathBuf::from(format!(
+            "/var/tmp/iud-{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
         std::fs::create_dir_all(&path).unwrap();
         TestDir { path }
     }
@@ -108,16 +115,34 @@ impl Drop for TestDir {
 }
 
 pub fn desc(addr: u64, len: u64, dev_id: u64, md: *const c_void) -> iud_desc {
-    iud_desc { addr, len, dev_id, md }
+    iud_desc {
+        addr,
+        len,
+        dev_id,
+        md,
+    }
 }
 
 /// Runs a DRAM <-> `remote_kind` transfer to completion, polling like NIXL's clients.
-pub fn run_kind(e: &Engine, op: i32, remote_kind: i32, local: &[iud_desc], remote: &[iud_desc]) -> Result<(), Error> {
+pub fn run_kind(
+    e: &Engine,
+    op: i32,
+    remote_kind: i32,
+    local: &[iud_desc],
+    remote: &[iud_desc],
+) -> Result<(), Error> {
     run_lists(e, op, DRAM, local, remote_kind, remote)
 }
 
 /// Runs a transfer of any list kinds to completion, polling like NIXL's clients.
-pub fn run_lists(e: &Engine, op: i32, local_kind: i32, local: &[iud_desc], remote_kind: i32, remote: &[iud_desc]) -> Result<(), Error> {
+pub fn run_lists(
+    e: &Engine,
+    op: i32,
+    local_kind: i32,
+    local: &[iud_desc],
+    remote_kind: i32,
+    remote: &[iud_desc],
+) -> Result<(), Error> {
     let req = e.prep(op, local_kind, local, remote_kind, remote, AGENT)?;
     let mut res = e.post(&req, op, local.len(), remote.len());
     while let Ok(Progress::InFlight) = res {
@@ -162,7 +187,11 @@ pub fn open_fd(path: &std::path::Path, flags: i32) -> i32 {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: c is NUL-terminated.
     let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | flags, 0o644) };
-    assert!(fd >= 0, "open {path:?}: {}", std::io::Error::last_os_error());
+    assert!(
+        fd >= 0,
+        "open {path:?}: {}",
+        std::io::Error::last_os_error()
+    );
     lone_fd(fd)
 }
 
@@ -175,7 +204,10 @@ pub fn lone_fd(fd: i32) -> i32 {
     static NEXT: AtomicI32 = AtomicI32::new(0);
     static BASE: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     let base = *BASE.get_or_init(|| {
-        let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
         // SAFETY: r is a valid rlimit to fill and then to set (soft limit up to the hard one).
         unsafe {
             libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
@@ -186,11 +218,20 @@ pub fn lone_fd(fd: i32) -> i32 {
         (r.rlim_cur / 2) as i32
     });
     let n = base + NEXT.fetch_add(1, Ordering::Relaxed);
-    assert!(n < 2 * base, "lone_fd: out of numbers under RLIMIT_NOFILE ({})", 2 * base);
+    assert!(
+        n < 2 * base,
+        "lone_fd: out of numbers under RLIMIT_NOFILE ({})",
+        2 * base
+    );
     // SAFETY: dup2 onto a number nothing else in the process uses (see above); then the
     // original is closed, as the caller handed it over.
     let moved = unsafe { libc::dup2(fd, n) };
-    assert_eq!(moved, n, "dup2({fd}, {n}): {}", std::io::Error::last_os_error());
+    assert_eq!(
+        moved,
+        n,
+        "dup2({fd}, {n}): {}",
+        std::io::Error::last_os_error()
+    );
     // SAFETY: the caller handed fd over.
     unsafe { libc::close(fd) };
     n

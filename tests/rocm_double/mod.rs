@@ -57,11 +57,27 @@ pub fn build(variant: Variant) -> PathBuf {
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
         let tmp = out.with_extension(format!("so.{}", std::process::id()));
         let mut cmd = Command::new(&cc);
-        cmd.args(["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-pthread"]);
+        cmd.args([
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-fvisibility=hidden",
+            "-pthread",
+        ]);
         cmd.args(variant.flag());
         cmd.arg("-o").arg(&tmp).arg(&src);
-        let o = cmd.output().unwrap_or_else(|e| panic!("running {cc} to build the HSA double: {e}"));
-        assert!(o.status.success(), "{cc} failed on {}:\n{}", src.display(), String::from_utf8_lossy(&o.stderr));
+        let o = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("running {cc} to build the HSA double: {e}"));
+        assert!(
+            o.status.success(),
+            "{cc} failed on {}:\n{}",
+            src.display(),
+            String::from_utf8_lossy(&o.stderr)
+        );
         std::fs::rename(&tmp, &out).expect("move the double into place");
         built.push(variant);
     }
@@ -102,36 +118,58 @@ impl Ctl {
     pub fn fail(&self, func: &str, status: u32) {
         let c = CString::new(func).unwrap();
         // SAFETY: fake_hsa_fail(const char*, uint32_t).
-        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*const std::ffi::c_char, u32)>(self.sym("fake_hsa_fail"))(c.as_ptr(), status) }
+        unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*const std::ffi::c_char, u32)>(
+                self.sym("fake_hsa_fail"),
+            )(c.as_ptr(), status)
+        }
     }
 
     pub fn set_dmabuf_supported(&self, yes: bool) {
         // SAFETY: fake_hsa_set_dmabuf_supported(int).
-        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32)>(self.sym("fake_hsa_set_dmabuf_supported"))(yes as i32) }
+        unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32)>(
+                self.sym("fake_hsa_set_dmabuf_supported"),
+            )(yes as i32)
+        }
     }
 
     pub fn set_copy_error(&self, yes: bool) {
         // SAFETY: fake_hsa_set_copy_error(int).
-        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32)>(self.sym("fake_hsa_set_copy_error"))(yes as i32) }
+        unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn(i32)>(
+                self.sym("fake_hsa_set_copy_error"),
+            )(yes as i32)
+        }
     }
 
     /// A fake VRAM allocation of `size` bytes (zero-filled).
     pub fn alloc_vram(&self, size: usize) -> u64 {
         // SAFETY: fake_hsa_alloc_vram(size_t) -> void*.
-        let p = unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(usize) -> *mut c_void>(self.sym("fake_hsa_alloc_vram"))(size) };
+        let p = unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn(usize) -> *mut c_void>(
+                self.sym("fake_hsa_alloc_vram"),
+            )(size)
+        };
         assert!(!p.is_null(), "fake_hsa_alloc_vram({size})");
         p as u64
     }
 
     pub fn free_vram(&self, addr: u64) {
         // SAFETY: fake_hsa_free_vram(void*) -> int.
-        let rc = unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut c_void) -> i32>(self.sym("fake_hsa_free_vram"))(addr as *mut c_void) };
+        let rc = unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut c_void) -> i32>(
+                self.sym("fake_hsa_free_vram"),
+            )(addr as *mut c_void)
+        };
         assert_eq!(rc, 0, "free_vram(0x{addr:x})");
     }
 
     fn count(&self, name: &str) -> i32 {
         // SAFETY: the counters are `int f(void)`.
-        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> i32>(self.sym(name))() }
+        unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> i32>(self.sym(name))()
+        }
     }
 
     /// DMA-BUF fds exported and not yet given back through hsa_amd_portable_close_dmabuf.

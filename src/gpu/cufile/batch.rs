@@ -86,7 +86,13 @@ pub fn is_final(status: i32) -> bool {
 
 type SetUp = unsafe extern "C" fn(*mut *mut c_void, u32) -> BatchError;
 type Submit = unsafe extern "C" fn(*mut c_void, u32, *mut IoParams, u32) -> BatchError;
-type GetStatus = unsafe extern "C" fn(*mut c_void, u32, *mut u32, *mut IoEvent, *mut libc::timespec) -> BatchError;
+type GetStatus = unsafe extern "C" fn(
+    *mut c_void,
+    u32,
+    *mut u32,
+    *mut IoEvent,
+    *mut libc::timespec,
+) -> BatchError;
 type Cancel = unsafe extern "C" fn(*mut c_void) -> BatchError;
 type Destroy = unsafe extern "C" fn(*mut c_void);
 
@@ -117,7 +123,8 @@ impl BatchFns {
 /// A failed batch call: the message names the call and the cuFile status, which travels as
 /// ("cufile", code).
 fn batch_error(call: &str, st: BatchError) -> Error {
-    Error::backend(format!("{call} failed: {}", status_name(st.err))).with_vendor("cufile", st.err as i64)
+    Error::backend(format!("{call} failed: {}", status_name(st.err)))
+        .with_vendor("cufile", st.err as i64)
 }
 
 /// One piece of a batch: its file, registered buffer base, offset into it, file offset, length.
@@ -169,7 +176,13 @@ impl Batch {
                 cookie: (i + 1) as *mut c_void,
             })
             .collect();
-        let mut batch = Batch { fns, handle, results: vec![None; params.len()], open: params.len(), params };
+        let mut batch = Batch {
+            fns,
+            handle,
+            results: vec![None; params.len()],
+            open: params.len(),
+            params,
+        };
         // SAFETY: the parameter array lives in the batch until it is destroyed; the buffers and
         // the file handle are kept alive by the request that owns this batch.
         let st = unsafe { (fns.submit)(batch.handle, n, batch.params.as_mut_ptr(), 0) };
@@ -185,11 +198,23 @@ impl Batch {
         if self.open == 0 {
             return Ok(true);
         }
-        let mut events = vec![IoEvent { cookie: std::ptr::null_mut(), status: 0, ret: 0 }; self.open];
+        let mut events = vec![
+            IoEvent {
+                cookie: std::ptr::null_mut(),
+                status: 0,
+                ret: 0
+            };
+            self.open
+        ];
         let mut nr = self.open as u32;
-        let mut zero = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        let mut zero = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
         // SAFETY: events has room for nr entries; a zero timeout makes the call non-blocking.
-        let st = unsafe { (self.fns.get_status)(self.handle, 0, &mut nr, events.as_mut_ptr(), &mut zero) };
+        let st = unsafe {
+            (self.fns.get_status)(self.handle, 0, &mut nr, events.as_mut_ptr(), &mut zero)
+        };
         if st.err != 0 {
             return Err(batch_error("cuFileBatchIOGetStatus", st));
         }

@@ -52,7 +52,8 @@ type GetVersion = unsafe extern "C" fn(*mut i32) -> CuFileError;
 /// A failed cuFile call: the message names the call and the status; the status travels as
 /// ("cufile", code).
 fn cufile_error(call: &str, st: CuFileError) -> Error {
-    Error::backend(format!("{call} failed: {}", status_name(st.err))).with_vendor("cufile", st.err as i64)
+    Error::backend(format!("{call} failed: {}", status_name(st.err)))
+        .with_vendor("cufile", st.err as i64)
 }
 
 /// The loaded library with the driver open (once per process; never closed, since cuFile's
@@ -76,8 +77,11 @@ pub struct CuFile {
 static CUFILE: OnceCell<std::result::Result<CuFile, Error>> = OnceCell::new();
 
 /// The names a cuFile install answers to, most specific first.
-const CANDIDATES: [&str; 3] = ["libcufile.so.0", "libcufile.so", "/usr/local/cuda/lib64/libcufile.so.0"];
-
+const CANDIDATES: [&str; 3] = [
+    "libcufile.so.0",
+    "libcufile.so",
+    "/usr/local/cuda/lib64/libcufile.so.0",
+];
 
 /// The leading, stable part of `CUfileDrvProps_t` (cufile.h): the nvfs block, then the feature
 /// flags and limits. Newer releases may append fields, so the call writes into a larger zeroed
@@ -140,10 +144,18 @@ impl DriverProps {
 
     pub fn describe(&self) -> String {
         let mode = match self.mode() {
-            Mode::NvidiaFs => format!("nvidia-fs {}.{} (direct)", self.nvfs_major_version, self.nvfs_minor_version),
+            Mode::NvidiaFs => format!(
+                "nvidia-fs {}.{} (direct)",
+                self.nvfs_major_version, self.nvfs_minor_version
+            ),
             Mode::P2pdma => "P2PDMA (direct, upstream kernel PCI P2PDMA)".to_owned(),
-            Mode::Compatibility => "compatibility (no nvidia-fs, no P2PDMA: cuFile bounces through host memory)".to_owned(),
-            Mode::Unavailable => "none (no nvidia-fs, no P2PDMA, compatibility mode off)".to_owned(),
+            Mode::Compatibility => {
+                "compatibility (no nvidia-fs, no P2PDMA: cuFile bounces through host memory)"
+                    .to_owned()
+            }
+            Mode::Unavailable => {
+                "none (no nvidia-fs, no P2PDMA, compatibility mode off)".to_owned()
+            }
         };
         format!(
             "{mode}; dstatusflags 0x{:x} (NVMe {}), dcontrolflags 0x{:x}, fflags 0x{:x} (batch {}), max_direct_io {} KiB, max_batch_io_size {}",
@@ -161,14 +173,22 @@ impl DriverProps {
 impl CuFile {
     /// Loads libcufile and opens the driver, once per process.
     pub fn load() -> Result<&'static CuFile> {
-        CUFILE.get_or_init(Self::open).as_ref().map_err(Clone::clone)
+        CUFILE
+            .get_or_init(Self::open)
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     fn open() -> Result<CuFile> {
         let (path, library) = CANDIDATES
             .into_iter()
             .find_map(|name| Library::open(name).ok().map(|l| (name, l)))
-            .ok_or_else(|| Error::new(ErrorKind::NotSupported, "libcufile.so.0 could not be loaded (GPUDirect Storage not installed)"))?;
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotSupported,
+                    "libcufile.so.0 could not be loaded (GPUDirect Storage not installed)",
+                )
+            })?;
         // Each pointer's type alias spells the C signature of its function in cufile.h.
         let driver_open: DriverOpen = library.symbol("cuFileDriverOpen")?;
         let mut lib = CuFile {
@@ -189,31 +209,43 @@ impl CuFile {
         if st.err != 0 {
             return Err(cufile_error("cuFileDriverOpen", st));
         }
-        tracing::info!("cuFile driver opened ({path}) in {} ms", opening.elapsed().as_millis());
-        lib.props = library.symbol::<GetProperties>("cuFileDriverGetProperties").and_then(|get| {
-            // Room for fields newer releases append; the known prefix is read back.
-            let mut raw = [0u64; 64];
-            // SAFETY: the buffer is larger than any CUfileDrvProps_t.
-            let st = unsafe { get(raw.as_mut_ptr().cast()) };
-            if st.err != 0 {
-                Err(cufile_error("cuFileDriverGetProperties", st))
-            } else {
-                // SAFETY: raw is 8-aligned, larger than DriverProps, and DriverProps is plain data.
-                Ok(unsafe { std::ptr::read(raw.as_ptr().cast::<DriverProps>()) })
-            }
-        });
-        lib.version = library.optional::<GetVersion>("cuFileGetVersion").and_then(|f| {
-            let mut v = 0;
-            // SAFETY: writes one int.
-            (unsafe { f(&mut v) }.err == 0).then_some(v)
-        });
+        tracing::info!(
+            "cuFile driver opened ({path}) in {} ms",
+            opening.elapsed().as_millis()
+        );
+        lib.props = library
+            .symbol::<GetProperties>("cuFileDriverGetProperties")
+            .and_then(|get| {
+                // Room for fields newer releases append; the known prefix is read back.
+                let mut raw = [0u64; 64];
+                // SAFETY: the buffer is larger than any CUfileDrvProps_t.
+                let st = unsafe { get(raw.as_mut_ptr().cast()) };
+                if st.err != 0 {
+                    Err(cufile_error("cuFileDriverGetProperties", st))
+                } else {
+                    // SAFETY: raw is 8-aligned, larger than DriverProps, and DriverProps is plain data.
+                    Ok(unsafe { std::ptr::read(raw.as_ptr().cast::<DriverProps>()) })
+                }
+            });
+        lib.version = library
+            .optional::<GetVersion>("cuFileGetVersion")
+            .and_then(|f| {
+                let mut v = 0;
+                // SAFETY: writes one int.
+                (unsafe { f(&mut v) }.err == 0).then_some(v)
+            });
         lib.batch = batch::BatchFns::resolve(&library);
         Ok(lib)
     }
 
     /// Registers an open fd; the handle must be deregistered before the fd is closed.
     pub fn register_handle(&'static self, fd: i32) -> Result<CuFileHandle> {
-        let mut descr = CuFileDescr { kind: CU_FILE_HANDLE_TYPE_OPAQUE_FD, _pad: 0, fd: fd as i64, fs_ops: std::ptr::null() };
+        let mut descr = CuFileDescr {
+            kind: CU_FILE_HANDLE_TYPE_OPAQUE_FD,
+            _pad: 0,
+            fd: fd as i64,
+            fs_ops: std::ptr::null(),
+        };
         let mut handle = std::ptr::null_mut();
         // SAFETY: handle and descr are valid for the call.
         let st = unsafe { (self.handle_register)(&mut handle, &mut descr) };
@@ -228,7 +260,10 @@ impl CuFile {
         // SAFETY: the range is registered VRAM that outlives the returned guard.
         let st = unsafe { (self.buf_register)(addr as *const c_void, len as usize, 0) };
         if st.err != 0 {
-            return Err(cufile_error(&format!("cuFileBufRegister(0x{addr:x}+{len})"), st));
+            return Err(cufile_error(
+                &format!("cuFileBufRegister(0x{addr:x}+{len})"),
+                st,
+            ));
         }
         Ok(CuFileBuffer { addr, lib: self })
     }
@@ -254,14 +289,33 @@ impl CuFileHandle {
     /// One synchronous transfer: `len` bytes between `base + buf_offset` and `file_offset`.
     /// Returns the bytes moved (may be short) or the error: the errno text (`context.errno`) or
     /// the cuFile status (`context.vendor`).
-    pub fn io(&self, write: bool, base: u64, buf_offset: u64, len: u64, file_offset: u64) -> Result<u64> {
+    pub fn io(
+        &self,
+        write: bool,
+        base: u64,
+        buf_offset: u64,
+        len: u64,
+        file_offset: u64,
+    ) -> Result<u64> {
         // SAFETY: base+buf_offset..+len is registered VRAM kept alive by the request; the handle
         // is live until this struct drops.
         let n = unsafe {
             if write {
-                (self.lib.write)(self.handle, base as *const c_void, len as usize, file_offset as i64, buf_offset as i64)
+                (self.lib.write)(
+                    self.handle,
+                    base as *const c_void,
+                    len as usize,
+                    file_offset as i64,
+                    buf_offset as i64,
+                )
             } else {
-                (self.lib.read)(self.handle, base as *mut c_void, len as usize, file_offset as i64, buf_offset as i64)
+                (self.lib.read)(
+                    self.handle,
+                    base as *mut c_void,
+                    len as usize,
+                    file_offset as i64,
+                    buf_offset as i64,
+                )
             }
         };
         match n {
@@ -305,8 +359,14 @@ pub fn mode() -> (bool, String) {
     match CuFile::load() {
         Err(e) => (false, format!("cuFile unavailable: {}", e.message)),
         Ok(lib) => match &lib.props {
-            Err(why) => (false, format!("mode unknown ({why}); treated as not direct")),
-            Ok(p) => (matches!(p.mode(), Mode::NvidiaFs | Mode::P2pdma), p.describe()),
+            Err(why) => (
+                false,
+                format!("mode unknown ({why}); treated as not direct"),
+            ),
+            Ok(p) => (
+                matches!(p.mode(), Mode::NvidiaFs | Mode::P2pdma),
+                p.describe(),
+            ),
         },
     }
 }
@@ -319,11 +379,17 @@ mod tests {
     fn a_missing_libcufile_is_an_absent_capability_with_a_message() {
         let present = CANDIDATES.iter().any(|n| Library::open(n).is_ok());
         if present {
-            return crate::test_support::skip("this machine has libcufile (the GPU tests cover cuFile)");
+            return crate::test_support::skip(
+                "this machine has libcufile (the GPU tests cover cuFile)",
+            );
         }
         let err = CuFile::load().err().expect("no libcufile here");
         assert_eq!(err.kind, ErrorKind::NotSupported);
-        assert!(err.message.contains("libcufile.so.0 could not be loaded"), "{}", err.message);
+        assert!(
+            err.message.contains("libcufile.so.0 could not be loaded"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]
@@ -339,13 +405,24 @@ mod tests {
 
     #[test]
     fn the_mode_comes_from_the_driver_properties() {
-        let compat = DriverProps { dcontrolflags: CONTROL_ALLOW_COMPAT, ..Default::default() };
+        let compat = DriverProps {
+            dcontrolflags: CONTROL_ALLOW_COMPAT,
+            ..Default::default()
+        };
         assert_eq!(compat.mode(), Mode::Compatibility);
         assert!(compat.describe().starts_with("compatibility"));
-        let nvfs = DriverProps { nvfs_major_version: 2, nvfs_minor_version: 17, dcontrolflags: CONTROL_ALLOW_COMPAT, ..Default::default() };
+        let nvfs = DriverProps {
+            nvfs_major_version: 2,
+            nvfs_minor_version: 17,
+            dcontrolflags: CONTROL_ALLOW_COMPAT,
+            ..Default::default()
+        };
         assert_eq!(nvfs.mode(), Mode::NvidiaFs);
         assert!(nvfs.describe().contains("nvidia-fs 2.17"));
-        let p2p = DriverProps { dstatusflags: STATUS_NVME_P2P_SUPPORTED | STATUS_NVME_SUPPORTED, ..Default::default() };
+        let p2p = DriverProps {
+            dstatusflags: STATUS_NVME_P2P_SUPPORTED | STATUS_NVME_SUPPORTED,
+            ..Default::default()
+        };
         assert_eq!(p2p.mode(), Mode::P2pdma);
         assert_eq!(DriverProps::default().mode(), Mode::Unavailable);
     }

@@ -6,9 +6,9 @@
 //! from a system memory pool instead would hand the pool memory it did not map. Locking may give
 //! the agents another address for the same pages, so copies use the address HSA returned.
 
+use super::runtime::Rocm;
 use super::status::HsaStatus;
 use super::sys::{self, Lib, Signal};
-use super::runtime::Rocm;
 use crate::error::{Error, Result};
 use crate::gpu::provider::CopyTicket;
 
@@ -18,7 +18,10 @@ use crate::gpu::provider::CopyTicket;
 /// The memory must stay mapped until `unpin`.
 pub unsafe fn pin(rocm: &Rocm, addr: u64, len: u64) -> Result<()> {
     let agent_addr = lock(rocm.lib, addr, len)?;
-    rocm.locked.lock().unwrap_or_else(|p| p.into_inner()).push((addr, len, agent_addr));
+    rocm.locked
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((addr, len, agent_addr));
     Ok(())
 }
 
@@ -35,9 +38,21 @@ pub fn unpin(rocm: &Rocm, addr: u64) {
 fn lock(lib: &Lib, addr: u64, len: u64) -> Result<u64> {
     let mut agent_ptr: *mut std::ffi::c_void = std::ptr::null_mut();
     // SAFETY: the caller keeps the memory mapped while locked; agent_ptr is a valid out-param.
-    let st = unsafe { (lib.memory_lock)(addr as *mut _, len as usize, std::ptr::null_mut(), 0, &mut agent_ptr) };
+    let st = unsafe {
+        (lib.memory_lock)(
+            addr as *mut _,
+            len as usize,
+            std::ptr::null_mut(),
+            0,
+            &mut agent_ptr,
+        )
+    };
     lib.check(&format!("hsa_amd_memory_lock(0x{addr:x}+{len})"), st)?;
-    Ok(if agent_ptr.is_null() { addr } else { agent_ptr as u64 })
+    Ok(if agent_ptr.is_null() {
+        addr
+    } else {
+        agent_ptr as u64
+    })
 }
 
 fn unlock(lib: &Lib, addr: u64) {
@@ -53,31 +68,78 @@ fn unlock(lib: &Lib, addr: u64) {
 /// # Safety
 /// Both ranges must stay valid until the ticket reports completion (or is dropped: dropping
 /// waits for the copy).
-pub unsafe fn start(rocm: &Rocm, device: i32, host: u64, dev: u64, len: u64, to_host: bool) -> Result<Box<dyn CopyTicket>> {
+pub unsafe fn start(
+    rocm: &Rocm,
+    device: i32,
+    host: u64,
+    dev: u64,
+    len: u64,
+    to_host: bool,
+) -> Result<Box<dyn CopyTicket>> {
     let gpu = rocm.gpu(device)?.agent;
-    let cpu = rocm.cpu.ok_or_else(|| Error::backend("HSA lists no CPU agent for the host side of copies"))?;
-    let what = if to_host { format!("device->host copy 0x{dev:x} -> 0x{host:x} ({len} bytes)") } else { format!("host->device copy 0x{host:x} -> 0x{dev:x} ({len} bytes)") };
+    let cpu = rocm
+        .cpu
+        .ok_or_else(|| Error::backend("HSA lists no CPU agent for the host side of copies"))?;
+    let what = if to_host {
+        format!("device->host copy 0x{dev:x} -> 0x{host:x} ({len} bytes)")
+    } else {
+        format!("host->device copy 0x{host:x} -> 0x{dev:x} ({len} bytes)")
+    };
     // Pinned staging memory is used where HSA mapped it for the agents. Other host memory (the
     // dmabuf self-test's block) is locked for this one copy and unlocked when the ticket drops.
-    let pinned = rocm.locked.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|&&(s, l, _)| host >= s && host + len <= s + l).map(|&(s, _, a)| a + (host - s));
+    let pinned = rocm
+        .locked
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|&&(s, l, _)| host >= s && host + len <= s + l)
+        .map(|&(s, _, a)| a + (host - s));
     let (host_agent_addr, temp_lock) = match pinned {
         Some(a) => (a, None),
-        None => (lock(rocm.lib, host, len).map_err(|e| Error::new(e.kind, format!("{what}: {}", e.message)))?, Some(host)),
+        None => (
+            lock(rocm.lib, host, len)
+                .map_err(|e| Error::new(e.kind, format!("{what}: {}", e.message)))?,
+            Some(host),
+        ),
     };
-    let mut ticket = SignalTicket { lib: rocm.lib, signal: None, temp_lock, what };
+    let mut ticket = SignalTicket {
+        lib: rocm.lib,
+        signal: None,
+        temp_lock,
+        what,
+    };
     let mut signal = Signal { handle: 0 };
     // SAFETY: initial value 1, any consumer (0, NULL); writes the handle into `signal`.
     let st = unsafe { (rocm.lib.signal_create)(1, 0, std::ptr::null(), &mut signal) };
-    rocm.check("hsa_signal_create", st).map_err(|e| Error::new(e.kind, format!("{}: {}", ticket.what, e.message)))?;
+    rocm.check("hsa_signal_create", st)
+        .map_err(|e| Error::new(e.kind, format!("{}: {}", ticket.what, e.message)))?;
     ticket.signal = Some(signal);
-    let (dst, dst_agent, src, src_agent) = if to_host { (host_agent_addr, cpu, dev, gpu) } else { (dev, gpu, host_agent_addr, cpu) };
+    let (dst, dst_agent, src, src_agent) = if to_host {
+        (host_agent_addr, cpu, dev, gpu)
+    } else {
+        (dev, gpu, host_agent_addr, cpu)
+    };
     // SAFETY: the caller keeps both ranges valid until the ticket completes; the host range is
     // locked; the signal is live and decremented by the runtime when the copy ends.
-    let st: HsaStatus = unsafe { (rocm.lib.async_copy)(dst as *mut _, dst_agent, src as *const _, src_agent, len as usize, 0, std::ptr::null(), signal) };
+    let st: HsaStatus = unsafe {
+        (rocm.lib.async_copy)(
+            dst as *mut _,
+            dst_agent,
+            src as *const _,
+            src_agent,
+            len as usize,
+            0,
+            std::ptr::null(),
+            signal,
+        )
+    };
     if let Err(e) = rocm.check("hsa_amd_memory_async_copy", st) {
         // Nothing was queued: the ticket's drop destroys the signal without waiting on it.
         ticket.discard_signal();
-        return Err(Error::new(e.kind, format!("{}: {}", ticket.what, e.message)));
+        return Err(Error::new(
+            e.kind,
+            format!("{}: {}", ticket.what, e.message),
+        ));
     }
     Ok(Box::new(ticket))
 }
@@ -94,7 +156,10 @@ struct SignalTicket {
 impl SignalTicket {
     fn verdict(&self, value: sys::SignalValue) -> Result<bool> {
         match value {
-            v if v < 0 => Err(Error::backend(format!("{} failed: HSA set its completion signal to {v}", self.what))),
+            v if v < 0 => Err(Error::backend(format!(
+                "{} failed: HSA set its completion signal to {v}",
+                self.what
+            ))),
             0 => Ok(true),
             _ => Ok(false),
         }
@@ -112,7 +177,15 @@ impl SignalTicket {
         loop {
             // SAFETY: a live signal; the wait may return early (spurious wake-up or timeout
             // hint), hence the loop.
-            let v = unsafe { (self.lib.signal_wait_scacquire)(s, sys::SIGNAL_CONDITION_LT, 1, u64::MAX, sys::WAIT_STATE_BLOCKED) };
+            let v = unsafe {
+                (self.lib.signal_wait_scacquire)(
+                    s,
+                    sys::SIGNAL_CONDITION_LT,
+                    1,
+                    u64::MAX,
+                    sys::WAIT_STATE_BLOCKED,
+                )
+            };
             if v < 1 {
                 return v;
             }
@@ -122,7 +195,9 @@ impl SignalTicket {
 
 impl CopyTicket for SignalTicket {
     fn is_done(&self) -> Result<bool> {
-        let Some(s) = self.signal else { return Ok(true) };
+        let Some(s) = self.signal else {
+            return Ok(true);
+        };
         // SAFETY: a live signal, read with acquire order so the copied bytes are visible.
         self.verdict(unsafe { (self.lib.signal_load_scacquire)(s) })
     }

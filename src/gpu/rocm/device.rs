@@ -4,8 +4,8 @@
 use std::ffi::c_int;
 use std::os::fd::{FromRawFd, OwnedFd};
 
-use super::sys::{self, PointerInfo};
 use super::runtime::{not_supported, DmabufQuery, Rocm};
+use super::sys::{self, PointerInfo};
 use crate::error::{Error, Result};
 use crate::gpu::provider::{DeviceRange, DmabufExport};
 
@@ -16,7 +16,13 @@ fn pointer_info(rocm: &Rocm, addr: u64) -> Result<PointerInfo> {
     // agent list is not requested (alloc NULL), so nothing is allocated for us. `addr` is only
     // looked up, never dereferenced.
     let st = unsafe {
-        (rocm.lib.pointer_info)(addr as *const _, &mut info, None, std::ptr::null_mut(), std::ptr::null_mut())
+        (rocm.lib.pointer_info)(
+            addr as *const _,
+            &mut info,
+            None,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
     };
     rocm.check(&format!("hsa_amd_pointer_info(0x{addr:x})"), st)?;
     Ok(info)
@@ -27,7 +33,8 @@ fn pointer_info(rocm: &Rocm, addr: u64) -> Result<PointerInfo> {
 pub fn check_range(rocm: &Rocm, device: i32, addr: u64, len: u64) -> Result<DeviceRange> {
     let gpu = rocm.gpu(device)?;
     let what = format!("VRAM registration 0x{addr:x}+{len}");
-    let info = pointer_info(rocm, addr).map_err(|e| Error::new(e.kind, format!("{what}: {}", e.message)))?;
+    let info = pointer_info(rocm, addr)
+        .map_err(|e| Error::new(e.kind, format!("{what}: {}", e.message)))?;
     let refuse = |why: &str| Err(Error::invalid(format!("{what}: {why}")));
     match info.kind {
         sys::POINTER_TYPE_HSA | sys::POINTER_TYPE_HSA_VMEM | sys::POINTER_TYPE_IPC | sys::POINTER_TYPE_GRAPHICS => {}
@@ -49,13 +56,22 @@ pub fn check_range(rocm: &Rocm, device: i32, addr: u64, len: u64) -> Result<Devi
         };
     }
     #[cfg(feature = "rocm")]
-    rocm.hip.check_pointer(addr, device).map_err(|why| Error { message: format!("{what}: {}", why.message), ..why })?;
+    rocm.hip.check_pointer(addr, device).map_err(|why| Error {
+        message: format!("{what}: {}", why.message),
+        ..why
+    })?;
     let start = info.agent_base as u64;
     let end = start.saturating_add(info.size_in_bytes as u64);
     if addr < start || addr.checked_add(len).is_none_or(|e| e > end) {
-        return refuse(&format!("runs past its HSA allocation [0x{start:x}, 0x{end:x}) ({} bytes)", info.size_in_bytes));
+        return refuse(&format!(
+            "runs past its HSA allocation [0x{start:x}, 0x{end:x}) ({} bytes)",
+            info.size_in_bytes
+        ));
     }
-    Ok(DeviceRange { alloc_start: start, alloc_end: end })
+    Ok(DeviceRange {
+        alloc_start: start,
+        alloc_end: end,
+    })
 }
 
 /// Exports `[addr, addr+len)` as a DMA-BUF. HSA may export the whole allocation: the offset it
@@ -79,13 +95,20 @@ pub fn export(rocm: &Rocm, device: i32, addr: u64, len: u64) -> Result<DmabufExp
     let (name, st) = match entry {
         // SAFETY: fd and offset are valid out-parameters; the range is only described. Flags 0 =
         // HSA_AMD_DMABUF_MAPPING_TYPE_NONE, the mapping v1 gives.
-        sys::Export::V2(f) => ("hsa_amd_portable_export_dmabuf_v2", unsafe { f(addr as *const _, len as usize, &mut fd, &mut offset, 0) }),
+        sys::Export::V2(f) => ("hsa_amd_portable_export_dmabuf_v2", unsafe {
+            f(addr as *const _, len as usize, &mut fd, &mut offset, 0)
+        }),
         // SAFETY: as above.
-        sys::Export::V1(f) => ("hsa_amd_portable_export_dmabuf", unsafe { f(addr as *const _, len as usize, &mut fd, &mut offset) }),
+        sys::Export::V1(f) => ("hsa_amd_portable_export_dmabuf", unsafe {
+            f(addr as *const _, len as usize, &mut fd, &mut offset)
+        }),
     };
     rocm.check(&call(name), st)?;
     if fd < 0 {
-        return Err(Error::backend(format!("{} returned success without a DMA-BUF fd ({fd})", call(name))));
+        return Err(Error::backend(format!(
+            "{} returned success without a DMA-BUF fd ({fd})",
+            call(name)
+        )));
     }
     // HSA wants its DMA-BUF fds given back through hsa_amd_portable_close_dmabuf (the runtime may
     // keep per-export bookkeeping), but the engine owns slab fds as plain OwnedFds closed whenever
@@ -96,11 +119,18 @@ pub fn export(rocm: &Rocm, device: i32, addr: u64, len: u64) -> Result<DmabufExp
     let dup_err = std::io::Error::last_os_error();
     close_hsa_fd(rocm, fd);
     if ours < 0 {
-        return Err(Error::os(format!("{}: dup of DMA-BUF fd {fd}", call(name)), &dup_err));
+        return Err(Error::os(
+            format!("{}: dup of DMA-BUF fd {fd}", call(name)),
+            &dup_err,
+        ));
     }
     // SAFETY: `ours` is a fresh fd owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(ours) };
-    Ok(DmabufExport { fd, offset, whole_size: None })
+    Ok(DmabufExport {
+        fd,
+        offset,
+        whole_size: None,
+    })
 }
 
 /// Gives an exported fd back to HSA (or closes it where the runtime has no close call).
@@ -110,7 +140,10 @@ fn close_hsa_fd(rocm: &Rocm, fd: c_int) {
             // SAFETY: `fd` came from HSA's export and is given back once.
             let st = unsafe { close(fd) };
             if let Err(e) = rocm.check(&format!("hsa_amd_portable_close_dmabuf({fd})"), st) {
-                tracing::warn!("{}; the DMA-BUF stays usable through the engine's own fd", e.message);
+                tracing::warn!(
+                    "{}; the DMA-BUF stays usable through the engine's own fd",
+                    e.message
+                );
             }
         }
         None => {

@@ -27,7 +27,9 @@ struct PointerAttributes {
     is_managed: c_int,
     allocation_flags: c_uint,
 }
-const _: () = assert!(std::mem::size_of::<PointerAttributes>() == std::mem::size_of::<hip::hipPointerAttribute_t>());
+const _: () = assert!(
+    std::mem::size_of::<PointerAttributes>() == std::mem::size_of::<hip::hipPointerAttribute_t>()
+);
 
 type IntOutFn = unsafe extern "C" fn(*mut c_int) -> u32;
 type PointerFn = unsafe extern "C" fn(*mut PointerAttributes, *const c_void) -> u32;
@@ -35,20 +37,30 @@ type PointerFn = unsafe extern "C" fn(*mut PointerAttributes, *const c_void) -> 
 fn count_fn() -> IntOutFn {
     let f: unsafe extern "C" fn(*mut c_int) -> hip::hipError_t = hip::hipGetDeviceCount;
     // SAFETY: same C signature; hipError_t is repr(u32), read here as the plain u32 it is.
-    unsafe { std::mem::transmute::<unsafe extern "C" fn(*mut c_int) -> hip::hipError_t, IntOutFn>(f) }
+    unsafe {
+        std::mem::transmute::<unsafe extern "C" fn(*mut c_int) -> hip::hipError_t, IntOutFn>(f)
+    }
 }
 
 fn version_fn() -> IntOutFn {
     let f: unsafe extern "C" fn(*mut c_int) -> hip::hipError_t = hip::hipRuntimeGetVersion;
     // SAFETY: as in count_fn.
-    unsafe { std::mem::transmute::<unsafe extern "C" fn(*mut c_int) -> hip::hipError_t, IntOutFn>(f) }
+    unsafe {
+        std::mem::transmute::<unsafe extern "C" fn(*mut c_int) -> hip::hipError_t, IntOutFn>(f)
+    }
 }
 
 fn pointer_fn() -> PointerFn {
-    let f: unsafe extern "C" fn(*mut hip::hipPointerAttribute_t, *const c_void) -> hip::hipError_t = hip::hipPointerGetAttributes;
+    let f: unsafe extern "C" fn(*mut hip::hipPointerAttribute_t, *const c_void) -> hip::hipError_t =
+        hip::hipPointerGetAttributes;
     // SAFETY: PointerAttributes has the layout of hipPointerAttribute_t (asserted above) with the
     // enum read as u32; the return value as in count_fn.
-    unsafe { std::mem::transmute::<unsafe extern "C" fn(*mut hip::hipPointerAttribute_t, *const c_void) -> hip::hipError_t, PointerFn>(f) }
+    unsafe {
+        std::mem::transmute::<
+            unsafe extern "C" fn(*mut hip::hipPointerAttribute_t, *const c_void) -> hip::hipError_t,
+            PointerFn,
+        >(f)
+    }
 }
 
 /// What HIP reported when the provider was loaded.
@@ -63,7 +75,11 @@ impl HipView {
     pub fn query() -> HipView {
         let mut v: c_int = 0;
         // SAFETY: writes one int.
-        let version = if unsafe { version_fn()(&mut v) } == 0 { v } else { 0 };
+        let version = if unsafe { version_fn()(&mut v) } == 0 {
+            v
+        } else {
+            0
+        };
         let mut n: c_int = 0;
         // SAFETY: writes one int.
         let count = match unsafe { count_fn()(&mut n) } {
@@ -74,7 +90,11 @@ impl HipView {
     }
 
     pub fn describe(&self) -> String {
-        let v = format!("runtime {}.{}", self.version / 10_000_000, (self.version / 100_000) % 100);
+        let v = format!(
+            "runtime {}.{}",
+            self.version / 10_000_000,
+            (self.version / 100_000) % 100
+        );
         match self.count {
             Ok(n) => format!("{v}, {n} device(s)"),
             Err(100) => format!("{v}, hipGetDeviceCount: hipErrorNoDevice (100)"),
@@ -110,13 +130,22 @@ impl HipView {
         // SAFETY: `a` is a valid out-struct; `addr` is only looked up.
         let e = unsafe { pointer_fn()(&mut a, addr as *const c_void) };
         if e != 0 {
-            return Err(Error::invalid(format!("hipPointerGetAttributes failed: hipError_t {e}")).with_vendor("hip", e as i64));
+            return Err(
+                Error::invalid(format!("hipPointerGetAttributes failed: hipError_t {e}"))
+                    .with_vendor("hip", e as i64),
+            );
         }
         if a.memory_type != self.device_type() {
-            return Err(Error::invalid(format!("HIP says this is not device memory (hipMemoryType {})", a.memory_type)));
+            return Err(Error::invalid(format!(
+                "HIP says this is not device memory (hipMemoryType {})",
+                a.memory_type
+            )));
         }
         if a.device != device {
-            return Err(Error::invalid(format!("the memory is on HIP device {}, but devId says {device}", a.device)));
+            return Err(Error::invalid(format!(
+                "the memory is on HIP device {}, but devId says {device}",
+                a.device
+            )));
         }
         Ok(())
     }

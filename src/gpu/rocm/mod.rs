@@ -30,10 +30,10 @@ use std::sync::{Arc, Mutex};
 
 use once_cell::sync::OnceCell;
 
-use crate::gpu::provider::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 use crate::error::{Error, Result};
-use status::check;
+use crate::gpu::provider::{CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 pub use runtime::{DmabufQuery, GpuAgent, Rocm};
+use status::check;
 use sys::{Agent, Lib};
 
 static ROCM: OnceCell<std::result::Result<Arc<Rocm>, Error>> = OnceCell::new();
@@ -48,7 +48,13 @@ pub fn load() -> Result<Arc<dyn GpuProvider>> {
 }
 
 fn load_rocm() -> Result<Arc<Rocm>> {
-    ROCM.get_or_init(|| LIB.get_or_init(Lib::open_default).as_ref().map_err(Clone::clone).and_then(Rocm::init)).clone()
+    ROCM.get_or_init(|| {
+        LIB.get_or_init(Lib::open_default)
+            .as_ref()
+            .map_err(Clone::clone)
+            .and_then(Rocm::init)
+    })
+    .clone()
 }
 
 impl Rocm {
@@ -63,7 +69,11 @@ impl Rocm {
         // calls hsa_shut_down (the runtime stays up for the process, like the library).
         check("hsa_init", unsafe { (lib.init)() }).map_err(|e| {
             // ROCr fails hsa_init with OUT_OF_RESOURCES when there is no KFD device node at all.
-            let hint = if std::path::Path::new("/dev/kfd").exists() { "" } else { "; /dev/kfd does not exist: no amdgpu/KFD driver (no AMD GPU) on this machine" };
+            let hint = if std::path::Path::new("/dev/kfd").exists() {
+                ""
+            } else {
+                "; /dev/kfd does not exist: no amdgpu/KFD driver (no AMD GPU) on this machine"
+            };
             Error::new(e.kind, format!("{} ({}){hint}", e.message, lib.path))
         })?;
         let agents = list_agents(lib)?;
@@ -71,13 +81,19 @@ impl Rocm {
         let mut cpu = None;
         for a in agents {
             match agent_u32(lib, a, sys::AGENT_INFO_DEVICE)? {
-                sys::DEVICE_TYPE_GPU => gpus.push(GpuAgent { agent: a, name: agent_name(lib, a) }),
+                sys::DEVICE_TYPE_GPU => gpus.push(GpuAgent {
+                    agent: a,
+                    name: agent_name(lib, a),
+                }),
                 sys::DEVICE_TYPE_CPU if cpu.is_none() => cpu = Some(a),
                 _ => {}
             }
         }
         let dmabuf = query_dmabuf(lib);
-        let version = (system_u16(lib, sys::SYSTEM_INFO_VERSION_MAJOR), system_u16(lib, sys::SYSTEM_INFO_VERSION_MINOR));
+        let version = (
+            system_u16(lib, sys::SYSTEM_INFO_VERSION_MAJOR),
+            system_u16(lib, sys::SYSTEM_INFO_VERSION_MINOR),
+        );
         let build = system_string(lib, sys::AMD_SYSTEM_INFO_BUILD_VERSION);
         Ok(Arc::new(Rocm {
             lib,
@@ -113,9 +129,15 @@ impl Rocm {
     }
 
     fn gpu(&self, device: i32) -> Result<&GpuAgent> {
-        usize::try_from(device).ok().and_then(|i| self.gpus.get(i)).ok_or_else(|| {
-            Error::invalid(format!("ROCm device {device} does not exist ({} HSA GPU agent(s) visible)", self.gpus.len()))
-        })
+        usize::try_from(device)
+            .ok()
+            .and_then(|i| self.gpus.get(i))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "ROCm device {device} does not exist ({} HSA GPU agent(s) visible)",
+                    self.gpus.len()
+                ))
+            })
     }
 
     /// See `Lib::check`.
@@ -143,7 +165,10 @@ fn list_agents(lib: &Lib) -> Result<Vec<Agent>> {
 fn agent_u32(lib: &Lib, agent: Agent, attr: u32) -> Result<u32> {
     let mut v: u32 = 0;
     // SAFETY: the attributes asked for are 32-bit enums/integers.
-    check(&format!("hsa_agent_get_info(0x{:x}, {attr})", agent.handle), unsafe { (lib.agent_get_info)(agent, attr, (&mut v as *mut u32).cast()) })?;
+    check(
+        &format!("hsa_agent_get_info(0x{:x}, {attr})", agent.handle),
+        unsafe { (lib.agent_get_info)(agent, attr, (&mut v as *mut u32).cast()) },
+    )?;
     Ok(v)
 }
 
@@ -156,12 +181,18 @@ fn agent_string(lib: &Lib, agent: Agent, attr: u32) -> Option<String> {
     }
     buf[63] = 0;
     // SAFETY: NUL-terminated within the buffer (forced above).
-    let s = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().trim().to_owned();
+    let s = unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .trim()
+        .to_owned();
     Some(s).filter(|s| !s.is_empty())
 }
 
 fn agent_name(lib: &Lib, agent: Agent) -> String {
-    match (agent_string(lib, agent, sys::AGENT_INFO_NAME), agent_string(lib, agent, sys::AMD_AGENT_INFO_PRODUCT_NAME)) {
+    match (
+        agent_string(lib, agent, sys::AGENT_INFO_NAME),
+        agent_string(lib, agent, sys::AMD_AGENT_INFO_PRODUCT_NAME),
+    ) {
         (Some(isa), Some(product)) => format!("{product} ({isa})"),
         (Some(n), None) | (None, Some(n)) => n,
         (None, None) => format!("agent 0x{:x}", agent.handle),
@@ -190,7 +221,12 @@ fn query_dmabuf(lib: &Lib) -> DmabufQuery {
     // A C bool is one byte; read it as u8 so that no value the runtime writes is invalid here.
     let mut v: u8 = 0;
     // SAFETY: the attribute's type is bool (one byte).
-    let st = unsafe { (lib.system_get_info)(sys::AMD_SYSTEM_INFO_DMABUF_SUPPORTED, (&mut v as *mut u8).cast()) };
+    let st = unsafe {
+        (lib.system_get_info)(
+            sys::AMD_SYSTEM_INFO_DMABUF_SUPPORTED,
+            (&mut v as *mut u8).cast(),
+        )
+    };
     match st {
         status::SUCCESS if v != 0 => DmabufQuery::Supported,
         status::SUCCESS => DmabufQuery::NotSupported,
@@ -198,7 +234,13 @@ fn query_dmabuf(lib: &Lib) -> DmabufQuery {
             "the runtime does not know HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED ({})",
             status::name(st)
         )),
-        _ => DmabufQuery::Unknown(status::error("hsa_system_get_info(HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED)", st).message),
+        _ => DmabufQuery::Unknown(
+            status::error(
+                "hsa_system_get_info(HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED)",
+                st,
+            )
+            .message,
+        ),
     }
 }
 
@@ -228,12 +270,24 @@ impl GpuProvider for Rocm {
         copy::unpin(self, addr)
     }
 
-    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_host(
+        &self,
+        device: i32,
+        host: u64,
+        dev: u64,
+        len: u64,
+    ) -> Result<Box<dyn CopyTicket>> {
         // SAFETY: forwarded contract (both ranges valid until the ticket completes).
         unsafe { copy::start(self, device, host, dev, len, true) }
     }
 
-    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_device(
+        &self,
+        device: i32,
+        dev: u64,
+        host: u64,
+        len: u64,
+    ) -> Result<Box<dyn CopyTicket>> {
         // SAFETY: forwarded contract (both ranges valid until the ticket completes).
         unsafe { copy::start(self, device, host, dev, len, false) }
     }
@@ -248,7 +302,9 @@ impl GpuProvider for Rocm {
         let export = match (self.export_entry(), &self.dmabuf) {
             (None, _) => "no DMA-BUF export entry point".to_owned(),
             (Some(e), DmabufQuery::Supported) => format!("DMA-BUF export via {e}"),
-            (Some(e), DmabufQuery::NotSupported) => format!("{e} present but the driver lacks DMA-BUF support"),
+            (Some(e), DmabufQuery::NotSupported) => {
+                format!("{e} present but the driver lacks DMA-BUF support")
+            }
             (Some(e), DmabufQuery::Unknown(why)) => format!("{e} present, support unknown: {why}"),
         };
         #[allow(unused_mut)]
@@ -259,7 +315,11 @@ impl GpuProvider for Rocm {
             self.build.as_deref().unwrap_or("build unknown"),
             self.lib.path,
             self.gpus.len(),
-            if names.is_empty() { "none".to_owned() } else { names.join(", ") },
+            if names.is_empty() {
+                "none".to_owned()
+            } else {
+                names.join(", ")
+            },
         );
         #[cfg(feature = "rocm")]
         line.push_str(&format!("; HIP: {}", self.hip.describe()));
@@ -274,13 +334,23 @@ pub fn doctor_report() -> Vec<String> {
         Ok(r) => r,
         Err(e) => return vec![format!("rocm: unavailable: {}", e.message)],
     };
-    let mut out = vec![format!("rocm: HSA runtime {} loaded (HSA {}.{}, {})", rocm.library(), rocm.version.0, rocm.version.1, rocm.build.as_deref().unwrap_or("build unknown"))];
+    let mut out = vec![format!(
+        "rocm: HSA runtime {} loaded (HSA {}.{}, {})",
+        rocm.library(),
+        rocm.version.0,
+        rocm.version.1,
+        rocm.build.as_deref().unwrap_or("build unknown")
+    )];
     out.push(match rocm.dmabuf_query() {
         DmabufQuery::Supported => "rocm: HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED = true".to_owned(),
         DmabufQuery::NotSupported => "rocm: HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED = false (the amdgpu/KFD driver lacks DMA-BUF export; KFD interface 1.12+ needed)".to_owned(),
         DmabufQuery::Unknown(why) => format!("rocm: DMA-BUF support unknown: {why}"),
     });
-    out.push(format!("rocm: DMA-BUF export entry point: {}", rocm.export_entry().unwrap_or("none (an older ROCm, e.g. 5.2; VRAM moves through staging)")));
+    out.push(format!(
+        "rocm: DMA-BUF export entry point: {}",
+        rocm.export_entry()
+            .unwrap_or("none (an older ROCm, e.g. 5.2; VRAM moves through staging)")
+    ));
     if rocm.gpus.is_empty() {
         out.push("rocm: no GPU agents".to_owned());
     }
@@ -291,4 +361,3 @@ pub fn doctor_report() -> Vec<String> {
     out.push(format!("rocm: HIP: {}", rocm.hip.describe()));
     out
 }
-

@@ -3,10 +3,10 @@
 
 use std::sync::Mutex;
 
-use super::sys::{Agent, Lib};
-use crate::error::{Error, ErrorKind};
 #[cfg(feature = "rocm")]
 use super::hip;
+use super::sys::{Agent, Lib};
+use crate::error::{Error, ErrorKind};
 
 /// What `HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED` said.
 #[derive(Debug, Clone, PartialEq, Eq)]

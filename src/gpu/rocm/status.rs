@@ -160,9 +160,17 @@ mod tests {
     fn every_failure_message_names_the_call_and_the_status() {
         for (code, _) in ALL {
             match check("hsa_amd_memory_lock(0x1000+4096)", code) {
-                Ok(()) => assert!(code == SUCCESS || code == INFO_BREAK, "0x{code:x} must fail"),
+                Ok(()) => assert!(
+                    code == SUCCESS || code == INFO_BREAK,
+                    "0x{code:x} must fail"
+                ),
                 Err(e) => {
-                    assert!(e.message.starts_with("hsa_amd_memory_lock(0x1000+4096) failed: "), "{}", e.message);
+                    assert!(
+                        e.message
+                            .starts_with("hsa_amd_memory_lock(0x1000+4096) failed: "),
+                        "{}",
+                        e.message
+                    );
                     assert!(e.message.contains(describe(code).0), "{}", e.message);
                     assert!(e.message.contains(&format!("0x{code:x}")), "{}", e.message);
                 }
@@ -181,7 +189,13 @@ mod tests {
         for code in [0x1000, 0x1008, 0x1026, 43, 46, 0x7777] {
             assert_eq!(describe(code).1, ErrorKind::Backend, "{}", name(code));
         }
-        assert_eq!(error("x", 0x1008).to_status(), crate::error::status::ERR_BACKEND);
-        assert_eq!(error("x", 0x1003).to_status(), crate::error::status::ERR_INVALID_PARAM);
+        assert_eq!(
+            error("x", 0x1008).to_status(),
+            crate::error::status::ERR_BACKEND
+        );
+        assert_eq!(
+            error("x", 0x1003).to_status(),
+            crate::error::status::ERR_INVALID_PARAM
+        );
     }
 }

@@ -109,13 +109,24 @@ type PointerInfoFn = unsafe extern "C" fn(
     *mut *mut Agent,
 ) -> HsaStatus;
 type ExportV1Fn = unsafe extern "C" fn(*const c_void, usize, *mut c_int, *mut u64) -> HsaStatus;
-type ExportV2Fn = unsafe extern "C" fn(*const c_void, usize, *mut c_int, *mut u64, u64) -> HsaStatus;
+type ExportV2Fn =
+    unsafe extern "C" fn(*const c_void, usize, *mut c_int, *mut u64, u64) -> HsaStatus;
 type CloseDmabufFn = unsafe extern "C" fn(c_int) -> HsaStatus;
-type MemoryLockFn = unsafe extern "C" fn(*mut c_void, usize, *mut Agent, c_int, *mut *mut c_void) -> HsaStatus;
+type MemoryLockFn =
+    unsafe extern "C" fn(*mut c_void, usize, *mut Agent, c_int, *mut *mut c_void) -> HsaStatus;
 type MemoryUnlockFn = unsafe extern "C" fn(*mut c_void) -> HsaStatus;
-type AsyncCopyFn =
-    unsafe extern "C" fn(*mut c_void, Agent, *const c_void, Agent, usize, u32, *const Signal, Signal) -> HsaStatus;
-type SignalCreateFn = unsafe extern "C" fn(SignalValue, u32, *const Agent, *mut Signal) -> HsaStatus;
+type AsyncCopyFn = unsafe extern "C" fn(
+    *mut c_void,
+    Agent,
+    *const c_void,
+    Agent,
+    usize,
+    u32,
+    *const Signal,
+    Signal,
+) -> HsaStatus;
+type SignalCreateFn =
+    unsafe extern "C" fn(SignalValue, u32, *const Agent, *mut Signal) -> HsaStatus;
 type SignalDestroyFn = unsafe extern "C" fn(Signal) -> HsaStatus;
 type SignalLoadFn = unsafe extern "C" fn(Signal) -> SignalValue;
 type SignalWaitFn = unsafe extern "C" fn(Signal, u32, SignalValue, u64, u32) -> SignalValue;
@@ -160,19 +171,28 @@ pub const LIBRARY_ENV: &str = "IUD_HSA_LIBRARY";
 
 /// An entry point the provider cannot do without.
 fn required<F: CFunction>(library: &Library, symbol: &str) -> Result<F> {
-    library.symbol(symbol).map_err(|e| Error::new(e.kind, format!("{} (not an HSA runtime, or too old)", e.message)))
+    library.symbol(symbol).map_err(|e| {
+        Error::new(
+            e.kind,
+            format!("{} (not an HSA runtime, or too old)", e.message),
+        )
+    })
 }
 
 /// Names tried when `IUD_HSA_LIBRARY` is unset: the soname (ROCm packages and Debian's
 /// libhsa-runtime64-1 put it on the loader path), then ROCm's default prefix for installs that
 /// do not register /opt/rocm/lib with ld.so.
-pub const CANDIDATES: [&str; 2] = ["libhsa-runtime64.so.1", "/opt/rocm/lib/libhsa-runtime64.so.1"];
+pub const CANDIDATES: [&str; 2] = [
+    "libhsa-runtime64.so.1",
+    "/opt/rocm/lib/libhsa-runtime64.so.1",
+];
 
 impl Lib {
     /// Opens the library named by `IUD_HSA_LIBRARY`, else the first of `CANDIDATES` that loads.
     pub fn open_default() -> Result<Lib> {
         match std::env::var(LIBRARY_ENV) {
-            Ok(path) if !path.is_empty() => Lib::open(&path).map_err(|e| Error::new(e.kind, format!("{} (from {LIBRARY_ENV})", e.message))),
+            Ok(path) if !path.is_empty() => Lib::open(&path)
+                .map_err(|e| Error::new(e.kind, format!("{} (from {LIBRARY_ENV})", e.message))),
             _ => {
                 // A candidate that loads but lacks an entry point does not stop the search.
                 let mut why = Vec::new();
@@ -193,7 +213,9 @@ impl Lib {
     /// Opens one library and resolves its entry points.
     pub fn open(path: &str) -> Result<Lib> {
         if path.contains('\0') {
-            return Err(Error::invalid(format!("{LIBRARY_ENV}={path:?} contains a NUL byte")));
+            return Err(Error::invalid(format!(
+                "{LIBRARY_ENV}={path:?} contains a NUL byte"
+            )));
         }
         Lib::resolve(Library::open(path)?)
     }
@@ -201,7 +223,10 @@ impl Lib {
     /// Resolves the entry points of an opened library. Each pointer's type alias spells the C
     /// signature of the function of that name in hsa.h / hsa_ext_amd.h.
     fn resolve(library: Library) -> Result<Lib> {
-        let export = match (library.optional("hsa_amd_portable_export_dmabuf_v2"), library.optional("hsa_amd_portable_export_dmabuf")) {
+        let export = match (
+            library.optional("hsa_amd_portable_export_dmabuf_v2"),
+            library.optional("hsa_amd_portable_export_dmabuf"),
+        ) {
             (Some(v2), _) => Some(Export::V2(v2)),
             (None, Some(v1)) => Some(Export::V1(v1)),
             (None, None) => None,

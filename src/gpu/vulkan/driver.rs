@@ -19,11 +19,15 @@ use crate::error::{Error, ErrorKind, Result};
 
 /// The buffer usage every allocation is created with (and the external-memory query asks about).
 const USAGE: vk::BufferUsageFlags = vk::BufferUsageFlags::from_raw(
-    vk::BufferUsageFlags::TRANSFER_SRC.as_raw() | vk::BufferUsageFlags::TRANSFER_DST.as_raw() | vk::BufferUsageFlags::STORAGE_BUFFER.as_raw(),
+    vk::BufferUsageFlags::TRANSFER_SRC.as_raw()
+        | vk::BufferUsageFlags::TRANSFER_DST.as_raw()
+        | vk::BufferUsageFlags::STORAGE_BUFFER.as_raw(),
 );
 
-pub const OPAQUE_FD: vk::ExternalMemoryHandleTypeFlags = vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
-pub const DMA_BUF: vk::ExternalMemoryHandleTypeFlags = vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT;
+pub const OPAQUE_FD: vk::ExternalMemoryHandleTypeFlags =
+    vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD;
+pub const DMA_BUF: vk::ExternalMemoryHandleTypeFlags =
+    vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT;
 
 const DMA_BUF_EXT_NAME: &CStr = ash::ext::external_memory_dma_buf::NAME;
 const MEMORY_FD_EXT_NAME: &CStr = ash::khr::external_memory_fd::NAME;
@@ -34,13 +38,19 @@ pub fn handle_type_name(t: vk::ExternalMemoryHandleTypeFlags) -> &'static str {
         OPAQUE_FD => "OPAQUE_FD",
         DMA_BUF => "DMA_BUF_EXT",
         vk::ExternalMemoryHandleTypeFlags::HOST_ALLOCATION_EXT => "HOST_ALLOCATION_EXT",
-        vk::ExternalMemoryHandleTypeFlags::HOST_MAPPED_FOREIGN_MEMORY_EXT => "HOST_MAPPED_FOREIGN_MEMORY_EXT",
+        vk::ExternalMemoryHandleTypeFlags::HOST_MAPPED_FOREIGN_MEMORY_EXT => {
+            "HOST_MAPPED_FOREIGN_MEMORY_EXT"
+        }
         _ => "other",
     }
 }
 
 fn names_of(flags: vk::ExternalMemoryHandleTypeFlags) -> String {
-    let mut out: Vec<&str> = [OPAQUE_FD, DMA_BUF].into_iter().filter(|t| flags.contains(*t)).map(handle_type_name).collect();
+    let mut out: Vec<&str> = [OPAQUE_FD, DMA_BUF]
+        .into_iter()
+        .filter(|t| flags.contains(*t))
+        .map(handle_type_name)
+        .collect();
     if out.is_empty() {
         out.push("none");
     }
@@ -49,27 +59,45 @@ fn names_of(flags: vk::ExternalMemoryHandleTypeFlags) -> String {
 
 fn vk_error(what: &str, r: vk::Result) -> Error {
     let kind = match r {
-        vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY => ErrorKind::Backend,
-        vk::Result::ERROR_INCOMPATIBLE_DRIVER | vk::Result::ERROR_EXTENSION_NOT_PRESENT | vk::Result::ERROR_INITIALIZATION_FAILED => {
-            ErrorKind::NotSupported
+        vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY => {
+            ErrorKind::Backend
         }
+        vk::Result::ERROR_INCOMPATIBLE_DRIVER
+        | vk::Result::ERROR_EXTENSION_NOT_PRESENT
+        | vk::Result::ERROR_INITIALIZATION_FAILED => ErrorKind::NotSupported,
         _ => ErrorKind::Backend,
     };
     Error::new(kind, format!("{what} failed: {r:?} ({})", r.as_raw()))
 }
 
 fn version(v: u32) -> String {
-    format!("{}.{}.{}", vk::api_version_major(v), vk::api_version_minor(v), vk::api_version_patch(v))
+    format!(
+        "{}.{}.{}",
+        vk::api_version_major(v),
+        vk::api_version_minor(v),
+        vk::api_version_patch(v)
+    )
 }
 
 /// A 16-byte UUID in the usual 8-4-4-4-12 form.
 pub fn uuid_string(u: &[u8; 16]) -> String {
     let h: Vec<String> = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{}-{}-{}-{}-{}", h[0..4].concat(), h[4..6].concat(), h[6..8].concat(), h[8..10].concat(), h[10..16].concat())
+    format!(
+        "{}-{}-{}-{}-{}",
+        h[0..4].concat(),
+        h[4..6].concat(),
+        h[6..8].concat(),
+        h[8..10].concat(),
+        h[10..16].concat()
+    )
 }
 
 fn c_array_string(a: &[c_char]) -> String {
-    let bytes: Vec<u8> = a.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let bytes: Vec<u8> = a
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -86,23 +114,38 @@ pub struct HandleSupport {
 
 impl HandleSupport {
     pub fn exportable(&self) -> bool {
-        self.extension && self.features.contains(vk::ExternalMemoryFeatureFlags::EXPORTABLE)
+        self.extension
+            && self
+                .features
+                .contains(vk::ExternalMemoryFeatureFlags::EXPORTABLE)
     }
     pub fn dedicated_only(&self) -> bool {
-        self.features.contains(vk::ExternalMemoryFeatureFlags::DEDICATED_ONLY)
+        self.features
+            .contains(vk::ExternalMemoryFeatureFlags::DEDICATED_ONLY)
     }
     /// One phrase for the doctor.
     pub fn describe(&self) -> String {
         if !self.extension {
-            let ext = if self.handle_type == DMA_BUF { DMA_BUF_EXT_NAME } else { MEMORY_FD_EXT_NAME };
-            return format!("{} not offered (no {})", handle_type_name(self.handle_type), ext.to_string_lossy());
+            let ext = if self.handle_type == DMA_BUF {
+                DMA_BUF_EXT_NAME
+            } else {
+                MEMORY_FD_EXT_NAME
+            };
+            return format!(
+                "{} not offered (no {})",
+                handle_type_name(self.handle_type),
+                ext.to_string_lossy()
+            );
         }
         let f = self.features;
         let mut words = Vec::new();
         for (flag, word) in [
             (vk::ExternalMemoryFeatureFlags::EXPORTABLE, "exportable"),
             (vk::ExternalMemoryFeatureFlags::IMPORTABLE, "importable"),
-            (vk::ExternalMemoryFeatureFlags::DEDICATED_ONLY, "dedicated-only"),
+            (
+                vk::ExternalMemoryFeatureFlags::DEDICATED_ONLY,
+                "dedicated-only",
+            ),
         ] {
             if f.contains(flag) {
                 words.push(word);
@@ -111,7 +154,12 @@ impl HandleSupport {
         if words.is_empty() {
             words.push("not supported for buffers");
         }
-        format!("{} {} (compatible with {})", handle_type_name(self.handle_type), words.join(" "), names_of(self.compatible))
+        format!(
+            "{} {} (compatible with {})",
+            handle_type_name(self.handle_type),
+            words.join(" "),
+            names_of(self.compatible)
+        )
     }
 }
 
@@ -131,15 +179,26 @@ pub struct PhysicalDevice {
 impl PhysicalDevice {
     /// Whether some memory type is HOST_VISIBLE and HOST_COHERENT (CPU access without flushes).
     pub fn host_visible(&self) -> bool {
-        self.memory.memory_types_as_slice().iter().any(|t| t.property_flags.contains(HOST_MEMORY))
+        self.memory
+            .memory_types_as_slice()
+            .iter()
+            .any(|t| t.property_flags.contains(HOST_MEMORY))
     }
     pub fn describe(&self) -> String {
-        format!("{} (driver {}, Vulkan {}, UUID {})", self.name, self.driver, version(self.api_version), uuid_string(&self.uuid))
+        format!(
+            "{} (driver {}, Vulkan {}, UUID {})",
+            self.name,
+            self.driver,
+            version(self.api_version),
+            uuid_string(&self.uuid)
+        )
     }
 }
 
-const HOST_MEMORY: vk::MemoryPropertyFlags =
-    vk::MemoryPropertyFlags::from_raw(vk::MemoryPropertyFlags::HOST_VISIBLE.as_raw() | vk::MemoryPropertyFlags::HOST_COHERENT.as_raw());
+const HOST_MEMORY: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::from_raw(
+    vk::MemoryPropertyFlags::HOST_VISIBLE.as_raw()
+        | vk::MemoryPropertyFlags::HOST_COHERENT.as_raw(),
+);
 
 /// The loaded library, the instance and the physical devices (process lifetime).
 pub struct Vulkan {
@@ -168,7 +227,10 @@ impl Vulkan {
         // SAFETY: dlopens the loader (libvulkan.so.1) and resolves vkGetInstanceProcAddr; no
         // Vulkan call is made yet.
         let entry = unsafe { ash::Entry::load() }.map_err(|e| {
-            Error::new(ErrorKind::NotSupported, format!("the Vulkan loader (libvulkan.so.1) could not be loaded: {e}"))
+            Error::new(
+                ErrorKind::NotSupported,
+                format!("the Vulkan loader (libvulkan.so.1) could not be loaded: {e}"),
+            )
         })?;
         // SAFETY: a global-level query through the loaded entry.
         let instance_version = match unsafe { entry.try_enumerate_instance_version() } {
@@ -179,7 +241,10 @@ impl Vulkan {
         if instance_version < vk::API_VERSION_1_1 {
             return Err(Error::new(
                 ErrorKind::NotSupported,
-                format!("the Vulkan loader offers {} only; external memory needs Vulkan 1.1", version(instance_version)),
+                format!(
+                    "the Vulkan loader offers {} only; external memory needs Vulkan 1.1",
+                    version(instance_version)
+                ),
             ));
         }
         let app = vk::ApplicationInfo::default()
@@ -205,8 +270,17 @@ impl Vulkan {
                 return Err(vk_error("vkEnumeratePhysicalDevices", r));
             }
         };
-        let devices = handles.into_iter().map(|h| describe_physical(&instance, h, instance_version)).collect();
-        Ok(Vulkan { _entry: entry, instance, instance_version, devices, logical: Mutex::new(HashMap::new()) })
+        let devices = handles
+            .into_iter()
+            .map(|h| describe_physical(&instance, h, instance_version))
+            .collect();
+        Ok(Vulkan {
+            _entry: entry,
+            instance,
+            instance_version,
+            devices,
+            logical: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn version(&self) -> String {
@@ -220,7 +294,10 @@ impl Vulkan {
         if let Some(d) = map.get(&index) {
             return Ok(Arc::clone(d));
         }
-        let pd = self.devices.get(index).ok_or_else(|| Error::invalid(format!("Vulkan device {index} does not exist")))?;
+        let pd = self
+            .devices
+            .get(index)
+            .ok_or_else(|| Error::invalid(format!("Vulkan device {index} does not exist")))?;
         let mut exts: Vec<*const c_char> = Vec::new();
         if pd.opaque_fd.extension {
             exts.push(MEMORY_FD_EXT_NAME.as_ptr());
@@ -229,19 +306,36 @@ impl Vulkan {
             exts.push(DMA_BUF_EXT_NAME.as_ptr());
         }
         let priorities = [1.0f32];
-        let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(pd.queue_family).queue_priorities(&priorities)];
-        let info = vk::DeviceCreateInfo::default().queue_create_infos(&queues).enabled_extension_names(&exts);
+        let queues = [vk::DeviceQueueCreateInfo::default()
+            .queue_family_index(pd.queue_family)
+            .queue_priorities(&priorities)];
+        let info = vk::DeviceCreateInfo::default()
+            .queue_create_infos(&queues)
+            .enabled_extension_names(&exts);
         // SAFETY: the physical device belongs to our instance; info and what it points to live
         // across the call.
-        let device = unsafe { self.instance.create_device(pd.handle, &info, None) }.map_err(|r| vk_error("vkCreateDevice", r))?;
-        let memory_fd = pd.opaque_fd.extension.then(|| ash::khr::external_memory_fd::Device::new(&self.instance, &device));
-        let d = Arc::new(LogicalDevice { index, device, memory_fd, memory: pd.memory });
+        let device = unsafe { self.instance.create_device(pd.handle, &info, None) }
+            .map_err(|r| vk_error("vkCreateDevice", r))?;
+        let memory_fd = pd
+            .opaque_fd
+            .extension
+            .then(|| ash::khr::external_memory_fd::Device::new(&self.instance, &device));
+        let d = Arc::new(LogicalDevice {
+            index,
+            device,
+            memory_fd,
+            memory: pd.memory,
+        });
         map.insert(index, Arc::clone(&d));
         Ok(d)
     }
 }
 
-fn describe_physical(instance: &ash::Instance, handle: vk::PhysicalDevice, instance_version: u32) -> PhysicalDevice {
+fn describe_physical(
+    instance: &ash::Instance,
+    handle: vk::PhysicalDevice,
+    instance_version: u32,
+) -> PhysicalDevice {
     // SAFETY: handle comes from this instance.
     let props = unsafe { instance.get_physical_device_properties(handle) };
     let effective = props.api_version.min(instance_version);
@@ -256,9 +350,20 @@ fn describe_physical(instance: &ash::Instance, handle: vk::PhysicalDevice, insta
     unsafe { instance.get_physical_device_properties2(handle, &mut props2) };
     let driver = if effective >= vk::API_VERSION_1_2 {
         let info = c_array_string(&driver_props.driver_info);
-        format!("{}{}", c_array_string(&driver_props.driver_name), if info.is_empty() { String::new() } else { format!(" {info}") })
+        format!(
+            "{}{}",
+            c_array_string(&driver_props.driver_name),
+            if info.is_empty() {
+                String::new()
+            } else {
+                format!(" {info}")
+            }
+        )
     } else {
-        format!("vendor 0x{:04x}, version 0x{:x}", props.vendor_id, props.driver_version)
+        format!(
+            "vendor 0x{:04x}, version 0x{:x}",
+            props.vendor_id, props.driver_version
+        )
     };
     // SAFETY: handle comes from this instance.
     let extensions: Vec<String> = unsafe { instance.enumerate_device_extension_properties(handle) }
@@ -270,12 +375,21 @@ fn describe_physical(instance: &ash::Instance, handle: vk::PhysicalDevice, insta
     let support = |t: vk::ExternalMemoryHandleTypeFlags, extension: bool| {
         let mut out = vk::ExternalBufferProperties::default();
         if extension {
-            let info = vk::PhysicalDeviceExternalBufferInfo::default().usage(USAGE).handle_type(t);
+            let info = vk::PhysicalDeviceExternalBufferInfo::default()
+                .usage(USAGE)
+                .handle_type(t);
             // SAFETY: a physical-device query (Vulkan 1.1 core) writing into out.
-            unsafe { instance.get_physical_device_external_buffer_properties(handle, &info, &mut out) };
+            unsafe {
+                instance.get_physical_device_external_buffer_properties(handle, &info, &mut out)
+            };
         }
         let p = out.external_memory_properties;
-        HandleSupport { handle_type: t, extension, features: p.external_memory_features, compatible: p.compatible_handle_types }
+        HandleSupport {
+            handle_type: t,
+            extension,
+            features: p.external_memory_features,
+            compatible: p.compatible_handle_types,
+        }
     };
     let fd_ext = has(MEMORY_FD_EXT_NAME);
     // SAFETY: handle comes from this instance.
@@ -323,7 +437,13 @@ pub struct AllocSpec {
 
 impl std::fmt::Debug for AllocSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "AllocSpec({} bytes, export {}, host_mapped {})", self.size, names_of(self.export), self.host_mapped)
+        write!(
+            f,
+            "AllocSpec({} bytes, export {}, host_mapped {})",
+            self.size,
+            names_of(self.export),
+            self.host_mapped
+        )
     }
 }
 
@@ -351,12 +471,16 @@ impl LogicalDevice {
     pub fn allocate(self: &Arc<Self>, spec: AllocSpec) -> Result<VkAllocation> {
         let d = &self.device;
         let mut ext_info = vk::ExternalMemoryBufferCreateInfo::default().handle_types(spec.export);
-        let mut info = vk::BufferCreateInfo::default().size(spec.size).usage(USAGE).sharing_mode(vk::SharingMode::EXCLUSIVE);
+        let mut info = vk::BufferCreateInfo::default()
+            .size(spec.size)
+            .usage(USAGE)
+            .sharing_mode(vk::SharingMode::EXCLUSIVE);
         if !spec.export.is_empty() {
             info = info.push_next(&mut ext_info);
         }
         // SAFETY: info (and its chain) live across the call.
-        let buffer = unsafe { d.create_buffer(&info, None) }.map_err(|r| vk_error("vkCreateBuffer", r))?;
+        let buffer =
+            unsafe { d.create_buffer(&info, None) }.map_err(|r| vk_error("vkCreateBuffer", r))?;
         let mut alloc = VkAllocation {
             dev: Arc::clone(self),
             buffer,
@@ -370,7 +494,10 @@ impl LogicalDevice {
         let req = unsafe { d.get_buffer_memory_requirements(buffer) };
         let types = self.memory.memory_types_as_slice();
         let pick = |want: vk::MemoryPropertyFlags| {
-            (0..types.len() as u32).find(|&i| req.memory_type_bits & (1 << i) != 0 && types[i as usize].property_flags.contains(want))
+            (0..types.len() as u32).find(|&i| {
+                req.memory_type_bits & (1 << i) != 0
+                    && types[i as usize].property_flags.contains(want)
+            })
         };
         let memory_type = if spec.host_mapped {
             pick(HOST_MEMORY).ok_or_else(|| {
@@ -383,20 +510,27 @@ impl LogicalDevice {
         };
         let mut export_info = vk::ExportMemoryAllocateInfo::default().handle_types(spec.export);
         let mut dedicated = vk::MemoryDedicatedAllocateInfo::default().buffer(buffer);
-        let mut ainfo = vk::MemoryAllocateInfo::default().allocation_size(req.size).memory_type_index(memory_type).push_next(&mut dedicated);
+        let mut ainfo = vk::MemoryAllocateInfo::default()
+            .allocation_size(req.size)
+            .memory_type_index(memory_type)
+            .push_next(&mut dedicated);
         if !spec.export.is_empty() {
             ainfo = ainfo.push_next(&mut export_info);
         }
         // SAFETY: ainfo and its chain live across the call; the dedicated buffer is unbound.
-        alloc.memory = unsafe { d.allocate_memory(&ainfo, None) }.map_err(|r| vk_error(&format!("vkAllocateMemory({} bytes)", req.size), r))?;
+        alloc.memory = unsafe { d.allocate_memory(&ainfo, None) }
+            .map_err(|r| vk_error(&format!("vkAllocateMemory({} bytes)", req.size), r))?;
         alloc.alloc_size = req.size;
         alloc.memory_type = memory_type;
         // SAFETY: buffer and memory belong to this device; the memory is dedicated to it.
-        unsafe { d.bind_buffer_memory(buffer, alloc.memory, 0) }.map_err(|r| vk_error("vkBindBufferMemory", r))?;
+        unsafe { d.bind_buffer_memory(buffer, alloc.memory, 0) }
+            .map_err(|r| vk_error("vkBindBufferMemory", r))?;
         if spec.host_mapped {
             // SAFETY: the memory is host visible and not mapped yet; unmapped in Drop.
-            let p = unsafe { d.map_memory(alloc.memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()) }
-                .map_err(|r| vk_error("vkMapMemory", r))?;
+            let p = unsafe {
+                d.map_memory(alloc.memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty())
+            }
+            .map_err(|r| vk_error("vkMapMemory", r))?;
             alloc.host_ptr = Some(p as u64);
         }
         Ok(alloc)
@@ -409,17 +543,29 @@ impl VkAllocation {
         if !self.export.contains(handle_type) {
             return Err(Error::new(
                 ErrorKind::NotSupported,
-                format!("the Vulkan memory was allocated exportable as {} only, not {}", names_of(self.export), handle_type_name(handle_type)),
+                format!(
+                    "the Vulkan memory was allocated exportable as {} only, not {}",
+                    names_of(self.export),
+                    handle_type_name(handle_type)
+                ),
             ));
         }
-        let ext = self
-            .dev
-            .memory_fd
-            .as_ref()
-            .ok_or_else(|| Error::new(ErrorKind::NotSupported, "the device lacks VK_KHR_external_memory_fd"))?;
-        let info = vk::MemoryGetFdInfoKHR::default().memory(self.memory).handle_type(handle_type);
+        let ext = self.dev.memory_fd.as_ref().ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotSupported,
+                "the device lacks VK_KHR_external_memory_fd",
+            )
+        })?;
+        let info = vk::MemoryGetFdInfoKHR::default()
+            .memory(self.memory)
+            .handle_type(handle_type);
         // SAFETY: the memory belongs to the device and was allocated exportable as handle_type.
-        let fd = unsafe { ext.get_memory_fd(&info) }.map_err(|r| vk_error(&format!("vkGetMemoryFdKHR({})", handle_type_name(handle_type)), r))?;
+        let fd = unsafe { ext.get_memory_fd(&info) }.map_err(|r| {
+            vk_error(
+                &format!("vkGetMemoryFdKHR({})", handle_type_name(handle_type)),
+                r,
+            )
+        })?;
         // SAFETY: the driver returned a new fd that we own.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }

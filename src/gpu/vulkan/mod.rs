@@ -30,8 +30,8 @@ use std::sync::{Arc, Mutex};
 use once_cell::sync::{Lazy, OnceCell};
 
 use super::cuda::{Cuda, ImportedMemory};
-use crate::gpu::provider::{CopyFinished, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::provider::{CopyFinished, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 
 /// Allocation sizes are rounded up to host pages (the DMA-BUF export and mmap granule).
 const PAGE: u64 = 4096;
@@ -74,8 +74,14 @@ impl Variant {
 
 /// The variant for a physical device, the handle types to allocate with, or why none works.
 fn plan(pd: &PhysicalDevice, cuda: bool) -> Result<(Variant, AllocSpec)> {
-    let spec = |export, host_mapped| AllocSpec { size: 0, export, host_mapped };
-    let both = |a: &HandleSupport, b: &HandleSupport| a.exportable() && b.exportable() && a.compatible.contains(b.handle_type);
+    let spec = |export, host_mapped| AllocSpec {
+        size: 0,
+        export,
+        host_mapped,
+    };
+    let both = |a: &HandleSupport, b: &HandleSupport| {
+        a.exportable() && b.exportable() && a.compatible.contains(b.handle_type)
+    };
     if cuda {
         if both(&pd.dma_buf, &pd.opaque_fd) {
             return Ok((Variant::DmabufCuda, spec(DMA_BUF | OPAQUE_FD, false)));
@@ -88,17 +94,28 @@ fn plan(pd: &PhysicalDevice, cuda: bool) -> Result<(Variant, AllocSpec)> {
         if pd.dma_buf.exportable() {
             return Ok((Variant::DmabufHost, spec(DMA_BUF, true)));
         }
-        let export = if pd.opaque_fd.exportable() { OPAQUE_FD } else { ash::vk::ExternalMemoryHandleTypeFlags::empty() };
+        let export = if pd.opaque_fd.exportable() {
+            OPAQUE_FD
+        } else {
+            ash::vk::ExternalMemoryHandleTypeFlags::empty()
+        };
         return Ok((Variant::HostMapped, spec(export, true)));
     }
-    Err(Error::new(ErrorKind::NotSupported, format!(
-        "{}: no usable variant ({}; {}; {}; {})",
-        pd.name,
-        pd.dma_buf.describe(),
-        pd.opaque_fd.describe(),
-        if cuda { "CUDA device matched" } else { "no CUDA device matched" },
-        "no HOST_VISIBLE|HOST_COHERENT memory"
-    )))
+    Err(Error::new(
+        ErrorKind::NotSupported,
+        format!(
+            "{}: no usable variant ({}; {}; {}; {})",
+            pd.name,
+            pd.dma_buf.describe(),
+            pd.opaque_fd.describe(),
+            if cuda {
+                "CUDA device matched"
+            } else {
+                "no CUDA device matched"
+            },
+            "no HOST_VISIBLE|HOST_COHERENT memory"
+        ),
+    ))
 }
 
 /// One allocation made through the C API.
@@ -116,14 +133,23 @@ impl Allocation {
     /// A pointer-sized view for memcpy copies (host-mapped variants only).
     fn host_range(&self, addr: u64, len: u64) -> Result<u64> {
         match self.vk.host_ptr {
-            Some(p) if self.cuda.is_none() && addr >= self.addr && addr + len <= self.addr + self.len => Ok(p + (addr - self.addr)),
-            _ => Err(Error::backend(format!("internal error: 0x{addr:x}+{len} is not host-mapped Vulkan memory"))),
+            Some(p)
+                if self.cuda.is_none()
+                    && addr >= self.addr
+                    && addr + len <= self.addr + self.len =>
+            {
+                Ok(p + (addr - self.addr))
+            }
+            _ => Err(Error::backend(format!(
+                "internal error: 0x{addr:x}+{len} is not host-mapped Vulkan memory"
+            ))),
         }
     }
 }
 
 /// Allocations by address (process-wide: the C API and every engine share it).
-static REGISTRY: Lazy<Mutex<BTreeMap<u64, Arc<Allocation>>>> = Lazy::new(|| Mutex::new(BTreeMap::new()));
+static REGISTRY: Lazy<Mutex<BTreeMap<u64, Arc<Allocation>>>> =
+    Lazy::new(|| Mutex::new(BTreeMap::new()));
 /// (device, variant) pairs already logged.
 static LOGGED: Lazy<Mutex<HashSet<(i32, Variant)>>> = Lazy::new(|| Mutex::new(HashSet::new()));
 
@@ -164,7 +190,10 @@ impl VulkanProvider {
     fn resolve(&self, device: i32) -> Result<(usize, bool)> {
         if let Some(cuda) = &self.cuda {
             if device < 0 || device >= cuda.device_count() {
-                return Err(Error::invalid(format!("CUDA device {device} does not exist ({} visible)", cuda.device_count())));
+                return Err(Error::invalid(format!(
+                    "CUDA device {device} does not exist ({} visible)",
+                    cuda.device_count()
+                )));
             }
             let uuid = cuda.device_uuid(device)?;
             return match self.vk.devices.iter().position(|d| d.uuid == uuid) {
@@ -183,7 +212,12 @@ impl VulkanProvider {
             .ok()
             .filter(|&i| i < self.vk.devices.len())
             .map(|i| (i, false))
-            .ok_or_else(|| Error::invalid(format!("Vulkan device {device} does not exist ({} visible)", self.vk.devices.len())))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "Vulkan device {device} does not exist ({} visible)",
+                    self.vk.devices.len()
+                ))
+            })
     }
 
     /// What `iud_vulkan_alloc` would do on `device`.
@@ -197,7 +231,9 @@ impl VulkanProvider {
         if size == 0 {
             return Err(Error::invalid("iud_vulkan_alloc: size 0"));
         }
-        let len = size.checked_next_multiple_of(PAGE).ok_or_else(|| Error::invalid(format!("iud_vulkan_alloc: size {size} too large")))?;
+        let len = size
+            .checked_next_multiple_of(PAGE)
+            .ok_or_else(|| Error::invalid(format!("iud_vulkan_alloc: size {size} too large")))?;
         let (index, _) = self.resolve(device)?;
         let (variant, mut spec) = self.plan_for(device)?;
         spec.size = len;
@@ -205,24 +241,61 @@ impl VulkanProvider {
         let vk = match logical.allocate(spec) {
             // Host-mapped without DMA-BUF: the export type is only a convenience; retry plain if
             // no host-visible type can back an exportable buffer.
-            Err(e) if variant == Variant::HostMapped && !spec.export.is_empty() && e.kind == ErrorKind::NotSupported => {
-                logical.allocate(AllocSpec { export: ash::vk::ExternalMemoryHandleTypeFlags::empty(), ..spec })?
+            Err(e)
+                if variant == Variant::HostMapped
+                    && !spec.export.is_empty()
+                    && e.kind == ErrorKind::NotSupported =>
+            {
+                logical.allocate(AllocSpec {
+                    export: ash::vk::ExternalMemoryHandleTypeFlags::empty(),
+                    ..spec
+                })?
             }
             r => r?,
         };
         let (addr, cuda) = if variant.uses_cuda() {
-            let c = self.cuda.as_ref().ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
+            let c = self
+                .cuda
+                .as_ref()
+                .ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
             let fd = vk.export_fd(OPAQUE_FD)?;
             let imported = c
                 .import_opaque_fd(device, fd, vk.alloc_size, true)
-                .map_err(|e| Error::new(e.kind, format!("CUDA could not import the Vulkan allocation (OPAQUE_FD): {}", e.message)))?;
+                .map_err(|e| {
+                    Error::new(
+                        e.kind,
+                        format!(
+                            "CUDA could not import the Vulkan allocation (OPAQUE_FD): {}",
+                            e.message
+                        ),
+                    )
+                })?;
             (imported.ptr(), Some(imported))
         } else {
-            (vk.host_ptr.ok_or_else(|| Error::backend("internal error: host variant without a mapping"))?, None)
+            (
+                vk.host_ptr.ok_or_else(|| {
+                    Error::backend("internal error: host variant without a mapping")
+                })?,
+                None,
+            )
         };
-        let a = Arc::new(Allocation { addr, len, device, variant, cuda, vk });
-        REGISTRY.lock().unwrap_or_else(|p| p.into_inner()).insert(addr, Arc::clone(&a));
-        if LOGGED.lock().unwrap_or_else(|p| p.into_inner()).insert((device, variant)) {
+        let a = Arc::new(Allocation {
+            addr,
+            len,
+            device,
+            variant,
+            cuda,
+            vk,
+        });
+        REGISTRY
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(addr, Arc::clone(&a));
+        if LOGGED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((device, variant))
+        {
             tracing::info!(
                 "Vulkan allocations on device {device} ({}) use variant {}: {}",
                 self.vk.devices[index].describe(),
@@ -230,13 +303,19 @@ impl VulkanProvider {
                 variant.explain()
             );
         }
-        tracing::debug!("iud_vulkan_alloc: 0x{addr:x}+{len} on device {device}, variant {}", variant.name());
+        tracing::debug!(
+            "iud_vulkan_alloc: 0x{addr:x}+{len} on device {device}, variant {}",
+            variant.name()
+        );
         Ok(a)
     }
 
     /// Forgets the allocation at `addr` (its start) and frees it once no copy holds it.
     pub fn free(addr: u64) -> Result<()> {
-        let a = REGISTRY.lock().unwrap_or_else(|p| p.into_inner()).remove(&addr);
+        let a = REGISTRY
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&addr);
         match a {
             Some(a) => {
                 tracing::debug!("iud_vulkan_free: 0x{addr:x}+{}", a.len);
@@ -276,7 +355,10 @@ impl GpuProvider for VulkanProvider {
                 a.device
             )));
         }
-        Ok(DeviceRange { alloc_start: a.addr, alloc_end: a.addr + a.len })
+        Ok(DeviceRange {
+            alloc_start: a.addr,
+            alloc_end: a.addr + a.len,
+        })
     }
 
     fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<DmabufExport> {
@@ -315,10 +397,19 @@ impl GpuProvider for VulkanProvider {
         }
     }
 
-    unsafe fn copy_to_host(&self, device: i32, host: u64, dev: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_host(
+        &self,
+        device: i32,
+        host: u64,
+        dev: u64,
+        len: u64,
+    ) -> Result<Box<dyn CopyTicket>> {
         let a = self.registered(dev, len)?;
         if a.variant.uses_cuda() {
-            let c = self.cuda.as_ref().ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
+            let c = self
+                .cuda
+                .as_ref()
+                .ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
             // SAFETY: forwarded contract.
             return unsafe { c.copy_to_host(device, host, dev, len) };
         }
@@ -329,10 +420,19 @@ impl GpuProvider for VulkanProvider {
         Ok(Box::new(CopyFinished))
     }
 
-    unsafe fn copy_to_device(&self, device: i32, dev: u64, host: u64, len: u64) -> Result<Box<dyn CopyTicket>> {
+    unsafe fn copy_to_device(
+        &self,
+        device: i32,
+        dev: u64,
+        host: u64,
+        len: u64,
+    ) -> Result<Box<dyn CopyTicket>> {
         let a = self.registered(dev, len)?;
         if a.variant.uses_cuda() {
-            let c = self.cuda.as_ref().ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
+            let c = self
+                .cuda
+                .as_ref()
+                .ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
             // SAFETY: forwarded contract.
             return unsafe { c.copy_to_device(device, dev, host, len) };
         }
@@ -359,7 +459,11 @@ impl GpuProvider for VulkanProvider {
     fn describe(&self) -> String {
         let devices: Vec<String> = (0..self.device_count())
             .map(|d| match (self.resolve(d), self.plan_for(d)) {
-                (Ok((i, _)), Ok((v, _))) => format!("device {d}: {}, variant {}", self.vk.devices[i].describe(), v.name()),
+                (Ok((i, _)), Ok((v, _))) => format!(
+                    "device {d}: {}, variant {}",
+                    self.vk.devices[i].describe(),
+                    v.name()
+                ),
                 (Err(e), _) | (_, Err(e)) => format!("device {d}: {}", e.message),
             })
             .collect();
@@ -367,7 +471,12 @@ impl GpuProvider for VulkanProvider {
             Some(c) => c.describe(),
             None => "no CUDA".to_owned(),
         };
-        format!("Vulkan {}; {}; {}", self.vk.version(), devices.join("; "), cuda)
+        format!(
+            "Vulkan {}; {}; {}",
+            self.vk.version(),
+            devices.join("; "),
+            cuda
+        )
     }
 }
 
@@ -383,26 +492,47 @@ pub fn doctor_report() -> Vec<String> {
         Ok(v) => v,
         Err(e) => return vec![format!("vulkan: unavailable ({})", e.message)],
     };
-    let mut out = vec![format!("vulkan: loader found, instance version {}, {} device(s)", vk.version(), vk.devices.len())];
+    let mut out = vec![format!(
+        "vulkan: loader found, instance version {}, {} device(s)",
+        vk.version(),
+        vk.devices.len()
+    )];
     for (i, d) in vk.devices.iter().enumerate() {
         out.push(format!("  vulkan device {i}: {}", d.describe()));
-        out.push(format!("    buffer external memory: {}; {}", d.opaque_fd.describe(), d.dma_buf.describe()));
-        out.push(format!("    HOST_VISIBLE|HOST_COHERENT memory: {}", if d.host_visible() { "yes" } else { "no" }));
+        out.push(format!(
+            "    buffer external memory: {}; {}",
+            d.opaque_fd.describe(),
+            d.dma_buf.describe()
+        ));
+        out.push(format!(
+            "    HOST_VISIBLE|HOST_COHERENT memory: {}",
+            if d.host_visible() { "yes" } else { "no" }
+        ));
     }
     let p = match VulkanProvider::get() {
         Ok(p) => p,
         Err(e) => {
-            out.push(format!("  gpu_provider=vulkan: unavailable ({})", e.message));
+            out.push(format!(
+                "  gpu_provider=vulkan: unavailable ({})",
+                e.message
+            ));
             return out;
         }
     };
     for dev in 0..p.device_count() {
         match p.plan_for(dev) {
             Ok((v, _)) => {
-                out.push(format!("  gpu_provider=vulkan, devId {dev}: variant {} ({})", v.name(), v.explain()));
+                out.push(format!(
+                    "  gpu_provider=vulkan, devId {dev}: variant {} ({})",
+                    v.name(),
+                    v.explain()
+                ));
                 out.push(format!("    trial: {}", trial(&p, dev)));
             }
-            Err(e) => out.push(format!("  gpu_provider=vulkan, devId {dev}: unavailable ({})", e.message)),
+            Err(e) => out.push(format!(
+                "  gpu_provider=vulkan, devId {dev}: unavailable ({})",
+                e.message
+            )),
         }
     }
     out
@@ -419,8 +549,14 @@ fn trial(p: &VulkanProvider, dev: i32) -> String {
         Ok(e) => format!("DMA-BUF export ok (offset {})", e.offset),
         Err(e) => format!("DMA-BUF export failed: {}", e.message),
     };
-    let freed = VulkanProvider::free(a.addr).map(|()| "freed".to_owned()).unwrap_or_else(|e| e.message);
-    format!("allocated {SIZE} bytes at 0x{:x} ({}), {export}, {freed}", a.addr, a.variant.name())
+    let freed = VulkanProvider::free(a.addr)
+        .map(|()| "freed".to_owned())
+        .unwrap_or_else(|e| e.message);
+    format!(
+        "allocated {SIZE} bytes at 0x{:x} ({}), {export}, {freed}",
+        a.addr,
+        a.variant.name()
+    )
 }
 
 #[cfg(test)]

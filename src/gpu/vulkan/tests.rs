@@ -4,21 +4,32 @@
 
 use ash::vk;
 
-use crate::test_support::skip;
 use super::driver::{HandleSupport, PhysicalDevice, DMA_BUF, OPAQUE_FD};
 use super::*;
+use crate::test_support::skip;
 
-fn support(t: vk::ExternalMemoryHandleTypeFlags, exportable: bool, compatible: vk::ExternalMemoryHandleTypeFlags) -> HandleSupport {
+fn support(
+    t: vk::ExternalMemoryHandleTypeFlags,
+    exportable: bool,
+    compatible: vk::ExternalMemoryHandleTypeFlags,
+) -> HandleSupport {
     HandleSupport {
         handle_type: t,
         extension: true,
-        features: if exportable { vk::ExternalMemoryFeatureFlags::EXPORTABLE } else { vk::ExternalMemoryFeatureFlags::empty() },
+        features: if exportable {
+            vk::ExternalMemoryFeatureFlags::EXPORTABLE
+        } else {
+            vk::ExternalMemoryFeatureFlags::empty()
+        },
         compatible,
     }
 }
 
 fn device(dma_buf: bool, opaque: bool, host_visible: bool) -> PhysicalDevice {
-    let mut memory = vk::PhysicalDeviceMemoryProperties { memory_type_count: 1, ..Default::default() };
+    let mut memory = vk::PhysicalDeviceMemoryProperties {
+        memory_type_count: 1,
+        ..Default::default()
+    };
     memory.memory_types[0].property_flags = if host_visible {
         vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT
     } else {
@@ -69,7 +80,10 @@ fn lavapipe_like_device_is_host_mapped_with_its_opaque_fd_export() {
 #[test]
 fn device_local_only_memory_without_cuda_has_no_variant_and_says_why() {
     let why = plan(&device(true, true, false), false).unwrap_err().message;
-    assert!(why.contains("no CUDA device matched") && why.contains("HOST_VISIBLE"), "{why}");
+    assert!(
+        why.contains("no CUDA device matched") && why.contains("HOST_VISIBLE"),
+        "{why}"
+    );
 }
 
 #[test]
@@ -94,19 +108,38 @@ fn host_mapped_allocation_round_trips_through_the_provider_where_a_driver_exists
     let addr = p.allocate(0, 3 * 4096 + 100).unwrap().addr;
     assert_eq!(lookup(addr + 5000, 1).unwrap().variant, variant);
     let range = p.check_device_range(0, addr + 4096, 8192).unwrap();
-    assert_eq!((range.alloc_start, range.alloc_end), (addr, addr + 4 * 4096));
-    assert!(p.check_device_range(0, addr + 4096, 4 * 4096).is_err(), "a range past the end is refused");
-    assert!(p.check_device_range(1, addr, 4096).is_err(), "a wrong devId is refused");
+    assert_eq!(
+        (range.alloc_start, range.alloc_end),
+        (addr, addr + 4 * 4096)
+    );
+    assert!(
+        p.check_device_range(0, addr + 4096, 4 * 4096).is_err(),
+        "a range past the end is refused"
+    );
+    assert!(
+        p.check_device_range(1, addr, 4096).is_err(),
+        "a wrong devId is refused"
+    );
     let unknown = p.check_device_range(0, 0x10, 16).unwrap_err();
-    assert!(unknown.message.contains("iud_vulkan_alloc"), "{}", unknown.message);
+    assert!(
+        unknown.message.contains("iud_vulkan_alloc"),
+        "{}",
+        unknown.message
+    );
 
     let src: Vec<u8> = (0..8192u32).map(|i| (i * 31 % 251) as u8).collect();
     let mut back = vec![0u8; 8192];
     // SAFETY: both host buffers live across the (synchronous) copies; the device range is inside
     // the allocation.
     unsafe {
-        p.copy_to_device(0, addr + 4096, src.as_ptr() as u64, 8192).unwrap().wait().unwrap();
-        p.copy_to_host(0, back.as_mut_ptr() as u64, addr + 4096, 8192).unwrap().wait().unwrap();
+        p.copy_to_device(0, addr + 4096, src.as_ptr() as u64, 8192)
+            .unwrap()
+            .wait()
+            .unwrap();
+        p.copy_to_host(0, back.as_mut_ptr() as u64, addr + 4096, 8192)
+            .unwrap()
+            .wait()
+            .unwrap();
     }
     assert_eq!(src, back);
     match variant {
@@ -121,5 +154,9 @@ fn host_mapped_allocation_round_trips_through_the_provider_where_a_driver_exists
     }
     VulkanProvider::free(addr).unwrap();
     assert!(lookup(addr, 1).is_none());
-    assert_eq!(VulkanProvider::free(addr).unwrap_err().kind, ErrorKind::InvalidParam, "a second free is refused");
+    assert_eq!(
+        VulkanProvider::free(addr).unwrap_err().kind,
+        ErrorKind::InvalidParam,
+        "a second free is refused"
+    );
 }

@@ -11,7 +11,15 @@ fn reads_and_writes_land_and_report_their_counts() {
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
         .collect();
     f.write_all(&data).unwrap();
-    let w = PageCacheWorkers::new(WorkerConfig { threads: 3, writers: WriterLimits::default(), spin_us: 0 }, Arc::default()).unwrap();
+    let w = PageCacheWorkers::new(
+        WorkerConfig {
+            threads: 3,
+            writers: WriterLimits::default(),
+            spin_us: 0,
+        },
+        Arc::default(),
+    )
+    .unwrap();
     let mut bufs: Vec<Vec<u8>> = (0..8).map(|_| vec![0u8; 128 << 10]).collect();
     for (i, b) in bufs.iter_mut().enumerate() {
         w.submit(Job {
@@ -78,11 +86,26 @@ fn reads_and_writes_land_and_report_their_counts() {
 #[test]
 fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
     let failure = Arc::new(Failure::default());
-    let w = PageCacheWorkers::new(WorkerConfig { threads: 1, writers: WriterLimits::default(), spin_us: 0 }, Arc::clone(&failure)).unwrap();
+    let w = PageCacheWorkers::new(
+        WorkerConfig {
+            threads: 1,
+            writers: WriterLimits::default(),
+            spin_us: 0,
+        },
+        Arc::clone(&failure),
+    )
+    .unwrap();
     crate::error::poison(&w.shared.queues);
     let f = tempfile_in_tmp();
     let mut buf = vec![0u8; 4096];
-    w.submit(Job { token: 9, fd: f.as_raw_fd(), offset: 0, addr: buf.as_mut_ptr() as u64, len: 4096, write: false });
+    w.submit(Job {
+        token: 9,
+        fd: f.as_raw_fd(),
+        offset: 0,
+        addr: buf.as_mut_ptr() as u64,
+        len: 4096,
+        write: false,
+    });
     let mut done = Vec::new();
     while done.is_empty() {
         w.wait_done(Duration::from_millis(100));
@@ -90,7 +113,11 @@ fn a_poisoned_queue_fails_the_engine_and_results_still_arrive() {
     }
     assert_eq!(done, vec![(9, 0)]);
     let e = failure.check().unwrap_err();
-    assert!(e.message.contains("page-cache workers' queue is poisoned"), "{}", e.message);
+    assert!(
+        e.message.contains("page-cache workers' queue is poisoned"),
+        "{}",
+        e.message
+    );
 }
 
 fn idle_queue(writers: WriterLimits) -> Arc<Shared> {
@@ -98,25 +125,50 @@ fn idle_queue(writers: WriterLimits) -> Arc<Shared> {
 }
 
 fn job(token: u64, fd: i32, write: bool) -> Job {
-    Job { token, fd, offset: 0, addr: 0, len: 0, write }
+    Job {
+        token,
+        fd,
+        offset: 0,
+        addr: 0,
+        len: 0,
+        write,
+    }
 }
 
 #[test]
 fn the_caller_runs_queued_reads_and_leaves_writes_to_the_workers() {
     let mut f = tempfile_in_tmp();
-    let data: Vec<u8> = (0..(256u32 << 10)).map(|i| (i.wrapping_mul(40503) >> 7) as u8).collect();
+    let data: Vec<u8> = (0..(256u32 << 10))
+        .map(|i| (i.wrapping_mul(40503) >> 7) as u8)
+        .collect();
     f.write_all(&data).unwrap();
     // No worker thread: only the caller can run anything here.
     let shared = idle_queue(WriterLimits::default());
-    let helper = QueueHelper { shared: Arc::clone(&shared) };
+    let helper = QueueHelper {
+        shared: Arc::clone(&shared),
+    };
     let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 64 << 10]).collect();
     let reads: Vec<Job> = bufs
         .iter_mut()
         .enumerate()
-        .map(|(i, b)| Job { token: i as u64, fd: f.as_raw_fd(), offset: (i as u64) << 16, addr: b.as_mut_ptr() as u64, len: 64 << 10, write: false })
+        .map(|(i, b)| Job {
+            token: i as u64,
+            fd: f.as_raw_fd(),
+            offset: (i as u64) << 16,
+            addr: b.as_mut_ptr() as u64,
+            len: 64 << 10,
+            write: false,
+        })
         .collect();
     let patch = [7u8; 4096];
-    let write = Job { token: 9, fd: f.as_raw_fd(), offset: 0, addr: patch.as_ptr() as u64, len: 4096, write: true };
+    let write = Job {
+        token: 9,
+        fd: f.as_raw_fd(),
+        offset: 0,
+        addr: patch.as_ptr() as u64,
+        len: 4096,
+        write: true,
+    };
     {
         let mut q = shared.queues.lock().unwrap();
         q.jobs.push_back(reads[..2].to_vec());
@@ -140,8 +192,14 @@ fn a_batch_takes_only_jobs_of_its_fd_and_direction() {
     let batch = vec![job(1, 5, false), job(2, 5, false)];
     assert!(joins_batch(&[], &job(0, 7, true)));
     assert!(joins_batch(&batch, &job(3, 5, false)));
-    assert!(!joins_batch(&batch, &job(3, 6, false)), "another fd starts a new batch");
-    assert!(!joins_batch(&batch, &job(3, 5, true)), "a write does not join reads");
+    assert!(
+        !joins_batch(&batch, &job(3, 6, false)),
+        "another fd starts a new batch"
+    );
+    assert!(
+        !joins_batch(&batch, &job(3, 5, true)),
+        "a write does not join reads"
+    );
 }
 
 #[test]
@@ -164,8 +222,14 @@ fn a_file_gets_at_most_its_writers_while_reads_and_other_files_go_on() {
     let mut q = Queues::new(4);
     q.jobs.push_back(vec![job(1, 5, true)]);
     q.jobs.push_back(vec![job(2, 5, true)]);
-    assert_eq!(q.take_runnable(WriterLimits::default(), 1).unwrap()[0].token, 1);
-    assert_eq!(q.take_runnable(WriterLimits::default(), 2).unwrap()[0].token, 2);
+    assert_eq!(
+        q.take_runnable(WriterLimits::default(), 1).unwrap()[0].token,
+        1
+    );
+    assert_eq!(
+        q.take_runnable(WriterLimits::default(), 2).unwrap()[0].token,
+        2
+    );
 }
 
 #[test]
@@ -189,7 +253,10 @@ fn writes_to_all_files_together_stay_within_their_limit_while_reads_go_on() {
 #[test]
 fn the_worker_whose_write_ended_takes_the_held_back_write_and_wakes_no_one() {
     let one = WriterLimits { file: 1, all: 0 };
-    let mut q = Queues { sleeping: 3, ..Queues::new(4) };
+    let mut q = Queues {
+        sleeping: 3,
+        ..Queues::new(4)
+    };
     for token in 1..=3 {
         q.jobs.push_back(vec![job(token, 5, true)]);
     }
@@ -197,16 +264,25 @@ fn the_worker_whose_write_ended_takes_the_held_back_write_and_wakes_no_one() {
     let (next, wake) = q.end_and_take(&first, 0, one);
     assert_eq!(next.unwrap()[0].token, 2, "the same worker writes on");
     assert!(!wake, "nothing else may run: the sleepers stay asleep");
-    assert_eq!((q.waking, q.writing_all, q.running[0].clone()), (0, 1, vec![2]));
+    assert_eq!(
+        (q.waking, q.writing_all, q.running[0].clone()),
+        (0, 1, vec![2])
+    );
     // A read queued ahead is taken first; the write the freed place admits goes to one sleeper.
-    let mut q = Queues { sleeping: 3, ..Queues::new(4) };
+    let mut q = Queues {
+        sleeping: 3,
+        ..Queues::new(4)
+    };
     q.jobs.push_back(vec![job(1, 5, true)]);
     let first = q.take_runnable(one, 0).unwrap();
     q.jobs.push_back(vec![job(2, 6, false)]);
     q.jobs.push_back(vec![job(3, 5, true)]);
     let (next, wake) = q.end_and_take(&first, 0, one);
     assert_eq!(next.unwrap()[0].token, 2);
-    assert!(wake && q.waking == 1, "one sleeper is woken for the write, not all three");
+    assert!(
+        wake && q.waking == 1,
+        "one sleeper is woken for the write, not all three"
+    );
     // A read's end frees no writer's place: no wake-up, whatever is queued.
     let read = vec![job(4, 6, false)];
     q.running[1] = vec![4];
@@ -217,10 +293,16 @@ fn the_worker_whose_write_ended_takes_the_held_back_write_and_wakes_no_one() {
 
 #[test]
 fn a_job_wakes_only_a_sleeping_worker_that_no_notify_has_reached() {
-    let mut q = Queues { sleeping: 2, ..Queues::default() };
+    let mut q = Queues {
+        sleeping: 2,
+        ..Queues::default()
+    };
     assert!(q.wake_one());
     assert!(q.wake_one());
-    assert!(!q.wake_one(), "both sleepers are being woken: the third job waits for a free worker");
+    assert!(
+        !q.wake_one(),
+        "both sleepers are being woken: the third job waits for a free worker"
+    );
     let mut q = Queues::default();
     assert!(!q.wake_one(), "every worker busy: no wake-up");
     q.sleeping = 3;
@@ -238,7 +320,15 @@ fn bursts_to_sleeping_workers_all_run() {
     // Declared before the workers, so that it outlives them (they join on drop, a failed
     // assertion included, after running what is still queued).
     let mut buf = vec![0u8; 4096];
-    let w = PageCacheWorkers::new(WorkerConfig { threads: 4, writers: WriterLimits { file: 1, all: 2 }, spin_us: 0 }, Arc::default()).unwrap();
+    let w = PageCacheWorkers::new(
+        WorkerConfig {
+            threads: 4,
+            writers: WriterLimits { file: 1, all: 2 },
+            spin_us: 0,
+        },
+        Arc::default(),
+    )
+    .unwrap();
     let mut token = 0u64;
     for burst in 0..300u64 {
         let batches = 1 + burst % 9;
@@ -249,7 +339,14 @@ fn bursts_to_sleeping_workers_all_run() {
             let jobs: Vec<Job> = (0..1 + b % 3)
                 .map(|k| {
                     token += 1;
-                    Job { token, fd: f.as_raw_fd(), offset: (k * 4096) % (64 << 10), addr: buf.as_mut_ptr() as u64, len: 512, write }
+                    Job {
+                        token,
+                        fd: f.as_raw_fd(),
+                        offset: (k * 4096) % (64 << 10),
+                        addr: buf.as_mut_ptr() as u64,
+                        len: 512,
+                        write,
+                    }
                 })
                 .collect();
             want += jobs.len();
@@ -258,11 +355,18 @@ fn bursts_to_sleeping_workers_all_run() {
         let mut done = Vec::new();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while done.len() < want {
-            assert!(std::time::Instant::now() < deadline, "burst {burst}: {} of {want} jobs came back", done.len());
+            assert!(
+                std::time::Instant::now() < deadline,
+                "burst {burst}: {} of {want} jobs came back",
+                done.len()
+            );
             w.wait_done(Duration::from_millis(50));
             w.take_done(&mut done);
         }
-        assert!(done.iter().all(|&(_, n)| n == 512), "burst {burst}: {done:?}");
+        assert!(
+            done.iter().all(|&(_, n)| n == 512),
+            "burst {burst}: {done:?}"
+        );
         if burst % 50 == 0 {
             // Let every worker fall asleep.
             std::thread::sleep(Duration::from_millis(5));
@@ -290,15 +394,32 @@ fn tempfile_in_tmp() -> std::fs::File {
 #[test]
 fn spinning_workers_take_jobs_while_watching_and_after_they_slept() {
     let mut f = tempfile_in_tmp();
-    let data: Vec<u8> = (0..(64u32 << 10)).map(|i| (i * 7 + i / 251) as u8).collect();
+    let data: Vec<u8> = (0..(64u32 << 10))
+        .map(|i| (i * 7 + i / 251) as u8)
+        .collect();
     f.write_all(&data).unwrap();
     // 2 ms of watching: the first jobs arrive while the workers watch (no wake-up), the last
     // after they slept (a wake-up), and every one lands whole.
-    let w = PageCacheWorkers::new(WorkerConfig { threads: 2, writers: WriterLimits::default(), spin_us: 2000 }, Arc::default()).unwrap();
+    let w = PageCacheWorkers::new(
+        WorkerConfig {
+            threads: 2,
+            writers: WriterLimits::default(),
+            spin_us: 2000,
+        },
+        Arc::default(),
+    )
+    .unwrap();
     let mut bufs: Vec<Vec<u8>> = (0..6).map(|_| vec![0u8; 16 << 10]).collect();
     for (i, b) in bufs.iter_mut().enumerate() {
         std::thread::sleep(Duration::from_micros(if i == 5 { 20_000 } else { 300 }));
-        w.submit(Job { token: i as u64, fd: f.as_raw_fd(), offset: (i as u64 % 4) << 14, addr: b.as_mut_ptr() as u64, len: 16 << 10, write: false });
+        w.submit(Job {
+            token: i as u64,
+            fd: f.as_raw_fd(),
+            offset: (i as u64 % 4) << 14,
+            addr: b.as_mut_ptr() as u64,
+            len: 16 << 10,
+            write: false,
+        });
         let mut done = Vec::new();
         let t0 = std::time::Instant::now();
         while done.is_empty() {

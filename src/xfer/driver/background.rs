@@ -49,6 +49,9 @@ impl Driver {
 impl Table {
     /// Whether any request has ops waiting, in flight or in a device copy.
     fn has_work(&self) -> bool {
-        !self.queue.is_empty() || !self.retry.is_empty() || !self.owners.is_empty() || self.staging.as_ref().is_some_and(Staging::copying)
+        !self.queue.is_empty()
+            || !self.retry.is_empty()
+            || !self.owners.is_empty()
+            || self.staging.as_ref().is_some_and(Staging::copying)
     }
 }

@@ -18,14 +18,14 @@ use slab::Slab;
 
 pub mod background;
 
-use super::request::{Next, Outcome, RequestOps, RequestProgress};
-use crate::error::{describe_os_error, Error, Failure, Result};
-use crate::params::CallerReads;
-use crate::gpu::GpuProvider;
-use crate::path::direct;
-use crate::path::staging::{CopyDone, Stage, Staging, StagingPool, StagingShape};
 use super::callers::CallerClock;
 use super::profile::Profiles;
+use super::request::{Next, Outcome, RequestOps, RequestProgress};
+use crate::error::{describe_os_error, Error, Failure, Result};
+use crate::gpu::GpuProvider;
+use crate::params::CallerReads;
+use crate::path::direct;
+use crate::path::staging::{CopyDone, Stage, Staging, StagingPool, StagingShape};
 use crate::uring::{IoOp, Progress, Ring, RingCore, Submission};
 
 /// How long release and teardown wait for in-flight I/O before giving up on it.
@@ -85,8 +85,17 @@ pub struct Driver {
 
 impl Driver {
     pub fn new(ring: Arc<Ring>, failure: Arc<Failure>) -> Driver {
-        let table = Table { profiles: Profiles::from_env(), ..Table::default() };
-        Driver { ring, table: Mutex::new(table), failure, caller_reads: CallerReads::Auto, callers: CallerClock::default() }
+        let table = Table {
+            profiles: Profiles::from_env(),
+            ..Table::default()
+        };
+        Driver {
+            ring,
+            table: Mutex::new(table),
+            failure,
+            caller_reads: CallerReads::Auto,
+            callers: CallerClock::default(),
+        }
     }
 
     /// Sets whether posting and polling threads run queued page-cache reads themselves.
@@ -100,7 +109,11 @@ impl Driver {
     }
 
     /// Creates the staging pool on first use (later calls do nothing).
-    pub fn enable_staging(&self, provider: Arc<dyn GpuProvider>, shape: StagingShape) -> Result<()> {
+    pub fn enable_staging(
+        &self,
+        provider: Arc<dyn GpuProvider>,
+        shape: StagingShape,
+    ) -> Result<()> {
         let mut t = self.lock()?;
         if t.staging.is_some() {
             return Ok(());
@@ -111,7 +124,10 @@ impl Driver {
             match unsafe { self.ring.register_buffer(addr, len) } {
                 Ok(slot) => Some(slot),
                 Err(e) => {
-                    tracing::info!("staging buffer not registered as a fixed buffer ({}); using plain I/O", describe_os_error(&e));
+                    tracing::info!(
+                        "staging buffer not registered as a fixed buffer ({}); using plain I/O",
+                        describe_os_error(&e)
+                    );
                     None
                 }
             }
@@ -127,7 +143,9 @@ impl Driver {
 
     /// Adds a prepared request; it starts idle.
     pub fn add_request(&self, ops: Arc<RequestOps>) -> Result<RequestKey> {
-        Ok(RequestKey(self.lock()?.requests.insert(RequestProgress::new(ops))))
+        Ok(RequestKey(
+            self.lock()?.requests.insert(RequestProgress::new(ops)),
+        ))
     }
 
     /// Starts (or restarts) a request. Returns Done when everything completed during the call.
@@ -135,7 +153,10 @@ impl Driver {
     pub fn post(&self, key: RequestKey, inline_budget: u64) -> Result<Progress> {
         let _caller = self.callers.enter();
         let mut t = self.lock()?;
-        let req = t.requests.get_mut(key.0).ok_or_else(|| Error::backend("postXfer: unknown request handle"))?;
+        let req = t
+            .requests
+            .get_mut(key.0)
+            .ok_or_else(|| Error::backend("postXfer: unknown request handle"))?;
         if let Some(done) = req.start()? {
             return Ok(done);
         }
@@ -167,14 +188,22 @@ impl Driver {
     /// left to take (the rest runs on the workers or waits for the disk). A thread that posts or
     /// polls would otherwise wait for the workers: on a busy machine they may get no core soon.
     /// `page_cache_caller_reads` decides when (`CallerReads`).
-    fn help_page_cache_workers<'a>(&'a self, mut t: MutexGuard<'a, Table>) -> Result<MutexGuard<'a, Table>> {
+    fn help_page_cache_workers<'a>(
+        &'a self,
+        mut t: MutexGuard<'a, Table>,
+    ) -> Result<MutexGuard<'a, Table>> {
         loop {
             // The staging buffers' device copies wait for this thread (a staged READ's copy
             // starts when its buffer's reads have landed): under auto it drives them instead.
-            if !self.caller_reads.helps(t.staging.as_ref().is_some_and(Staging::in_use)) {
+            if !self
+                .caller_reads
+                .helps(t.staging.as_ref().is_some_and(Staging::in_use))
+            {
                 return Ok(t);
             }
-            let Some(helper) = self.ring.lock()?.page_cache_helper() else { return Ok(t) };
+            let Some(helper) = self.ring.lock()?.page_cache_helper() else {
+                return Ok(t);
+            };
             drop(t);
             let ran = helper.run_queued_reads();
             t = self.lock()?;
@@ -195,9 +224,18 @@ impl Driver {
     /// pwrite(2) in this thread, without holding the lock while writing. Page-cache writes are
     /// memory copies: done here they avoid a hand-off to io_uring's worker per I/O (which is what
     /// makes libaio fast on buffered files), while the ring keeps a few in flight meanwhile.
-    fn help_with_writes<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize, budget: u64) -> Result<MutexGuard<'a, Table>> {
-        let Some(req) = t.requests.get_mut(key) else { return Ok(t) };
-        let Some((start, end)) = req.take_inline_writes(budget) else { return Ok(t) };
+    fn help_with_writes<'a>(
+        &'a self,
+        mut t: MutexGuard<'a, Table>,
+        key: usize,
+        budget: u64,
+    ) -> Result<MutexGuard<'a, Table>> {
+        let Some(req) = t.requests.get_mut(key) else {
+            return Ok(t);
+        };
+        let Some((start, end)) = req.take_inline_writes(budget) else {
+            return Ok(t);
+        };
         let ops = Arc::clone(&req.ops);
         drop(t);
         let result = direct::write_all(&ops.ops[start..end]);
@@ -213,14 +251,24 @@ impl Driver {
     /// the lock while copying; what it could not serve stays for the ring. With `any_size` (few
     /// CPUs: `inline_write_max=auto` below 8) requests of any size are tried, as buffered writes
     /// are: copying in the calling thread beats a ring round trip when cores are few and busy.
-    fn read_inline_if_cached<'a>(&'a self, mut t: MutexGuard<'a, Table>, key: usize, any_size: bool) -> Result<MutexGuard<'a, Table>> {
-        let Some(req) = t.requests.get_mut(key) else { return Ok(t) };
+    fn read_inline_if_cached<'a>(
+        &'a self,
+        mut t: MutexGuard<'a, Table>,
+        key: usize,
+        any_size: bool,
+    ) -> Result<MutexGuard<'a, Table>> {
+        let Some(req) = t.requests.get_mut(key) else {
+            return Ok(t);
+        };
         let ops = Arc::clone(&req.ops);
-        let small = ops.ops.len() <= INLINE_READ_MAX_OPS && ops.ops.iter().map(|o| o.len as u64).sum::<u64>() <= INLINE_READ_MAX_BYTES;
+        let small = ops.ops.len() <= INLINE_READ_MAX_OPS
+            && ops.ops.iter().map(|o| o.len as u64).sum::<u64>() <= INLINE_READ_MAX_BYTES;
         if !ops.inline_reads || !(small || any_size) {
             return Ok(t);
         }
-        let Some(n) = req.take_inline_read() else { return Ok(t) };
+        let Some(n) = req.take_inline_read() else {
+            return Ok(t);
+        };
         drop(t);
         let done = direct::read_cached_prefix(&ops.ops);
         let mut t = self.lock()?;
@@ -240,7 +288,10 @@ impl Driver {
             // Re-locked every round so that threads writing this request's ops inline can
             // report back.
             let mut t = self.lock()?;
-            let running = t.requests.get(key.0).is_some_and(RequestProgress::is_running);
+            let running = t
+                .requests
+                .get(key.0)
+                .is_some_and(RequestProgress::is_running);
             if !running {
                 if t.requests.contains(key.0) {
                     t.requests.remove(key.0);
@@ -285,7 +336,9 @@ impl Drop for Driver {
             }
         }
         let deadline = Instant::now() + TEARDOWN_WAIT;
-        while !(t.owners.is_empty() && !t.staging.as_ref().is_some_and(Staging::copying)) && Instant::now() < deadline {
+        while !(t.owners.is_empty() && !t.staging.as_ref().is_some_and(Staging::copying))
+            && Instant::now() < deadline
+        {
             if t.wait_one(&ring, Duration::from_millis(100)).is_err() {
                 break;
             }
@@ -294,9 +347,14 @@ impl Drop for Driver {
             s.wait_all();
         }
         if !t.owners.is_empty() {
-            tracing::error!(ops = t.owners.len(), "engine destroyed with I/O still in flight after cancellation");
+            tracing::error!(
+                ops = t.owners.len(),
+                "engine destroyed with I/O still in flight after cancellation"
+            );
             if let Some(s) = t.staging.take() {
-                tracing::error!("staging buffers left mapped on purpose: in-flight I/O may still write them");
+                tracing::error!(
+                    "staging buffers left mapped on purpose: in-flight I/O may still write them"
+                );
                 std::mem::forget(s);
             }
         }
@@ -306,7 +364,10 @@ impl Drop for Driver {
 impl Table {
     /// This request's state as a post/check result.
     fn status(&self, key: usize) -> Result<Progress> {
-        self.requests.get(key).ok_or_else(|| Error::backend("unknown request handle"))?.status()
+        self.requests
+            .get(key)
+            .ok_or_else(|| Error::backend("unknown request handle"))?
+            .status()
     }
 
     /// `status`, logging the request's profile once it is over.
@@ -336,9 +397,19 @@ impl Table {
     }
 
     /// Hands one op to the ring; false (the op is handed back) when there is no room.
-    fn push(core: &mut RingCore, owners: &mut Slab<InFlight>, mut entry: InFlight, write: bool, profiling: bool) -> std::result::Result<(), InFlight> {
+    fn push(
+        core: &mut RingCore,
+        owners: &mut Slab<InFlight>,
+        mut entry: InFlight,
+        write: bool,
+        profiling: bool,
+    ) -> std::result::Result<(), InFlight> {
         let token = owners.vacant_key() as u64;
-        if core.push(&Submission { op: entry.op, write, token }) {
+        if core.push(&Submission {
+            op: entry.op,
+            write,
+            token,
+        }) {
             if profiling {
                 entry.since = Some(Instant::now());
             }
@@ -356,18 +427,34 @@ impl Table {
         while core.has_room() {
             // Retries first: remainders of short I/O, EAGAIN, and staged writes whose copy ended.
             if let Some(entry) = self.retry.pop_front() {
-                let Some(req) = self.requests.get_mut(entry.req) else { continue };
+                let Some(req) = self.requests.get_mut(entry.req) else {
+                    continue;
+                };
                 if !req.is_healthy() {
-                    io_over(req, entry.stage, false, &mut self.staging, &mut self.profiles);
+                    io_over(
+                        req,
+                        entry.stage,
+                        false,
+                        &mut self.staging,
+                        &mut self.profiles,
+                    );
                     continue;
                 }
-                if let Err(entry) = Table::push(core, &mut self.owners, entry, req.ops.write, self.profiles.on()) {
+                if let Err(entry) = Table::push(
+                    core,
+                    &mut self.owners,
+                    entry,
+                    req.ops.write,
+                    self.profiles.on(),
+                ) {
                     self.retry.push_front(entry);
                     break;
                 }
                 continue;
             }
-            let Some(&key) = self.queue.front() else { break };
+            let Some(&key) = self.queue.front() else {
+                break;
+            };
             let Some(req) = self.requests.get_mut(key) else {
                 self.queue.pop_front();
                 continue;
@@ -393,15 +480,24 @@ impl Table {
                 if req.advance() {
                     self.queue.pop_front();
                 }
-                let entry = InFlight { req: key, op, stage: None, since: None };
-                if let Err(entry) = Table::push(core, &mut self.owners, entry, write, self.profiles.on()) {
+                let entry = InFlight {
+                    req: key,
+                    op,
+                    stage: None,
+                    since: None,
+                };
+                if let Err(entry) =
+                    Table::push(core, &mut self.owners, entry, write, self.profiles.on())
+                {
                     self.retry.push_front(entry);
                     break;
                 }
                 continue;
             }
             let Some(staging) = self.staging.as_mut() else {
-                req.fail(Error::backend("internal error: a VRAM op reached the ring before its staging pool existed"));
+                req.fail(Error::backend(
+                    "internal error: a VRAM op reached the ring before its staging pool existed",
+                ));
                 req.settle();
                 continue;
             };
@@ -416,12 +512,16 @@ impl Table {
                 continue;
             }
             // All buffers busy: wait for completions to free one.
-            let Some(group) = staging.open(key, write, op, windowed) else { break };
+            let Some(group) = staging.open(key, write, op, windowed) else {
+                break;
+            };
             // Pack the request's next small pieces into the same buffer.
             let mut last = req.advance();
             while !last {
                 match req.peek_next() {
-                    Next::Op(next) if next.device.is_some() && staging.try_add(group, next) => last = req.advance(),
+                    Next::Op(next) if next.device.is_some() && staging.try_add(group, next) => {
+                        last = req.advance()
+                    }
                     _ => break,
                 }
             }
@@ -445,14 +545,21 @@ impl Table {
             // READ: each run's storage read lands at its place in the buffer; they go through
             // the retry queue, which hands them to the ring as it has room.
             for stage in staging.runs(group) {
-                self.retry.push_back(InFlight { req: key, op: staging.host_op(stage), stage: Some(stage), since: None });
+                self.retry.push_back(InFlight {
+                    req: key,
+                    op: staging.host_op(stage),
+                    stage: Some(stage),
+                    since: None,
+                });
             }
         }
     }
 
     /// Finishes device copies that completed; returns how many did.
     fn poll_copies(&mut self) -> usize {
-        let Some(staging) = self.staging.as_mut() else { return 0 };
+        let Some(staging) = self.staging.as_mut() else {
+            return 0;
+        };
         if !staging.copying() {
             return 0;
         }
@@ -460,7 +567,9 @@ impl Table {
         let n = staging.poll(&mut done);
         for c in done.drain(..) {
             self.profiles.copy_waited(c.owner, c.started);
-            let Some(staging) = self.staging.as_mut() else { break };
+            let Some(staging) = self.staging.as_mut() else {
+                break;
+            };
             let Some(req) = self.requests.get_mut(c.owner) else {
                 staging.close(c.group);
                 continue;
@@ -468,7 +577,12 @@ impl Table {
             match c.result {
                 Ok(()) if c.then_write && req.is_healthy() => {
                     for stage in staging.runs(c.group) {
-                        self.retry.push_back(InFlight { req: c.owner, op: staging.host_op(stage), stage: Some(stage), since: None });
+                        self.retry.push_back(InFlight {
+                            req: c.owner,
+                            op: staging.host_op(stage),
+                            stage: Some(stage),
+                            since: None,
+                        });
                     }
                 }
                 // The H2D copy of a READ ended, a copy failed, or the request is failing: the
@@ -501,7 +615,10 @@ impl Table {
     /// One storage I/O ended with `res` (bytes moved or -errno).
     fn complete(&mut self, token: u64, res: i32) {
         let Some(entry) = self.owners.try_remove(token as usize) else {
-            tracing::error!(user_data = token, "io_uring completion for an unknown op; ignored");
+            tracing::error!(
+                user_data = token,
+                "io_uring completion for an unknown op; ignored"
+            );
             return;
         };
         let Some(req) = self.requests.get_mut(entry.req).filter(|r| r.is_running()) else {
@@ -512,13 +629,22 @@ impl Table {
             self.profiles.io_done(entry.req, since);
         }
         let whole = res >= 0 && res as u32 == entry.op.len;
-        if let (Some(run), Some(staging), false, true) = (entry.stage, self.staging.as_ref(), whole, req.is_healthy()) {
+        if let (Some(run), Some(staging), false, true) =
+            (entry.stage, self.staging.as_ref(), whole, req.is_healthy())
+        {
             if run.count > 1 {
                 // A run of several pieces that did not move whole: the pieces it did not finish
                 // go again one by one, so a short transfer or an error names its own descriptor.
                 let finished = staging.pieces_within(run, res.max(0) as u64);
-                let again: Vec<InFlight> = run.pieces().skip(finished as usize)
-                    .map(|one| InFlight { req: entry.req, op: staging.host_op(one), stage: Some(one), since: None })
+                let again: Vec<InFlight> = run
+                    .pieces()
+                    .skip(finished as usize)
+                    .map(|one| InFlight {
+                        req: entry.req,
+                        op: staging.host_op(one),
+                        stage: Some(one),
+                        since: None,
+                    })
                     .collect();
                 for one in run.pieces().take(finished as usize) {
                     io_over(req, Some(one), true, &mut self.staging, &mut self.profiles);
@@ -529,18 +655,42 @@ impl Table {
             }
         }
         match req.on_result(&entry.op, res) {
-            Outcome::Complete => io_over(req, entry.stage, true, &mut self.staging, &mut self.profiles),
-            Outcome::Retry(op) => self.retry.push_back(InFlight { req: entry.req, op, stage: entry.stage, since: None }),
-            Outcome::Over => io_over(req, entry.stage, false, &mut self.staging, &mut self.profiles),
+            Outcome::Complete => io_over(
+                req,
+                entry.stage,
+                true,
+                &mut self.staging,
+                &mut self.profiles,
+            ),
+            Outcome::Retry(op) => self.retry.push_back(InFlight {
+                req: entry.req,
+                op,
+                stage: entry.stage,
+                since: None,
+            }),
+            Outcome::Over => io_over(
+                req,
+                entry.stage,
+                false,
+                &mut self.staging,
+                &mut self.profiles,
+            ),
         }
         req.settle();
     }
 
     /// Marks a request aborted and asks the ring to cancel its in-flight ops.
     fn abort(&mut self, ring: &Ring, key: usize) -> Result<()> {
-        let Some(req) = self.requests.get_mut(key) else { return Ok(()) };
+        let Some(req) = self.requests.get_mut(key) else {
+            return Ok(());
+        };
         req.abort();
-        let targets: Vec<u64> = self.owners.iter().filter(|(_, f)| f.req == key).map(|(k, _)| k as u64).collect();
+        let targets: Vec<u64> = self
+            .owners
+            .iter()
+            .filter(|(_, f)| f.req == key)
+            .map(|(k, _)| k as u64)
+            .collect();
         ring.lock()?.cancel(&targets);
         Ok(())
     }
@@ -567,7 +717,13 @@ impl Table {
 /// One storage I/O of the request ended (`ok`: every byte moved) or was dropped. A staged run
 /// counts its pieces toward their group: a WRITE's buffer is freed after its last piece; a READ's group starts
 /// its one device copy when every piece's read landed (its pieces are over when it ends).
-fn io_over(req: &mut RequestProgress, stage: Option<Stage>, ok: bool, staging: &mut Option<Staging>, profiles: &mut Profiles) {
+fn io_over(
+    req: &mut RequestProgress,
+    stage: Option<Stage>,
+    ok: bool,
+    staging: &mut Option<Staging>,
+    profiles: &mut Profiles,
+) {
     let (Some(s), Some(st)) = (stage, staging.as_mut()) else {
         req.op_over();
         return;

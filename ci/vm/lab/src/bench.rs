@@ -100,7 +100,9 @@ fn parse_size(s: &str) -> Result<u64, String> {
         Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
         _ => (t, 1),
     };
-    num.parse::<u64>().map(|n| n * mult).map_err(|_| format!("bad size '{s}'"))
+    num.parse::<u64>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("bad size '{s}'"))
 }
 
 fn parse_blocks(s: &str) -> Result<Vec<u64>, String> {
@@ -118,9 +120,15 @@ fn parse_blocks(s: &str) -> Result<Vec<u64>, String> {
 }
 
 fn find_fio() -> Option<String> {
-    let mut dirs: Vec<String> = std::env::var("PATH").unwrap_or_default().split(':').map(str::to_owned).collect();
+    let mut dirs: Vec<String> = std::env::var("PATH")
+        .unwrap_or_default()
+        .split(':')
+        .map(str::to_owned)
+        .collect();
     dirs.extend(["/bin".to_owned(), "/usr/bin".to_owned()]);
-    dirs.into_iter().map(|d| format!("{d}/fio")).find(|p| std::fs::metadata(p).is_ok())
+    dirs.into_iter()
+        .map(|d| format!("{d}/fio"))
+        .find(|p| std::fs::metadata(p).is_ok())
 }
 
 /// Parses the bench options (everything after `--bench`, plus `--device`).
@@ -142,7 +150,9 @@ pub fn parse_args(args: &[String], device: Option<String>) -> Result<BenchCfg, S
         let a = args[i].as_str();
         let mut val = || -> Result<String, String> {
             i += 1;
-            args.get(i).cloned().ok_or_else(|| format!("{a} needs a value"))
+            args.get(i)
+                .cloned()
+                .ok_or_else(|| format!("{a} needs a value"))
         };
         match a {
             "--bench" | "--overwrite" => {}
@@ -169,9 +179,19 @@ pub fn parse_args(args: &[String], device: Option<String>) -> Result<BenchCfg, S
             }
             "--blocks" => c.blocks = parse_blocks(&val()?)?,
             "--batches" => {
-                c.batches = val()?.split(',').map(|b| b.trim().parse::<u64>().map_err(|_| format!("--batches: bad '{b}'"))).collect::<Result<_, _>>()?
+                c.batches = val()?
+                    .split(',')
+                    .map(|b| {
+                        b.trim()
+                            .parse::<u64>()
+                            .map_err(|_| format!("--batches: bad '{b}'"))
+                    })
+                    .collect::<Result<_, _>>()?
             }
-            "--duration-ms" => c.duration = Duration::from_millis(val()?.parse().map_err(|_| "--duration-ms: bad number")?),
+            "--duration-ms" => {
+                c.duration =
+                    Duration::from_millis(val()?.parse().map_err(|_| "--duration-ms: bad number")?)
+            }
             "--reps" => c.reps = val()?.parse().map_err(|_| "--reps: bad number")?,
             "--fio" => c.fio = Some(val()?),
             "--no-fio" => no_fio = true,
@@ -189,7 +209,12 @@ pub fn parse_args(args: &[String], device: Option<String>) -> Result<BenchCfg, S
     if c.device.is_empty() {
         return Err("--device is required".into());
     }
-    if c.blocks.is_empty() || c.batches.is_empty() || c.batches.contains(&0) || c.reps == 0 || c.duration.is_zero() {
+    if c.blocks.is_empty()
+        || c.batches.is_empty()
+        || c.batches.contains(&0)
+        || c.reps == 0
+        || c.duration.is_zero()
+    {
         return Err("need block sizes, batch sizes >= 1, --reps >= 1 and --duration-ms > 0".into());
     }
     if no_fio {
@@ -239,7 +264,8 @@ struct EngineBench {
 
 impl EngineBench {
     fn new(device: &str, region: u64) -> Result<EngineBench, String> {
-        let e = Engine::new(AGENT, std::iter::empty()).map_err(|e| format!("Engine::new: {}", e.message))?;
+        let e = Engine::new(AGENT, std::iter::empty())
+            .map_err(|e| format!("Engine::new: {}", e.message))?;
         let mut buf = MmapBuf::new(region as usize).map_err(|e| format!("mmap {region}: {e}"))?;
         Rng::new().fill(buf.bytes_mut());
         let dev = OpenOptions::new()
@@ -249,25 +275,62 @@ impl EngineBench {
             .open(device)
             .map_err(|e| format!("open({device}, O_RDWR|O_DIRECT): {e}"))?;
         let dev_id = dev.as_raw_fd() as u64;
-        let md_dram = e.register(DRAM, buf.ptr() as u64, region, 0, "").map_err(|e| format!("register DRAM: {}", e.message))?;
-        let md_blk = e
-            .register(BLK, 0, region, dev_id, "")
-            .map_err(|e| format!("register BLK_SEG (fd mode, O_DIRECT fd {dev_id}, [0, {region})): {}", e.message))?;
-        Ok(EngineBench { e, buf, _dev: dev, dev_id, md_dram, md_blk })
+        let md_dram = e
+            .register(DRAM, buf.ptr() as u64, region, 0, "")
+            .map_err(|e| format!("register DRAM: {}", e.message))?;
+        let md_blk = e.register(BLK, 0, region, dev_id, "").map_err(|e| {
+            format!(
+                "register BLK_SEG (fd mode, O_DIRECT fd {dev_id}, [0, {region})): {}",
+                e.message
+            )
+        })?;
+        Ok(EngineBench {
+            e,
+            buf,
+            _dev: dev,
+            dev_id,
+            md_dram,
+            md_blk,
+        })
     }
 
-    fn point(&mut self, c: &BenchCfg, op: Op, layout: Layout, block: u64, batch: u64) -> Result<Sample, String> {
+    fn point(
+        &mut self,
+        c: &BenchCfg,
+        op: Op,
+        layout: Layout,
+        block: u64,
+        batch: u64,
+    ) -> Result<Sample, String> {
         let (device, duration, poll_yield) = (c.device.as_str(), c.duration, c.poll_yield);
         let order = device_order(layout, block, batch);
         let base = self.buf.ptr() as u64;
-        let local: Vec<iud_desc> = (0..batch).map(|j| iud_desc { addr: base + j * block, len: block, dev_id: 0, md: self.md_dram }).collect();
-        let remote: Vec<iud_desc> = order.iter().map(|&k| iud_desc { addr: k * block, len: block, dev_id: self.dev_id, md: self.md_blk }).collect();
+        let local: Vec<iud_desc> = (0..batch)
+            .map(|j| iud_desc {
+                addr: base + j * block,
+                len: block,
+                dev_id: 0,
+                md: self.md_dram,
+            })
+            .collect();
+        let remote: Vec<iud_desc> = order
+            .iter()
+            .map(|&k| iud_desc {
+                addr: k * block,
+                len: block,
+                dev_id: self.dev_id,
+                md: self.md_blk,
+            })
+            .collect();
         let bytes = (block * batch) as usize;
         if op == Op::Read {
             self.buf.bytes_mut()[..bytes].fill(0);
         }
         let nop = if op == Op::Read { READ } else { WRITE };
-        let req = self.e.prep(nop, DRAM, &local, BLK, &remote, AGENT).map_err(|e| format!("prep: {:?}: {}", e.kind, e.message))?;
+        let req = self
+            .e
+            .prep(nop, DRAM, &local, BLK, &remote, AGENT)
+            .map_err(|e| format!("prep: {:?}: {}", e.kind, e.message))?;
         let once = |req: &io_uring_dmabuf::engine::Request| -> Result<(), String> {
             let mut r = self.e.post(req, nop, local.len(), remote.len());
             while let Ok(Progress::InFlight) = r {
@@ -279,7 +342,8 @@ impl EngineBench {
                 }
                 r = self.e.check(req);
             }
-            r.map(|_| ()).map_err(|e| format!("{:?}: {}", e.kind, e.message))
+            r.map(|_| ())
+                .map_err(|e| format!("{:?}: {}", e.kind, e.message))
         };
         let result = (|| -> Result<Sample, String> {
             let w0 = Instant::now();
@@ -326,7 +390,15 @@ impl Drop for EngineBench {
     }
 }
 
-fn fio_point(fio: &str, device: &str, op: Op, layout: Layout, block: u64, batch: u64, duration: Duration) -> Result<Sample, String> {
+fn fio_point(
+    fio: &str,
+    device: &str,
+    op: Op,
+    layout: Layout,
+    block: u64,
+    batch: u64,
+    duration: Duration,
+) -> Result<Sample, String> {
     let rw = match (op, layout) {
         (Op::Read, Layout::Rand) => "randread",
         (Op::Write, Layout::Rand) => "randwrite",
@@ -357,7 +429,10 @@ fn fio_point(fio: &str, device: &str, op: Op, layout: Layout, block: u64, batch:
         "--output-format=terse".into(),
         "--terse-version=3".into(),
     ];
-    let out = Command::new(fio).args(&args).output().map_err(|e| format!("running {fio}: {e}"))?;
+    let out = Command::new(fio)
+        .args(&args)
+        .output()
+        .map_err(|e| format!("running {fio}: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
     let line = text.lines().find(|l| l.starts_with("3;")).ok_or_else(|| {
         format!(
@@ -372,9 +447,16 @@ fn fio_point(fio: &str, device: &str, op: Op, layout: Layout, block: u64, batch:
     // terse v3: 5 = error, 8 = read iops, 49 = write iops (1-based).
     let field = |n: usize| f.get(n - 1).copied().unwrap_or("");
     if field(5) != "0" {
-        return Err(format!("fio {} {} {block} x {batch}: error {}", op.name(), layout.name(), field(5)));
+        return Err(format!(
+            "fio {} {} {block} x {batch}: error {}",
+            op.name(),
+            layout.name(),
+            field(5)
+        ));
     }
-    let iops: f64 = field(if op == Op::Read { 8 } else { 49 }).parse().map_err(|_| format!("fio: cannot parse terse line {line}"))?;
+    let iops: f64 = field(if op == Op::Read { 8 } else { 49 })
+        .parse()
+        .map_err(|_| format!("fio: cannot parse terse line {line}"))?;
     Ok((iops, iops * block as f64 / 1e9))
 }
 
@@ -414,13 +496,26 @@ pub fn run(c: &BenchCfg) -> Result<(), String> {
     let region = c.blocks.iter().max().unwrap() * c.batches.iter().max().unwrap();
     let dev = crate::util::BlockDev::open(&c.device, true)?;
     if dev.bytes < region {
-        return Err(format!("{} holds {} bytes < the {region} bytes the points use", c.device, dev.bytes));
+        return Err(format!(
+            "{} holds {} bytes < the {region} bytes the points use",
+            c.device, dev.bytes
+        ));
     }
     if let Some(b) = c.blocks.iter().find(|&&b| b % dev.lbs as u64 != 0) {
-        return Err(format!("block size {b} is not a multiple of {}'s logical block size {}", c.device, dev.lbs));
+        return Err(format!(
+            "block size {b} is not a multiple of {}'s logical block size {}",
+            c.device, dev.lbs
+        ));
     }
-    let name = std::fs::canonicalize(&c.device).ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_default();
-    let q = |f: &str| std::fs::read_to_string(format!("/sys/class/block/{name}/queue/{f}")).map(|s| s.trim().to_owned()).unwrap_or_else(|_| "?".into());
+    let name = std::fs::canonicalize(&c.device)
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_default();
+    let q = |f: &str| {
+        std::fs::read_to_string(format!("/sys/class/block/{name}/queue/{f}"))
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_else(|_| "?".into())
+    };
     println!(
         "INFO bench: device {}: {} bytes, logical block {} B, max_sectors_kb {}, nr_requests {}, scheduler {}",
         c.device,
@@ -440,8 +535,15 @@ pub fn run(c: &BenchCfg) -> Result<(), String> {
         if c.poll_yield { "yield" } else { "spin" }
     );
     if let Some(fio) = &c.fio {
-        let v = Command::new(fio).arg("--version").output().map_err(|e| format!("{fio} --version: {e}"))?;
-        println!("INFO bench: fio {} = {}", fio, String::from_utf8_lossy(&v.stdout).trim());
+        let v = Command::new(fio)
+            .arg("--version")
+            .output()
+            .map_err(|e| format!("{fio} --version: {e}"))?;
+        println!(
+            "INFO bench: fio {} = {}",
+            fio,
+            String::from_utf8_lossy(&v.stdout).trim()
+        );
     }
     let mut eng = EngineBench::new(&c.device, region)?;
     let mut rows = Vec::new();
@@ -458,17 +560,32 @@ pub fn run(c: &BenchCfg) -> Result<(), String> {
                             if which == 0 {
                                 ei.push(eng.point(c, op, layout, block, batch)?.0);
                             } else if let Some(fio) = &c.fio {
-                                fi.push(fio_point(fio, &c.device, op, layout, block, batch, c.duration)?.0);
+                                fi.push(
+                                    fio_point(
+                                        fio, &c.device, op, layout, block, batch, c.duration,
+                                    )?
+                                    .0,
+                                );
                             }
                         }
                     }
                     let e = median(&mut ei);
-                    println!("BENCH,engine,{},{},{block},{batch},{e:.1},{:.6}", op.name(), layout.name(), e * block as f64 / 1e9);
+                    println!(
+                        "BENCH,engine,{},{},{block},{batch},{e:.1},{:.6}",
+                        op.name(),
+                        layout.name(),
+                        e * block as f64 / 1e9
+                    );
                     let f = if fi.is_empty() {
                         None
                     } else {
                         let f = median(&mut fi);
-                        println!("BENCH,fio,{},{},{block},{batch},{f:.1},{:.6}", op.name(), layout.name(), f * block as f64 / 1e9);
+                        println!(
+                            "BENCH,fio,{},{},{block},{batch},{f:.1},{:.6}",
+                            op.name(),
+                            layout.name(),
+                            f * block as f64 / 1e9
+                        );
                         Some(f)
                     };
                     rows.push((op, layout, block, batch, e, f));
@@ -514,7 +631,11 @@ pub fn run(c: &BenchCfg) -> Result<(), String> {
         println!(
             "TABLE ENG/fio over {} points: geometric mean {g:.2}, min {min:.2}, max {max:.2}{}",
             ratios.len(),
-            if c.reps > 1 { format!(" (each point: median of {} runs per tool)", c.reps) } else { String::new() }
+            if c.reps > 1 {
+                format!(" (each point: median of {} runs per tool)", c.reps)
+            } else {
+                String::new()
+            }
         );
     }
     Ok(())

@@ -73,10 +73,26 @@ const _: () = assert!(std::mem::offset_of!(RsrcUpdate2, nr) == 24);
 
 impl RegbufDesc {
     pub fn empty() -> RegbufDesc {
-        RegbufDesc { kind: IO_REGBUF_TYPE_EMPTY, flags: 0, size: 0, uaddr: 0, dmabuf_fd: 0, target_fd: 0, resv: [0; 6] }
+        RegbufDesc {
+            kind: IO_REGBUF_TYPE_EMPTY,
+            flags: 0,
+            size: 0,
+            uaddr: 0,
+            dmabuf_fd: 0,
+            target_fd: 0,
+            resv: [0; 6],
+        }
     }
     pub fn dmabuf(dmabuf_fd: RawFd, target_fd: RawFd) -> RegbufDesc {
-        RegbufDesc { kind: IO_REGBUF_TYPE_DMABUF, flags: 0, size: 0, uaddr: 0, dmabuf_fd, target_fd, resv: [0; 6] }
+        RegbufDesc {
+            kind: IO_REGBUF_TYPE_DMABUF,
+            flags: 0,
+            size: 0,
+            uaddr: 0,
+            dmabuf_fd,
+            target_fd,
+            resv: [0; 6],
+        }
     }
 }
 
@@ -96,7 +112,9 @@ pub fn buffers_update_raw(ring_fd: RawFd, up: &RsrcUpdate2) -> i64 {
         )
     };
     if r < 0 {
-        -(io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) as i64)
+        -(io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO) as i64)
     } else {
         r
     }
@@ -118,14 +136,26 @@ pub fn update_extended(ring_fd: RawFd, slot: u32, descs: &[RegbufDesc]) -> i64 {
 /// Classic (non-extended) update with iovecs: clears a sparse slot with `{NULL, 0}` on every
 /// kernel since 5.13. Used as the control for the probe: same call, same struct, no flag.
 pub fn update_plain(ring_fd: RawFd, slot: u32, iovs: &[libc::iovec]) -> i64 {
-    let up = RsrcUpdate2 { offset: slot, flags: 0, data: iovs.as_ptr() as u64, tags: 0, nr: iovs.len() as u32, resv2: 0 };
+    let up = RsrcUpdate2 {
+        offset: slot,
+        flags: 0,
+        data: iovs.as_ptr() as u64,
+        tags: 0,
+        nr: iovs.len() as u32,
+        resv2: 0,
+    };
     buffers_update_raw(ring_fd, &up)
 }
 
 /// Registers `dmabuf_fd` into buffer slot `slot`, bound to `target_fd` (an O_DIRECT NVMe block
 /// device fd). The ring must have a buffer table (sparse is fine) and should not be IOPOLL: v3
 /// accepts that, later versions are reported to refuse it (d4 records which).
-pub fn register_dmabuf(ring_fd: RawFd, slot: u32, dmabuf_fd: RawFd, target_fd: RawFd) -> Result<(), i32> {
+pub fn register_dmabuf(
+    ring_fd: RawFd,
+    slot: u32,
+    dmabuf_fd: RawFd,
+    target_fd: RawFd,
+) -> Result<(), i32> {
     match update_extended(ring_fd, slot, &[RegbufDesc::dmabuf(dmabuf_fd, target_fd)]) {
         1 => Ok(()),
         r if r < 0 => Err(-r as i32),
@@ -168,12 +198,23 @@ pub fn probe() -> io::Result<Probe> {
     let ring = IoUring::new(2)?;
     ring.submitter().register_buffers_sparse(1)?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&ring);
-    let control = update_plain(fd, 0, &[libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }]);
+    let control = update_plain(
+        fd,
+        0,
+        &[libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }],
+    );
     let extended = update_extended(fd, 0, &[RegbufDesc::empty()]);
     let support = match extended {
         1 => Support::Supported,
         r if r == -(libc::EINVAL as i64) => Support::Absent,
         r => Support::Unexpected(r),
     };
-    Ok(Probe { support, extended, control })
+    Ok(Probe {
+        support,
+        extended,
+        control,
+    })
 }

@@ -21,7 +21,15 @@ fn mount(src: &str, target: &str, fstype: &str, data: &str) -> io::Result<()> {
     let c = |s: &str| CString::new(s).expect("no NUL in mount arguments");
     let (src, target_c, fstype, data) = (c(src), c(target), c(fstype), c(data));
     // SAFETY: all pointers are NUL-terminated strings that outlive the call.
-    let r = unsafe { libc::mount(src.as_ptr(), target_c.as_ptr(), fstype.as_ptr(), 0, data.as_ptr().cast()) };
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            target_c.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            data.as_ptr().cast(),
+        )
+    };
     if r != 0 {
         let e = io::Error::last_os_error();
         if e.raw_os_error() != Some(libc::EBUSY) {
@@ -36,7 +44,11 @@ fn ensure_console() {
     if crate::util::fd_is_open(1) {
         return;
     }
-    if let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/console") {
+    if let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/console")
+    {
         for fd in 0..3 {
             // SAFETY: dup2 onto the standard descriptors; f stays open until after the loop.
             unsafe { libc::dup2(f.as_raw_fd(), fd) };
@@ -50,7 +62,11 @@ pub fn setup(device: &str) {
     ensure_console();
     // Start on a fresh line after the firmware's terminal escapes.
     println!();
-    for (src, target, fstype) in [("proc", "/proc", "proc"), ("sysfs", "/sys", "sysfs"), ("tmpfs", "/tmp", "tmpfs")] {
+    for (src, target, fstype) in [
+        ("proc", "/proc", "proc"),
+        ("sysfs", "/sys", "sysfs"),
+        ("tmpfs", "/tmp", "tmpfs"),
+    ] {
         if let Err(e) = mount(src, target, fstype, "") {
             info(format!("mount {fstype} on {target}: {e}"));
         }
@@ -61,7 +77,10 @@ pub fn setup(device: &str) {
         std::thread::sleep(Duration::from_millis(100));
     }
     match std::fs::metadata(device) {
-        Ok(_) => info(format!("{device} present after {} ms of waiting", t0.elapsed().as_millis())),
+        Ok(_) => info(format!(
+            "{device} present after {} ms of waiting",
+            t0.elapsed().as_millis()
+        )),
         Err(e) => info(format!("{device} did not appear within 60 s: {e}")),
     }
 }

@@ -32,7 +32,9 @@ const VM_DEVICE: &str = "/dev/nvme0n1";
 const BENCH_ARGS: &str = "/lab/bench.args";
 
 fn usage() -> ! {
-    eprintln!("usage: iud-lab --device /dev/BLOCKDEV --overwrite   (destroys the device's first 192 MiB)");
+    eprintln!(
+        "usage: iud-lab --device /dev/BLOCKDEV --overwrite   (destroys the device's first 192 MiB)"
+    );
     eprintln!("       (as PID 1 in the lab VM it tests {VM_DEVICE} without arguments)");
     eprintln!("{}", bench::USAGE);
     std::process::exit(2);
@@ -42,7 +44,13 @@ fn usage() -> ! {
 fn bench_main(pid1: bool, args: &[String], device: Option<String>) -> ! {
     if pid1 {
         init::setup(VM_DEVICE);
-        info(format!("iud-lab {} benchmark on kernel {}", env!("CARGO_PKG_VERSION"), std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim()));
+        info(format!(
+            "iud-lab {} benchmark on kernel {}",
+            env!("CARGO_PKG_VERSION"),
+            std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+        ));
     }
     let t0 = std::time::Instant::now();
     let r = bench::parse_args(args, device).and_then(|c| bench::run(&c));
@@ -83,7 +91,11 @@ fn main() {
         VM_DEVICE.to_owned()
     } else {
         let args: Vec<String> = std::env::args().skip(1).collect();
-        let dev = args.iter().position(|a| a == "--device").and_then(|i| args.get(i + 1)).cloned();
+        let dev = args
+            .iter()
+            .position(|a| a == "--device")
+            .and_then(|i| args.get(i + 1))
+            .cloned();
         match dev {
             Some(d) if args.iter().any(|a| a == "--overwrite") => d,
             _ => usage(),
@@ -94,7 +106,11 @@ fn main() {
     }
     let t0 = std::time::Instant::now();
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    info(format!("iud-lab {} on kernel {}, device {device}", env!("CARGO_PKG_VERSION"), release.trim()));
+    info(format!(
+        "iud-lab {} on kernel {}, device {device}",
+        env!("CARGO_PKG_VERSION"),
+        release.trim()
+    ));
 
     let mut rep = Report::default();
     match t_direct::DirectLab::new(&device) {
@@ -102,25 +118,43 @@ fn main() {
             info(lab.describe());
             for (i, &len) in t_direct::SIZES.iter().enumerate() {
                 let label = util::size_str(len).replace(' ', "");
-                rep.run(&format!("a1_direct_fixed_roundtrip_{label}"), || lab.round_trip(i, len));
+                rep.run(&format!("a1_direct_fixed_roundtrip_{label}"), || {
+                    lab.round_trip(i, len)
+                });
             }
             rep.run("a2_direct_fixed_qd64", || lab.queue_depth_64());
             rep.run("a3_direct_refusals_and_device_end", || lab.refusals());
         }
         Err(e) => rep.run("a0_open_device", || Err(e)),
     }
-    rep.run("b1_engine_blk_path_mode", || t_engine::round_trip(&device, false));
-    rep.run("b2_engine_blk_fd_mode", || t_engine::round_trip(&device, true));
+    rep.run("b1_engine_blk_path_mode", || {
+        t_engine::round_trip(&device, false)
+    });
+    rep.run("b2_engine_blk_fd_mode", || {
+        t_engine::round_trip(&device, true)
+    });
     rep.run("b3_engine_blk_refusals", || t_engine::refusals(&device));
     let mut probe = None;
     rep.run("c1_dmabuf_uapi_probe", || t_dmabuf::probe_test(&mut probe));
-    rep.run("c2_engine_dmabuf_probe_agrees", || t_dmabuf::engine_probe_agrees(probe));
+    rep.run("c2_engine_dmabuf_probe_agrees", || {
+        t_dmabuf::engine_probe_agrees(probe)
+    });
     rep.run("d1_udmabuf_export", t_dmabuf::export_test);
-    rep.run("d2_udmabuf_pages_as_fixed_buffers", || t_dmabuf::pages_as_fixed_buffers(&device));
-    rep.run("d3_udmabuf_dmabuf_registration", || t_dmabuf::dmabuf_registration(&device, probe));
-    rep.run("d4_dmabuf_registration_refusals", || t_dmabuf::dmabuf_refusals(&device, probe));
-    rep.run("e1_engine_dram_dmabuf_round_trip", || t_engine_dmabuf::dram_dmabuf_round_trip(&device, probe));
-    rep.run("e2_engine_dram_dmabuf_slab_boundary", || t_engine_dmabuf::dram_dmabuf_slab_boundary(&device, probe));
+    rep.run("d2_udmabuf_pages_as_fixed_buffers", || {
+        t_dmabuf::pages_as_fixed_buffers(&device)
+    });
+    rep.run("d3_udmabuf_dmabuf_registration", || {
+        t_dmabuf::dmabuf_registration(&device, probe)
+    });
+    rep.run("d4_dmabuf_registration_refusals", || {
+        t_dmabuf::dmabuf_refusals(&device, probe)
+    });
+    rep.run("e1_engine_dram_dmabuf_round_trip", || {
+        t_engine_dmabuf::dram_dmabuf_round_trip(&device, probe)
+    });
+    rep.run("e2_engine_dram_dmabuf_slab_boundary", || {
+        t_engine_dmabuf::dram_dmabuf_slab_boundary(&device, probe)
+    });
 
     info(format!("tests took {} ms", t0.elapsed().as_millis()));
     println!("{}", rep.summary_line());

@@ -57,7 +57,10 @@ impl Report {
     }
 
     pub fn summary_line(&self) -> String {
-        format!("LAB RESULT: {} passed, {} failed, {} skipped", self.passed, self.failed, self.skipped)
+        format!(
+            "LAB RESULT: {} passed, {} failed, {} skipped",
+            self.passed, self.failed, self.skipped
+        )
     }
 }
 

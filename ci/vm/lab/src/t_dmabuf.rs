@@ -9,7 +9,10 @@ use io_uring::{opcode, types, IoUring};
 use crate::dmabuf_uapi::{self, Probe, Support};
 use crate::report::{Outcome, TestResult};
 use crate::udmabuf::{self, HostDmabuf};
-use crate::util::{compare, errno_str, fd_is_open, open_fd_count, read_buffered, res_str, size_str, submit_all, BlockDev, Rng};
+use crate::util::{
+    compare, errno_str, fd_is_open, open_fd_count, read_buffered, res_str, size_str, submit_all,
+    BlockDev, Rng,
+};
 
 /// Device bytes [128 MiB, 192 MiB) belong to these tests.
 const BASE: u64 = 128 << 20;
@@ -21,8 +24,16 @@ pub fn kernel_version() -> (u32, u32) {
     let mut u: libc::utsname = unsafe { std::mem::zeroed() };
     // SAFETY: u is a valid utsname.
     unsafe { libc::uname(&mut u) };
-    let rel: String = u.release.iter().take_while(|&&c| c != 0).map(|&c| c as u8 as char).collect();
-    let mut it = rel.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).map(|s| s.parse().unwrap_or(0));
+    let rel: String = u
+        .release
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8 as char)
+        .collect();
+    let mut it = rel
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap_or(0));
     (it.next().unwrap_or(0), it.next().unwrap_or(0))
 }
 
@@ -31,11 +42,13 @@ pub fn kernel_version() -> (u32, u32) {
 /// uAPI, it comes only from the unmerged patch series (docs/kernel-dmabuf-series.md).
 fn expected_uapi() -> Option<bool> {
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    cmdline.split_whitespace().find_map(|w| match w.strip_prefix("iud_lab.uapi=")? {
-        "present" => Some(true),
-        "absent" => Some(false),
-        _ => None,
-    })
+    cmdline
+        .split_whitespace()
+        .find_map(|w| match w.strip_prefix("iud_lab.uapi=")? {
+            "present" => Some(true),
+            "absent" => Some(false),
+            _ => None,
+        })
 }
 
 /// c1: the probe, checked against what the run expects (`expected_uapi`), if anything.
@@ -54,9 +67,15 @@ pub fn probe_test(out: &mut Option<Probe>) -> TestResult {
     let has = match p.support {
         Support::Supported => true,
         Support::Absent => false,
-        Support::Unexpected(r) => return Err(format!("{shown}: neither 1 nor -EINVAL ({})", res_str(r))),
+        Support::Unexpected(r) => {
+            return Err(format!("{shown}: neither 1 nor -EINVAL ({})", res_str(r)))
+        }
     };
-    let found = if has { "has the io_uring DMA-BUF uAPI (a kernel with the patch series)" } else { "is a kernel without the io_uring DMA-BUF uAPI" };
+    let found = if has {
+        "has the io_uring DMA-BUF uAPI (a kernel with the patch series)"
+    } else {
+        "is a kernel without the io_uring DMA-BUF uAPI"
+    };
     match expected_uapi() {
         Some(want) if want == has => Ok(Outcome::Pass(format!("{shown}: kernel {maj}.{min} {found}, as this run expects (iud_lab.uapi)"))),
         Some(true) => Err(format!(
@@ -70,13 +89,22 @@ pub fn probe_test(out: &mut Option<Probe>) -> TestResult {
 /// c2: the engine's own probe (src/uring/dmabuf_uapi.rs) must reach the same verdict as the
 /// lab's independent implementation on this kernel.
 pub fn engine_probe_agrees(lab: Option<Probe>) -> TestResult {
-    let Some(lab) = lab else { return Err("the lab's probe (c1) did not run".into()) };
+    let Some(lab) = lab else {
+        return Err("the lab's probe (c1) did not run".into());
+    };
     let engine = io_uring_dmabuf::uring::dmabuf_uapi::probe();
     let lab_says = lab.support == Support::Supported;
     if engine.is_available() == lab_says {
-        Ok(Outcome::Pass(format!("engine probe: {engine:?}; lab probe: {:?}", lab.support)))
+        Ok(Outcome::Pass(format!(
+            "engine probe: {engine:?}; lab probe: {:?}",
+            lab.support
+        )))
     } else {
-        Err(format!("engine probe says {engine:?}, lab probe says {:?} (raw {})", lab.support, res_str(lab.extended)))
+        Err(format!(
+            "engine probe says {engine:?}, lab probe says {:?} (raw {})",
+            lab.support,
+            res_str(lab.extended)
+        ))
     }
 }
 
@@ -84,23 +112,49 @@ pub fn engine_probe_agrees(lab: Option<Probe>) -> TestResult {
 /// and the kernel's own rules (sealing, page alignment) hold.
 pub fn export_test() -> TestResult {
     if std::fs::metadata(udmabuf::DEVICE).is_err() {
-        return Ok(Outcome::Skip(format!("no {}: kernel without CONFIG_UDMABUF", udmabuf::DEVICE)));
+        return Ok(Outcome::Skip(format!(
+            "no {}: kernel without CONFIG_UDMABUF",
+            udmabuf::DEVICE
+        )));
     }
-    let how = if std::path::Path::new("/sys/module/udmabuf/initstate").exists() { "module" } else { "built in" };
+    let how = if std::path::Path::new("/sys/module/udmabuf/initstate").exists() {
+        "module"
+    } else {
+        "built in"
+    };
     let limit = udmabuf::size_limit_mb().map_or("unknown".to_owned(), |m| format!("{m} MiB"));
     let mut b = HostDmabuf::create(BUF)?;
     let exp = udmabuf::exporter_name(b.dmabuf_fd()).unwrap_or_default();
     if exp != "udmabuf" {
-        return Err(format!("fdinfo of dma-buf fd {} says exp_name {exp:?}, not \"udmabuf\"", b.dmabuf_fd()));
+        return Err(format!(
+            "fdinfo of dma-buf fd {} says exp_name {exp:?}, not \"udmabuf\"",
+            b.dmabuf_fd()
+        ));
     }
     Rng::new().fill(b.bytes_mut());
     // SAFETY: a fresh read-only shared mapping of the dma-buf fd, unmapped below.
-    let view = unsafe { libc::mmap(std::ptr::null_mut(), BUF, libc::PROT_READ, libc::MAP_SHARED, b.dmabuf_fd(), 0) };
+    let view = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            BUF,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            b.dmabuf_fd(),
+            0,
+        )
+    };
     if view == libc::MAP_FAILED {
-        return Err(format!("mmap(dma-buf fd): {}", std::io::Error::last_os_error()));
+        return Err(format!(
+            "mmap(dma-buf fd): {}",
+            std::io::Error::last_os_error()
+        ));
     }
     // SAFETY: view is a live BUF-byte read-only mapping.
-    let same = compare("dma-buf mmap vs memfd view", unsafe { std::slice::from_raw_parts(view.cast::<u8>(), BUF) }, b.bytes());
+    let same = compare(
+        "dma-buf mmap vs memfd view",
+        unsafe { std::slice::from_raw_parts(view.cast::<u8>(), BUF) },
+        b.bytes(),
+    );
     // SAFETY: unmapping our own mapping once.
     unsafe { libc::munmap(view, BUF) };
     same?;
@@ -114,11 +168,19 @@ pub fn export_test() -> TestResult {
     let unsealed = unsafe { OwnedFd::from_raw_fd(raw) };
     // SAFETY: ftruncate on our own fd.
     unsafe { libc::ftruncate(unsealed.as_raw_fd(), 1 << 16) };
-    let r_unsealed = udmabuf::create_raw(unsealed.as_raw_fd(), 0, 1 << 16).map(|_| ()).err();
-    let r_unaligned = udmabuf::create_raw(b.memfd(), 0, 4096 + 512).map(|_| ()).err();
+    let r_unsealed = udmabuf::create_raw(unsealed.as_raw_fd(), 0, 1 << 16)
+        .map(|_| ())
+        .err();
+    let r_unaligned = udmabuf::create_raw(b.memfd(), 0, 4096 + 512)
+        .map(|_| ())
+        .err();
     let shown = |r: Option<i32>| r.map_or("accepted".to_owned(), |e| format!("-{}", errno_str(e)));
     if r_unsealed.is_none() || r_unaligned.is_none() {
-        return Err(format!("udmabuf accepted an unsealed memfd ({}) or an unaligned size ({})", shown(r_unsealed), shown(r_unaligned)));
+        return Err(format!(
+            "udmabuf accepted an unsealed memfd ({}) or an unaligned size ({})",
+            shown(r_unsealed),
+            shown(r_unaligned)
+        ));
     }
     Ok(Outcome::Pass(format!(
         "udmabuf {how}, size_limit_mb {limit}: {} dma-buf (exp_name udmabuf), its mmap equals the memfd; memfd without F_SEAL_SHRINK -> {}, size 4608 -> {}",
@@ -138,26 +200,46 @@ pub fn pages_as_fixed_buffers(device: &str) -> TestResult {
     let mut src = HostDmabuf::create(BUF)?;
     let mut dst = HostDmabuf::create(BUF)?;
     let mut ring = IoUring::new(8).map_err(|e| format!("io_uring_setup: {e}"))?;
-    let iov = |b: &HostDmabuf| libc::iovec { iov_base: b.ptr().cast(), iov_len: b.len() };
+    let iov = |b: &HostDmabuf| libc::iovec {
+        iov_base: b.ptr().cast(),
+        iov_len: b.len(),
+    };
     // SAFETY: both mappings outlive the ring (declared before it, so dropped after it).
-    unsafe { ring.submitter().register_buffers(&[iov(&src), iov(&dst)]) }.map_err(|e| format!("IORING_REGISTER_BUFFERS on memfd pages: {e}"))?;
+    unsafe { ring.submitter().register_buffers(&[iov(&src), iov(&dst)]) }
+        .map_err(|e| format!("IORING_REGISTER_BUFFERS on memfd pages: {e}"))?;
     let mut rng = Rng::new();
     rng.fill(src.bytes_mut());
     rng.fill(dst.bytes_mut());
     let off = BASE + (48 << 20);
     let fd = types::Fd(dev.fd());
-    let w = opcode::WriteFixed::new(fd, src.ptr(), BUF as u32, 0).offset(off).build().user_data(0);
+    let w = opcode::WriteFixed::new(fd, src.ptr(), BUF as u32, 0)
+        .offset(off)
+        .build()
+        .user_data(0);
     let r = submit_all(&mut ring, &[w])?;
     if r[0] as usize != BUF {
-        return Err(format!("WRITE_FIXED from memfd pages: {}", res_str(r[0] as i64)));
+        return Err(format!(
+            "WRITE_FIXED from memfd pages: {}",
+            res_str(r[0] as i64)
+        ));
     }
-    let rd = opcode::ReadFixed::new(fd, dst.ptr(), BUF as u32, 1).offset(off).build().user_data(0);
+    let rd = opcode::ReadFixed::new(fd, dst.ptr(), BUF as u32, 1)
+        .offset(off)
+        .build()
+        .user_data(0);
     let r = submit_all(&mut ring, &[rd])?;
     if r[0] as usize != BUF {
-        return Err(format!("READ_FIXED into memfd pages: {}", res_str(r[0] as i64)));
+        return Err(format!(
+            "READ_FIXED into memfd pages: {}",
+            res_str(r[0] as i64)
+        ));
     }
     compare("READ_FIXED into udmabuf pages", dst.bytes(), src.bytes())?;
-    compare("buffered re-read of the device", &read_buffered(device, off, BUF)?, src.bytes())?;
+    compare(
+        "buffered re-read of the device",
+        &read_buffered(device, off, BUF)?,
+        src.bytes(),
+    )?;
     Ok(Outcome::Pass(format!("{} WRITE_FIXED/READ_FIXED through the udmabufs' memfd pages registered as plain buffers: identical", size_str(BUF as u64))))
 }
 
@@ -191,24 +273,52 @@ pub fn dmabuf_registration(device: &str, probe: Option<Probe>) -> TestResult {
         let mut dst = HostDmabuf::create(BUF)?;
         // Plain ring (no IOPOLL: the uAPI refuses DMA-BUF slots on IOPOLL rings).
         let mut ring = IoUring::new(16).map_err(|e| format!("io_uring_setup: {e}"))?;
-        ring.submitter().register_buffers_sparse(4).map_err(|e| format!("sparse buffer table: {e}"))?;
-        let fds = [src.dmabuf_fd(), src.memfd(), dst.dmabuf_fd(), dst.memfd(), ring.as_raw_fd(), dev.fd()];
+        ring.submitter()
+            .register_buffers_sparse(4)
+            .map_err(|e| format!("sparse buffer table: {e}"))?;
+        let fds = [
+            src.dmabuf_fd(),
+            src.memfd(),
+            dst.dmabuf_fd(),
+            dst.memfd(),
+            ring.as_raw_fd(),
+            dev.fd(),
+        ];
         let rfd = ring.as_raw_fd();
         let outcome = match probe.support {
-            Support::Supported => dmabuf_round_trips(&mut ring, rfd, &dev, device, &mut src, &mut dst),
+            Support::Supported => {
+                dmabuf_round_trips(&mut ring, rfd, &dev, device, &mut src, &mut dst)
+            }
             _ => match dmabuf_uapi::register_dmabuf(rfd, 0, src.dmabuf_fd(), dev.fd()) {
-                Ok(()) => Err("the probe said the uAPI is absent, yet a DMA-BUF registration succeeded".to_owned()),
+                Ok(()) => Err(
+                    "the probe said the uAPI is absent, yet a DMA-BUF registration succeeded"
+                        .to_owned(),
+                ),
                 Err(e) if e == libc::EINVAL => {
                     // The ring must still be usable.
                     let nop = submit_all(&mut ring, &[opcode::Nop::new().build().user_data(0)])?;
-                    let control = dmabuf_uapi::update_plain(rfd, 0, &[libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }]);
+                    let control = dmabuf_uapi::update_plain(
+                        rfd,
+                        0,
+                        &[libc::iovec {
+                            iov_base: std::ptr::null_mut(),
+                            iov_len: 0,
+                        }],
+                    );
                     if nop[0] != 0 || control != 1 {
-                        Err(format!("after the refused registration: NOP -> {}, plain slot update -> {}", res_str(nop[0] as i64), res_str(control)))
+                        Err(format!(
+                            "after the refused registration: NOP -> {}, plain slot update -> {}",
+                            res_str(nop[0] as i64),
+                            res_str(control)
+                        ))
                     } else {
                         Ok(Outcome::Pass(String::new()))
                     }
                 }
-                Err(e) => Err(format!("DMA-BUF registration on a kernel without the uAPI returned -{} (want -EINVAL)", errno_str(e))),
+                Err(e) => Err(format!(
+                    "DMA-BUF registration on a kernel without the uAPI returned -{} (want -EINVAL)",
+                    errno_str(e)
+                )),
             },
         };
         (outcome, fds)
@@ -230,9 +340,18 @@ pub fn dmabuf_registration(device: &str, probe: Option<Probe>) -> TestResult {
     }
 }
 
-fn dmabuf_round_trips(ring: &mut IoUring, rfd: i32, dev: &BlockDev, device: &str, src: &mut HostDmabuf, dst: &mut HostDmabuf) -> TestResult {
-    dmabuf_uapi::register_dmabuf(rfd, 0, src.dmabuf_fd(), dev.fd()).map_err(|e| format!("register src dma-buf in slot 0: -{}", errno_str(e)))?;
-    dmabuf_uapi::register_dmabuf(rfd, 1, dst.dmabuf_fd(), dev.fd()).map_err(|e| format!("register dst dma-buf in slot 1: -{}", errno_str(e)))?;
+fn dmabuf_round_trips(
+    ring: &mut IoUring,
+    rfd: i32,
+    dev: &BlockDev,
+    device: &str,
+    src: &mut HostDmabuf,
+    dst: &mut HostDmabuf,
+) -> TestResult {
+    dmabuf_uapi::register_dmabuf(rfd, 0, src.dmabuf_fd(), dev.fd())
+        .map_err(|e| format!("register src dma-buf in slot 0: -{}", errno_str(e)))?;
+    dmabuf_uapi::register_dmabuf(rfd, 1, dst.dmabuf_fd(), dev.fd())
+        .map_err(|e| format!("register dst dma-buf in slot 1: -{}", errno_str(e)))?;
     let lbs = dev.lbs as u64;
     let fd = types::Fd(dev.fd());
     let mut rng = Rng::new();
@@ -251,18 +370,38 @@ fn dmabuf_round_trips(ring: &mut IoUring, rfd: i32, dev: &BlockDev, device: &str
         rng.fill(&mut src.bytes_mut()[s..s + n]);
         rng.fill(&mut dst.bytes_mut()[d..d + n]);
         // addr = byte offset into the dma-buf (its base "address" is 0).
-        let w = opcode::WriteFixed::new(fd, s_off as *const u8, len as u32, 0).offset(dev_off).build();
+        let w = opcode::WriteFixed::new(fd, s_off as *const u8, len as u32, 0)
+            .offset(dev_off)
+            .build();
         let r = submit_retrying(ring, w)?;
         if r as u64 != len {
-            return Err(format!("WRITE_FIXED {} from dma-buf offset {s_off} to device {dev_off}: {}", size_str(len), res_str(r as i64)));
+            return Err(format!(
+                "WRITE_FIXED {} from dma-buf offset {s_off} to device {dev_off}: {}",
+                size_str(len),
+                res_str(r as i64)
+            ));
         }
-        let rd = opcode::ReadFixed::new(fd, d_off as *mut u8, len as u32, 1).offset(dev_off).build();
+        let rd = opcode::ReadFixed::new(fd, d_off as *mut u8, len as u32, 1)
+            .offset(dev_off)
+            .build();
         let r = submit_retrying(ring, rd)?;
         if r as u64 != len {
-            return Err(format!("READ_FIXED {} from device {dev_off} to dma-buf offset {d_off}: {}", size_str(len), res_str(r as i64)));
+            return Err(format!(
+                "READ_FIXED {} from device {dev_off} to dma-buf offset {d_off}: {}",
+                size_str(len),
+                res_str(r as i64)
+            ));
         }
-        compare(&format!("{} read into the dst dma-buf", size_str(len)), &dst.bytes()[d..d + n], &src.bytes()[s..s + n])?;
-        compare(&format!("{} buffered re-read of the device", size_str(len)), &read_buffered(device, dev_off, n)?, &src.bytes()[s..s + n])?;
+        compare(
+            &format!("{} read into the dst dma-buf", size_str(len)),
+            &dst.bytes()[d..d + n],
+            &src.bytes()[s..s + n],
+        )?;
+        compare(
+            &format!("{} buffered re-read of the device", size_str(len)),
+            &read_buffered(device, dev_off, n)?,
+            &src.bytes()[s..s + n],
+        )?;
         done.push(size_str(len));
     }
     dmabuf_uapi::clear_slot(rfd, 0).map_err(|e| format!("clear slot 0: -{}", errno_str(e)))?;
@@ -284,9 +423,19 @@ pub fn dmabuf_refusals(device: &str, probe: Option<Probe>) -> TestResult {
         return Ok(Outcome::Skip(format!("no {}", udmabuf::DEVICE)));
     }
     let dev = BlockDev::open(device, true)?;
-    let buffered = std::fs::OpenOptions::new().read(true).write(true).open(device).map_err(|e| format!("open({device}): {e}"))?;
+    let buffered = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(device)
+        .map_err(|e| format!("open({device}): {e}"))?;
     let other = BlockDev::open(device, true)?;
-    let regular = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open("/tmp/iud-lab-regular").map_err(|e| format!("create /tmp file: {e}"))?;
+    let regular = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open("/tmp/iud-lab-regular")
+        .map_err(|e| format!("create /tmp file: {e}"))?;
     let b = HostDmabuf::create(BUF)?;
     let mut ring = IoUring::new(8).map_err(|e| format!("io_uring_setup: {e}"))?;
     let rfd = ring.as_raw_fd();
@@ -302,24 +451,60 @@ pub fn dmabuf_refusals(device: &str, probe: Option<Probe>) -> TestResult {
             bad.push(format!("{what}: got {shown}, want -{}", errno_str(want)));
         }
     };
-    check("registration without a buffer table", dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), dev.fd()).map(|_| 1), libc::ENXIO);
-    ring.submitter().register_buffers_sparse(4).map_err(|e| format!("sparse buffer table: {e}"))?;
-    check("target a regular file", dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), regular.as_raw_fd()).map(|_| 1), libc::EOPNOTSUPP);
-    check("target the device without O_DIRECT", dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), buffered.as_raw_fd()).map(|_| 1), libc::EINVAL);
-    check("target fd -1", dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), -1).map(|_| 1), libc::EBADF);
-    dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), dev.fd()).map_err(|e| format!("register against O_DIRECT {device}: -{}", errno_str(e)))?;
+    check(
+        "registration without a buffer table",
+        dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), dev.fd()).map(|_| 1),
+        libc::ENXIO,
+    );
+    ring.submitter()
+        .register_buffers_sparse(4)
+        .map_err(|e| format!("sparse buffer table: {e}"))?;
+    check(
+        "target a regular file",
+        dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), regular.as_raw_fd()).map(|_| 1),
+        libc::EOPNOTSUPP,
+    );
+    check(
+        "target the device without O_DIRECT",
+        dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), buffered.as_raw_fd()).map(|_| 1),
+        libc::EINVAL,
+    );
+    check(
+        "target fd -1",
+        dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), -1).map(|_| 1),
+        libc::EBADF,
+    );
+    dmabuf_uapi::register_dmabuf(rfd, 0, b.dmabuf_fd(), dev.fd())
+        .map_err(|e| format!("register against O_DIRECT {device}: -{}", errno_str(e)))?;
     let lbs = dev.lbs;
-    let rd = |fd: i32, addr: u64, len: u32| opcode::ReadFixed::new(types::Fd(fd), addr as *mut u8, len, 0).offset(BASE).build();
-    check("READ_FIXED through another open file of the device", submit_retrying(&mut ring, rd(other.fd(), 0, lbs)).map(Ok)?, libc::EBADF);
-    check("READ_FIXED past the dma-buf end", submit_retrying(&mut ring, rd(dev.fd(), BUF as u64 - lbs as u64, 2 * lbs)).map(Ok)?, libc::EFAULT);
+    let rd = |fd: i32, addr: u64, len: u32| {
+        opcode::ReadFixed::new(types::Fd(fd), addr as *mut u8, len, 0)
+            .offset(BASE)
+            .build()
+    };
+    check(
+        "READ_FIXED through another open file of the device",
+        submit_retrying(&mut ring, rd(other.fd(), 0, lbs)).map(Ok)?,
+        libc::EBADF,
+    );
+    check(
+        "READ_FIXED past the dma-buf end",
+        submit_retrying(&mut ring, rd(dev.fd(), BUF as u64 - lbs as u64, 2 * lbs)).map(Ok)?,
+        libc::EFAULT,
+    );
     let iopoll: std::io::Result<IoUring> = IoUring::builder().setup_iopoll().build(8);
     if let Ok(ip) = iopoll {
-        ip.submitter().register_buffers_sparse(1).map_err(|e| format!("iopoll sparse table: {e}"))?;
+        ip.submitter()
+            .register_buffers_sparse(1)
+            .map_err(|e| format!("iopoll sparse table: {e}"))?;
         // v3 accepts it; versions after v3 are reported to refuse it (EOPNOTSUPP; xnvme's docs,
         // built against v5). The engine never registers DMA-BUFs on an IOPOLL ring (and refuses
         // to), so either answer is recorded, not asserted.
         let r = dmabuf_uapi::register_dmabuf(ip.as_raw_fd(), 0, b.dmabuf_fd(), dev.fd());
-        seen.push(format!("registration on an IOPOLL ring -> {}", r.map_or_else(|e| format!("-{}", errno_str(e)), |()| "accepted".to_owned())));
+        seen.push(format!(
+            "registration on an IOPOLL ring -> {}",
+            r.map_or_else(|e| format!("-{}", errno_str(e)), |()| "accepted".to_owned())
+        ));
     }
     dmabuf_uapi::clear_slot(rfd, 0).map_err(|e| format!("clear slot 0: -{}", errno_str(e)))?;
     let _ = std::fs::remove_file("/tmp/iud-lab-regular");

@@ -24,7 +24,10 @@ const _: () = assert!(std::mem::size_of::<UdmabufCreate>() == 24);
 
 const UDMABUF_FLAGS_CLOEXEC: u32 = 0x01;
 /// `_IOW('u', 0x42, struct udmabuf_create)`.
-const UDMABUF_CREATE: libc::c_ulong = (1 << 30) | ((std::mem::size_of::<UdmabufCreate>() as libc::c_ulong) << 16) | ((b'u' as libc::c_ulong) << 8) | 0x42;
+const UDMABUF_CREATE: libc::c_ulong = (1 << 30)
+    | ((std::mem::size_of::<UdmabufCreate>() as libc::c_ulong) << 16)
+    | ((b'u' as libc::c_ulong) << 8)
+    | 0x42;
 const _: () = assert!(UDMABUF_CREATE == 0x4018_7542);
 
 pub const DEVICE: &str = "/dev/udmabuf";
@@ -44,11 +47,15 @@ impl HostDmabuf {
         // SAFETY: sysconf has no memory-safety preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
         if len == 0 || len % page != 0 {
-            return Err(format!("udmabuf size {len} is not a non-zero multiple of the page size {page}"));
+            return Err(format!(
+                "udmabuf size {len} is not a non-zero multiple of the page size {page}"
+            ));
         }
         let name: &CStr = c"iud-udmabuf";
         // SAFETY: name is a NUL-terminated string; memfd_create returns a new fd or -1.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC)
+        };
         if raw < 0 {
             return Err(format!("memfd_create: {}", io::Error::last_os_error()));
         }
@@ -56,22 +63,47 @@ impl HostDmabuf {
         let memfd = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: plain syscalls on our own fd.
         if unsafe { libc::ftruncate(memfd.as_raw_fd(), len as libc::off_t) } != 0 {
-            return Err(format!("ftruncate(memfd, {len}): {}", io::Error::last_os_error()));
+            return Err(format!(
+                "ftruncate(memfd, {len}): {}",
+                io::Error::last_os_error()
+            ));
         }
         // SAFETY: as above.
         if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
-            return Err(format!("fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK): {}", io::Error::last_os_error()));
+            return Err(format!(
+                "fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK): {}",
+                io::Error::last_os_error()
+            ));
         }
-        let dmabuf = create_raw(memfd.as_raw_fd(), 0, len as u64)
-            .map_err(|e| format!("ioctl({DEVICE}, UDMABUF_CREATE, {len} bytes): {}", io::Error::from_raw_os_error(e)))?;
+        let dmabuf = create_raw(memfd.as_raw_fd(), 0, len as u64).map_err(|e| {
+            format!(
+                "ioctl({DEVICE}, UDMABUF_CREATE, {len} bytes): {}",
+                io::Error::from_raw_os_error(e)
+            )
+        })?;
         // SAFETY: a new shared mapping of our memfd, `len` bytes as sized above.
         let map = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_POPULATE, memfd.as_raw_fd(), 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                memfd.as_raw_fd(),
+                0,
+            )
         };
         if map == libc::MAP_FAILED {
-            return Err(format!("mmap(memfd, {len}): {}", io::Error::last_os_error()));
+            return Err(format!(
+                "mmap(memfd, {len}): {}",
+                io::Error::last_os_error()
+            ));
         }
-        Ok(HostDmabuf { memfd, dmabuf, map: map.cast(), len })
+        Ok(HostDmabuf {
+            memfd,
+            dmabuf,
+            map: map.cast(),
+            len,
+        })
     }
 
     pub fn dmabuf_fd(&self) -> RawFd {
@@ -113,12 +145,19 @@ pub fn create_raw(memfd: RawFd, offset: u64, size: u64) -> Result<OwnedFd, i32> 
         .custom_flags(libc::O_CLOEXEC)
         .open(DEVICE)
         .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
-    let arg = UdmabufCreate { memfd: memfd as u32, flags: UDMABUF_FLAGS_CLOEXEC, offset, size };
+    let arg = UdmabufCreate {
+        memfd: memfd as u32,
+        flags: UDMABUF_FLAGS_CLOEXEC,
+        offset,
+        size,
+    };
     // SAFETY: UDMABUF_CREATE reads one struct udmabuf_create, which outlives the call; on
     // success it returns a new dma-buf fd.
     let fd = unsafe { libc::ioctl(dev.as_raw_fd(), UDMABUF_CREATE, &arg) };
     if fd < 0 {
-        return Err(io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO));
+        return Err(io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO));
     }
     // SAFETY: fd is a fresh dma-buf fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -127,10 +166,15 @@ pub fn create_raw(memfd: RawFd, offset: u64, size: u64) -> Result<OwnedFd, i32> 
 /// The exporter name the dma-buf core shows for `fd` (`exp_name:` in /proc/self/fdinfo).
 pub fn exporter_name(fd: RawFd) -> Option<String> {
     let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
-    info.lines().find_map(|l| l.strip_prefix("exp_name:").map(|v| v.trim().to_owned()))
+    info.lines()
+        .find_map(|l| l.strip_prefix("exp_name:").map(|v| v.trim().to_owned()))
 }
 
 /// udmabuf's per-buffer limit in MiB, if the module parameter is visible.
 pub fn size_limit_mb() -> Option<u64> {
-    std::fs::read_to_string(SIZE_LIMIT_PARAM).ok()?.trim().parse().ok()
+    std::fs::read_to_string(SIZE_LIMIT_PARAM)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }

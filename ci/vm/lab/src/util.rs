@@ -11,7 +11,11 @@ use io_uring::{squeue, IoUring};
 /// "EINVAL (Invalid argument)" for a positive errno.
 pub fn errno_str(errno: i32) -> String {
     let text = io::Error::from_raw_os_error(errno).to_string();
-    let text = text.split(" (os error").next().unwrap_or_default().to_owned();
+    let text = text
+        .split(" (os error")
+        .next()
+        .unwrap_or_default()
+        .to_owned();
     format!("{} ({text})", io_uring_dmabuf::error::errno_name(errno))
 }
 
@@ -42,7 +46,10 @@ impl Rng {
         // SAFETY: getrandom writes at most 8 bytes into the u64.
         let n = unsafe { libc::getrandom((&mut seed as *mut u64).cast(), 8, 0) };
         if n != 8 {
-            seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+            seed = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1);
         }
         Rng(seed | 1)
     }
@@ -73,7 +80,14 @@ impl MmapBuf {
     pub fn new(len: usize) -> io::Result<MmapBuf> {
         // SAFETY: a fresh anonymous mapping; no existing memory is affected.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE, -1, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
         };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
@@ -84,7 +98,10 @@ impl MmapBuf {
         self.ptr
     }
     pub fn iovec(&self) -> libc::iovec {
-        libc::iovec { iov_base: self.ptr.cast(), iov_len: self.len }
+        libc::iovec {
+            iov_base: self.ptr.cast(),
+            iov_len: self.len,
+        }
     }
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: ptr/len describe our live mapping.
@@ -106,7 +123,11 @@ impl Drop for MmapBuf {
 /// Compares two byte ranges; the error names the first differing byte and how many differ.
 pub fn compare(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
     if got.len() != want.len() {
-        return Err(format!("{what}: length {} != expected {}", got.len(), want.len()));
+        return Err(format!(
+            "{what}: length {} != expected {}",
+            got.len(),
+            want.len()
+        ));
     }
     if got == want {
         return Ok(());
@@ -137,19 +158,34 @@ impl BlockDev {
         if direct {
             o.custom_flags(libc::O_DIRECT);
         }
-        let file = o.open(path).map_err(|e| format!("open({path}, O_RDWR{}): {e}", if direct { "|O_DIRECT" } else { "" }))?;
+        let file = o.open(path).map_err(|e| {
+            format!(
+                "open({path}, O_RDWR{}): {e}",
+                if direct { "|O_DIRECT" } else { "" }
+            )
+        })?;
         let fd = file.as_raw_fd();
         let mut bytes = 0u64;
         // SAFETY: BLKGETSIZE64 writes one u64 into `bytes`.
         if unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut bytes) } != 0 {
-            return Err(format!("ioctl({path}, BLKGETSIZE64): {}", io::Error::last_os_error()));
+            return Err(format!(
+                "ioctl({path}, BLKGETSIZE64): {}",
+                io::Error::last_os_error()
+            ));
         }
         let mut lbs: libc::c_int = 0;
         // SAFETY: BLKSSZGET writes one int into `lbs`.
         if unsafe { libc::ioctl(fd, libc::BLKSSZGET, &mut lbs) } != 0 {
-            return Err(format!("ioctl({path}, BLKSSZGET): {}", io::Error::last_os_error()));
+            return Err(format!(
+                "ioctl({path}, BLKSSZGET): {}",
+                io::Error::last_os_error()
+            ));
         }
-        Ok(BlockDev { file, bytes, lbs: lbs as u32 })
+        Ok(BlockDev {
+            file,
+            bytes,
+            lbs: lbs as u32,
+        })
     }
     pub fn fd(&self) -> i32 {
         self.file.as_raw_fd()
@@ -161,7 +197,8 @@ impl BlockDev {
 pub fn read_buffered(path: &str, off: u64, len: usize) -> Result<Vec<u8>, String> {
     let f = File::open(path).map_err(|e| format!("open({path}) buffered: {e}"))?;
     let mut v = vec![0u8; len];
-    f.read_exact_at(&mut v, off).map_err(|e| format!("pread({path}, {len} @ {off}) buffered: {e}"))?;
+    f.read_exact_at(&mut v, off)
+        .map_err(|e| format!("pread({path}, {len} @ {off}) buffered: {e}"))?;
     Ok(v)
 }
 
@@ -184,7 +221,8 @@ pub fn submit_all(ring: &mut IoUring, entries: &[squeue::Entry]) -> Result<Vec<i
                 next += 1;
             }
         }
-        ring.submit_and_wait(1).map_err(|e| format!("io_uring_enter: {e}"))?;
+        ring.submit_and_wait(1)
+            .map_err(|e| format!("io_uring_enter: {e}"))?;
         for cqe in ring.completion() {
             let i = cqe.user_data() as usize;
             if i >= res.len() || res[i] != i32::MIN {
@@ -206,6 +244,7 @@ pub fn fd_is_open(fd: i32) -> bool {
 
 /// Number of open file descriptors of this process.
 pub fn open_fd_count() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
-

@@ -57,7 +57,12 @@ impl Drop for Buf {
 }
 
 fn d(addr: u64, len: u64, dev: u64, md: usize) -> iud_desc {
-    iud_desc { addr, len, dev_id: dev, md: md as *const c_void }
+    iud_desc {
+        addr,
+        len,
+        dev_id: dev,
+        md: md as *const c_void,
+    }
 }
 
 fn run(e: &Engine, op: i32, l: &[iud_desc], r: &[iud_desc]) {
@@ -87,21 +92,52 @@ fn main() {
     let iters: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(200);
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("shared.bin");
-    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
     f.set_len((THREADS * REGION) as u64).unwrap();
-    let fdirect = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&path).unwrap();
+    let fdirect = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .unwrap();
     // The progress thread and the prep helpers are forced on (auto leaves them off below 8 CPUs)
     // so that they race the callers too.
-    let e = Arc::new(Engine::new(AGENT, [("ring_entries", "64"), ("punt_buffered_min", "16384"), ("progress_thread", "true"), ("prep_threads", "4")]).unwrap());
+    let e = Arc::new(
+        Engine::new(
+            AGENT,
+            [
+                ("ring_entries", "64"),
+                ("punt_buffered_min", "16384"),
+                ("progress_thread", "true"),
+                ("prep_threads", "4"),
+            ],
+        )
+        .unwrap(),
+    );
     let total = (THREADS * REGION) as u64;
-    let mf = e.register(FILE, 0, total, f.as_raw_fd() as u64, "").unwrap() as usize;
-    let mfd = e.register(FILE, 0, total, fdirect.as_raw_fd() as u64, "").unwrap() as usize;
+    let mf = e
+        .register(FILE, 0, total, f.as_raw_fd() as u64, "")
+        .unwrap() as usize;
+    let mfd = e
+        .register(FILE, 0, total, fdirect.as_raw_fd() as u64, "")
+        .unwrap() as usize;
     let fds = [f.as_raw_fd() as u64, fdirect.as_raw_fd() as u64];
     let ops = Arc::new(AtomicU64::new(0));
     let inflight = Arc::new(AtomicU64::new(0));
     let mut th = Vec::new();
     for t in 0..THREADS {
-        let (e, ops, inflight, path) = (Arc::clone(&e), Arc::clone(&ops), Arc::clone(&inflight), path.clone());
+        let (e, ops, inflight, path) = (
+            Arc::clone(&e),
+            Arc::clone(&ops),
+            Arc::clone(&inflight),
+            path.clone(),
+        );
         th.push(std::thread::spawn(move || {
             let mut rng = Rng(0x9E37_79B9 + t as u64 * 7919);
             let mut src = Buf::new(REGION);
@@ -125,7 +161,11 @@ fn main() {
                         // prep helpers (prep_threads) while other threads prepare too.
                         let large = rng.next() % 4 == 0;
                         loop {
-                            let len = if large { 2048 } else { 4096 * (1 + rng.next() % 32) };
+                            let len = if large {
+                                2048
+                            } else {
+                                4096 * (1 + rng.next() % 32)
+                            };
                             if off + len > REGION as u64 {
                                 break;
                             }
@@ -135,20 +175,34 @@ fn main() {
                         for &(o, n) in l.iter().rev() {
                             r.push((o, n));
                         }
-                        let wl: Vec<_> = r.iter().map(|&(o, n)| d(src.addr() + o, n, 0, ms)).collect();
+                        let wl: Vec<_> = r
+                            .iter()
+                            .map(|&(o, n)| d(src.addr() + o, n, 0, ms))
+                            .collect();
                         let wr: Vec<_> = r.iter().map(|&(o, n)| d(base + o, n, fd, fmd)).collect();
                         run(&e, WRITE, &wl, &wr);
-                        let rl: Vec<_> = r.iter().map(|&(o, n)| d(dst.addr() + o, n, 0, md)).collect();
+                        let rl: Vec<_> = r
+                            .iter()
+                            .map(|&(o, n)| d(dst.addr() + o, n, 0, md))
+                            .collect();
                         run(&e, READ, &rl, &wr);
                         let n = off as usize;
                         let ok = src.bytes()[..n] == dst.bytes()[..n];
                         assert!(ok, "thread {t} iteration {i}: bytes differ");
                     }
                     2 => {
-                        let l: Vec<_> = (0..4u64).map(|k| d(dst.addr() + k * (1 << 20), 1 << 20, 0, md)).collect();
+                        let l: Vec<_> = (0..4u64)
+                            .map(|k| d(dst.addr() + k * (1 << 20), 1 << 20, 0, md))
+                            .collect();
                         // Direct reads go to the kernel, buffered ones to the page-cache workers.
-                        let (rfd, rmd) = if rng.next() % 2 == 0 { (fds[1], mfd) } else { (fds[0], mf) };
-                        let r: Vec<_> = (0..4u64).map(|k| d(base + k * (1 << 20), 1 << 20, rfd, rmd)).collect();
+                        let (rfd, rmd) = if rng.next() % 2 == 0 {
+                            (fds[1], mfd)
+                        } else {
+                            (fds[0], mf)
+                        };
+                        let r: Vec<_> = (0..4u64)
+                            .map(|k| d(base + k * (1 << 20), 1 << 20, rfd, rmd))
+                            .collect();
                         let req = e.prep(READ, DRAM, &l, FILE, &r, AGENT).expect("prep");
                         if let Ok(Progress::InFlight) = e.post(&req, READ, 4, 4) {
                             inflight.fetch_add(1, Relaxed);
@@ -156,7 +210,9 @@ fn main() {
                         if rng.next() % 2 == 0 {
                             let _ = e.check(&req);
                         }
-                        e.release(req).map_err(|(_, e)| e).expect("release in flight");
+                        e.release(req)
+                            .map_err(|(_, e)| e)
+                            .expect("release in flight");
                     }
                     _ => {
                         // register/deregister while others transfer; repost one request 3 times
@@ -164,7 +220,8 @@ fn main() {
                         let sm = e.register(DRAM, scratch.addr(), 1 << 20, 0, "").unwrap() as usize;
                         let dev = 1000 + t as u64;
                         let meta = format!("rw:{}", path.display());
-                        let pm = e.register(FILE, base, REGION as u64, dev, &meta).unwrap() as usize;
+                        let pm =
+                            e.register(FILE, base, REGION as u64, dev, &meta).unwrap() as usize;
                         let l = [d(scratch.addr(), 1 << 16, 0, sm)];
                         let r = [d(base, 1 << 16, dev, pm)];
                         let req = e.prep(READ, DRAM, &l, FILE, &r, AGENT).expect("prep");
@@ -196,5 +253,9 @@ fn main() {
     drop(f);
     drop(fdirect);
     let _ = std::fs::remove_dir_all(&dir);
-    println!("stress: {THREADS} threads, {} operations, {} releases in flight, ok", ops.load(Relaxed), inflight.load(Relaxed));
+    println!(
+        "stress: {THREADS} threads, {} operations, {} releases in flight, ok",
+        ops.load(Relaxed),
+        inflight.load(Relaxed)
+    );
 }
