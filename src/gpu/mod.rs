@@ -6,9 +6,6 @@
 //! an absent capability with a message, never a crash or a link dependency.
 
 pub mod cuda;
-mod cuda_batch;
-mod cuda_lanes;
-mod cuda_scatter;
 pub mod cufile;
 mod loader;
 pub mod provider;

@@ -29,7 +29,8 @@ use std::sync::{Arc, Mutex};
 
 use once_cell::sync::{Lazy, OnceCell};
 
-use super::cuda::{Cuda, ImportedMemory};
+use super::cuda::import::ImportedMemory;
+use super::cuda::Cuda;
 use crate::error::{Error, ErrorKind, Result};
 use crate::gpu::provider::{CopyFinished, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 

@@ -6,10 +6,10 @@
 //! made 32 KiB scattered READs 1.03-1.06x faster per request than on one, on H100s and an H200
 //! (bench/results/2026-12-05-evening-read-probe-gpu.md).
 //!
-//! Lane 0 is the DMA stream and exists from the start; the other lanes are created on first use. Every stream is
-//! ordered after the application's work each time `fence` runs, and a stream created later
-//! waits for the latest fence: creation and fence take one lock, so no stream can miss a fence
-//! that a copy queued on it must follow.
+//! Lane 0 is the DMA stream and exists from the start; the other lanes are created on first use.
+//! Every stream is ordered after the application's work each time `fence` runs, and a stream
+//! created later waits for the latest fence: creation and fence take one lock, so no stream can
+//! miss a fence that a copy queued on it must follow.
 
 use std::sync::Mutex;
 
