@@ -17,25 +17,19 @@ use std::time::{Duration, Instant};
 use slab::Slab;
 
 pub mod background;
+mod inline;
+mod staged;
 
 use super::callers::CallerClock;
 use super::profile::Profiles;
 use super::request::{Next, Outcome, RequestOps, RequestProgress};
-use crate::error::{describe_os_error, Error, Failure, Result};
-use crate::gpu::GpuProvider;
+use crate::error::{Error, Failure, Result};
 use crate::params::CallerReads;
-use crate::path::direct;
-use crate::path::staging::{CopyDone, Stage, Staging, StagingPool, StagingShape};
+use crate::path::staging::{CopyDone, Stage, Staging};
 use crate::uring::{IoOp, Progress, Ring, RingCore, Submission};
 
 /// How long release and teardown wait for in-flight I/O before giving up on it.
 const TEARDOWN_WAIT: Duration = Duration::from_secs(30);
-
-/// A read request this small is first tried from the page cache by the posting thread: one
-/// preadv2 per op beats a ring round trip (SQE, io_uring_enter, CQE, and NIXL's second call to
-/// see the completion). Larger requests gain more from one batched io_uring_enter.
-const INLINE_READ_MAX_OPS: usize = 4;
-const INLINE_READ_MAX_BYTES: u64 = 64 << 10;
 
 /// Key of a request in the driver's table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +62,16 @@ struct Table {
     copies_done: Vec<CopyDone>,
     /// Per-request timing breakdown (IO_URING_DMABUF_PROFILE=1).
     profiles: Profiles,
+}
+
+/// What became of a staged op that `fill` offered.
+enum Staged {
+    /// It went (into a buffer, or failed its request): take the next op.
+    Went,
+    /// The write window is full: let the next request go.
+    Throttled,
+    /// Every buffer is busy: wait for completions to free one.
+    NoBuffer,
 }
 
 /// The request driver of one engine.
@@ -106,39 +110,6 @@ impl Driver {
 
     fn lock(&self) -> Result<MutexGuard<'_, Table>> {
         self.failure.lock(&self.table, "request table")
-    }
-
-    /// Creates the staging pool on first use (later calls do nothing).
-    pub fn enable_staging(
-        &self,
-        provider: Arc<dyn GpuProvider>,
-        shape: StagingShape,
-    ) -> Result<()> {
-        let mut t = self.lock()?;
-        if t.staging.is_some() {
-            return Ok(());
-        }
-        let pool = StagingPool::new(provider, shape.buffer_size, shape.buffers, |addr, len| {
-            // SAFETY: the staging mapping lives as long as the pool, which the driver drops only
-            // after every op using it has completed (or leaks, see Drop).
-            match unsafe { self.ring.register_buffer(addr, len) } {
-                Ok(slot) => Some(slot),
-                Err(e) => {
-                    tracing::info!(
-                        "staging buffer not registered as a fixed buffer ({}); using plain I/O",
-                        describe_os_error(&e)
-                    );
-                    None
-                }
-            }
-        })?;
-        t.staging = Some(Staging::new(pool, shape));
-        Ok(())
-    }
-
-    /// Whether the staging pool exists.
-    pub fn staging_ready(&self) -> Result<bool> {
-        Ok(self.lock()?.staging.is_some())
     }
 
     /// Adds a prepared request; it starts idle.
@@ -181,102 +152,6 @@ impl Driver {
         t.progress(&self.ring)?;
         let mut t = self.help_page_cache_workers(t)?;
         t.finished_status(key.0)
-    }
-
-    /// Runs reads queued for the page-cache workers in this thread, without holding the lock
-    /// while copying, refilling the queue from waiting requests between rounds, until none is
-    /// left to take (the rest runs on the workers or waits for the disk). A thread that posts or
-    /// polls would otherwise wait for the workers: on a busy machine they may get no core soon.
-    /// `page_cache_caller_reads` decides when (`CallerReads`).
-    fn help_page_cache_workers<'a>(
-        &'a self,
-        mut t: MutexGuard<'a, Table>,
-    ) -> Result<MutexGuard<'a, Table>> {
-        loop {
-            // The staging buffers' device copies wait for this thread (a staged READ's copy
-            // starts when its buffer's reads have landed): under auto it drives them instead.
-            if !self
-                .caller_reads
-                .helps(t.staging.as_ref().is_some_and(Staging::in_use))
-            {
-                return Ok(t);
-            }
-            let Some(helper) = self.ring.lock()?.page_cache_helper() else {
-                return Ok(t);
-            };
-            drop(t);
-            let ran = helper.run_queued_reads();
-            t = self.lock()?;
-            t.progress(&self.ring)?;
-            if ran == 0 {
-                // Only the workers' own jobs are left: give them this core (a spinning poller
-                // would otherwise keep a worker that holds the last job off the CPU).
-                drop(t);
-                std::thread::yield_now();
-                t = self.lock()?;
-                t.progress(&self.ring)?;
-                return Ok(t);
-            }
-        }
-    }
-
-    /// Writes up to `budget` bytes of the request's not-yet-started buffered writes with
-    /// pwrite(2) in this thread, without holding the lock while writing. Page-cache writes are
-    /// memory copies: done here they avoid a hand-off to io_uring's worker per I/O (which is what
-    /// makes libaio fast on buffered files), while the ring keeps a few in flight meanwhile.
-    fn help_with_writes<'a>(
-        &'a self,
-        mut t: MutexGuard<'a, Table>,
-        key: usize,
-        budget: u64,
-    ) -> Result<MutexGuard<'a, Table>> {
-        let Some(req) = t.requests.get_mut(key) else {
-            return Ok(t);
-        };
-        let Some((start, end)) = req.take_inline_writes(budget) else {
-            return Ok(t);
-        };
-        let ops = Arc::clone(&req.ops);
-        drop(t);
-        let result = direct::write_all(&ops.ops[start..end]);
-        let mut t = self.lock()?;
-        // The request still exists: release waits until no op is outstanding.
-        if let Some(req) = t.requests.get_mut(key) {
-            req.inline_writes_done(end - start, result);
-        }
-        Ok(t)
-    }
-
-    /// Serves a small buffered read request from the page cache in this thread, without holding
-    /// the lock while copying; what it could not serve stays for the ring. With `any_size` (few
-    /// CPUs: `inline_write_max=auto` below 8) requests of any size are tried, as buffered writes
-    /// are: copying in the calling thread beats a ring round trip when cores are few and busy.
-    fn read_inline_if_cached<'a>(
-        &'a self,
-        mut t: MutexGuard<'a, Table>,
-        key: usize,
-        any_size: bool,
-    ) -> Result<MutexGuard<'a, Table>> {
-        let Some(req) = t.requests.get_mut(key) else {
-            return Ok(t);
-        };
-        let ops = Arc::clone(&req.ops);
-        let small = ops.ops.len() <= INLINE_READ_MAX_OPS
-            && ops.ops.iter().map(|o| o.len as u64).sum::<u64>() <= INLINE_READ_MAX_BYTES;
-        if !ops.inline_reads || !(small || any_size) {
-            return Ok(t);
-        }
-        let Some(n) = req.take_inline_read() else {
-            return Ok(t);
-        };
-        drop(t);
-        let done = direct::read_cached_prefix(&ops.ops);
-        let mut t = self.lock()?;
-        // The request still exists: release waits until no op is outstanding.
-        if let Some(req) = t.requests.get_mut(key) {
-            req.inline_read_done(n, done);
-        }
-        Ok(t)
     }
 
     /// Removes a request. One still in flight is aborted: its queued ops are dropped, its
@@ -431,7 +306,7 @@ impl Table {
                     continue;
                 };
                 if !req.is_healthy() {
-                    io_over(
+                    Table::io_over(
                         req,
                         entry.stage,
                         false,
@@ -494,110 +369,18 @@ impl Table {
                 }
                 continue;
             }
-            let Some(staging) = self.staging.as_mut() else {
-                req.fail(Error::backend(
-                    "internal error: a VRAM op reached the ring before its staging pool existed",
-                ));
-                req.settle();
-                continue;
-            };
-            // Page-cache WRITEs fill at most the write window: let the next request go.
-            let windowed = write && req.ops.page_cache;
-            if windowed && !staging.window_admits(op.len) {
-                self.queue.rotate_left(1);
-                throttled += 1;
-                if throttled >= self.queue.len() {
-                    break;
-                }
-                continue;
-            }
-            // All buffers busy: wait for completions to free one.
-            let Some(group) = staging.open(key, write, op, windowed) else {
-                break;
-            };
-            // Pack the request's next small pieces into the same buffer.
-            let mut last = req.advance();
-            while !last {
-                match req.peek_next() {
-                    Next::Op(next) if next.device.is_some() && staging.try_add(group, next) => {
-                        last = req.advance()
+            match self.fill_staged(key, op) {
+                Staged::Went => {}
+                Staged::NoBuffer => break,
+                Staged::Throttled => {
+                    self.queue.rotate_left(1);
+                    throttled += 1;
+                    if throttled >= self.queue.len() {
+                        break;
                     }
-                    _ => break,
-                }
-            }
-            if last {
-                self.queue.pop_front();
-            }
-            let pieces = staging.pieces(group);
-            self.profiles.group(key, pieces);
-            if write {
-                // GPU -> staging buffer first; the storage writes follow in poll_copies.
-                let t0 = self.profiles.now();
-                let started = staging.start_copy(group);
-                self.profiles.copy_submitted(key, t0);
-                if let Err(e) = started {
-                    req.fail(e);
-                    (0..pieces).for_each(|_| req.op_over());
-                    staging.close(group);
-                }
-                continue;
-            }
-            // READ: each run's storage read lands at its place in the buffer; they go through
-            // the retry queue, which hands them to the ring as it has room.
-            for stage in staging.runs(group) {
-                self.retry.push_back(InFlight {
-                    req: key,
-                    op: staging.host_op(stage),
-                    stage: Some(stage),
-                    since: None,
-                });
-            }
-        }
-    }
-
-    /// Finishes device copies that completed; returns how many did.
-    fn poll_copies(&mut self) -> usize {
-        let Some(staging) = self.staging.as_mut() else {
-            return 0;
-        };
-        if !staging.copying() {
-            return 0;
-        }
-        let mut done = std::mem::take(&mut self.copies_done);
-        let n = staging.poll(&mut done);
-        for c in done.drain(..) {
-            self.profiles.copy_waited(c.owner, c.started);
-            let Some(staging) = self.staging.as_mut() else {
-                break;
-            };
-            let Some(req) = self.requests.get_mut(c.owner) else {
-                staging.close(c.group);
-                continue;
-            };
-            match c.result {
-                Ok(()) if c.then_write && req.is_healthy() => {
-                    for stage in staging.runs(c.group) {
-                        self.retry.push_back(InFlight {
-                            req: c.owner,
-                            op: staging.host_op(stage),
-                            stage: Some(stage),
-                            since: None,
-                        });
-                    }
-                }
-                // The H2D copy of a READ ended, a copy failed, or the request is failing: the
-                // group's pieces are over.
-                result => {
-                    if let Err(e) = result {
-                        req.fail(e);
-                    }
-                    (0..c.pieces).for_each(|_| req.op_over());
-                    staging.close(c.group);
                 }
             }
         }
-        self.copies_done = done;
-        n
     }
 
     /// Processes every available completion; returns how many there were.
@@ -647,7 +430,7 @@ impl Table {
                     })
                     .collect();
                 for one in run.pieces().take(finished as usize) {
-                    io_over(req, Some(one), true, &mut self.staging, &mut self.profiles);
+                    Table::io_over(req, Some(one), true, &mut self.staging, &mut self.profiles);
                 }
                 self.retry.extend(again);
                 req.settle();
@@ -655,7 +438,7 @@ impl Table {
             }
         }
         match req.on_result(&entry.op, res) {
-            Outcome::Complete => io_over(
+            Outcome::Complete => Table::io_over(
                 req,
                 entry.stage,
                 true,
@@ -668,7 +451,7 @@ impl Table {
                 stage: entry.stage,
                 since: None,
             }),
-            Outcome::Over => io_over(
+            Outcome::Over => Table::io_over(
                 req,
                 entry.stage,
                 false,
@@ -712,39 +495,4 @@ impl Table {
         }
         self.progress(ring).map(|_| ())
     }
-}
-
-/// One storage I/O of the request ended (`ok`: every byte moved) or was dropped. A staged run
-/// counts its pieces toward their group: a WRITE's buffer is freed after its last piece; a READ's group starts
-/// its one device copy when every piece's read landed (its pieces are over when it ends).
-fn io_over(
-    req: &mut RequestProgress,
-    stage: Option<Stage>,
-    ok: bool,
-    staging: &mut Option<Staging>,
-    profiles: &mut Profiles,
-) {
-    let (Some(s), Some(st)) = (stage, staging.as_mut()) else {
-        req.op_over();
-        return;
-    };
-    let write = req.ops.write;
-    if write || !ok {
-        (0..s.count).for_each(|_| req.op_over());
-    }
-    let Some(end) = st.io_over(s, ok) else { return };
-    if !write && end.ok > 0 && end.failed == 0 && req.is_healthy() {
-        let owner = st.owner(end.group);
-        let t0 = profiles.now();
-        let started = st.start_copy(end.group);
-        profiles.copy_submitted(owner, t0);
-        match started {
-            Ok(()) => return,
-            Err(e) => req.fail(e),
-        }
-    }
-    if !write {
-        (0..end.ok).for_each(|_| req.op_over());
-    }
-    st.close(end.group);
 }
