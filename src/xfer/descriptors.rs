@@ -274,7 +274,7 @@ pub fn plan_part(
     // (uring/workers.rs). Reads, and the writes of staged VRAM: their device copies overlap the
     // workers' writes, while DRAM writes are written by the calling threads (`inline_writes`).
     // Staged pieces of any size qualify: the small ones are packed several to a staging buffer
-    // and reach the workers in groups (uring/ring.rs gathers small punted ops into one job).
+    // and reach the workers in groups (uring/ring/ gathers small punted ops into one job).
     // Host requests go only when `spreadable`.
     let mut any_punt = false;
     for o in &mut ops {
