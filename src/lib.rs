@@ -6,9 +6,10 @@
 //!   bridge (`shim/bridge.h`, seen from Rust as [`bridge`]).
 //! - [`ffi`]: the only `extern "C"` code of the NIXL plugin: the two NIXL entry points and the
 //!   bridge's function table, each body behind one panic boundary.
-//! - [`engine`]: registrations, prepared requests, the route cache.
+//! - [`engine`]: one backend instance: registrations, prepared requests.
 //! - [`xfer`]: validation and cutting of descriptor lists, a request's state machine, the driver.
-//! - [`path`]: the data paths (direct, dmabuf, staging, cufile) behind one trait.
+//! - [`path`]: the data paths (direct, dmabuf, staging, cufile) behind one trait, their choice
+//!   and the route cache.
 //! - [`mem`]: one module per NIXL memory kind; [`uring`]: the ring core; [`gpu`]: vendor
 //!   providers, a leaf.
 //!

@@ -9,6 +9,7 @@ pub mod direct;
 pub mod dmabuf;
 mod dmabuf_verify;
 pub mod route;
+pub mod routes;
 pub mod select;
 pub mod staging;
 

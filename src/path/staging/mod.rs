@@ -14,6 +14,7 @@
 use crate::error::Result;
 use crate::gpu::{CopyPiece, CopyTicket, PackedCopy};
 use crate::mem::VramRegion;
+use crate::params::EngineParams;
 use crate::uring::{IoOp, WORKER_JOB_BYTES};
 
 mod pool;
@@ -40,6 +41,21 @@ pub struct StagingShape {
     pub max_io_size: u64,
     /// Device streams the buffers' scatter kernels take in turn (`staging_kernel_streams`).
     pub kernel_streams: u32,
+}
+
+impl StagingShape {
+    /// The shape the backend parameters ask for.
+    pub fn from_params(p: &EngineParams) -> StagingShape {
+        StagingShape {
+            buffer_size: p.staging_buffer_size,
+            buffers: p.staging_buffers,
+            pack_max: p.staging_pack_max,
+            packed_copy: p.staging_copy,
+            write_window: p.staged_write_window,
+            max_io_size: p.max_io_size,
+            kernel_streams: p.staging_kernel_streams,
+        }
+    }
 }
 
 /// Most pieces in one buffer (one batched copy call).
