@@ -24,11 +24,11 @@ use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{Progress, Ring, WorkerConfig, WriterLimits};
 use crate::xfer::driver::{Driver, RequestKey};
-use crate::xfer::plan::{parts_for, PlanContext};
+use crate::xfer::plan::parts_for;
 use crate::xfer::prep_pool::PrepPool;
 use crate::xfer::progress::ProgressThread;
 use crate::xfer::recycle::OpLists;
-use crate::xfer::{plan, profile, Plan, XferOp};
+use crate::xfer::{profile, Plan, Planner, XferOp};
 
 mod register;
 
@@ -206,27 +206,14 @@ impl Engine {
                 self.local_agent
             )));
         }
-        let ctx = PlanContext {
-            max_io_size: self.params.max_io_size,
-            punt_buffered_min: self.params.punt_buffered_min,
-            staging_buffer_size: self.params.staging_buffer_size,
-            staging_buffers: self.params.staging_buffers,
-            page_cache_threads: self.params.page_cache_threads,
-            staged_write_piece_max: self.params.staged_write_piece_max,
-            staged_read_piece_max: self.params.staged_read_piece(),
+        let planner = Planner {
+            params: &self.params,
+            registry: &self.registry,
             route: &|mem, file| self.route(mem, file),
             lists: &self.op_lists,
             pool: self.prep_pool(local.len()),
         };
-        let plan = plan(
-            op,
-            local_kind,
-            local,
-            remote_kind,
-            remote,
-            &self.registry,
-            &ctx,
-        )?;
+        let plan = planner.plan(op, local_kind, local, remote_kind, remote)?;
         for reg in &plan.registrations {
             if let Registration::Storage(f) = &**reg {
                 f.check_still_open()?;

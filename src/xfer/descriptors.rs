@@ -1,22 +1,23 @@
 //! One run of descriptor pairs, validated and cut into ring ops: prepXfer's work per descriptor
 //! (`plan.rs` runs it over a whole list, or over parts of a large one at once).
 //!
-//! Every rule the kernel would otherwise enforce with a bare EINVAL is checked here with a
-//! message that names the descriptor: equal lengths, coverage by a registration of this engine,
-//! the file's access mode, and O_DIRECT alignment. Descriptors are split at `max_io_size` and at
-//! fixed-buffer slot boundaries, and neighbours that continue each other in memory and file are
-//! merged up to the same size.
+//! Every rule the kernel would otherwise enforce with a bare EINVAL is checked with a message
+//! that names the descriptor: equal lengths, coverage by a registration of this engine and the
+//! file's access mode here, O_DIRECT alignment in `cut.rs`, which also splits descriptors at
+//! `max_io_size` and at fixed-buffer slot boundaries and merges neighbours that continue each
+//! other in memory and file up to the same size.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::cut::{Bound, Limits};
 use super::direction::XferOp;
 use super::recycle::OpLists;
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::live::{Coverage, Registry, Unresolved};
 use crate::mem::{FileRegion, MemKind, Registration};
-use crate::path::{direct, dmabuf, staging, Route};
+use crate::path::Route;
 use crate::uring::IoOp;
 
 /// How many (MD, registration) hints each side keeps; lists name one or a few registrations per
@@ -183,8 +184,7 @@ fn not_covered(i: usize, what: String, kind: MemKind, d: &iud_desc, why: Unresol
     Error::not_found(m)
 }
 
-/// Chooses (once per pair, cached by the engine) how a memory registration reaches a target;
-/// called from every thread that plans a part of the request.
+/// How a memory registration reaches a target (the engine's route cache).
 pub type RouteFn<'a> = dyn Fn(&Registration, &FileRegion) -> Result<Route> + Sync + 'a;
 
 /// What planning one run of descriptors found, beside its ops.
@@ -221,79 +221,103 @@ impl Part {
     }
 }
 
-/// Validates `local[i]` / `remote[i]` pairs and cuts them into `ops` (an empty list); `first` is
-/// the index of `local[0]` in the request, for messages and `IoOp::desc_index`. Each descriptor
-/// is validated against its registrations, its (memory, target) pair bound to a path on first
-/// use (cached by the engine: DMA-BUF registration and self-test, cuFile handles, the staging
-/// pool happen once per pair), its O_DIRECT alignment checked on that path's addresses, and it is
-/// cut into ops. A run refused at a later descriptor leaves only those per-pair bindings, which
-/// the next request of the same pair would make anyway. One pass over the lists: with the caches
-/// cold, as between a client's requests, reading them twice cost a fifth of the plan
-/// (tests/prep_profile.rs, IUD_PREP_SWEEP_MIB).
-#[allow(clippy::too_many_arguments)]
-pub fn plan_part(
-    first: usize,
-    op: XferOp,
-    (lk, rk): (MemKind, MemKind),
-    local: &[iud_desc],
-    remote: &[iud_desc],
-    registry: &Registry,
-    route: &RouteFn<'_>,
-    limits: &Limits,
-    mut ops: Vec<IoOp>,
-) -> Result<Part> {
-    let mut regs = Registrations::new(registry);
-    let mut distinct = Pairs::default();
-    let mut routes: Vec<Route> = Vec::new();
-    let mut cufile_descs = 0usize;
-    let (mut all_buffered, mut all_host) = (true, true);
-    let mut vram_outside_streams = false;
-    for (j, (l, r)) in local.iter().zip(remote).enumerate() {
-        let i = first + j;
-        let pair = validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?;
-        let k = distinct.index(pair) as usize;
-        let (m, f) = pair;
-        let Registration::Storage(file) = &*regs.list[f] else {
-            unreachable!("validated as storage")
-        };
-        if k == routes.len() {
-            routes
-                .push(route(&regs.list[m], file).map_err(|e| e.at_descriptor(i).with_fd(file.fd))?);
+/// One request's lists as the planner cuts them: what every part of them is planned with.
+pub struct ListPlanner<'a> {
+    pub op: XferOp,
+    /// (memory, storage) kinds of the lists.
+    pub kinds: (MemKind, MemKind),
+    pub registry: &'a Registry,
+    /// Chooses (once per pair, cached in `path::routes`) how a memory registration reaches a
+    /// target; called from every thread that plans a part of the request.
+    pub route: &'a RouteFn<'a>,
+    pub limits: Limits,
+}
+
+impl ListPlanner<'_> {
+    /// Validates `local[i]` / `remote[i]` pairs and cuts them into `ops` (an empty list); `first`
+    /// is the index of `local[0]` in the request, for messages and `IoOp::desc_index`. Each
+    /// descriptor is validated against its registrations, its (memory, target) pair bound to a path
+    /// on first use (cached in `path::routes`: DMA-BUF registration and self-test, cuFile handles,
+    /// the staging pool happen once per pair), its O_DIRECT alignment checked on that path's
+    /// addresses, and it is cut into ops. A run refused at a later descriptor leaves only those
+    /// per-pair bindings, which the next request of the same pair would make anyway. One pass over
+    /// the lists: with the caches cold, as between a client's requests, reading them twice cost a
+    /// fifth of the plan (tests/prep_profile.rs, IUD_PREP_SWEEP_MIB).
+    pub fn part(
+        &self,
+        first: usize,
+        local: &[iud_desc],
+        remote: &[iud_desc],
+        mut ops: Vec<IoOp>,
+    ) -> Result<Part> {
+        let (op, (lk, rk), limits) = (self.op, self.kinds, &self.limits);
+        let mut regs = Registrations::new(self.registry);
+        let mut distinct = Pairs::default();
+        let mut routes: Vec<Route> = Vec::new();
+        let mut cufile_descs = 0usize;
+        let (mut all_buffered, mut all_host) = (true, true);
+        let mut vram_outside_streams = false;
+        for (j, (l, r)) in local.iter().zip(remote).enumerate() {
+            let i = first + j;
+            let pair = validate(i, op, lk, rk, l, r, &mut regs).map_err(|e| e.at_descriptor(i))?;
+            let k = distinct.index(pair) as usize;
+            let (m, f) = pair;
+            let Registration::Storage(file) = &*regs.list[f] else {
+                unreachable!("validated as storage")
+            };
+            if k == routes.len() {
+                routes.push(
+                    (self.route)(&regs.list[m], file)
+                        .map_err(|e| e.at_descriptor(i).with_fd(file.fd))?,
+                );
+            }
+            let (mem, route) = (&*regs.list[m], &routes[k]);
+            cufile_descs += usize::from(*route == Route::Cufile);
+            let bound = Bound {
+                i,
+                l,
+                r,
+                mem,
+                file,
+                route,
+            };
+            bound
+                .check_alignment()
+                .map_err(|e| e.at_descriptor(i).with_fd(file.fd).with_offset(r.addr))?;
+            bound
+                .cut(op, limits, &mut ops)
+                .map_err(|e| e.at_descriptor(i))?;
+            vram_outside_streams |=
+                matches!(mem, Registration::Vram(_)) && *route != Route::Staging;
+            all_buffered &= file.direct.is_none();
+            // Inline pwrite needs real addresses: only memory addressed directly qualifies.
+            all_host &= *route == Route::Host;
         }
-        let (mem, route) = (&*regs.list[m], &routes[k]);
-        cufile_descs += usize::from(*route == Route::Cufile);
-        check_alignment(i, l, r, mem, file, route)
-            .map_err(|e| e.at_descriptor(i).with_fd(file.fd).with_offset(r.addr))?;
-        cut(i, op, l, r, mem, file, route, limits, &mut ops).map_err(|e| e.at_descriptor(i))?;
-        vram_outside_streams |= matches!(mem, Registration::Vram(_)) && *route != Route::Staging;
-        all_buffered &= file.direct.is_none();
-        // Inline pwrite needs real addresses: only memory addressed directly qualifies.
-        all_host &= *route == Route::Host;
+        // Decided after merging, on the final sizes; punted ops run on the page-cache workers
+        // (uring/workers.rs). Reads, and the writes of staged VRAM: their device copies overlap the
+        // workers' writes, while DRAM writes are written by the calling threads (`inline_writes`).
+        // Staged pieces of any size qualify: the small ones are packed several to a staging buffer
+        // and reach the workers in groups (uring/ring/ gathers small punted ops into one job).
+        // Host requests go only when `spreadable`.
+        let mut any_punt = false;
+        for o in &mut ops {
+            let kind_ok = op == XferOp::Read || o.device.is_some();
+            let big_enough = (o.len as u64 >= limits.punt_buffered_min && limits.spreadable)
+                || o.device.is_some();
+            o.punt &= kind_ok && limits.punt_buffered_min > 0 && big_enough;
+            any_punt |= o.punt;
+        }
+        Ok(Part {
+            ops,
+            registrations: regs.list,
+            unhinted: regs.unhinted,
+            cufile_descs,
+            all_buffered,
+            all_host,
+            any_punt,
+            vram_outside_streams,
+        })
     }
-    // Decided after merging, on the final sizes; punted ops run on the page-cache workers
-    // (uring/workers.rs). Reads, and the writes of staged VRAM: their device copies overlap the
-    // workers' writes, while DRAM writes are written by the calling threads (`inline_writes`).
-    // Staged pieces of any size qualify: the small ones are packed several to a staging buffer
-    // and reach the workers in groups (uring/ring/ gathers small punted ops into one job).
-    // Host requests go only when `spreadable`.
-    let mut any_punt = false;
-    for o in &mut ops {
-        let kind_ok = op == XferOp::Read || o.device.is_some();
-        let big_enough =
-            (o.len as u64 >= limits.punt_buffered_min && limits.spreadable) || o.device.is_some();
-        o.punt &= kind_ok && limits.punt_buffered_min > 0 && big_enough;
-        any_punt |= o.punt;
-    }
-    Ok(Part {
-        ops,
-        registrations: regs.list,
-        unhinted: regs.unhinted,
-        cufile_descs,
-        all_buffered,
-        all_host,
-        any_punt,
-        vram_outside_streams,
-    })
 }
 
 /// Checks one descriptor pair: equal non-zero lengths, live registrations of the lists' kinds
@@ -363,175 +387,9 @@ fn validate(
     Ok((mi, fi))
 }
 
-/// O_DIRECT needs offset, length and memory aligned; the memory address is the one the path
-/// hands to storage (an offset into the DMA-BUF; staged VRAM goes through page-aligned buffers).
-fn check_alignment(
-    i: usize,
-    l: &iud_desc,
-    r: &iud_desc,
-    mem: &Registration,
-    file: &FileRegion,
-    route: &Route,
-) -> Result<()> {
-    let Some(a) = file.direct else { return Ok(()) };
-    let mem_addr = match (route, dmabuf::slabs_of(mem)) {
-        (Route::Dmabuf { .. }, Some(slabs)) => dmabuf::aligned_address(slabs, l.addr),
-        (Route::Staging, _) => 0,
-        _ => l.addr,
-    };
-    if r.addr % a.offset != 0 || r.len % a.offset != 0 || mem_addr % a.mem != 0 {
-        return Err(Error::invalid(format!(
-            "descriptor {i}: O_DIRECT on fd {} needs offset and length multiples of {} and memory aligned to {}; got offset {}, length {}, memory 0x{:x}",
-            file.fd, a.offset, a.mem, r.addr, r.len, l.addr
-        )));
-    }
-    Ok(())
-}
-
-/// Piece-size limits of one request.
-pub struct Limits {
-    pub max_piece: u64,
-    pub staged: u64,
-    pub worker: u64,
-    pub punt_buffered_min: u64,
-    pub staged_write: u64,
-    pub staged_read: u64,
-    /// The request is larger than one worker job (host requests are punted only then).
-    pub spreadable: bool,
-}
-
-/// Cuts one descriptor into ops that fit the limits and never straddle a fixed-buffer slot or a
-/// slab, merging pieces that continue each other.
-#[allow(clippy::too_many_arguments)]
-fn cut(
-    i: usize,
-    op: XferOp,
-    l: &iud_desc,
-    r: &iud_desc,
-    mem: &Registration,
-    file: &FileRegion,
-    route: &Route,
-    lim: &Limits,
-    ops: &mut Vec<IoOp>,
-) -> Result<()> {
-    let staged = *route == Route::Staging;
-    let mut limit = if staged { lim.staged } else { lim.max_piece };
-    if staged && op == XferOp::Write && file.direct.is_none() {
-        limit = limit.min(lim.staged_write);
-    }
-    if staged
-        && op == XferOp::Read
-        && file.direct.is_none()
-        && lim.punt_buffered_min > 0
-        && lim.staged_read > 0
-    {
-        // Worker-sized pieces share a buffer and are read by several workers at once: the
-        // buffer's copy to the GPU starts after one piece's read, not one buffer's.
-        limit = limit.min(lim.staged_read);
-    }
-    if !staged && op == XferOp::Read && file.direct.is_none() && lim.punt_buffered_min > 0 {
-        // Page-cache reads go to the workers: cut so that every worker gets a share.
-        limit = lim.worker;
-    }
-    if let Some(dev_max) = file.max_direct_io {
-        // One device request per I/O keeps O_DIRECT on io_uring's non-blocking path.
-        limit = limit.min(dev_max);
-    }
-    let outside = |what: &str, addr: u64| {
-        Error::not_found(format!(
-            "descriptor {i}: {what}address 0x{addr:x} is outside the registration's slabs"
-        ))
-    };
-    let mut done = 0u64;
-    while done < l.len {
-        let addr = l.addr + done;
-        let mut piece = (l.len - done).min(limit);
-        let (mem_addr, buf_index, device, end) = match (mem, route) {
-            (Registration::Dram(dram), Route::Host) => {
-                let (a, slot, end) = direct::address(dram, addr);
-                (a, slot, None, end)
-            }
-            (_, Route::Dmabuf { slots }) => {
-                let slabs = dmabuf::slabs_of(mem).ok_or_else(|| outside("", addr))?;
-                let (a, slot, end) =
-                    dmabuf::address(slabs, slots, addr).ok_or_else(|| outside("", addr))?;
-                (a, Some(slot), None, Some(end))
-            }
-            // Both move VRAM by its address; pieces still stop at slab ends.
-            (Registration::Vram(vram), Route::Staging | Route::Cufile) => {
-                let (a, device, end) =
-                    staging::address(vram, addr).ok_or_else(|| outside("VRAM ", addr))?;
-                (a, None, Some(device), Some(end))
-            }
-            _ => {
-                return Err(Error::backend(format!(
-                    "descriptor {i}: no way to address this memory for the chosen route {route:?}"
-                )))
-            }
-        };
-        if let Some(end) = end {
-            piece = piece.min(end - addr);
-        }
-        push_coalesced(
-            ops,
-            IoOp {
-                file: file.file_ref(),
-                fd: file.fd,
-                io_fd: file.io_fd,
-                file_offset: r.addr + done,
-                addr: mem_addr,
-                len: piece as u32,
-                buf_index,
-                device,
-                // Marks buffered I/O for now; the size rule is applied after merging.
-                punt: file.direct.is_none(),
-                desc_index: i as u32,
-            },
-            limit,
-        );
-        done += piece;
-    }
-    Ok(())
-}
-
-/// Appends `op`, or extends the previous op when `op` continues it in both memory and file (same
-/// file, same fixed-buffer slot) and the result stays within `max_piece`. Applications often
-/// describe one contiguous run as many small blocks (KV-cache pages); one larger I/O moves the
-/// same bytes with one SQE and one completion.
-fn push_coalesced(ops: &mut Vec<IoOp>, op: IoOp, max_piece: u64) {
-    if let Some(last) = ops.last_mut() {
-        let continues = last.file == op.file
-            && last.buf_index == op.buf_index
-            && last.device == op.device
-            && last.file_offset + last.len as u64 == op.file_offset
-            && last.addr + last.len as u64 == op.addr
-            && last.len as u64 + op.len as u64 <= max_piece;
-        if continues {
-            last.len += op.len;
-            return;
-        }
-    }
-    ops.push(op);
-}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::uring::FileRef;
-
-    fn op(file_offset: u64, addr: u64, len: u32, buf_index: Option<u16>) -> IoOp {
-        IoOp {
-            file: FileRef::Fixed(0),
-            fd: 5,
-            io_fd: 5,
-            file_offset,
-            addr,
-            len,
-            buf_index,
-            device: None,
-            punt: false,
-            desc_index: 0,
-        }
-    }
 
     #[test]
     fn registrations_resolve_every_descriptor_to_its_region_with_more_regions_than_hints() {
@@ -613,34 +471,5 @@ mod tests {
         let mut ks: Vec<u32> = seen.iter().map(|k| k.unwrap()).collect();
         ks.sort_unstable();
         assert_eq!(ks, (0..40).collect::<Vec<u32>>());
-    }
-
-    #[test]
-    fn neighbours_in_memory_and_file_merge_up_to_the_limit() {
-        let mut ops = Vec::new();
-        for i in 0..4u64 {
-            push_coalesced(
-                &mut ops,
-                op(i * 4096, 0x10000 + i * 4096, 4096, Some(1)),
-                8192,
-            );
-        }
-        assert_eq!(ops.len(), 2);
-        assert_eq!(
-            (ops[0].len, ops[1].file_offset, ops[1].len),
-            (8192, 8192, 8192)
-        );
-    }
-
-    #[test]
-    fn gaps_other_slots_and_other_files_do_not_merge() {
-        let mut ops = vec![op(0, 0x1000, 512, Some(1))];
-        push_coalesced(&mut ops, op(1024, 0x1200, 512, Some(1)), 1 << 20); // file gap
-        push_coalesced(&mut ops, op(1536, 0x2000, 512, Some(1)), 1 << 20); // memory gap
-        push_coalesced(&mut ops, op(2048, 0x2200, 512, Some(2)), 1 << 20); // other slot
-        let mut other = op(2560, 0x2400, 512, Some(2));
-        other.file = FileRef::Fixed(1);
-        push_coalesced(&mut ops, other, 1 << 20); // other file
-        assert_eq!(ops.len(), 5);
     }
 }

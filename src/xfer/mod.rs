@@ -2,6 +2,7 @@
 //! request's state machine, and the driver that moves requests through the ring.
 
 mod callers;
+mod cut;
 mod descriptors;
 mod direction;
 pub mod driver;
@@ -13,4 +14,4 @@ pub mod recycle;
 pub mod request;
 
 pub use direction::XferOp;
-pub use plan::{plan, Plan};
+pub use plan::{Plan, Planner};
