@@ -124,8 +124,8 @@ pub fn own_library_path() -> Option<String> {
     // SAFETY: dladdr succeeded, so `info` is initialised; dli_fname is null or a C string owned
     // by the dynamic linker for as long as the library is loaded.
     let fname = unsafe { info.assume_init() }.dli_fname;
-    // SAFETY: checked non-null; see above.
     (!fname.is_null()).then(|| {
+        // SAFETY: checked non-null; see above.
         unsafe { CStr::from_ptr(fname) }
             .to_string_lossy()
             .into_owned()

@@ -251,17 +251,17 @@ mod tests {
     #[test]
     fn versions_are_read_after_the_marker_only_when_they_look_like_versions() {
         assert_eq!(
-            version_after_marker(b"xx\0NIXL version: \01.5.1\0 (git: \01d2a52eb\0"),
+            version_after_marker(b"xx\0NIXL version: \x001.5.1\0 (git: \x001d2a52eb\0"),
             Some("1.5.1")
         );
         assert_eq!(
-            version_after_marker(b"NIXL version: \01.5.2rc1\0"),
+            version_after_marker(b"NIXL version: \x001.5.2rc1\0"),
             Some("1.5.2rc1")
         );
         assert_eq!(version_after_marker(b"NIXL version: \0 (git: \0"), None);
-        assert_eq!(version_after_marker(b"NIXL version: \01.5\0"), None);
+        assert_eq!(version_after_marker(b"NIXL version: \x001.5\0"), None);
         assert_eq!(
-            version_after_marker(b"NIXL version: \01.5.1"),
+            version_after_marker(b"NIXL version: \x001.5.1"),
             None,
             "no terminating NUL"
         );
@@ -271,7 +271,7 @@ mod tests {
             "marker without its NUL"
         );
         assert_eq!(
-            version_after_marker(b"NIXL version: \0%s\0NIXL version: \01.3.2\0"),
+            version_after_marker(b"NIXL version: \0%s\0NIXL version: \x001.3.2\0"),
             Some("1.3.2"),
             "a later marker"
         );

@@ -90,17 +90,14 @@ impl Recorder {
         self.line(format!("\"event\":\"deregister\",\"md\":{md}"));
     }
 
-    /// A prepared request: both lists in full, and how many I/Os they became after splitting
-    /// and merging.
-    #[allow(clippy::too_many_arguments)]
+    /// A prepared request: both lists in full, each as (NIXL memory kind, descriptors), and
+    /// how many I/Os they became after splitting and merging.
     pub fn prep(
         &self,
         req: usize,
         op: i32,
-        local_kind: i32,
-        local: &[iud_desc],
-        remote_kind: i32,
-        remote: &[iud_desc],
+        (local_kind, local): (i32, &[iud_desc]),
+        (remote_kind, remote): (i32, &[iud_desc]),
         ios: usize,
         bytes: u64,
     ) {

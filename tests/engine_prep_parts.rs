@@ -34,6 +34,7 @@ impl Scene {
                 .read(true)
                 .write(true)
                 .create(true)
+                .truncate(false)
                 .open(dir.path.join("kv"))
                 .unwrap(),
         );
@@ -203,12 +204,10 @@ fn the_first_bad_descriptor_fails_the_request_as_planned_whole() {
         let (c, d) = spoil(&wl, &wr);
         let in_parts = parts
             .prep(WRITE, DRAM, &a, FILE, &b, AGENT)
-            .err()
-            .expect("a bad list is refused in parts");
+            .expect_err("a bad list is refused in parts");
         let alone = whole
             .prep(WRITE, DRAM, &c, FILE, &d, AGENT)
-            .err()
-            .expect("a bad list is refused whole");
+            .expect_err("a bad list is refused whole");
         let first = faults.iter().map(|f| f.0).min().unwrap();
         assert!(
             in_parts.message.contains(&format!("descriptor {first}")),

@@ -148,11 +148,8 @@ mod tests {
         for (device, size, what) in [(0, 0, "size 0"), (-1, 4096, "negative")] {
             let mut addr = 0u64;
             // SAFETY: addr is a valid out-pointer.
-            assert_eq!(
-                unsafe { iud_vulkan_alloc(device, size, &mut addr) },
-                IUD_VK_EINVAL,
-                "{what}"
-            );
+            let rc = unsafe { iud_vulkan_alloc(device, size, &mut addr) };
+            assert_eq!(rc, IUD_VK_EINVAL, "{what}");
             assert_eq!(addr, 0);
             let msg = last_error();
             assert!(msg.contains(what), "{msg}");
@@ -178,12 +175,8 @@ mod tests {
         };
         let mut addr = 0u64;
         // SAFETY: addr is a valid out-pointer.
-        assert_eq!(
-            unsafe { iud_vulkan_alloc(0, 3 * 4096 + 100, &mut addr) },
-            IUD_VK_OK,
-            "{}",
-            last_error()
-        );
+        let rc = unsafe { iud_vulkan_alloc(0, 3 * 4096 + 100, &mut addr) };
+        assert_eq!(rc, IUD_VK_OK, "{}", last_error());
         assert_eq!(last_error(), "");
         // SAFETY: the variant string is static.
         let name = unsafe { CStr::from_ptr(iud_vulkan_variant(addr + 5000)) }

@@ -136,16 +136,14 @@ mod tests {
         let pages = (len / 4096) as usize;
         let mut resident = vec![0u8; pages];
         // SAFETY: mincore on our own mapping, with one byte per page.
-        assert_eq!(
-            unsafe {
-                libc::mincore(
-                    base as *mut libc::c_void,
-                    len as usize,
-                    resident.as_mut_ptr(),
-                )
-            },
-            0
-        );
+        let rc = unsafe {
+            libc::mincore(
+                base as *mut libc::c_void,
+                len as usize,
+                resident.as_mut_ptr(),
+            )
+        };
+        assert_eq!(rc, 0);
         assert!(resident.iter().all(|r| r & 1 == 1), "every page populated");
         // SAFETY: the mapping is ours and writable for len bytes.
         let bytes = unsafe { std::slice::from_raw_parts_mut(base as *mut u8, len as usize) };
@@ -169,10 +167,8 @@ mod tests {
             println!("transparent huge pages unavailable here ({thp:?}): advice not checked");
         }
         // SAFETY: unmapping exactly what map_populated handed out.
-        assert_eq!(
-            unsafe { libc::munmap(base as *mut libc::c_void, len as usize) },
-            0
-        );
+        let rc = unsafe { libc::munmap(base as *mut libc::c_void, len as usize) };
+        assert_eq!(rc, 0);
         assert!(
             huge_backed(base, len).is_none(),
             "the mapping is gone after munmap"
@@ -186,21 +182,17 @@ mod tests {
         assert_eq!(base % 4096, 0);
         let mut resident = vec![0u8; (len / 4096) as usize];
         // SAFETY: mincore on our own mapping, with one byte per page.
-        assert_eq!(
-            unsafe {
-                libc::mincore(
-                    base as *mut libc::c_void,
-                    len as usize,
-                    resident.as_mut_ptr(),
-                )
-            },
-            0
-        );
+        let rc = unsafe {
+            libc::mincore(
+                base as *mut libc::c_void,
+                len as usize,
+                resident.as_mut_ptr(),
+            )
+        };
+        assert_eq!(rc, 0);
         assert!(resident.iter().all(|r| r & 1 == 1), "every page populated");
         // SAFETY: unmapping exactly what map_populated handed out.
-        assert_eq!(
-            unsafe { libc::munmap(base as *mut libc::c_void, len as usize) },
-            0
-        );
+        let rc = unsafe { libc::munmap(base as *mut libc::c_void, len as usize) };
+        assert_eq!(rc, 0);
     }
 }

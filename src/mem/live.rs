@@ -35,13 +35,16 @@ struct Index {
     /// below a descriptor.
     longest: HashMap<MemKind, u64>,
     /// FILE and BLK: (kind, devId) -> the registrations with that devId, oldest first.
-    storage: HashMap<(MemKind, u64), Vec<(usize, Arc<Registration>)>>,
+    storage: HashMap<(MemKind, u64), Vec<Live>>,
     /// DRAM and VRAM registrations that a newer live one overlaps. Their token is no longer
     /// taken at its word: NIXL's damaged lists (sync mode NONE) can keep handing out the MD of a
     /// registration whose memory was freed and mapped again at the same address, and its fixed
     /// buffers or DMA-BUF still name the old pages; the newest covering registration serves.
     superseded: HashSet<usize>,
 }
+
+/// A live registration and its token.
+type Live = (usize, Arc<Registration>);
 
 /// What decides whether a registration covers a descriptor: its kind, devId and range. A copy
 /// of it can be held where reading the registration per descriptor costs (`xfer::plan`'s hints).

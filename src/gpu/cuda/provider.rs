@@ -69,20 +69,18 @@ impl GpuProvider for Cuda {
     fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<DmabufExport> {
         self.device(device)?;
         let mut fd: i32 = -1;
+        let what = format!("cuMemGetHandleForAddressRange(0x{addr:x}+{len}, DMA_BUF_FD)");
         // sys: `result` has no cuMemGetHandleForAddressRange (DMA-BUF export).
         // SAFETY: writes one int (the fd); the range is only described, not accessed.
-        check(
-            &format!("cuMemGetHandleForAddressRange(0x{addr:x}+{len}, DMA_BUF_FD)"),
-            || unsafe {
-                sys::cuMemGetHandleForAddressRange(
-                    (&mut fd as *mut i32).cast::<c_void>(),
-                    addr,
-                    len as usize,
-                    sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                    0,
-                )
-            },
-        )?;
+        check(&what, || unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut i32).cast::<c_void>(),
+                addr,
+                len as usize,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })?;
         // SAFETY: the driver returned a new fd that we now own.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) }.into())
     }
@@ -210,13 +208,14 @@ impl GpuProvider for Cuda {
         // SAFETY: the caller keeps every range valid until the ticket completes.
         if !unsafe { batch::copy(device, pieces, to_host, stream) } {
             for p in pieces {
-                // SAFETY: as above (host ranges in the staging pool, see host_bytes); one copy per
-                // piece on the same stream, one event for all.
+                // One copy per piece on the same stream, one event for all.
                 if to_host {
+                    // SAFETY: as above (host ranges in the staging pool, see host_bytes).
                     call("cuMemcpyDtoHAsync", || unsafe {
                         result::memcpy_dtoh_async(host_bytes(p.host, p.len), p.dev, stream)
                     })?;
                 } else {
+                    // SAFETY: as above.
                     call("cuMemcpyHtoDAsync", || unsafe {
                         result::memcpy_htod_async(p.dev, host_bytes(p.host, p.len), stream)
                     })?;

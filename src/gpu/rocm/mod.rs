@@ -164,11 +164,10 @@ fn list_agents(lib: &Lib) -> Result<Vec<Agent>> {
 
 fn agent_u32(lib: &Lib, agent: Agent, attr: u32) -> Result<u32> {
     let mut v: u32 = 0;
+    let what = format!("hsa_agent_get_info(0x{:x}, {attr})", agent.handle);
     // SAFETY: the attributes asked for are 32-bit enums/integers.
-    check(
-        &format!("hsa_agent_get_info(0x{:x}, {attr})", agent.handle),
-        unsafe { (lib.agent_get_info)(agent, attr, (&mut v as *mut u32).cast()) },
-    )?;
+    let status = unsafe { (lib.agent_get_info)(agent, attr, (&mut v as *mut u32).cast()) };
+    check(&what, status)?;
     Ok(v)
 }
 

@@ -342,24 +342,15 @@ impl Staging {
         let device = grp.pieces[0].0.device.unwrap_or(0);
         let lane = self.next_lane;
         self.next_lane = (lane + 1) % self.kernel_streams;
+        let provider = &self.pool.provider;
         // SAFETY: the staging buffer is the group's until `close`; the device ranges are
         // registered VRAM kept alive by the request's plan.
-        let ticket = match pieces.as_slice() {
-            [one] if grp.write => unsafe {
-                self.pool
-                    .provider
-                    .copy_to_host(device, one.host, one.dev, one.len)
-            },
-            [one] => unsafe {
-                self.pool
-                    .provider
-                    .copy_to_device(device, one.dev, one.host, one.len)
-            },
-            _ => unsafe {
-                self.pool
-                    .provider
-                    .copy_batch(device, &pieces, grp.write, self.packed_copy, lane)
-            },
+        let ticket = unsafe {
+            match pieces.as_slice() {
+                [one] if grp.write => provider.copy_to_host(device, one.host, one.dev, one.len),
+                [one] => provider.copy_to_device(device, one.dev, one.host, one.len),
+                _ => provider.copy_batch(device, &pieces, grp.write, self.packed_copy, lane),
+            }
         }?;
         if grp.write {
             self.groups[g].io_left = self.groups[g].pieces.len();

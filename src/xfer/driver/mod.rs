@@ -211,7 +211,7 @@ impl Drop for Driver {
             }
         }
         let deadline = Instant::now() + TEARDOWN_WAIT;
-        while !(t.owners.is_empty() && !t.staging.as_ref().is_some_and(Staging::copying))
+        while (!t.owners.is_empty() || t.staging.as_ref().is_some_and(Staging::copying))
             && Instant::now() < deadline
         {
             if t.wait_one(&ring, Duration::from_millis(100)).is_err() {
