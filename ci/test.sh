@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's one test command: setup, release build, Rust tests (unit + nixl-sys integration),
-# the `rocm` feature check (ci/rocm-feature.sh), then the Python suite (tests/python; tests/gpu
-# skips without a GPU) against the real NIXL runtime from the wheel, then the NIXL release matrix
-# (ci/nixl-matrix.sh), then the NVMe lab in QEMU (ci/vm).
+# the linters (ci/lint.sh: rustfmt, clippy with warnings as errors), the `rocm` feature check
+# (ci/rocm-feature.sh), then the Python suite (tests/python; tests/gpu skips without a GPU)
+# against the real NIXL runtime from the wheel, then the NIXL release matrix (ci/nixl-matrix.sh),
+# then the NVMe lab in QEMU (ci/vm).
 # Every test stage runs even if an earlier one failed; the exit status is non-zero if any did.
 # Extra arguments go to pytest (e.g. ci/test.sh -k roundtrip).
 set -euo pipefail
@@ -36,6 +37,16 @@ export IUD_TEST_SKIP_LOG="$logs/cargo-skips.txt"
 cargo_rc=0
 cargo test --release --workspace 2>&1 | tee "$logs/cargo-test.log" || cargo_rc=${PIPESTATUS[0]}
 [ "$cargo_rc" -eq 0 ] || status=1
+
+# Formatters and linters (ci/lint.sh): rustfmt and clippy -D warnings over every Rust crate (and
+# ruff, once added there). One check in the total. IUD_SKIP_LINT=1 leaves it out.
+lint="skipped (IUD_SKIP_LINT=1)"
+if [ "${IUD_SKIP_LINT:-0}" != 1 ]; then
+    echo "== lint (ci/lint.sh)"
+    lint_rc=0
+    bash ci/lint.sh 2>&1 | tee "$logs/lint.log" || lint_rc=${PIPESTATUS[0]}
+    if [ "$lint_rc" -eq 0 ]; then lint=ok; else lint="FAILED (exit $lint_rc; $logs/lint.log)"; status=1; fi
+fi
 
 # The `rocm` cargo feature (ci/rocm-feature.sh): installs Debian's libamdhip64-dev if missing
 # (18.5 MB, ~10 s) and runs cargo check --features rocm (~15 s). IUD_SKIP_ROCM_FEATURE=1 leaves it
@@ -118,13 +129,14 @@ count() { { grep -oE "[0-9]+ $1" <<<"$py_line" || true; } | awk '{s+=$1} END {pr
 p_pass=$(count passed); p_fail=$(( $(count failed) + $(count error) )); p_skip=$(count skipped)
 [ "$py_rc" -eq 0 ] || [ "$p_fail" -gt 0 ] || p_fail=1
 echo "pytest: exit $py_rc, ${py_line:-(no summary line)}"
+echo "lint: $lint"
 echo "rocm feature: $rocm_feature"
 echo "NVMe lab: ${lab_line:-not run}"
 echo "NIXL matrix: ${mx_line:-no summary line} (per leg: $logs/nixl-matrix.log)"
 echo "reliability: $([ "$rel_fail" -eq 0 ] && echo ok || echo FAILED) (figures in target/reliability)"
 [ -f "$logs/reliability.log" ] && sed -n '/^== reliability summary/,$p' "$logs/reliability.log" | tail -n +2 | sed 's/^/  /'
-# Reliability and the rocm feature check count one per stage: pass, FAIL or SKIP (with its reason
-# above), so that the total holds every stage that ran, not only its skips.
+# Reliability, the lint and the rocm feature check count one per stage: pass, FAIL or SKIP (with
+# its reason above), so that the total holds every stage that ran, not only its skips.
 rel_pass=0 rel_skip=0 rel_failed=0
 if [ -f "$logs/reliability.log" ]; then
     rel_summary="$(sed -n '/^== reliability summary/,$p' "$logs/reliability.log")"
@@ -136,5 +148,7 @@ fi
 [ "$rel_fail" -eq 0 ] || [ "$rel_failed" -gt 0 ] || rel_failed=1
 rocm_pass=0 rocm_fail=0
 case "$rocm_feature" in ok) rocm_pass=1 ;; FAILED*) rocm_fail=1 ;; esac
-echo "total: $((c_pass + p_pass + lab_pass + rel_pass + rocm_pass + mx_pass)) passed, $((c_fail + p_fail + lab_fail + rel_failed + rocm_fail + mx_fail)) failed, $((c_skip + p_skip + lab_skip + rel_skip + mx_skip)) skipped"
+lint_pass=0 lint_fail=0
+case "$lint" in ok) lint_pass=1 ;; FAILED*) lint_fail=1 ;; esac
+echo "total: $((c_pass + p_pass + lab_pass + rel_pass + rocm_pass + lint_pass + mx_pass)) passed, $((c_fail + p_fail + lab_fail + rel_failed + rocm_fail + lint_fail + mx_fail)) failed, $((c_skip + p_skip + lab_skip + rel_skip + mx_skip)) skipped"
 exit "$status"
