@@ -25,7 +25,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+# tests/python (its conftest and helpers) and python/ (the package, for its NIXL wheel lookup).
+sys.path[:0] = [os.path.join(HERE, "..", "python"), os.path.join(HERE, "..", "..", "python")]
 
 
 def _setup():
