@@ -46,6 +46,8 @@ CHILD_AS = 6 << 30
 
 def cap_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (CHILD_AS, CHILD_AS))
+    # stderr goes to a file: a child logging in a loop stops at 1 GiB (SIGXFSZ, a crash)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 30, 1 << 30))
 
 
 def classify(rc: int | None, err: str) -> tuple[str, str]:
@@ -56,13 +58,17 @@ def classify(rc: int | None, err: str) -> tuple[str, str]:
     if rc < 0:
         glibc = [ln for ln in err.splitlines() if re.search(r"free|corrupt|malloc|chunk|abort", ln)]
         return "crash", f"{signal.Signals(-rc).name}" + (f": {glibc[-1].strip()}" if glibc else "")
-    # Who raised it: the plugin logs one ERROR line per failure; NIXL's own refusals (its lists
-    # lost a registration) come without one.
-    plugin = [ln.strip() for ln in err.splitlines() if re.search(r"\bERROR\b.*io_uring_dmabuf", ln)]
-    nixl = [ln.strip() for ln in err.splitlines() if re.match(r"E\d{4} ", ln.strip())]
-    raised = [ln.strip() for ln in err.splitlines() if "Error" in ln and "thread" in ln]
-    first = (plugin or nixl or raised or err.strip().splitlines()[-1:] or [f"exit {rc}"])[0]
-    return "error", f"{'plugin' if plugin else 'NIXL'}: {first[:240]}"
+    # Who raised it: the plugin logs one ERROR line per failure, NIXL one E line for its own
+    # refusals (its lists lost a registration). The first of them in the log decides: after
+    # NIXL's own refusal (createXferReq finding no registration, its section gone) the plugin
+    # can still refuse an MD NIXL hands back a second time at agent teardown.
+    logged = [(ln.strip(), "plugin" if re.search(r"\bERROR\b.*io_uring_dmabuf", ln) else "NIXL")
+              for ln in err.splitlines()
+              if re.search(r"\bERROR\b.*io_uring_dmabuf", ln) or re.match(r"E\d{4} ", ln.strip())]
+    raised = [(ln.strip(), "NIXL") for ln in err.splitlines() if "Error" in ln and "thread" in ln]
+    rest = [(ln, "NIXL") for ln in err.strip().splitlines()[-1:]] or [(f"exit {rc}", "NIXL")]
+    first, who = (logged or raised or rest)[0]
+    return "error", f"{who}: {first[:240]}"
 
 
 def child_args(backend: str, d: str) -> list[str]:
@@ -70,13 +76,29 @@ def child_args(backend: str, d: str) -> list[str]:
     return [sys.executable, child, backend] + [a.format(d=d) for a in rest]
 
 
+def head_and_tail(f, keep: int = 1 << 20) -> str:
+    """The first and last `keep` bytes of a child's stderr: a NIXL backend whose lists broke
+    was seen logging gigabytes in a loop, more than the runner should hold."""
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    if size <= 2 * keep:
+        data = f.read()
+    else:
+        data = f.read(keep) + b"\n[...]\n"
+        f.seek(size - keep)
+        data += f.read()
+    return data.decode(errors="replace")
+
+
 def one_run(backend: str, d: str) -> tuple[str, str]:
     args = child_args(backend, d)
-    try:
-        p = subprocess.run(args, capture_output=True, text=True, timeout=180, preexec_fn=cap_memory)
-    except subprocess.TimeoutExpired:
-        return classify(None, "")
-    return classify(p.returncode, p.stderr)
+    with tempfile.TemporaryFile(dir=d) as err:
+        try:
+            p = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=err, timeout=180,
+                               preexec_fn=cap_memory)
+        except subprocess.TimeoutExpired:
+            return classify(None, "")
+        return classify(p.returncode, head_and_tail(err))
 
 
 def gdb_frames(backend: str, d: str) -> str | None:
