@@ -29,9 +29,9 @@ const FILE: i32 = 4;
 /// How one of the aliased backend's parameters becomes one of ours.
 #[derive(Debug, Clone, Copy)]
 enum Map {
-    /// Same meaning: an unsigned count, clamped into our parameter's valid range (params.rs:
-    /// ring_entries 16..32768, cufile_threads 1..64, max_io_size 0 or >= 4096); 0 means "that
-    /// backend's default" and leaves ours alone.
+    /// Same meaning: an unsigned count, clamped into our parameter's valid range
+    /// (params/readers.rs: ring_entries 16..32768, cufile_threads 1..64, max_io_size 0 or >= 4096);
+    /// 0 means "that backend's default" and leaves ours alone.
     Count { to: &'static str, lo: u64, hi: u64 },
     /// No meaning here (queue choice, request pools, cuFile batch sizes).
     Ignore,

@@ -17,7 +17,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("gpu", &["gpu/"]),
     ("uring", &["uring/"]),
     ("mem", &["mem/"]),
-    ("params", &["params.rs"]),
+    ("params", &["params.rs", "params/"]),
     ("path", &["path/"]),
     ("xfer", &["xfer/"]),
     ("engine", &["engine.rs", "engine/", "record.rs"]),
