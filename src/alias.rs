@@ -155,7 +155,11 @@ pub fn announce(name: &str) {
         .unwrap_or(false);
     if first {
         let file = own_library_path().unwrap_or_else(|| "?".into());
-        tracing::warn!("{} serving as {name} (NIXL loaded {file} for create_backend({name:?}); NIXL's own {name} is not used in this process)", manifest::PLUGIN_NAME);
+        tracing::warn!(
+            "{} serving as {name} (NIXL loaded {file} for create_backend({name:?}); NIXL's own \
+             {name} is not used in this process)",
+            manifest::PLUGIN_NAME
+        );
     }
 }
 

@@ -213,13 +213,19 @@ fn decide(found: Found, allow_untested: bool) -> bool {
     let rt = match found {
         Found::Release(rt) => rt,
         Found::Nothing => {
-            tracing::info!("{PLUGIN_NAME}: no NIXL library in this process; loading with the NIXL {lines} plugin ABI");
+            tracing::info!(
+                "{PLUGIN_NAME}: no NIXL library in this process; loading with the NIXL {lines} \
+                 plugin ABI"
+            );
             return true;
         }
         // A warning, not a refusal: the string is the plugin's only way to tell releases apart,
         // and a build that merged or dropped it is not evidence of another ABI.
         Found::Unreadable(lib) => {
-            tracing::warn!("{PLUGIN_NAME}: no NIXL version string found in {lib}, so the release cannot be checked; loading with the NIXL {lines} plugin ABI (tested: {tested})");
+            tracing::warn!(
+                "{PLUGIN_NAME}: no NIXL version string found in {lib}, so the release cannot be \
+                 checked; loading with the NIXL {lines} plugin ABI (tested: {tested})"
+            );
             return true;
         }
     };
@@ -230,15 +236,27 @@ fn decide(found: Found, allow_untested: bool) -> bool {
             true
         }
         Verdict::LineVerified => {
-            tracing::warn!("{PLUGIN_NAME}: NIXL {v} ({lib}) is not one of the releases tested ({tested}); its release line has the plugin ABI this plugin is built for, so it loads");
+            tracing::warn!(
+                "{PLUGIN_NAME}: NIXL {v} ({lib}) is not one of the releases tested ({tested}); \
+                 its release line has the plugin ABI this plugin is built for, so it loads"
+            );
             true
         }
         Verdict::Unverified if allow_untested => {
-            tracing::warn!("{PLUGIN_NAME}: NIXL {v} ({lib}) is not of a release line this plugin was verified for ({lines}); loading anyway because {ALLOW_UNTESTED}=1: a changed plugin ABI would corrupt memory");
+            tracing::warn!(
+                "{PLUGIN_NAME}: NIXL {v} ({lib}) is not of a release line this plugin was \
+                 verified for ({lines}); loading anyway because {ALLOW_UNTESTED}=1: a changed \
+                 plugin ABI would corrupt memory"
+            );
             true
         }
         Verdict::Unverified => {
-            tracing::error!("{PLUGIN_NAME}: NIXL {v} ({lib}) is not of a release line this plugin was verified for ({lines}); NIXL does not check a plugin's vtable, so the plugin refuses to load (create_backend reports it not found). Use NIXL {tested}, or set {ALLOW_UNTESTED}=1 to load it anyway");
+            tracing::error!(
+                "{PLUGIN_NAME}: NIXL {v} ({lib}) is not of a release line this plugin was \
+                 verified for ({lines}); NIXL does not check a plugin's vtable, so the plugin \
+                 refuses to load (create_backend reports it not found). Use NIXL {tested}, or set \
+                 {ALLOW_UNTESTED}=1 to load it anyway"
+            );
             false
         }
     }

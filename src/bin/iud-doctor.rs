@@ -30,7 +30,10 @@ fn main() {
         }
     );
     // No released kernel has it: say where its status is kept rather than a version.
-    println!("  (the uAPI comes from an unmerged patch series; status and sources: docs/kernel-dmabuf-series.md)");
+    println!(
+        "  (the uAPI comes from an unmerged patch series; status and sources: \
+         docs/kernel-dmabuf-series.md)"
+    );
     let udmabuf = std::path::Path::new("/dev/udmabuf").exists();
     println!(
         "udmabuf (/dev/udmabuf): {}",
@@ -93,7 +96,10 @@ fn main() {
         None => "unavailable (no GPU provider)".to_owned(),
         Some(_) => match io_uring_dmabuf::gpu::cufile::mode() {
             (true, mode) => format!("cufile ({mode})"),
-            (false, mode) => format!("staging (io_uring DMA-BUF I/O exists only for raw NVMe block devices; cuFile would run in {mode})"),
+            (false, mode) => format!(
+                "staging (io_uring DMA-BUF I/O exists only for raw NVMe block devices; cuFile \
+                 would run in {mode})"
+            ),
         },
     };
     println!("  VRAM <-> FILE: {vram_file}");
@@ -215,7 +221,10 @@ fn report_cufile(p2pdma: bool) {
                 }
             );
             if p2pdma {
-                println!("cuFile: the kernel has PCI P2PDMA; cufile.json's use_pci_p2pdma decides whether cuFile uses it");
+                println!(
+                    "cuFile: the kernel has PCI P2PDMA; cufile.json's use_pci_p2pdma decides \
+                     whether cuFile uses it"
+                );
             }
         }
     }

@@ -202,7 +202,8 @@ impl Engine {
         let op = XferOp::from_nixl(op)?;
         if remote_agent != self.local_agent {
             return Err(Error::invalid(format!(
-                "prepXfer: remote agent {remote_agent:?} is not this agent {:?}; IO_URING_DMABUF only moves data between this agent's memory and its storage",
+                "prepXfer: remote agent {remote_agent:?} is not this agent {:?}; IO_URING_DMABUF \
+                 only moves data between this agent's memory and its storage",
                 self.local_agent
             )));
         }
@@ -344,8 +345,8 @@ impl Engine {
     /// (NIXL keeps it and may try again).
     #[allow(
         clippy::result_large_err,
-        reason = "the error hands the request back to the FFI boundary, which returns it to NIXL; \
-                  one call per releaseReqH, not a hot path"
+        reason = "the error hands the request back to the FFI boundary, which returns it to \
+                  NIXL; one call per releaseReqH, not a hot path"
     )]
     pub fn release(&self, req: Box<Request>) -> std::result::Result<(), (Box<Request>, Error)> {
         if let Err(e) = self.failure.check() {

@@ -35,11 +35,17 @@ impl Engine {
         let reg = match kind {
             MemKind::Dram => Registration::Dram(self.register_dram(addr, len, dev_id)?),
             MemKind::Vram => Registration::Vram(self.register_vram(addr, len, dev_id)?),
-            MemKind::File | MemKind::Blk => Registration::Storage(self.register_storage(kind, addr, len, dev_id, meta_info)?),
+            MemKind::File | MemKind::Blk => {
+                Registration::Storage(self.register_storage(kind, addr, len, dev_id, meta_info)?)
+            }
             other => {
                 return Err(Error::new(
                     ErrorKind::NotSupported,
-                    format!("registerMem: {} is not supported by IO_URING_DMABUF (supported: DRAM_SEG, VRAM_SEG, FILE_SEG, BLK_SEG)", other.name()),
+                    format!(
+                        "registerMem: {} is not supported by IO_URING_DMABUF (supported: \
+                         DRAM_SEG, VRAM_SEG, FILE_SEG, BLK_SEG)",
+                        other.name()
+                    ),
                 ))
             }
         };
@@ -171,7 +177,8 @@ impl Engine {
             let mut ids = self.failure.lock(&self.path_dev_ids, "path-mode devIds")?;
             if !ids.insert(dev_id) {
                 return Err(Error::invalid(format!(
-                    "registerMem: path-mode devId {dev_id} is already registered for another file; path-mode devIds must be unique per file"
+                    "registerMem: path-mode devId {dev_id} is already registered for another \
+                     file; path-mode devIds must be unique per file"
                 )));
             }
         }
@@ -187,7 +194,10 @@ impl Engine {
         }
         let Some(reg) = self.registry.remove(md) else {
             return Err(Error::not_found(format!(
-                "deregisterMem: MD {md:p} is not a live registration of this engine (deregistered already?); NIXL's registration lists can hand an MD back twice when several threads use an agent in sync mode NONE, which takes no locks: create the agent with sync mode RW"
+                "deregisterMem: MD {md:p} is not a live registration of this engine (deregistered \
+                 already?); NIXL's registration lists can hand an MD back twice when several \
+                 threads use an agent in sync mode NONE, which takes no locks: create the agent \
+                 with sync mode RW"
             )));
         };
         if let Some(r) = &self.recorder {

@@ -68,9 +68,10 @@ impl DmabufSlabs {
             let export = export(start, len).and_then(|e| match e.whole_size {
                 // One DMA-BUF is one io_uring buffer, at most MAX_DMABUF_SLAB bytes.
                 Some(size) if size > MAX_DMABUF_SLAB => Err(Error::not_supported(format!(
-                    "the provider exports a DMA-BUF of the whole allocation ({size} bytes), over the {MAX_DMABUF_SLAB} byte limit for one io_uring DMA-BUF buffer \
-                     (v3 of the kernel series; later versions relax it to a value not known here); \
-                     allocate at most 1 GiB per allocation (per iud_vulkan_alloc) for the dmabuf path"
+                    "the provider exports a DMA-BUF of the whole allocation ({size} bytes), over \
+                     the {MAX_DMABUF_SLAB} byte limit for one io_uring DMA-BUF buffer (v3 of the \
+                     kernel series; later versions relax it to a value not known here); allocate \
+                     at most 1 GiB per allocation (per iud_vulkan_alloc) for the dmabuf path"
                 ))),
                 _ => Ok(e),
             });

@@ -160,7 +160,10 @@ impl DramRegion {
 fn log_fallback(addr: u64, len: u64, why: &str) {
     static LOGGED: AtomicBool = AtomicBool::new(false);
     if !LOGGED.swap(true, Ordering::Relaxed) {
-        tracing::info!("DRAM region 0x{addr:x}+{len} uses plain READ/WRITE instead of fixed buffers: {why}; further fallbacks are logged at debug level");
+        tracing::info!(
+            "DRAM region 0x{addr:x}+{len} uses plain READ/WRITE instead of fixed buffers: {why}; \
+             further fallbacks are logged at debug level"
+        );
     } else {
         tracing::debug!("DRAM region 0x{addr:x}+{len} uses plain READ/WRITE: {why}");
     }

@@ -98,7 +98,8 @@ impl FileRegion {
             None => {
                 let fd = i32::try_from(dev_id).map_err(|_| {
                     Error::invalid(format!(
-                        "{what} registration: devId {dev_id} is not a file descriptor; pass an open fd, or metaInfo \"rw:/path\" for path mode"
+                        "{what} registration: devId {dev_id} is not a file descriptor; pass an \
+                         open fd, or metaInfo \"rw:/path\" for path mode"
                     ))
                 })?;
                 (fd, None)
@@ -109,7 +110,10 @@ impl FileRegion {
         };
         let st = fstat(fd).map_err(|e| {
             Error::os(
-                format!("{what} registration: fstat(fd {fd}) failed; devId must be an fd open in this process, or use path-mode metaInfo"),
+                format!(
+                    "{what} registration: fstat(fd {fd}) failed; devId must be an fd open in this \
+                     process, or use path-mode metaInfo"
+                ),
                 &e,
             )
             .with_fd(fd)
@@ -149,14 +153,16 @@ impl FileRegion {
         if kind == MemKind::Blk {
             if direct.is_none() {
                 return Err(Error::invalid(format!(
-                    "BLK_SEG registration: fd {fd} is not open with O_DIRECT; open the device with O_DIRECT (path mode: \"rw,direct:/dev/...\")"
+                    "BLK_SEG registration: fd {fd} is not open with O_DIRECT; open the device \
+                     with O_DIRECT (path mode: \"rw,direct:/dev/...\")"
                 ))
                 .with_fd(fd));
             }
             let capacity = block_capacity(fd)?;
             if offset.checked_add(len).is_none_or(|end| end > capacity) {
                 return Err(Error::invalid(format!(
-                    "BLK_SEG registration: range [{offset}, +{len}) runs past the end of the device on fd {fd} ({capacity} bytes)"
+                    "BLK_SEG registration: range [{offset}, +{len}) runs past the end of the \
+                     device on fd {fd} ({capacity} bytes)"
                 ))
                 .with_fd(fd)
                 .with_offset(offset));
@@ -242,18 +248,24 @@ impl FileRegion {
         match fstat(self.fd) {
             Ok(st) if st.st_dev == self.key.dev && st.st_ino == self.key.ino => Ok(()),
             Ok(_) => {
-                let now = std::fs::read_link(format!("/proc/self/fd/{}", self.fd)).map_or_else(|_| "?".to_owned(), |p| p.display().to_string());
+                let now = std::fs::read_link(format!("/proc/self/fd/{}", self.fd))
+                    .map_or_else(|_| "?".to_owned(), |p| p.display().to_string());
                 Err(Error::new(
                     ErrorKind::NotAllowed,
                     format!(
-                        "fd {} registered as {what} for {} now refers to a different file ({now}); nothing was moved; deregister it and register the new file",
+                        "fd {} registered as {what} for {} now refers to a different file \
+                         ({now}); nothing was moved; deregister it and register the new file",
                         self.fd, self.name
                     ),
                 )
                 .with_fd(self.fd))
             }
             Err(e) => Err(Error::os(
-                format!("fd {} registered as {what} for {} is no longer open; nothing was moved; keep it open until deregistration", self.fd, self.name),
+                format!(
+                    "fd {} registered as {what} for {} is no longer open; nothing was moved; keep \
+                     it open until deregistration",
+                    self.fd, self.name
+                ),
                 &e,
             )
             .with_fd(self.fd)),

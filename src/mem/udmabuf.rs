@@ -69,7 +69,8 @@ pub fn backing_memfd(addr: u64, len: u64) -> Result<(File, u64)> {
         }
         if !path.starts_with("/memfd:") || !perms.contains('s') {
             return Err(Error::not_supported(format!(
-                "the memory is not a shared memfd mapping (it is {:?}, {perms}); udmabuf can only export memfd pages",
+                "the memory is not a shared memfd mapping (it is {:?}, {perms}); udmabuf can only \
+                 export memfd pages",
                 if path.is_empty() { "anonymous" } else { path }
             )));
         }
@@ -101,7 +102,13 @@ pub fn seal_shrink(memfd: RawFd) -> Result<()> {
     // SAFETY: as above.
     if unsafe { libc::fcntl(memfd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
         let err = io::Error::last_os_error();
-        let e = io_failure(format!("cannot seal the memfd against shrinking (created without MFD_ALLOW_SEALING?): {err}"), err);
+        let e = io_failure(
+            format!(
+                "cannot seal the memfd against shrinking (created without MFD_ALLOW_SEALING?): \
+                 {err}"
+            ),
+            err,
+        );
         return Err(e.with_fd(memfd));
     }
     Ok(())

@@ -36,7 +36,8 @@ impl Path for Dmabuf<'_> {
         }
         if file.kind != MemKind::Blk || file.direct.is_none() {
             return Err(Error::not_supported(
-                "the target is not a raw block device opened with O_DIRECT (the kernel supports DMA-BUF I/O only there)",
+                "the target is not a raw block device opened with O_DIRECT (the kernel supports \
+                 DMA-BUF I/O only there)",
             )
             .with_fd(file.fd));
         }

@@ -82,7 +82,8 @@ pub fn dmabuf_read(
     if host.slice(block as usize, block as usize) != host.slice(2 * block as usize, block as usize)
     {
         return Err(Error::not_supported(
-            "self-test: bytes read through the DMA-BUF differ from a plain read (peer-to-peer DMA does not reach this memory on this platform)",
+            "self-test: bytes read through the DMA-BUF differ from a plain read (peer-to-peer DMA \
+             does not reach this memory on this platform)",
         )
         .with_fd(file.fd)
         .with_offset(file.offset));

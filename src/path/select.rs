@@ -48,23 +48,55 @@ impl Selector<'_> {
         };
         match self.params.vram_path {
             VramPath::Staging => Ok((Route::Staging, "vram_path=staging".into())),
-            VramPath::Dmabuf => self.dmabuf().bind(mem, file).map(|r| (r, "vram_path=dmabuf".into())).map_err(|why| {
-                Error::new(ErrorKind::NotSupported, format!("vram_path=dmabuf cannot reach fd {}: {why}", file.fd)).caused_by(why)
-            }),
+            VramPath::Dmabuf => self
+                .dmabuf()
+                .bind(mem, file)
+                .map(|r| (r, "vram_path=dmabuf".into()))
+                .map_err(|why| {
+                    Error::new(
+                        ErrorKind::NotSupported,
+                        format!("vram_path=dmabuf cannot reach fd {}: {why}", file.fd),
+                    )
+                    .caused_by(why)
+                }),
             VramPath::Cufile => {
                 let mode = cufile::mode().1;
-                cufile_path.bind(mem, file).map(|r| (r, format!("vram_path=cufile, mode {mode}"))).map_err(|why| {
-                    Error::new(ErrorKind::NotSupported, format!("vram_path=cufile cannot reach fd {}: {why}", file.fd)).caused_by(why)
-                })
+                cufile_path
+                    .bind(mem, file)
+                    .map(|r| (r, format!("vram_path=cufile, mode {mode}")))
+                    .map_err(|why| {
+                        Error::new(
+                            ErrorKind::NotSupported,
+                            format!("vram_path=cufile cannot reach fd {}: {why}", file.fd),
+                        )
+                        .caused_by(why)
+                    })
             }
             VramPath::Auto => match self.dmabuf().bind(mem, file) {
                 Ok(r) => Ok((r, "auto: DMA-BUF registration and self-test passed".into())),
                 Err(dmabuf_why) => match cufile::mode() {
                     (true, mode) => match cufile_path.bind(mem, file) {
-                        Ok(r) => Ok((r, format!("auto: dmabuf unavailable ({dmabuf_why}); cuFile in mode {mode}"))),
-                        Err(why) => Ok((Route::Staging, format!("auto: dmabuf unavailable ({dmabuf_why}); cuFile failed ({why}); staging"))),
+                        Ok(r) => Ok((
+                            r,
+                            format!(
+                                "auto: dmabuf unavailable ({dmabuf_why}); cuFile in mode {mode}"
+                            ),
+                        )),
+                        Err(why) => Ok((
+                            Route::Staging,
+                            format!(
+                                "auto: dmabuf unavailable ({dmabuf_why}); cuFile failed ({why}); \
+                                 staging"
+                            ),
+                        )),
                     },
-                    (false, mode) => Ok((Route::Staging, format!("auto: dmabuf unavailable ({dmabuf_why}); cuFile not direct here ({mode}); staging"))),
+                    (false, mode) => Ok((
+                        Route::Staging,
+                        format!(
+                            "auto: dmabuf unavailable ({dmabuf_why}); cuFile not direct here \
+                             ({mode}); staging"
+                        ),
+                    )),
                 },
             },
         }

@@ -157,14 +157,28 @@ pub const ABSENT: &str = "kernel without the io_uring DMA-BUF uAPI";
 pub fn interpret_probe(result: io::Result<i32>) -> DmabufSupport {
     match result {
         Ok(n) if n >= 1 => DmabufSupport::Available,
-        Ok(n) => DmabufSupport::Absent(format!("the kernel accepted the probe but updated {n} entries; treating DMA-BUF buffers as unavailable")),
+        Ok(n) => DmabufSupport::Absent(format!(
+            "the kernel accepted the probe but updated {n} entries; treating DMA-BUF buffers as \
+             unavailable"
+        )),
         Err(e) => DmabufSupport::Absent(match e.raw_os_error() {
-            Some(libc::EINVAL) => format!("{ABSENT} (EXTENDED buffer update refused with EINVAL; the uAPI is only in the unmerged \"io_uring dmabuf read/write\" patch series, in no released kernel)"),
+            Some(libc::EINVAL) => format!(
+                "{ABSENT} (EXTENDED buffer update refused with EINVAL; the uAPI is only in the \
+                 unmerged \"io_uring dmabuf read/write\" patch series, in no released kernel)"
+            ),
             Some(libc::ENXIO) => "probe ring has no buffer table (ENXIO); internal error".into(),
-            Some(libc::EOPNOTSUPP) => "DMA-BUF buffers are refused on this ring (EOPNOTSUPP; versions after v3 refuse IOPOLL rings)".into(),
+            Some(libc::EOPNOTSUPP) => {
+                "DMA-BUF buffers are refused on this ring (EOPNOTSUPP; versions after v3 refuse \
+             IOPOLL rings)"
+                    .into()
+            }
             Some(libc::EFAULT) => "the kernel could not read the probe descriptor (EFAULT)".into(),
             Some(libc::ENOSYS) => "io_uring is not available (ENOSYS)".into(),
-            Some(libc::EPERM) | Some(libc::EACCES) => "io_uring registration is not permitted here (EPERM/EACCES: seccomp or io_uring_disabled)".into(),
+            Some(libc::EPERM) | Some(libc::EACCES) => {
+                "io_uring registration is not permitted here (EPERM/EACCES: seccomp or \
+                 io_uring_disabled)"
+                    .into()
+            }
             Some(libc::ENOMEM) => "out of memory while probing (ENOMEM)".into(),
             _ => format!("probe failed: {}", crate::error::describe_os_error(&e)),
         }),

@@ -90,12 +90,14 @@ impl IoOp {
     pub fn made_no_progress(&self, write: bool) -> Error {
         let e = if write {
             Error::backend(format!(
-                "write to fd {} at offset {} ({} bytes left, descriptor {}) made no progress (0 bytes written)",
+                "write to fd {} at offset {} ({} bytes left, descriptor {}) made no progress (0 \
+                 bytes written)",
                 self.fd, self.file_offset, self.len, self.desc_index
             ))
         } else {
             Error::backend(format!(
-                "read past end of file: fd {} offset {} length {} (descriptor {}) — the file is shorter than the descriptor",
+                "read past end of file: fd {} offset {} length {} (descriptor {}) — the file is \
+                 shorter than the descriptor",
                 self.fd, self.file_offset, self.len, self.desc_index
             ))
         };

@@ -54,7 +54,8 @@ impl Bound<'_> {
         };
         if r.addr % a.offset != 0 || r.len % a.offset != 0 || mem_addr % a.mem != 0 {
             return Err(Error::invalid(format!(
-                "descriptor {i}: O_DIRECT on fd {} needs offset and length multiples of {} and memory aligned to {}; got offset {}, length {}, memory 0x{:x}",
+                "descriptor {i}: O_DIRECT on fd {} needs offset and length multiples of {} and \
+                 memory aligned to {}; got offset {}, length {}, memory 0x{:x}",
                 file.fd, a.offset, a.mem, r.addr, r.len, l.addr
             )));
         }

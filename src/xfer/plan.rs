@@ -142,20 +142,28 @@ impl Planner<'_> {
         let lk = MemKind::from_nixl(local_kind);
         let rk = MemKind::from_nixl(remote_kind);
         let (lk, rk, local, remote) = match (lk, rk) {
-        (Some(l @ (MemKind::Dram | MemKind::Vram)), Some(r @ (MemKind::File | MemKind::Blk))) => (l, r, local, remote),
-        // The storage side as the local list: NIXL's own storage backends (GDS, GDS_MT, HF3FS,
-        // AIS) take either list as the file and read the op as the file's direction (READ: file
-        // -> memory), and Dynamo's KVBM onboards disk blocks this way (local FILE, remote VRAM,
-        // READ). The same op on swapped lists moves the same bytes the same way.
-        (Some(s @ (MemKind::File | MemKind::Blk)), Some(m @ (MemKind::Dram | MemKind::Vram))) => (m, s, remote, local),
-        _ => {
-            return Err(Error::invalid(format!(
-                "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG or VRAM_SEG <-> FILE_SEG or BLK_SEG (either list may be the storage side; the op names the storage's direction: READ from it, WRITE to it)",
-                lk.map_or("unknown", |k| k.name()),
-                rk.map_or("unknown", |k| k.name())
-            )))
-        }
-    };
+            (
+                Some(l @ (MemKind::Dram | MemKind::Vram)),
+                Some(r @ (MemKind::File | MemKind::Blk)),
+            ) => (l, r, local, remote),
+            // The storage side as the local list: NIXL's own storage backends (GDS, GDS_MT, HF3FS,
+            // AIS) take either list as the file and read the op as the file's direction (READ: file
+            // -> memory), and Dynamo's KVBM onboards disk blocks this way (local FILE, remote VRAM,
+            // READ). The same op on swapped lists moves the same bytes the same way.
+            (
+                Some(s @ (MemKind::File | MemKind::Blk)),
+                Some(m @ (MemKind::Dram | MemKind::Vram)),
+            ) => (m, s, remote, local),
+            _ => {
+                return Err(Error::invalid(format!(
+                    "unsupported list types: local {} / remote {}; IO_URING_DMABUF moves DRAM_SEG \
+                     or VRAM_SEG <-> FILE_SEG or BLK_SEG (either list may be the storage side; \
+                     the op names the storage's direction: READ from it, WRITE to it)",
+                    lk.map_or("unknown", |k| k.name()),
+                    rk.map_or("unknown", |k| k.name())
+                )))
+            }
+        };
         if local.len() != remote.len() {
             return Err(Error::new(
                 ErrorKind::Mismatch,
@@ -190,13 +198,19 @@ impl Planner<'_> {
             None => lists.part(0, local, remote, self.lists.take(local.len()))?,
         };
         if part.unhinted > 0 {
-            tracing::debug!("prepXfer: {} of {} descriptor pairs carried an MD of no registration covering them (NIXL's lists in sync mode NONE); resolved by address", part.unhinted, local.len());
+            tracing::debug!(
+                "prepXfer: {} of {} descriptor pairs carried an MD of no registration covering \
+                 them (NIXL's lists in sync mode NONE); resolved by address",
+                part.unhinted,
+                local.len()
+            );
         }
         if part.cufile_descs > 0 && part.cufile_descs < local.len() {
             self.lists.give_back(part.ops);
             return Err(Error::invalid(
-            "descriptors of one request take different paths (cuFile for some, io_uring for others); split the request by memory region",
-        ));
+                "descriptors of one request take different paths (cuFile for some, io_uring for \
+                 others); split the request by memory region",
+            ));
         }
         let write = op == XferOp::Write;
         let (all_buffered, all_host) = (part.all_buffered, part.all_host);

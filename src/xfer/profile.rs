@@ -144,7 +144,10 @@ impl Profiles {
         };
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         tracing::info!(
-            "profile: request {} in {:.3} ms: storage I/O {:.3} ms summed over {} I/Os; device copies: {} started in {:.3} ms, waited {:.3} ms summed; {} staging buffers holding {} pieces; first / last I/O reaped at {:.3} / {:.3} ms, first copy started at {:.3} ms, last seen done at {:.3} ms",
+            "profile: request {} in {:.3} ms: storage I/O {:.3} ms summed over {} I/Os; device \
+             copies: {} started in {:.3} ms, waited {:.3} ms summed; {} staging buffers holding \
+             {} pieces; first / last I/O reaped at {:.3} / {:.3} ms, first copy started at {:.3} \
+             ms, last seen done at {:.3} ms",
             if ok { "done" } else { "failed" },
             p.start.map_or(0.0, |s| ms(s.elapsed())),
             ms(p.io),

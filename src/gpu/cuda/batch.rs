@@ -188,9 +188,14 @@ pub unsafe fn copy(
     }
     DISABLED.store(true, Ordering::Relaxed);
     tracing::info!(
-        "cuMemcpyBatchAsync returned {:?} (failIdx {}); staging copies of packed pieces use per-piece cuMemcpy*Async from now on",
+        "cuMemcpyBatchAsync returned {:?} (failIdx {}); staging copies of packed pieces use \
+         per-piece cuMemcpy*Async from now on",
         rc,
-        if fail_idx == usize::MAX { "-".to_string() } else { fail_idx.to_string() }
+        if fail_idx == usize::MAX {
+            "-".to_string()
+        } else {
+            fail_idx.to_string()
+        }
     );
     LOGGED.store(true, Ordering::Relaxed);
     false

@@ -37,8 +37,14 @@ impl Cuda {
     ) -> Result<Option<Box<dyn CopyTicket>>> {
         let kernel = d.scatter.get_or_init(|| {
             Scatter::load()
-                .inspect(|_| tracing::info!("packed staging copies to the GPU use the scatter kernel ({how:?}: one launch per staging buffer)"))
-                .map_err(|e| scatter::not_used(&format!("it did not load: {e}"))).ok()
+                .inspect(|_| {
+                    tracing::info!(
+                        "packed staging copies to the GPU use the scatter kernel ({how:?}: one \
+                         launch per staging buffer)"
+                    )
+                })
+                .map_err(|e| scatter::not_used(&format!("it did not load: {e}")))
+                .ok()
         });
         let Some(kernel) = kernel else {
             return Ok(None);
@@ -69,7 +75,11 @@ impl Cuda {
                 match guard("cuPointerGetAttribute", || scatter::mapped_address(lo))? {
                     Ok(mapped) => mapped,
                     Err(e) => {
-                        scatter::not_used(&format!("the staging buffer is not mapped for the device: cuPointerGetAttribute failed: {}", error_name(e)));
+                        scatter::not_used(&format!(
+                            "the staging buffer is not mapped for the device: \
+                             cuPointerGetAttribute failed: {}",
+                            error_name(e)
+                        ));
                         return Ok(None);
                     }
                 }

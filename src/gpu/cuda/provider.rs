@@ -44,7 +44,8 @@ impl GpuProvider for Cuda {
         })?;
         if ordinal != device {
             return Err(Error::invalid(format!(
-                "VRAM registration 0x{addr:x}+{len}: the memory is on CUDA device {ordinal}, but devId says {device}"
+                "VRAM registration 0x{addr:x}+{len}: the memory is on CUDA device {ordinal}, but \
+                 devId says {device}"
             )));
         }
         let mut base: sys::CUdeviceptr = 0;
@@ -57,7 +58,8 @@ impl GpuProvider for Cuda {
         let end = base + size as u64;
         if addr + len > end {
             return Err(Error::invalid(format!(
-                "VRAM registration 0x{addr:x}+{len} runs past the end of its CUDA allocation [0x{base:x}, 0x{end:x})"
+                "VRAM registration 0x{addr:x}+{len} runs past the end of its CUDA allocation \
+                 [0x{base:x}, 0x{end:x})"
             )));
         }
         Ok(DeviceRange {

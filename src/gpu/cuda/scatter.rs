@@ -142,7 +142,10 @@ pub fn enabled() -> bool {
 /// Turns the kernel off for the process after a refused launch, saying why once.
 pub fn disable(why: &str) {
     if !DISABLED.swap(true, Ordering::Relaxed) {
-        tracing::warn!("staging scatter kernel launch refused ({why}); packed staging copies use the batched copy from now on");
+        tracing::warn!(
+            "staging scatter kernel launch refused ({why}); packed staging copies use the batched \
+             copy from now on"
+        );
     }
 }
 

@@ -158,12 +158,21 @@ impl DriverProps {
             }
         };
         format!(
-            "{mode}; dstatusflags 0x{:x} (NVMe {}), dcontrolflags 0x{:x}, fflags 0x{:x} (batch {}), max_direct_io {} KiB, max_batch_io_size {}",
+            "{mode}; dstatusflags 0x{:x} (NVMe {}), dcontrolflags 0x{:x}, fflags 0x{:x} (batch \
+             {}), max_direct_io {} KiB, max_batch_io_size {}",
             self.dstatusflags,
-            if self.dstatusflags & STATUS_NVME_SUPPORTED != 0 { "yes" } else { "no" },
+            if self.dstatusflags & STATUS_NVME_SUPPORTED != 0 {
+                "yes"
+            } else {
+                "no"
+            },
             self.dcontrolflags,
             self.fflags,
-            if self.fflags & FEATURE_BATCH_IO != 0 { "yes" } else { "no" },
+            if self.fflags & FEATURE_BATCH_IO != 0 {
+                "yes"
+            } else {
+                "no"
+            },
             self.max_direct_io_size,
             self.max_batch_io_size
         )

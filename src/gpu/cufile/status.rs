@@ -29,7 +29,10 @@ pub fn status_name(code: i32) -> String {
         5024 => "MEMORY_NOT_REGISTERED",
         5025 => "PERMISSION_DENIED",
         5026 => "DRIVER_ALREADY_OPEN",
-        5027 => "HANDLE_NOT_REGISTERED (on machines without udevd cuFile finds no ID_FS_USAGE for the disk; see ci/gpu/udev-shim.sh)",
+        5027 => {
+            "HANDLE_NOT_REGISTERED (on machines without udevd cuFile finds no ID_FS_USAGE for the \
+             disk; see ci/gpu/udev-shim.sh)"
+        }
         5028 => "HANDLE_ALREADY_REGISTERED",
         5029 => "DEVICE_NOT_FOUND",
         5030 => "INTERNAL_ERROR",

@@ -37,20 +37,43 @@ pub fn check_range(rocm: &Rocm, device: i32, addr: u64, len: u64) -> Result<Devi
         .map_err(|e| Error::new(e.kind, format!("{what}: {}", e.message)))?;
     let refuse = |why: &str| Err(Error::invalid(format!("{what}: {why}")));
     match info.kind {
-        sys::POINTER_TYPE_HSA | sys::POINTER_TYPE_HSA_VMEM | sys::POINTER_TYPE_IPC | sys::POINTER_TYPE_GRAPHICS => {}
+        sys::POINTER_TYPE_HSA
+        | sys::POINTER_TYPE_HSA_VMEM
+        | sys::POINTER_TYPE_IPC
+        | sys::POINTER_TYPE_GRAPHICS => {}
         sys::POINTER_TYPE_UNKNOWN => {
-            return refuse("not memory of the HSA runtime (plain host memory, or another runtime's); register host memory as DRAM")
+            return refuse(
+                "not memory of the HSA runtime (plain host memory, or another runtime's); \
+                 register host memory as DRAM",
+            )
         }
-        sys::POINTER_TYPE_LOCKED => return refuse("host memory locked for the GPU (hsa_amd_memory_lock / hipHostRegister); register it as DRAM"),
-        sys::POINTER_TYPE_RESERVED_ADDR => return refuse("a reserved virtual address range with no memory mapped (hsa_amd_vmem_address_reserve)"),
-        other => return refuse(&format!("HSA pointer type {other}, which this build does not know")),
+        sys::POINTER_TYPE_LOCKED => {
+            return refuse(
+                "host memory locked for the GPU (hsa_amd_memory_lock / hipHostRegister); register \
+                 it as DRAM",
+            )
+        }
+        sys::POINTER_TYPE_RESERVED_ADDR => {
+            return refuse(
+                "a reserved virtual address range with no memory mapped \
+                 (hsa_amd_vmem_address_reserve)",
+            )
+        }
+        other => {
+            return refuse(&format!(
+                "HSA pointer type {other}, which this build does not know"
+            ))
+        }
     }
     if info.agent_owner != gpu.agent {
         // Memory from a system (CPU) pool, e.g. hipHostMalloc, is HSA memory owned by a CPU agent.
         return match rocm.gpus.iter().position(|g| g.agent == info.agent_owner) {
-            Some(owner) => refuse(&format!("the memory is on ROCm device {owner}, but devId says {device}")),
+            Some(owner) => refuse(&format!(
+                "the memory is on ROCm device {owner}, but devId says {device}"
+            )),
             None => refuse(&format!(
-                "the allocation is owned by HSA agent 0x{:x}, which is not a GPU (host memory from a system pool, e.g. hipHostMalloc); register it as DRAM",
+                "the allocation is owned by HSA agent 0x{:x}, which is not a GPU (host memory \
+                 from a system pool, e.g. hipHostMalloc); register it as DRAM",
                 info.agent_owner.handle
             )),
         };
@@ -81,13 +104,15 @@ pub fn export(rocm: &Rocm, device: i32, addr: u64, len: u64) -> Result<DmabufExp
     let call = |name: &str| format!("{name}(0x{addr:x}+{len})");
     let Some(entry) = rocm.lib.export else {
         return Err(not_supported(format!(
-            "{} has no hsa_amd_portable_export_dmabuf (an older ROCm, e.g. 5.2): VRAM cannot be exported as DMA-BUF",
+            "{} has no hsa_amd_portable_export_dmabuf (an older ROCm, e.g. 5.2): VRAM cannot be \
+             exported as DMA-BUF",
             rocm.lib.path
         )));
     };
     if rocm.dmabuf == DmabufQuery::NotSupported {
         return Err(not_supported(
-            "HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED is false: the amdgpu/KFD driver lacks DMA-BUF export (KFD interface 1.12+ needed)",
+            "HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED is false: the amdgpu/KFD driver lacks DMA-BUF \
+             export (KFD interface 1.12+ needed)",
         ));
     }
     let mut fd: c_int = -1;

@@ -342,7 +342,10 @@ pub fn doctor_report() -> Vec<String> {
     )];
     out.push(match rocm.dmabuf_query() {
         DmabufQuery::Supported => "rocm: HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED = true".to_owned(),
-        DmabufQuery::NotSupported => "rocm: HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED = false (the amdgpu/KFD driver lacks DMA-BUF export; KFD interface 1.12+ needed)".to_owned(),
+        DmabufQuery::NotSupported => "rocm: HSA_AMD_SYSTEM_INFO_DMABUF_SUPPORTED = false (the \
+                                       amdgpu/KFD driver lacks DMA-BUF export; KFD interface \
+                                       1.12+ needed)"
+            .to_owned(),
         DmabufQuery::Unknown(why) => format!("rocm: DMA-BUF support unknown: {why}"),
     });
     out.push(format!(

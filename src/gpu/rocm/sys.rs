@@ -204,7 +204,11 @@ impl Lib {
                 }
                 Err(Error::new(
                     ErrorKind::NotSupported,
-                    format!("no ROCm HSA runtime on this machine ({}); install ROCm or set {LIBRARY_ENV}", why.join("; ")),
+                    format!(
+                        "no ROCm HSA runtime on this machine ({}); install ROCm or set \
+                         {LIBRARY_ENV}",
+                        why.join("; ")
+                    ),
                 ))
             }
         }

@@ -256,8 +256,9 @@ impl Vulkan {
         let instance = unsafe { entry.create_instance(&info, None) }.map_err(|r| match r {
             vk::Result::ERROR_INCOMPATIBLE_DRIVER => Error::new(
                 ErrorKind::NotSupported,
-                "vkCreateInstance failed: ERROR_INCOMPATIBLE_DRIVER: the Vulkan loader found no driver (install one, e.g. \
-                 mesa-vulkan-drivers, or point VK_DRIVER_FILES at the driver's ICD JSON)",
+                "vkCreateInstance failed: ERROR_INCOMPATIBLE_DRIVER: the Vulkan loader found no \
+                 driver (install one, e.g. mesa-vulkan-drivers, or point VK_DRIVER_FILES at the \
+                 driver's ICD JSON)",
             ),
             r => vk_error("vkCreateInstance", r),
         })?;
@@ -501,7 +502,11 @@ impl LogicalDevice {
         };
         let memory_type = if spec.host_mapped {
             pick(HOST_MEMORY).ok_or_else(|| {
-                Error::new(ErrorKind::NotSupported, "no HOST_VISIBLE|HOST_COHERENT memory type can back an exportable buffer on this device")
+                Error::new(
+                    ErrorKind::NotSupported,
+                    "no HOST_VISIBLE|HOST_COHERENT memory type can back an exportable buffer on \
+                     this device",
+                )
             })?
         } else {
             pick(vk::MemoryPropertyFlags::DEVICE_LOCAL)

@@ -23,6 +23,7 @@
 //! (`mem::vram`, `engine`); this module only answers the provider questions.
 
 pub mod driver;
+mod provider;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -32,7 +33,7 @@ use once_cell::sync::{Lazy, OnceCell};
 use super::cuda::import::ImportedMemory;
 use super::cuda::Cuda;
 use crate::error::{Error, ErrorKind, Result};
-use crate::gpu::provider::{CopyFinished, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
+use crate::gpu::provider::GpuProvider;
 
 /// Allocation sizes are rounded up to host pages (the DMA-BUF export and mmap granule).
 const PAGE: u64 = 4096;
@@ -62,10 +63,22 @@ impl Variant {
     }
     fn explain(self) -> &'static str {
         match self {
-            Variant::DmabufCuda => "exportable as DMA_BUF_EXT and OPAQUE_FD: CUDA imports the OPAQUE_FD for the address and copies, Vulkan exports the DMA-BUF",
-            Variant::OpaqueCuda => "exportable as OPAQUE_FD only: CUDA imports it for the address and copies and is asked for the DMA-BUF",
-            Variant::DmabufHost => "exportable as DMA_BUF_EXT, no CUDA device for it: host-mapped address, memcpy copies, Vulkan exports the DMA-BUF",
-            Variant::HostMapped => "no DMA_BUF_EXT export and no CUDA device for it: host-mapped address, memcpy copies, no DMA-BUF (staging only)",
+            Variant::DmabufCuda => {
+                "exportable as DMA_BUF_EXT and OPAQUE_FD: CUDA imports the OPAQUE_FD for the \
+                 address and copies, Vulkan exports the DMA-BUF"
+            }
+            Variant::OpaqueCuda => {
+                "exportable as OPAQUE_FD only: CUDA imports it for the address and copies and is \
+                 asked for the DMA-BUF"
+            }
+            Variant::DmabufHost => {
+                "exportable as DMA_BUF_EXT, no CUDA device for it: host-mapped address, memcpy \
+                 copies, Vulkan exports the DMA-BUF"
+            }
+            Variant::HostMapped => {
+                "no DMA_BUF_EXT export and no CUDA device for it: host-mapped address, memcpy \
+                 copies, no DMA-BUF (staging only)"
+            }
         }
     }
     fn uses_cuda(self) -> bool {
@@ -178,7 +191,8 @@ impl VulkanProvider {
                 if vk.devices.is_empty() {
                     return Err(Error::new(
                         ErrorKind::NotSupported,
-                        "the Vulkan loader found no device (no Vulkan driver installed? VK_DRIVER_FILES names the ICD JSON)",
+                        "the Vulkan loader found no device (no Vulkan driver installed? \
+                         VK_DRIVER_FILES names the ICD JSON)",
                     ));
                 }
                 let cuda = Cuda::load().ok().filter(|c| c.device_count() > 0);
@@ -202,9 +216,15 @@ impl VulkanProvider {
                 None => Err(Error::new(
                     ErrorKind::NotSupported,
                     format!(
-                        "no Vulkan device has the UUID of CUDA device {device} ({}); Vulkan sees: {}",
+                        "no Vulkan device has the UUID of CUDA device {device} ({}); Vulkan sees: \
+                         {}",
                         driver::uuid_string(&uuid),
-                        self.vk.devices.iter().map(|d| d.describe()).collect::<Vec<_>>().join("; ")
+                        self.vk
+                            .devices
+                            .iter()
+                            .map(|d| d.describe())
+                            .collect::<Vec<_>>()
+                            .join("; ")
                     ),
                 )),
             };
@@ -322,162 +342,21 @@ impl VulkanProvider {
                 tracing::debug!("iud_vulkan_free: 0x{addr:x}+{}", a.len);
                 Ok(())
             }
-            None => Err(Error::invalid(format!("iud_vulkan_free: 0x{addr:x} is not the start of an allocation made by iud_vulkan_alloc"))),
+            None => Err(Error::invalid(format!(
+                "iud_vulkan_free: 0x{addr:x} is not the start of an allocation made by \
+                 iud_vulkan_alloc"
+            ))),
         }
     }
 
     fn registered(&self, addr: u64, len: u64) -> Result<Arc<Allocation>> {
         lookup(addr, len).ok_or_else(|| {
             Error::invalid(format!(
-                "VRAM 0x{addr:x}+{len} was not allocated through iud_vulkan_alloc of this plugin library (gpu_provider=vulkan \
-                 moves only such memory; allocate with iud_vulkan_alloc, see include/iud_vulkan.h, or use gpu_provider=cuda)"
+                "VRAM 0x{addr:x}+{len} was not allocated through iud_vulkan_alloc of this plugin \
+                 library (gpu_provider=vulkan moves only such memory; allocate with \
+                 iud_vulkan_alloc, see include/iud_vulkan.h, or use gpu_provider=cuda)"
             ))
         })
-    }
-}
-
-impl GpuProvider for VulkanProvider {
-    fn name(&self) -> &'static str {
-        "vulkan"
-    }
-
-    fn device_count(&self) -> i32 {
-        match &self.cuda {
-            Some(c) => c.device_count(),
-            None => self.vk.devices.len() as i32,
-        }
-    }
-
-    fn check_device_range(&self, device: i32, addr: u64, len: u64) -> Result<DeviceRange> {
-        let a = self.registered(addr, len)?;
-        if a.device != device {
-            return Err(Error::invalid(format!(
-                "VRAM registration 0x{addr:x}+{len}: the Vulkan allocation is on device {}, but devId says {device}",
-                a.device
-            )));
-        }
-        Ok(DeviceRange {
-            alloc_start: a.addr,
-            alloc_end: a.addr + a.len,
-        })
-    }
-
-    fn export_dmabuf(&self, device: i32, addr: u64, len: u64) -> Result<DmabufExport> {
-        let a = self.registered(addr, len)?;
-        match a.variant {
-            Variant::DmabufCuda | Variant::DmabufHost => {
-                let fd = a.vk.export_fd(DMA_BUF)?;
-                Ok(DmabufExport { fd, offset: addr - a.addr, whole_size: Some(a.vk.alloc_size) })
-            }
-            Variant::OpaqueCuda => {
-                let cuda = self.cuda.as_ref().ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
-                cuda.export_dmabuf(device, addr, len).map_err(|e| {
-                    Error::new(e.kind, format!("CUDA could not export the imported Vulkan memory as a DMA-BUF: {}", e.message))
-                })
-            }
-            Variant::HostMapped => Err(Error::new(
-                ErrorKind::NotSupported,
-                "Vulkan variant host-mapped has no DMA-BUF export (the driver offers no exportable VK_EXT_external_memory_dma_buf); \
-                 vram_path=staging or auto moves it",
-            )),
-        }
-    }
-
-    unsafe fn pin_host(&self, addr: u64, len: u64) -> Result<()> {
-        match &self.cuda {
-            // SAFETY: forwarded contract (the memory stays mapped until unpin_host).
-            Some(c) => unsafe { c.pin_host(addr, len) },
-            // memcpy copies need no page-locked memory.
-            None => Ok(()),
-        }
-    }
-
-    fn unpin_host(&self, addr: u64) {
-        if let Some(c) = &self.cuda {
-            c.unpin_host(addr);
-        }
-    }
-
-    unsafe fn copy_to_host(
-        &self,
-        device: i32,
-        host: u64,
-        dev: u64,
-        len: u64,
-    ) -> Result<Box<dyn CopyTicket>> {
-        let a = self.registered(dev, len)?;
-        if a.variant.uses_cuda() {
-            let c = self
-                .cuda
-                .as_ref()
-                .ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
-            // SAFETY: forwarded contract.
-            return unsafe { c.copy_to_host(device, host, dev, len) };
-        }
-        let src = a.host_range(dev, len)?;
-        // SAFETY: src is inside the live mapping of `a` (held by the Arc for the copy); the
-        // caller guarantees the host range; staging buffers never overlap device memory.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, host as *mut u8, len as usize) };
-        Ok(Box::new(CopyFinished))
-    }
-
-    unsafe fn copy_to_device(
-        &self,
-        device: i32,
-        dev: u64,
-        host: u64,
-        len: u64,
-    ) -> Result<Box<dyn CopyTicket>> {
-        let a = self.registered(dev, len)?;
-        if a.variant.uses_cuda() {
-            let c = self
-                .cuda
-                .as_ref()
-                .ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
-            // SAFETY: forwarded contract.
-            return unsafe { c.copy_to_device(device, dev, host, len) };
-        }
-        let dst = a.host_range(dev, len)?;
-        // SAFETY: as in copy_to_host, the other direction.
-        unsafe { std::ptr::copy_nonoverlapping(host as *const u8, dst as *mut u8, len as usize) };
-        Ok(Box::new(CopyFinished))
-    }
-
-    fn fence_app_work(&self, device: i32, host_wait: bool) -> Result<()> {
-        match &self.cuda {
-            Some(c) => c.fence_app_work(device, host_wait),
-            None => Ok(()),
-        }
-    }
-
-    fn make_current(&self, device: i32) -> Result<()> {
-        match &self.cuda {
-            Some(c) => c.make_current(device),
-            None => Ok(()),
-        }
-    }
-
-    fn describe(&self) -> String {
-        let devices: Vec<String> = (0..self.device_count())
-            .map(|d| match (self.resolve(d), self.plan_for(d)) {
-                (Ok((i, _)), Ok((v, _))) => format!(
-                    "device {d}: {}, variant {}",
-                    self.vk.devices[i].describe(),
-                    v.name()
-                ),
-                (Err(e), _) | (_, Err(e)) => format!("device {d}: {}", e.message),
-            })
-            .collect();
-        let cuda = match &self.cuda {
-            Some(c) => c.describe(),
-            None => "no CUDA".to_owned(),
-        };
-        format!(
-            "Vulkan {}; {}; {}",
-            self.vk.version(),
-            devices.join("; "),
-            cuda
-        )
     }
 }
 

@@ -117,10 +117,17 @@ impl Ring {
             .setup_submit_all()
             .dontfork()
             .build(sq_entries)
-            .or_else(|_| IoUring::builder().setup_cqsize(sq_entries * 2).build(sq_entries))
+            .or_else(|_| {
+                IoUring::builder()
+                    .setup_cqsize(sq_entries * 2)
+                    .build(sq_entries)
+            })
             .map_err(|e| {
                 Error::os(
-                    format!("io_uring_setup({sq_entries} entries) failed; is io_uring disabled (sysctl kernel.io_uring_disabled, seccomp)?"),
+                    format!(
+                        "io_uring_setup({sq_entries} entries) failed; is io_uring disabled \
+                         (sysctl kernel.io_uring_disabled, seccomp)?"
+                    ),
                     &e,
                 )
             })?;

@@ -180,7 +180,8 @@ impl Driver {
             }
             if Instant::now() > deadline {
                 return Err(Error::backend(format!(
-                    "releaseReqH: in-flight I/O did not finish within {}s after cancellation; the request is kept",
+                    "releaseReqH: in-flight I/O did not finish within {}s after cancellation; the \
+                     request is kept",
                     TEARDOWN_WAIT.as_secs()
                 )));
             }
