@@ -23,7 +23,9 @@
 # filelock>=4.2.4; and nvidia-cutlass-dsl[cu13], which vLLM 0.34 imports unguarded on CUDA
 # (model_executor/warmup/kernel_warmup.py -> minimax_m3_msa_warmup -> `import cutlass`) whatever
 # the model. Its packages live under nvidia_cutlass_dsl/dsl_packages, which a .pth file adds in
-# a site folder; vllm-run.sh puts that folder on PYTHONPATH instead.
+# a site folder; vllm-run.sh puts that folder on PYTHONPATH instead. The same chain imports
+# `quack` (quack-kernels, pure Python over cutlass; models/minimax_m3/nvidia/ops/
+# index_decode_score.py), found on the H100 on 2026-12-06.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=.device/vllm
@@ -52,7 +54,7 @@ PINS=(annotated-types==0.8.0 anthropic==2.16.0 apache-tvm-ffi==0.1.11 astor==0.8
 PINS_034=(huggingface_hub==2.4.0 hf-xet==1.8.0 click==8.5.1 transformers==5.22.2 tokenizers==0.23.3
   filelock==4.3.2 httpx2==2.17.0 httpcore2==2.17.0 nvidia-cutlass-dsl==4.8.0
   nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-core==4.8.0
-  nvidia-cutlass-dsl-libs-cu13==4.8.0)
+  nvidia-cutlass-dsl-libs-cu13==4.8.0 quack-kernels==0.6.5)
 RELEASE=${IUD_VLLM_RELEASE:-0.34.0}
 case "$RELEASE" in
 0.33.0) ;;

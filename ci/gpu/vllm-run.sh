@@ -20,7 +20,10 @@ SRC=$(realpath "${IUD_SRC:-.}")
 mkdir -p "$H/parts" "$OUT" "$WORK"
 
 setup_env() {
-    local libs=$H/site/.nixl_cu13.mesonpy.libs
+    local libs=$H/site/.nixl_cu13.mesonpy.libs w
+    # Wheels carried beside the parts (.device/extra), for a dependency found missing after the
+    # parts were made: unpacked into the site.
+    for w in .device/extra/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$H/site"; done
     mkdir -p "$libs/iud-plugins"
     for p in "$libs"/plugins/libplugin_*.so; do ln -sf "../plugins/$(basename "$p")" "$libs/iud-plugins/"; done
     [ -f "$H/.plugin-new" ] && cp -f "$H/.plugin-new" "$H/libplugin_IO_URING_DMABUF.so"
