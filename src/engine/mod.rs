@@ -13,16 +13,17 @@ use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Failure, Result};
 use crate::gpu::GpuProvider;
 use crate::mem::live::Registry;
-use crate::mem::{FileRegion, Registration};
+use crate::mem::Registration;
 use crate::params::EngineParams;
+use crate::path;
 use crate::path::cufile_exec::{CufileExecutor, CufileProgress};
 use crate::path::routes::RouteCache;
 use crate::path::select::Selector;
 use crate::path::staging::StagingShape;
-use crate::path::{self, Route};
 use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{Progress, Ring, WorkerConfig, WriterLimits};
+use crate::xfer::bind::{self, Binder};
 use crate::xfer::driver::{Driver, RequestKey};
 use crate::xfer::plan::parts_for;
 use crate::xfer::prep_pool::PrepPool;
@@ -148,32 +149,8 @@ impl Engine {
         })
     }
 
-    /// How a memory registration reaches `file`: decided and bound on first use of the pair
-    /// (`path::routes`), with the engine's one-time work for its route done then.
-    fn route(&self, mem: &Registration, file: &FileRegion) -> Result<Route> {
-        let selector = Selector {
-            ring: &self.ring,
-            params: &self.params,
-            dmabuf_support: dmabuf_support(),
-        };
-        self.routes.route(&selector, mem, file, |route| {
-            match (route, mem) {
-                (Route::Staging, Registration::Vram(v)) => self
-                    .driver
-                    .enable_staging(Arc::clone(&v.provider), self.staging_shape())?,
-                (Route::Cufile, _) => {
-                    self.cufile_executor();
-                }
-                _ => {}
-            }
-            Ok(())
-        })
-    }
-
     fn cufile_executor(&self) -> &CufileExecutor {
-        self.cufile_exec.get_or_init(|| {
-            path::cufile::executor(self.params.cufile_api, self.params.cufile_threads)
-        })
+        bind::cufile_executor(&self.cufile_exec, &self.params)
     }
 
     /// The helper threads for a prepXfer of `descriptors` pairs, when it is large enough to be
@@ -207,10 +184,20 @@ impl Engine {
                 self.local_agent
             )));
         }
+        let binder = Binder {
+            routes: &self.routes,
+            selector: Selector {
+                ring: &self.ring,
+                params: &self.params,
+                dmabuf_support: dmabuf_support(),
+            },
+            driver: &self.driver,
+            cufile: &self.cufile_exec,
+        };
         let planner = Planner {
             params: &self.params,
             registry: &self.registry,
-            route: &|mem, file| self.route(mem, file),
+            binder: &binder,
             lists: &self.op_lists,
             pool: self.prep_pool(local.len()),
         };

@@ -34,8 +34,8 @@ impl RouteCache {
     }
 
     /// How a memory registration reaches `file`: cached, or chosen and bound by `selector`,
-    /// then readied by `ready` (the engine's one-time work a route needs: the staging pool, the
-    /// cuFile executor), cached and logged once with the reason.
+    /// then readied by `ready` (the one-time work a route needs above this layer: the staging
+    /// pool, the cuFile executor; `xfer::bind`), cached and logged once with the reason.
     pub fn route(
         &self,
         selector: &Selector<'_>,

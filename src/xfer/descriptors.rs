@@ -10,13 +10,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::bind::Binder;
 use super::cut::{Bound, Limits};
 use super::direction::XferOp;
 use super::recycle::OpLists;
 use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Result};
 use crate::mem::live::{Coverage, Registry, Unresolved};
-use crate::mem::{FileRegion, MemKind, Registration};
+use crate::mem::{MemKind, Registration};
 use crate::path::Route;
 use crate::uring::IoOp;
 
@@ -184,9 +185,6 @@ fn not_covered(i: usize, what: String, kind: MemKind, d: &iud_desc, why: Unresol
     Error::not_found(m)
 }
 
-/// How a memory registration reaches a target (the engine's route cache).
-pub type RouteFn<'a> = dyn Fn(&Registration, &FileRegion) -> Result<Route> + Sync + 'a;
-
 /// What planning one run of descriptors found, beside its ops.
 pub struct Part {
     pub ops: Vec<IoOp>,
@@ -229,7 +227,7 @@ pub struct ListPlanner<'a> {
     pub registry: &'a Registry,
     /// Chooses (once per pair, cached in `path::routes`) how a memory registration reaches a
     /// target; called from every thread that plans a part of the request.
-    pub route: &'a RouteFn<'a>,
+    pub binder: &'a Binder<'a>,
     pub limits: Limits,
 }
 
@@ -267,7 +265,8 @@ impl ListPlanner<'_> {
             };
             if k == routes.len() {
                 routes.push(
-                    (self.route)(&regs.list[m], file)
+                    self.binder
+                        .route(&regs.list[m], file)
                         .map_err(|e| e.at_descriptor(i).with_fd(file.fd))?,
                 );
             }

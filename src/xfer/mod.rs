@@ -1,6 +1,7 @@
 //! Transfers: validation and cutting of descriptor lists (prepXfer) into ring ops, each
 //! request's state machine, and the driver that moves requests through the ring.
 
+pub mod bind;
 mod callers;
 mod cut;
 mod descriptors;

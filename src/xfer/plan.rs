@@ -7,8 +7,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use super::bind::Binder;
 use super::cut::Limits;
-use super::descriptors::{ListPlanner, Part, RouteFn};
+use super::descriptors::{ListPlanner, Part};
 use super::direction::XferOp;
 use super::prep_pool::PrepPool;
 use super::recycle::OpLists;
@@ -56,7 +57,7 @@ pub struct Planner<'a> {
     pub registry: &'a Registry,
     /// Chooses (once per pair, cached in `path::routes`) how a memory registration reaches a
     /// target.
-    pub route: &'a RouteFn<'a>,
+    pub binder: &'a Binder<'a>,
     /// Op lists of released requests, reused (no page faults per request).
     pub lists: &'a OpLists,
     /// Threads that plan parts of a large list beside the caller (`prep_threads`).
@@ -180,7 +181,7 @@ impl Planner<'_> {
             op,
             kinds: (lk, rk),
             registry: self.registry,
-            route: self.route,
+            binder: self.binder,
             limits: limits(self.params, total_bytes),
         };
         // In parts when the list is large enough and the helpers are free, else whole.
