@@ -80,7 +80,8 @@ impl Recorder {
 
     pub fn register(&self, md: usize, kind: i32, addr: u64, len: u64, dev_id: u64, meta: &str) {
         self.line(format!(
-            "\"event\":\"register\",\"md\":{md},\"kind\":\"{}\",\"addr\":{addr},\"len\":{len},\"dev_id\":{dev_id},\"meta\":{}",
+            "\"event\":\"register\",\"md\":{md},\"kind\":\"{}\",\"addr\":{addr},\
+             \"len\":{len},\"dev_id\":{dev_id},\"meta\":{}",
             kind_name(kind),
             json_str(meta)
         ));
@@ -102,7 +103,9 @@ impl Recorder {
         bytes: u64,
     ) {
         self.line(format!(
-            "\"event\":\"prep\",\"req\":{req},\"op\":\"{}\",\"local_kind\":\"{}\",\"remote_kind\":\"{}\",\"count\":{},\"bytes\":{bytes},\"ios_after_merge\":{ios},\"local\":{},\"remote\":{}",
+            "\"event\":\"prep\",\"req\":{req},\"op\":\"{}\",\"local_kind\":\"{}\",\
+             \"remote_kind\":\"{}\",\"count\":{},\"bytes\":{bytes},\"ios_after_merge\":{ios},\
+             \"local\":{},\"remote\":{}",
             if op == 1 { "WRITE" } else { "READ" },
             kind_name(local_kind),
             kind_name(remote_kind),
