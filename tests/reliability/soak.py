@@ -25,16 +25,15 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# tests/python (its conftest and helpers) and python/ (the package, for its NIXL wheel lookup).
-sys.path[:0] = [os.path.join(HERE, "..", "python"), os.path.join(HERE, "..", "..", "python")]
+# As pytest.ini's pythonpath: tests/python (iud_helpers), tests/ (support) and python/ (the package).
+sys.path[:0] = [os.path.join(HERE, "..", "python"), os.path.join(HERE, ".."),
+                os.path.join(HERE, "..", "..", "python")]
 
 
 def _setup():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("iud_python_conftest",
-                                                  os.path.join(HERE, "..", "python", "conftest.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # NIXL_PLUGIN_DIR before nixl is imported
+    from support.plugin_dir import use_test_plugin_dir
+
+    use_test_plugin_dir()  # NIXL_PLUGIN_DIR before nixl is imported
 
 
 class Patterns:

@@ -3,6 +3,7 @@
 pytest.ini puts tests/ (and python/, the package of this checkout) on sys.path, so every suite
 imports these as `support.<module>`:
 
+- plugin_dir: the NIXL plugin folder the tests load (IUD_PLUGIN_DIR), set before NIXL starts.
 - mounts: file systems a test needs root to mount: the FUSE fault file systems (FuseMount) and
   small tmpfs folders (TmpfsMounts).
 - fuse_faultfs.py, fuse_rules.py: the FUSE daemons FuseMount runs (raw /dev/fuse protocol,

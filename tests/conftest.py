@@ -1,57 +1,21 @@
-"""pytest setup for the IO_URING_DMABUF Python suite.
+"""pytest setup shared by every suite under tests/ (python, reliability, gpu, remote).
 
 Environment:
   IUD_TEST_BACKEND   backend under test (default IO_URING_DMABUF; POSIX validates the harness)
   IUD_TEST_PARAMS    extra backend params, "k=v,k=v"
-  IUD_PLUGIN_DIR     NIXL plugin directory (default <wheel libs>/iud-plugins, as ci/build.sh
-                     lays it out; a private directory with the wheel's plugins only if that does
-                     not exist). NIXL_PLUGIN_DIR is set from it here, before nixl is imported,
-                     because NIXL's plugin manager is a process singleton.
+  IUD_PLUGIN_DIR     NIXL plugin directory (support/plugin_dir.py); NIXL_PLUGIN_DIR is set from
+                     it here, before nixl is imported.
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import glob
 import os
 import sys
-import tempfile
 
-from nixl_io_uring_dmabuf.tools.locate import first_wheel
+from support.plugin_dir import use_test_plugin_dir
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-
-def _setup_plugin_dir():
-    wheel = first_wheel()
-    libs, bundled = (wheel.libs, wheel.bundled) if wheel else (None, None)
-    plugin_dir = os.environ.get("IUD_PLUGIN_DIR") or (
-        os.path.join(libs, "iud-plugins") if libs else "")
-    if not os.path.isdir(plugin_dir) and libs:
-        # Not built yet: a private directory with the wheel's plugins only (enough for
-        # IUD_TEST_BACKEND=POSIX runs).
-        plugin_dir = tempfile.mkdtemp(prefix="iud-nixl-plugins-")
-        for p in glob.glob(os.path.join(libs, "plugins", "libplugin_*.so")):
-            os.symlink(p, os.path.join(plugin_dir, os.path.basename(p)))
-    os.environ["NIXL_PLUGIN_DIR"] = plugin_dir
-    os.environ["IUD_PLUGIN_DIR"] = plugin_dir
-    # The wheel's plugins find their private libraries through RPATH $ORIGIN/.., which only
-    # works from a plugin directory directly inside the wheel's library folder. For the
-    # temporary directory, preload those libraries so that dlopen finds them by soname.
-    if libs and os.path.dirname(os.path.abspath(plugin_dir)) != os.path.abspath(libs):
-        wanted = [os.path.join(libs, "libnixl_common.so"), os.path.join(libs, "libfile_utils.so")]
-        wanted += glob.glob(os.path.join(bundled, "liburing-*.so*"))
-        wanted += glob.glob(os.path.join(bundled, "libaio-*.so*"))
-        for w in wanted:
-            try:
-                ctypes.CDLL(w, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                pass
-
-
-_setup_plugin_dir()
+use_test_plugin_dir()
 
 import pytest  # noqa: E402
 
