@@ -3,14 +3,14 @@ between the engine's KV memory and those files. No vLLM and no torch in here: KV
 regions (address, row stride, rows, page bytes, device) and checksums from a callable, so the
 same code serves vLLM's tensors (VRAM or DRAM) and the unit tests' buffers.
 
-Set-up, once: the rank's folder is locked, its slot files opened and sized, and the NIXL side
-(transfers.RankTransfers) registers the KV memory and the files and preps their descriptor
-lists. A job is one `make_prepped_xfer` by indices, posted when its `ready` callable says the
-device work it must follow is done (never waited for), polled by `poll()`, then released; it
-goes through the phases of `Phase`. A store's COMMIT records (with the checksums computed from
-the KV memory before the transfer) are appended only after the transfer is DONE - after
-fdatasync of the slot files when `durable`. A load is checked against the expected checksums
-after it is DONE; a block that does not match is reported and gets a DAMAGED record.
+Set-up, once: the rank's folder is locked, its slot files opened and sized (slot_files.RankFiles),
+and the NIXL side (transfers.RankTransfers) registers the KV memory and the files and preps their
+descriptor lists. A job is one `make_prepped_xfer` by indices, posted when its `ready` callable
+says the device work it must follow is done (never waited for), polled by `poll()`, then released;
+it goes through the phases of `Phase`. A store's COMMIT records (with the checksums computed from
+the KV memory before the transfer) are appended only after the transfer is DONE - after fdatasync
+of the slot files when `durable`. A load is checked against the expected checksums after it is
+DONE; a block that does not match is reported and gets a DAMAGED record.
 
 A failed job's error names its cause where the file system shows one (diagnosis.py). Set-up
 failures of the store's files (full or read-only file system) are one StoreUnavailable line
@@ -25,7 +25,6 @@ import ctypes
 import dataclasses
 import enum
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -34,6 +33,7 @@ import numpy as np
 from . import checksum, journal
 from . import layout as L
 from .diagnosis import cause_of, diagnose
+from .slot_files import RankFiles
 from .transfers import RankTransfers
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,6 @@ class RankStore:
         self.regions = list(regions)
         self.pages = [r.page for r in self.regions]
         self.durable = options.durable
-        W = geo.world_size
         if sum(self.pages) > geo.rank_block_bytes:
             raise ValueError(f"rank {rank}: the KV cache has {sum(self.pages)} B per block, more "
                              f"than the {geo.rank_block_bytes} B vLLM announced to the scheduler")
@@ -149,34 +148,17 @@ class RankStore:
             checksum.check_page_bytes(p)
         self._block_sums = block_sums or HostRows(self.regions).block_sums
         self._launch_sums = launch_sums
-        rdir = L.rank_dir(root, rank, W)
-        self._root = root
-        self._fds: list[int] = []
-        what = f"vLLM KV store rank {rank}"
+        self._files = RankFiles(root, geo, rank, self.pages, options.o_direct, options.durable,
+                                options.preallocate)
+        self._root, self._fds, self._log = root, self._files.fds, self._files.log
         try:
-            os.makedirs(rdir, exist_ok=True)
-            self._lock_fd = journal.lock_exclusive(os.path.join(rdir, ".lock"), what)
-        except OSError as e:
-            raise L.StoreUnavailable(f"{what}: cannot open {L.explain(e, rdir)}") from None
-        try:
-            L.ensure_json(os.path.join(rdir, "layout.json"),
-                          {"pages": self.pages, "blocks_per_chunk": geo.blocks_per_chunk,
-                           "slot_bytes": geo.slot_bytes, "rank": rank, "world_size": W},
-                          what)
-            try:
-                self._log = journal.Appender(L.commits_log(root, rank, W), options.durable)
-            except OSError as e:
-                raise L.StoreUnavailable(
-                    f"{what}: cannot open {L.explain(e, L.commits_log(root, rank, W))}") from None
-            self._open_files(root, options.o_direct, options.preallocate)
             if options.o_direct:
-                self._check_direct(mem_kind)
+                self._files.check_direct(self.pages, self.regions, mem_kind)
             self._nixl = RankTransfers(rank, options.backend, options.backend_params, mem_kind,
                                        self.regions, geo, self._fds)
             self._nb, self._npg = self._nixl.num_blocks, self._nixl.num_pages
         except BaseException:
-            self._close_files()
-            os.close(self._lock_fd)
+            self._files.close()
             raise
         self._jobs: dict[int, _Job] = {}
         self._done: list[Result] = []
@@ -196,58 +178,6 @@ class RankStore:
         logger.info("KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
                     "backend %s%s", rank, geo.num_slots, geo.slot_bytes, len(self._fds),
                     len(self.pages), options.backend, " O_DIRECT" if options.o_direct else "")
-
-    # ---- set-up: the rank's slot files -----------------------------------------------------
-    def _open_files(self, root: str, o_direct: bool, preallocate: bool) -> None:
-        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
-        what = f"vLLM KV store rank {self.rank}"
-        for i in range(self.geo.num_files):
-            path = L.slot_file(root, self.rank, self.geo.world_size, i)
-            try:
-                fd = os.open(path, flags, 0o644)
-                self._fds.append(fd)
-                old = os.fstat(fd).st_size
-            except OSError as e:
-                raise L.StoreUnavailable(f"{what}: cannot open {L.explain(e, path)}") from None
-            size = self.geo.file_slots(i) * self.geo.slot_bytes
-            if old >= size:
-                continue
-            try:
-                if preallocate:
-                    try:
-                        os.posix_fallocate(fd, 0, size)
-                        continue
-                    except OSError as e:
-                        if e.errno in L.NO_SPACE:
-                            os.ftruncate(fd, old)
-                            raise L.StoreUnavailable(
-                                f"{what}: cannot preallocate {size} B for "
-                                f"{L.explain(e, path)}. Free space, lower capacity_gb, or set "
-                                "preallocate to false (sparse slot files: stores then fail "
-                                "while the file system is full)") from None
-                os.ftruncate(fd, size)  # sparse: preallocate off or not supported here
-            except OSError as e:
-                raise L.StoreUnavailable(f"{what}: cannot size {L.explain(e, path)}") from None
-
-    def _check_direct(self, mem_kind: str) -> None:
-        mem_align, off_align = L.direct_alignment(self._fds[0])
-        problems = []
-        offsets = np.cumsum([0] + self.pages)
-        if self.geo.slot_bytes % off_align:
-            problems.append(f"slot size {self.geo.slot_bytes} B is not a multiple of {off_align}")
-        for p in list(self.pages) + [int(o) for o in offsets[1:]] + [sum(self.pages)]:
-            if p % off_align:
-                problems.append(f"a KV page boundary ({p} B into a block) is not a multiple of "
-                                f"{off_align} B")
-                break
-        if mem_kind == "DRAM":
-            for i, r in enumerate(self.regions):
-                if r.addr % mem_align or r.stride % mem_align:
-                    problems.append(f"KV tensor {i} at 0x{r.addr:x} (row stride {r.stride} B) is "
-                                    f"not aligned to {mem_align} B")
-        if problems:
-            raise ValueError("o_direct cannot serve this KV cache layout: " + "; ".join(problems)
-                             + ". Set o_direct to false.")
 
     # ---- jobs ----------------------------------------------------------------------------
     def _indices(self, job: _Job) -> tuple[np.ndarray, np.ndarray]:
@@ -428,12 +358,7 @@ class RankStore:
                 recs.append(journal.commit(key, slot, gen, bpc * sum(self.pages),
                                            [subs[j] for j in range(bpc)]))
             if self.durable:
-                for fi in sorted({self.geo.locate(int(s))[0] for s in job.slots}):
-                    try:
-                        os.fdatasync(self._fds[fi])
-                    except OSError as e:
-                        path = L.slot_file(self._root, self.rank, self.geo.world_size, fi)
-                        raise OSError(e.errno, f"fdatasync of {L.explain(e, path)}") from None
+                self._files.fdatasync(job.slots)
             self._log.append(recs)  # whole or not at all (journal.AppendFailed)
             return res
         got = job.got
@@ -481,18 +406,11 @@ class RankStore:
         return len(self._jobs)
 
     # ---- teardown ------------------------------------------------------------------------
-    def _close_files(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-
     def close(self) -> None:
         try:
             self.wait(list(self._jobs), timeout=60)
         except Exception as e:  # noqa: BLE001
             logger.error("KV store rank %d: jobs still in flight at close: %s", self.rank, e)
         self._nixl.close()
-        self._close_files()
-        self._log.close()
+        self._files.close()
         self._pool.shutdown(wait=False)
-        os.close(self._lock_fd)

@@ -1,0 +1,120 @@
+"""One rank's folder of the store: its lock (one process per rank), layout.json, the commit
+journal's appender and the slot files, opened and sized (preallocated, or sparse). Set-up failures
+are one StoreUnavailable naming path and cause. rankstore.RankStore runs the jobs over these.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import journal
+from . import layout as L
+
+if TYPE_CHECKING:
+    from .rankstore import Region
+
+
+class RankFiles:
+    """The open files of one rank (see the module doc); close() releases them and the lock."""
+
+    def __init__(self, root: str, geo: L.Geometry, rank: int, pages: list[int], o_direct: bool,
+                 durable: bool, preallocate: bool):
+        self.root, self.geo, self.rank = root, geo, rank
+        self.fds: list[int] = []
+        self.log: journal.Appender | None = None
+        W = geo.world_size
+        rdir = L.rank_dir(root, rank, W)
+        what = f"vLLM KV store rank {rank}"
+        try:
+            os.makedirs(rdir, exist_ok=True)
+            self._lock_fd = journal.lock_exclusive(os.path.join(rdir, ".lock"), what)
+        except OSError as e:
+            raise L.StoreUnavailable(f"{what}: cannot open {L.explain(e, rdir)}") from None
+        try:
+            L.ensure_json(os.path.join(rdir, "layout.json"),
+                          {"pages": pages, "blocks_per_chunk": geo.blocks_per_chunk,
+                           "slot_bytes": geo.slot_bytes, "rank": rank, "world_size": W},
+                          what)
+            try:
+                self.log = journal.Appender(L.commits_log(root, rank, W), durable)
+            except OSError as e:
+                raise L.StoreUnavailable(
+                    f"{what}: cannot open {L.explain(e, L.commits_log(root, rank, W))}") from None
+            self._open_files(o_direct, preallocate)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_files(self, o_direct: bool, preallocate: bool) -> None:
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
+        what = f"vLLM KV store rank {self.rank}"
+        for i in range(self.geo.num_files):
+            path = L.slot_file(self.root, self.rank, self.geo.world_size, i)
+            try:
+                fd = os.open(path, flags, 0o644)
+                self.fds.append(fd)
+                old = os.fstat(fd).st_size
+            except OSError as e:
+                raise L.StoreUnavailable(f"{what}: cannot open {L.explain(e, path)}") from None
+            size = self.geo.file_slots(i) * self.geo.slot_bytes
+            if old >= size:
+                continue
+            try:
+                if preallocate:
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                        continue
+                    except OSError as e:
+                        if e.errno in L.NO_SPACE:
+                            os.ftruncate(fd, old)
+                            raise L.StoreUnavailable(
+                                f"{what}: cannot preallocate {size} B for "
+                                f"{L.explain(e, path)}. Free space, lower capacity_gb, or set "
+                                "preallocate to false (sparse slot files: stores then fail "
+                                "while the file system is full)") from None
+                os.ftruncate(fd, size)  # sparse: preallocate off or not supported here
+            except OSError as e:
+                raise L.StoreUnavailable(f"{what}: cannot size {L.explain(e, path)}") from None
+
+    def check_direct(self, pages: list[int], regions: Sequence[Region], mem_kind: str) -> None:
+        """Refuses (ValueError) a KV layout that O_DIRECT on these files cannot serve."""
+        mem_align, off_align = L.direct_alignment(self.fds[0])
+        problems = []
+        offsets = np.cumsum([0] + pages)
+        if self.geo.slot_bytes % off_align:
+            problems.append(f"slot size {self.geo.slot_bytes} B is not a multiple of {off_align}")
+        for p in list(pages) + [int(o) for o in offsets[1:]] + [sum(pages)]:
+            if p % off_align:
+                problems.append(f"a KV page boundary ({p} B into a block) is not a multiple of "
+                                f"{off_align} B")
+                break
+        if mem_kind == "DRAM":
+            for i, r in enumerate(regions):
+                if r.addr % mem_align or r.stride % mem_align:
+                    problems.append(f"KV tensor {i} at 0x{r.addr:x} (row stride {r.stride} B) is "
+                                    f"not aligned to {mem_align} B")
+        if problems:
+            raise ValueError("o_direct cannot serve this KV cache layout: " + "; ".join(problems)
+                             + ". Set o_direct to false.")
+
+    def fdatasync(self, slots) -> None:
+        """fdatasync of every slot file that holds one of `slots`; an error names the file."""
+        for fi in sorted({self.geo.locate(int(s))[0] for s in slots}):
+            try:
+                os.fdatasync(self.fds[fi])
+            except OSError as e:
+                path = L.slot_file(self.root, self.rank, self.geo.world_size, fi)
+                raise OSError(e.errno, f"fdatasync of {L.explain(e, path)}") from None
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        os.close(self._lock_fd)
