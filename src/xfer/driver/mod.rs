@@ -405,39 +405,23 @@ impl Table {
             );
             return;
         };
-        let Some(req) = self.requests.get_mut(entry.req).filter(|r| r.is_running()) else {
+        if !self
+            .requests
+            .get(entry.req)
+            .is_some_and(RequestProgress::is_running)
+        {
             tracing::error!("io_uring completion for a request that is not running; ignored");
             return;
-        };
+        }
         if let Some(since) = entry.since {
             self.profiles.io_done(entry.req, since);
         }
-        let whole = res >= 0 && res as u32 == entry.op.len;
-        if let (Some(run), Some(staging), false, true) =
-            (entry.stage, self.staging.as_ref(), whole, req.is_healthy())
-        {
-            if run.count > 1 {
-                // A run of several pieces that did not move whole: the pieces it did not finish
-                // go again one by one, so a short transfer or an error names its own descriptor.
-                let finished = staging.pieces_within(run, res.max(0) as u64);
-                let again: Vec<InFlight> = run
-                    .pieces()
-                    .skip(finished as usize)
-                    .map(|one| InFlight {
-                        req: entry.req,
-                        op: staging.host_op(one),
-                        stage: Some(one),
-                        since: None,
-                    })
-                    .collect();
-                for one in run.pieces().take(finished as usize) {
-                    Table::io_over(req, Some(one), true, &mut self.staging, &mut self.profiles);
-                }
-                self.retry.extend(again);
-                req.settle();
-                return;
-            }
+        if self.run_cut_short(&entry, res) {
+            return;
         }
+        let Some(req) = self.requests.get_mut(entry.req) else {
+            return;
+        };
         match req.on_result(&entry.op, res) {
             Outcome::Complete => Table::io_over(
                 req,

@@ -159,6 +159,41 @@ impl Table {
         n
     }
 
+    /// A staged run of several pieces that did not move whole (`res`: bytes moved or -errno):
+    /// the pieces it finished are over, the others go again one by one, so a short transfer or
+    /// an error names its own descriptor. False, with nothing done, for any other I/O.
+    pub(super) fn run_cut_short(&mut self, entry: &InFlight, res: i32) -> bool {
+        let whole = res >= 0 && res as u32 == entry.op.len;
+        let Some(req) = self.requests.get_mut(entry.req) else {
+            return false;
+        };
+        let (Some(run), Some(staging), false, true) =
+            (entry.stage, self.staging.as_ref(), whole, req.is_healthy())
+        else {
+            return false;
+        };
+        if run.count <= 1 {
+            return false;
+        }
+        let finished = staging.pieces_within(run, res.max(0) as u64);
+        let again: Vec<InFlight> = run
+            .pieces()
+            .skip(finished as usize)
+            .map(|one| InFlight {
+                req: entry.req,
+                op: staging.host_op(one),
+                stage: Some(one),
+                since: None,
+            })
+            .collect();
+        for one in run.pieces().take(finished as usize) {
+            Table::io_over(req, Some(one), true, &mut self.staging, &mut self.profiles);
+        }
+        self.retry.extend(again);
+        req.settle();
+        true
+    }
+
     /// One storage I/O of the request ended (`ok`: every byte moved) or was dropped. A staged run
     /// counts its pieces toward their group: a WRITE's buffer is freed after its last piece; a
     /// READ's group starts its one device copy when every piece's read landed (its pieces are over
