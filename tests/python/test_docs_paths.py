@@ -103,7 +103,7 @@ def test_every_repository_path_the_readme_and_docs_name_exists():
 
 def test_the_check_catches_a_missing_path_and_accepts_other_projects_paths():
     page = os.path.join(REPO, "docs", "x.md")
-    text = ("see `tests/python/no_such_test.py` and [this](../src/no_such.rs), `src/engine.rs`\n"
+    text = ("see `tests/python/no_such_test.py` and [this](../src/no_such.rs), `src/engine/mod.rs`\n"
             "NIXL's `src/core/nixl_agent.cpp`, `ci/vm/work/`\n"
             "[up](../../outside.md) [ok](parameters.md) [web](https://example.org/x)\n"
             "\n"
