@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 
 
@@ -73,13 +72,36 @@ def iud_point(a, poll, op, layout, block, batch, log):
         path = t.name
     try:
         cmd = [
-            a.iud_bench, "--backend", a.backend, "--filepath", a.device, "--storage_enable_direct",
-            "--storage_seg_type", "BLOCK", "--op_type", op,
-            "--total_buffer_size", str(a.region), "--start_block_size", str(block),
-            "--max_block_size", str(block), "--batch_sizes", str(batch),
-            "--randomize_location_mode", "blockaligned" if layout == "rand" else "none",
-            "--num_iter", "0", "--duration_ms", str(a.duration_ms), "--warmup_iter", "10",
-            "--poll_mode", poll, "--csv", path,
+            a.iud_bench,
+            "--backend",
+            a.backend,
+            "--filepath",
+            a.device,
+            "--storage_enable_direct",
+            "--storage_seg_type",
+            "BLOCK",
+            "--op_type",
+            op,
+            "--total_buffer_size",
+            str(a.region),
+            "--start_block_size",
+            str(block),
+            "--max_block_size",
+            str(block),
+            "--batch_sizes",
+            str(batch),
+            "--randomize_location_mode",
+            "blockaligned" if layout == "rand" else "none",
+            "--num_iter",
+            "0",
+            "--duration_ms",
+            str(a.duration_ms),
+            "--warmup_iter",
+            "10",
+            "--poll_mode",
+            poll,
+            "--csv",
+            path,
         ]
         if a.check:
             cmd.append("--check_consistency")
@@ -87,7 +109,9 @@ def iud_point(a, poll, op, layout, block, batch, log):
         rows = list(csv.DictReader(open(path)))
         if p.returncode != 0 or len(rows) != 1:
             tail = "\n".join(p.stdout.strip().splitlines()[-5:])
-            raise SystemExit(f"iud-bench failed (exit {p.returncode}) at {op} {layout} {block} x {batch}:\n{tail}")
+            raise SystemExit(
+                f"iud-bench failed (exit {p.returncode}) at {op} {layout} {block} x {batch}:\n{tail}"
+            )
         r = rows[0]
         return float(r["iops"]), float(r["gbps"])
     finally:
@@ -96,36 +120,78 @@ def iud_point(a, poll, op, layout, block, batch, log):
 
 def engine_point(a, op, layout, block, batch, log):
     """The engine without NIXL: ci/vm/lab's iud-lab --bench for one point, engine only."""
-    cmd = [a.engine, "--bench", "--device", a.device, "--overwrite", "--no-fio", "--ops", op,
-           "--layouts", layout, "--blocks", str(block), "--batches", str(batch),
-           "--duration-ms", str(a.duration_ms), "--poll", a.engine_poll]
+    cmd = [
+        a.engine,
+        "--bench",
+        "--device",
+        a.device,
+        "--overwrite",
+        "--no-fio",
+        "--ops",
+        op,
+        "--layouts",
+        layout,
+        "--blocks",
+        str(block),
+        "--batches",
+        str(batch),
+        "--duration-ms",
+        str(a.duration_ms),
+        "--poll",
+        a.engine_poll,
+    ]
     p = run(cmd, log)
     for line in p.stdout.splitlines():
         f = line.split(",")
         if f[0] == "BENCH" and f[1] == "engine":
             return float(f[6]), float(f[7])
     tail = "\n".join(p.stdout.strip().splitlines()[-5:])
-    raise SystemExit(f"iud-lab --bench failed (exit {p.returncode}) at {op} {layout} {block} x {batch}:\n{tail}")
+    raise SystemExit(
+        f"iud-lab --bench failed (exit {p.returncode}) at {op} {layout} {block} x {batch}:\n{tail}"
+    )
 
 
 def fio_point(a, op, layout, block, batch, log):
-    rw = {("READ", "rand"): "randread", ("WRITE", "rand"): "randwrite",
-          ("READ", "seq"): "read", ("WRITE", "seq"): "write"}[(op, layout)]
+    rw = {
+        ("READ", "rand"): "randread",
+        ("WRITE", "rand"): "randwrite",
+        ("READ", "seq"): "read",
+        ("WRITE", "seq"): "write",
+    }[(op, layout)]
     cmd = [
-        a.fio, "--name=p", f"--filename={a.device}", "--ioengine=io_uring", "--fixedbufs=1",
-        "--registerfiles=1", "--direct=1", f"--rw={rw}", f"--bs={block}", "--offset=0",
-        f"--size={block * batch}", f"--iodepth={batch}", f"--iodepth_batch_submit={batch}",
-        f"--iodepth_batch_complete_min={batch}", f"--iodepth_batch_complete_max={batch}",
-        "--time_based=1", f"--runtime={a.duration_ms}ms", f"--ramp_time={a.duration_ms // 5}ms",
-        "--gtod_reduce=1", "--scramble_buffers=0", "--output-format=json",
+        a.fio,
+        "--name=p",
+        f"--filename={a.device}",
+        "--ioengine=io_uring",
+        "--fixedbufs=1",
+        "--registerfiles=1",
+        "--direct=1",
+        f"--rw={rw}",
+        f"--bs={block}",
+        "--offset=0",
+        f"--size={block * batch}",
+        f"--iodepth={batch}",
+        f"--iodepth_batch_submit={batch}",
+        f"--iodepth_batch_complete_min={batch}",
+        f"--iodepth_batch_complete_max={batch}",
+        "--time_based=1",
+        f"--runtime={a.duration_ms}ms",
+        f"--ramp_time={a.duration_ms // 5}ms",
+        "--gtod_reduce=1",
+        "--scramble_buffers=0",
+        "--output-format=json",
     ]
     p = run(cmd, log)
     try:
-        j = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
-    except (ValueError, KeyError, IndexError):
-        raise SystemExit(f"fio failed (exit {p.returncode}) at {op} {layout} {block} x {batch}:\n{p.stdout[-1500:]}")
+        j = json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]
+    except (ValueError, KeyError, IndexError) as e:
+        raise SystemExit(
+            f"fio failed (exit {p.returncode}) at {op} {layout} {block} x {batch}:\n{p.stdout[-1500:]}"
+        ) from e
     if p.returncode != 0 or j.get("error"):
-        raise SystemExit(f"fio error {j.get('error')} (exit {p.returncode}) at {op} {layout} {block} x {batch}")
+        raise SystemExit(
+            f"fio error {j.get('error')} (exit {p.returncode}) at {op} {layout} {block} x {batch}"
+        )
     side = j["read" if op == "READ" else "write"]
     return float(side["iops"]), float(side["bw_bytes"]) / 1e9
 
@@ -141,9 +207,18 @@ def table(rows, tools, reps, legend=None):
     of the header names the tools, the ratio columns give each tool's IOPS / fio's IOPS."""
     others = [t for t in tools if t != "fio"]
     g = 18  # width of one tool's IOPS + GB/s group
-    top = " " * 25 + "".join(f"|{t:^{g}}" for t in tools) + "|" + f"{'IOPS / fio IOPS':^{8 * len(others)}}"
-    hdr = f"{'Op':<6}{'Layout':<7}{'Block':>6}{'Batch':>6}" + f"|{'IOPS':>9}{'GB/s':>8} " * len(tools) + "|" + \
-        "".join(f"{short(t):>8}" for t in others)
+    top = (
+        " " * 25
+        + "".join(f"|{t:^{g}}" for t in tools)
+        + "|"
+        + f"{'IOPS / fio IOPS':^{8 * len(others)}}"
+    )
+    hdr = (
+        f"{'Op':<6}{'Layout':<7}{'Block':>6}{'Batch':>6}"
+        + f"|{'IOPS':>9}{'GB/s':>8} " * len(tools)
+        + "|"
+        + "".join(f"{short(t):>8}" for t in others)
+    )
     out = [top.rstrip(), hdr, "-" * len(hdr)]
     ratios = {t: [] for t in others}
     for r in rows:
@@ -162,36 +237,60 @@ def table(rows, tools, reps, legend=None):
     for t in others:
         v = ratios[t]
         if v:
-            out.append(f"{t} / fio over {len(v)} points: geometric mean {statistics.geometric_mean(v):.2f}, "
-                       f"median {statistics.median(v):.2f}, min {min(v):.2f}, max {max(v):.2f}")
+            out.append(
+                f"{t} / fio over {len(v)} points: geometric mean {statistics.geometric_mean(v):.2f}, "
+                f"median {statistics.median(v):.2f}, min {min(v):.2f}, max {max(v):.2f}"
+            )
     for line in legend or []:
         out.append(line)
-    out.append("IOPS = I/Os of one block per second; GB/s decimal" +
-               (f"; each cell: median of {reps} runs per tool, run in rotating order" if reps > 1 else ""))
+    out.append(
+        "IOPS = I/Os of one block per second; GB/s decimal"
+        + (
+            f"; each cell: median of {reps} runs per tool, run in rotating order"
+            if reps > 1
+            else ""
+        )
+    )
     return "\n".join(out)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", required=True)
     ap.add_argument("--iud-bench", required=True)
     ap.add_argument("--fio", default="fio")
     ap.add_argument("--backend", default="IO_URING_DMABUF")
     ap.add_argument("--ops", default="WRITE,READ")
     ap.add_argument("--layouts", default="rand,seq")
-    ap.add_argument("--block-sizes", default="4K-1M", help="LO-HI (doubling) or a list, e.g. 4K,64K,1M")
+    ap.add_argument(
+        "--block-sizes", default="4K-1M", help="LO-HI (doubling) or a list, e.g. 4K,64K,1M"
+    )
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--duration-ms", type=int, default=300)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--poll-modes", default="spin,yield",
-                    help="iud-bench --poll_mode per IUD column: spin (getXferStatus in a busy loop, "
-                         "nixlbench) and/or yield (sched_yield between polls)")
-    ap.add_argument("--engine", default=None,
-                    help="iud-lab binary: adds an ENG column, the engine without NIXL (iud-lab --bench)")
+    ap.add_argument(
+        "--poll-modes",
+        default="spin,yield",
+        help="iud-bench --poll_mode per IUD column: spin (getXferStatus in a busy loop, "
+        "nixlbench) and/or yield (sched_yield between polls)",
+    )
+    ap.add_argument(
+        "--engine",
+        default=None,
+        help="iud-lab binary: adds an ENG column, the engine without NIXL (iud-lab --bench)",
+    )
     ap.add_argument("--engine-poll", default="yield", choices=["spin", "yield"])
-    ap.add_argument("--no-check", dest="check", action="store_false",
-                    help="skip iud-bench's consistency check (outside the timed loop)")
-    ap.add_argument("--log", default=None, help="full output of every command (default: a temp file)")
+    ap.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip iud-bench's consistency check (outside the timed loop)",
+    )
+    ap.add_argument(
+        "--log", default=None, help="full output of every command (default: a temp file)"
+    )
     a = ap.parse_args()
 
     if "-" in a.block_sizes:
@@ -204,7 +303,11 @@ def main():
         blocks = [parse_size(x) for x in a.block_sizes.split(",")]
     batches = [int(x) for x in a.batch_sizes.split(",")]
     a.region = max(blocks) * max(batches)
-    log = open(a.log, "w") if a.log else tempfile.NamedTemporaryFile("w", prefix="blk-vs-fio-", suffix=".log", delete=False)
+    log = (
+        open(a.log, "w")
+        if a.log
+        else tempfile.NamedTemporaryFile("w", prefix="blk-vs-fio-", suffix=".log", delete=False)
+    )
     print(f"per-command output: {log.name}")
 
     tools = []  # (label, function)
@@ -215,7 +318,9 @@ def main():
         label = f"IUD {p}"
         tools.append((label, lambda op, l, b, n, p=p: iud_point(a, p, op, l, b, n, log)))
     if a.engine:
-        tools.append((f"engine {a.engine_poll}", lambda op, l, b, n: engine_point(a, op, l, b, n, log)))
+        tools.append(
+            (f"engine {a.engine_poll}", lambda op, l, b, n: engine_point(a, op, l, b, n, log))
+        )
     tools.append(("fio", lambda op, l, b, n: fio_point(a, op, l, b, n, log)))
     labels = [t[0] for t in tools]
 
@@ -228,23 +333,33 @@ def main():
                     got = {t: [] for t in labels}
                     for _ in range(a.reps):
                         # Rotate who goes first, so that a load change hurts every tool alike.
-                        order = tools[k % len(tools):] + tools[:k % len(tools)]
+                        order = tools[k % len(tools) :] + tools[: k % len(tools)]
                         k += 1
                         for label, fn in order:
                             got[label].append(fn(op, layout, block, batch)[0])
                     r = {"op": op, "layout": layout, "block": block, "batch": batch}
                     r.update({t: statistics.median(v) for t, v in got.items()})
                     rows.append(r)
-                    print(f"  {op:<5} {layout:<4} {human(block):>5} x {batch:<3} " +
-                          "  ".join(f"{t} {si(r[t]):>7}" for t in labels), flush=True)
+                    print(
+                        f"  {op:<5} {layout:<4} {human(block):>5} x {batch:<3} "
+                        + "  ".join(f"{t} {si(r[t]):>7}" for t in labels),
+                        flush=True,
+                    )
     print()
-    legend = [f"IUD {p}: IO_URING_DMABUF through NIXL (iud-bench, BLOCK registration), getXferStatus polled "
-              + ("in a busy loop (nixlbench's way)" if p == "spin" else "with sched_yield between polls") for p in polls]
+    legend = [
+        f"IUD {p}: IO_URING_DMABUF through NIXL (iud-bench, BLOCK registration), getXferStatus polled "
+        + ("in a busy loop (nixlbench's way)" if p == "spin" else "with sched_yield between polls")
+        for p in polls
+    ]
     if a.engine:
-        legend.append(f"engine {a.engine_poll}: the same engine without NIXL (iud-lab --bench, Engine::check polled "
-                      + ("in a busy loop)" if a.engine_poll == "spin" else "with sched_yield between polls)"))
-    legend.append("fio: ioengine=io_uring fixedbufs registerfiles direct=1, iodepth = batch, "
-                  "submits a batch and waits for all of it (iodepth_batch_submit = _complete_min = batch)")
+        legend.append(
+            f"engine {a.engine_poll}: the same engine without NIXL (iud-lab --bench, Engine::check polled "
+            + ("in a busy loop)" if a.engine_poll == "spin" else "with sched_yield between polls)")
+        )
+    legend.append(
+        "fio: ioengine=io_uring fixedbufs registerfiles direct=1, iodepth = batch, "
+        "submits a batch and waits for all of it (iodepth_batch_submit = _complete_min = batch)"
+    )
     print(table(rows, labels, a.reps, legend))
 
 

@@ -11,6 +11,7 @@ host memory alone reaches from this page cache, the storage stage of a staged VR
 Usage: python3 bench/fio_reference.py --fio PATH --dir /root [--sizes 65536,...] [--seconds 2]
        python3 bench/fio_reference.py --fio PATH --dir /tmp --buffered [--jobs 1,8,16] [--ops read]
 """
+
 import argparse
 import json
 import os
@@ -22,23 +23,58 @@ MiB = 1 << 20
 
 def fio_job(fio, path, span, seconds, flags):
     """Runs one time-based fio job with `flags` and returns its JSON job record."""
-    cmd = [fio, "--name=ref", f"--filename={path}", f"--size={span}", *flags,
-           "--time_based=1", f"--runtime={seconds}", "--ramp_time=0.5", "--output-format=json"]
+    cmd = [
+        fio,
+        "--name=ref",
+        f"--filename={path}",
+        f"--size={span}",
+        *flags,
+        "--time_based=1",
+        f"--runtime={seconds}",
+        "--ramp_time=0.5",
+        "--output-format=json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 10 + 60)
     if out.returncode != 0:
         raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[-300:]}")
-    return json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    return json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
 
 
 def run_fio(fio, path, op, block, depth, seconds, span):
-    job = fio_job(fio, path, span, seconds, ["--direct=1", "--ioengine=io_uring", "--fixedbufs=1", "--registerfiles=1",
-                                             f"--rw={op}", f"--bs={block}", f"--iodepth={depth}"])
+    job = fio_job(
+        fio,
+        path,
+        span,
+        seconds,
+        [
+            "--direct=1",
+            "--ioengine=io_uring",
+            "--fixedbufs=1",
+            "--registerfiles=1",
+            f"--rw={op}",
+            f"--bs={block}",
+            f"--iodepth={depth}",
+        ],
+    )
     return job["read" if op == "read" else "write"]["bw_bytes"] / 1e9
 
 
 def run_fio_buffered(fio, path, op, block, jobs, seconds, span):
-    job = fio_job(fio, path, span, seconds, ["--direct=0", "--invalidate=0", "--ioengine=psync", f"--rw=rand{op}",
-                                             f"--bs={block}", f"--numjobs={jobs}", "--group_reporting=1"])
+    job = fio_job(
+        fio,
+        path,
+        span,
+        seconds,
+        [
+            "--direct=0",
+            "--invalidate=0",
+            "--ioengine=psync",
+            f"--rw=rand{op}",
+            f"--bs={block}",
+            f"--numjobs={jobs}",
+            "--group_reporting=1",
+        ],
+    )
     cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * jobs
     return job["read" if op == "read" else "write"]["bw_bytes"] / 1e9, cpu
 
@@ -54,10 +90,14 @@ def buffered(a, path):
             pass
     version = subprocess.run([a.fio, "--version"], capture_output=True, text=True).stdout.strip()
     print(f"# fio reference, page cache (buffered) on {a.dir}\n")
-    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; kernel {os.uname().release}; {version}; "
-          f"{os.cpu_count()} CPUs")
-    print(f"command: python3 bench/fio_reference.py --fio {a.fio} --dir {a.dir} --buffered --jobs {a.jobs} "
-          f"(psync, random offsets in a cached {a.span // MiB} MiB file, {a.seconds} s each)\n")
+    print(
+        f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; kernel {os.uname().release}; {version}; "
+        f"{os.cpu_count()} CPUs"
+    )
+    print(
+        f"command: python3 bench/fio_reference.py --fio {a.fio} --dir {a.dir} --buffered --jobs {a.jobs} "
+        f"(psync, random offsets in a cached {a.span // MiB} MiB file, {a.seconds} s each)\n"
+    )
     print("| op | block | threads | GB/s | CPUs busy |")
     print("|---|---|---:|---:|---:|")
     for op in a.ops.split(","):
@@ -65,7 +105,10 @@ def buffered(a, path):
             for j in (int(x) for x in a.jobs.split(",")):
                 try:
                     gbs, cpu = run_fio_buffered(a.fio, path, op, block, j, a.seconds, a.span)
-                    print(f"| {op.upper()} | {block // 1024} KiB | {j} | {gbs:.2f} | {cpu:.1f} |", flush=True)
+                    print(
+                        f"| {op.upper()} | {block // 1024} KiB | {j} | {gbs:.2f} | {cpu:.1f} |",
+                        flush=True,
+                    )
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     print(f"<!-- {op} {block} jobs {j}: {e} -->")
 
@@ -74,11 +117,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fio", required=True)
     ap.add_argument("--dir", default="/root")
-    ap.add_argument("--sizes", default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)))
+    ap.add_argument(
+        "--sizes",
+        default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)),
+    )
     ap.add_argument("--depths", default="4,16,64")
     ap.add_argument("--seconds", type=int, default=2)
     ap.add_argument("--span", type=int, default=256 * MiB)
-    ap.add_argument("--buffered", action="store_true", help="page-cache reads by pread threads instead of O_DIRECT")
+    ap.add_argument(
+        "--buffered",
+        action="store_true",
+        help="page-cache reads by pread threads instead of O_DIRECT",
+    )
     ap.add_argument("--jobs", default="1,8,16", help="--buffered: thread counts")
     ap.add_argument("--ops", default="read", help="--buffered: read and/or write")
     a = ap.parse_args()
@@ -90,19 +140,37 @@ def main():
             os.unlink(path)
         return
     # Lay the file out once so reads hit allocated blocks.
-    subprocess.run([a.fio, "--name=fill", f"--filename={path}", f"--size={a.span}", "--direct=1", "--rw=write",
-                    "--bs=4M", "--ioengine=psync"], capture_output=True, check=True)
+    subprocess.run(
+        [
+            a.fio,
+            "--name=fill",
+            f"--filename={path}",
+            f"--size={a.span}",
+            "--direct=1",
+            "--rw=write",
+            "--bs=4M",
+            "--ioengine=psync",
+        ],
+        capture_output=True,
+        check=True,
+    )
     version = subprocess.run([a.fio, "--version"], capture_output=True, text=True).stdout.strip()
     print(f"# fio reference, O_DIRECT on {a.dir}\n")
-    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; kernel {os.uname().release}; {version}")
-    print(f"command: python3 bench/fio_reference.py --fio {a.fio} --dir {a.dir} (io_uring, fixedbufs, registerfiles, "
-          f"depths {a.depths}, {a.seconds} s each, {a.span // MiB} MiB span)\n")
+    print(
+        f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; kernel {os.uname().release}; {version}"
+    )
+    print(
+        f"command: python3 bench/fio_reference.py --fio {a.fio} --dir {a.dir} (io_uring, fixedbufs, registerfiles, "
+        f"depths {a.depths}, {a.seconds} s each, {a.span // MiB} MiB span)\n"
+    )
     print("| op | block | best fio GB/s | at depth | all depths GB/s |")
     print("|---|---|---|---|---|")
     try:
         for op in ("read", "write"):
             for block in [int(s) for s in a.sizes.split(",")]:
-                depths = [d for d in (int(x) for x in a.depths.split(",")) if d * block <= 4 * a.span] or [1]
+                depths = [
+                    d for d in (int(x) for x in a.depths.split(",")) if d * block <= 4 * a.span
+                ] or [1]
                 got = []
                 for d in depths:
                     try:
@@ -112,7 +180,10 @@ def main():
                 if got:
                     best = max(got)
                     detail = ", ".join(f"{g:.2f}@{d}" for g, d in got)
-                    print(f"| {op.upper()} | {block // 1024} KiB | {best[0]:.2f} | {best[1]} | {detail} |", flush=True)
+                    print(
+                        f"| {op.upper()} | {block // 1024} KiB | {best[0]:.2f} | {best[1]} | {detail} |",
+                        flush=True,
+                    )
     finally:
         os.unlink(path)
 

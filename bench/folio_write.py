@@ -4,6 +4,7 @@ large ones on file systems with large folios, such as ext4 on Linux 6.18), then 
 at random B-aligned offsets of it, timed one by one in this process (no NIXL, no plugin: the
 file system's own cost, which every backend pays). Usage: python3 bench/folio_write.py [--dir /tmp]
 """
+
 import argparse
 import os
 import random
@@ -24,9 +25,13 @@ def main():
     path = os.path.join(args.dir, f"iud-folio-{os.getpid()}.bin")
     pre = [int(x) for x in args.prefill.split(",")]
     blocks = [int(x) for x in args.blocks.split(",")]
-    print(f"# buffered pwrite cost by prefill write size; {args.file_mib} MiB file in {args.dir}; "
-          f"kernel {os.uname().release}; loadavg {' '.join(open('/proc/loadavg').read().split()[:3])}\n")
-    print("| prefill write | " + " | ".join(f"{b >> 10} KiB write: us (GB/s)" for b in blocks) + " |")
+    print(
+        f"# buffered pwrite cost by prefill write size; {args.file_mib} MiB file in {args.dir}; "
+        f"kernel {os.uname().release}; loadavg {' '.join(open('/proc/loadavg').read().split()[:3])}\n"
+    )
+    print(
+        "| prefill write | " + " | ".join(f"{b >> 10} KiB write: us (GB/s)" for b in blocks) + " |"
+    )
     print("|---:|" + "---:|" * len(blocks))
     try:
         for p in pre:

@@ -12,6 +12,7 @@ byte for byte after each pass.
 
 Usage: python3 bench/gpu_copy_bound.py [--sizes 16K,64K,256K,2M] [--streams 1,4] [--total_mib 256]
 """
+
 import argparse
 import ctypes
 import random
@@ -31,8 +32,14 @@ def size(s):
 
 class Attr(ctypes.Structure):
     # CUmemcpyAttributes (cuda.h 12.8+): srcAccessOrder, srcLocHint {type, id}, dstLocHint, flags.
-    _fields_ = [("order", ctypes.c_uint), ("src_kind", ctypes.c_uint), ("src_id", ctypes.c_int),
-                ("dst_kind", ctypes.c_uint), ("dst_id", ctypes.c_int), ("flags", ctypes.c_uint)]
+    _fields_ = [
+        ("order", ctypes.c_uint),
+        ("src_kind", ctypes.c_uint),
+        ("src_id", ctypes.c_int),
+        ("dst_kind", ctypes.c_uint),
+        ("dst_id", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 def load_cuda():
@@ -78,7 +85,11 @@ def main():
     ap.add_argument("--streams", default="1,4")
     ap.add_argument("--modes", default="batch,piece")
     ap.add_argument("--total_mib", type=int, default=256)
-    ap.add_argument("--pack_max", default="128K", help="pieces up to this size share a buffer (the plugin's staging_pack_max)")
+    ap.add_argument(
+        "--pack_max",
+        default="128K",
+        help="pieces up to this size share a buffer (the plugin's staging_pack_max)",
+    )
     ap.add_argument("--passes", type=int, default=3)
     a = ap.parse_args()
     torch.cuda.init()
@@ -91,11 +102,17 @@ def main():
     handles = [ctypes.c_void_p(s.cuda_stream) for s in streams]
     dev_base, host_base = vram.data_ptr(), host.data_ptr()
     pack_max = size(a.pack_max)
-    print(f"# Host <-> GPU copy stage alone ({torch.cuda.get_device_name(0)}, torch {torch.__version__})\n")
-    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; pool {POOL_BUFFERS} x {BUFFER // MiB} MiB pinned "
-          f"(torch pin_memory), {a.total_mib} MiB per pass to random slots of 1 GiB VRAM, pieces up to {pack_max >> 10} KiB "
-          f"packed per buffer; median of {a.passes} passes; batched entry point: {'cuMemcpyBatchAsync_v2' if batch else 'none'}\n")
-    print("| direction | block | mode | streams | pieces per call | GB/s | submit us/piece | verified |")
+    print(
+        f"# Host <-> GPU copy stage alone ({torch.cuda.get_device_name(0)}, torch {torch.__version__})\n"
+    )
+    print(
+        f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; pool {POOL_BUFFERS} x {BUFFER // MiB} MiB pinned "
+        f"(torch pin_memory), {a.total_mib} MiB per pass to random slots of 1 GiB VRAM, pieces up to {pack_max >> 10} KiB "
+        f"packed per buffer; median of {a.passes} passes; batched entry point: {'cuMemcpyBatchAsync_v2' if batch else 'none'}\n"
+    )
+    print(
+        "| direction | block | mode | streams | pieces per call | GB/s | submit us/piece | verified |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---|")
     for block in (size(s) for s in a.sizes.split(",")):
         n = a.total_mib * MiB // block
@@ -104,13 +121,26 @@ def main():
         slots = rng.sample(range((1 << 30) // block), n)
         groups = []
         for g0 in range(0, n, per_buf):
-            pieces = [(slots[i] * block, ((g0 // per_buf) % POOL_BUFFERS) * BUFFER + (i - g0) * block) for i in range(g0, min(n, g0 + per_buf))]
+            pieces = [
+                (slots[i] * block, ((g0 // per_buf) % POOL_BUFFERS) * BUFFER + (i - g0) * block)
+                for i in range(g0, min(n, g0 + per_buf))
+            ]
             k = len(pieces)
-            groups.append([(ctypes.c_uint64 * k)(), (ctypes.c_uint64 * k)(), (ctypes.c_size_t * k)(*([block] * k)), k, pieces])
+            groups.append(
+                [
+                    (ctypes.c_uint64 * k)(),
+                    (ctypes.c_uint64 * k)(),
+                    (ctypes.c_size_t * k)(*([block] * k)),
+                    k,
+                    pieces,
+                ]
+            )
         for to_host in (False, True):
             for g in groups:
                 for j, (d, h) in enumerate(g[4]):
-                    g[0][j], g[1][j] = (host_base + h, dev_base + d) if to_host else (dev_base + d, host_base + h)
+                    g[0][j], g[1][j] = (
+                        (host_base + h, dev_base + d) if to_host else (dev_base + d, host_base + h)
+                    )
             for mode in a.modes.split(","):
                 if mode == "batch" and (batch is None or per_buf == 1):
                     continue
@@ -120,17 +150,32 @@ def main():
                         if to_host:
                             vram.random_(0, 256)
                             torch.cuda.synchronize()
-                        w, c = run_pass(cu, batch, mode, to_host, groups, handles[:ns], dev_base, host_base, block)
+                        w, c = run_pass(
+                            cu,
+                            batch,
+                            mode,
+                            to_host,
+                            groups,
+                            handles[:ns],
+                            dev_base,
+                            host_base,
+                            block,
+                        )
                         walls.append(w)
                         cpus.append(c)
                         # The last group of each buffer wins where buffers are reused: check those.
-                        for d, h in [p for g in groups[-POOL_BUFFERS:] for p in g[4]][:: max(1, per_buf // 4)][:64]:
-                            ok &= bool(torch.equal(vram[d:d + block].cpu(), host[h:h + block]))
+                        for d, h in [p for g in groups[-POOL_BUFFERS:] for p in g[4]][
+                            :: max(1, per_buf // 4)
+                        ][:64]:
+                            ok &= bool(torch.equal(vram[d : d + block].cpu(), host[h : h + block]))
                     walls.sort()
                     cpus.sort()
                     w, c = walls[len(walls) // 2], cpus[len(cpus) // 2]
-                    print(f"| {'GPU->host' if to_host else 'host->GPU'} | {block >> 10} KiB | {mode} | {ns} | {per_buf} | "
-                          f"{a.total_mib * MiB / w / 1e9:.2f} | {c / n * 1e6:.2f} | {'yes' if ok else 'NO'} |", flush=True)
+                    print(
+                        f"| {'GPU->host' if to_host else 'host->GPU'} | {block >> 10} KiB | {mode} | {ns} | {per_buf} | "
+                        f"{a.total_mib * MiB / w / 1e9:.2f} | {c / n * 1e6:.2f} | {'yes' if ok else 'NO'} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ Usage: python3 bench/gpu_vram_bench.py [--dir /tmp] [--direct] [--tables kv,cont
 the CPU smoke test of this script (tests/python/test_bench.py).
 Prints markdown tables (GB/s, decimal) on stdout; progress and raw rounds go to stderr.
 """
+
 import argparse
 import json
 import math
@@ -60,21 +61,28 @@ def need_torch():
     try:
         import torch as t
     except ImportError as e:
-        fail(f"needs torch with CUDA ({e}). It runs on the GPU machine: bash ci/gpu/run.sh bench "
-             "(or bench-args); here only `--memory dram --tables kv` runs (numpy, no GPU)")
+        fail(
+            f"needs torch with CUDA ({e}). It runs on the GPU machine: bash ci/gpu/run.sh bench "
+            "(or bench-args); here only `--memory dram --tables kv` runs (numpy, no GPU)"
+        )
     if not t.cuda.is_available():
-        fail("torch.cuda.is_available() is False: no CUDA GPU or driver here. It runs on the GPU "
-             "machine: bash ci/gpu/run.sh bench; here only `--memory dram --tables kv` runs")
+        fail(
+            "torch.cuda.is_available() is False: no CUDA GPU or driver here. It runs on the GPU "
+            "machine: bash ci/gpu/run.sh bench; here only `--memory dram --tables kv` runs"
+        )
     torch = t
 
 
 def need_nixl():
     global nixl_agent, nixl_agent_config
     try:
-        from nixl._api import nixl_agent as a, nixl_agent_config as c
+        from nixl._api import nixl_agent as a
+        from nixl._api import nixl_agent_config as c
     except ImportError as e:
-        fail(f"cannot import NIXL's Python API ({e}): put the nixl wheel on PYTHONPATH "
-             "(ci/gpu/run.sh does) or use the project's .venv")
+        fail(
+            f"cannot import NIXL's Python API ({e}): put the nixl wheel on PYTHONPATH "
+            "(ci/gpu/run.sh does) or use the project's .venv"
+        )
     nixl_agent, nixl_agent_config = a, c
 
 
@@ -83,17 +91,53 @@ BACKENDS = [
     ("IUD-cufile", "IO_URING_DMABUF", {"vram_path": "cufile"}),
     ("IUD-cufile-batch", "IO_URING_DMABUF", {"vram_path": "cufile", "cufile_api": "batch"}),
     # Staging pool shapes (same total pinned memory as the default 8 x 8 MiB, or more buffers).
-    ("IUD-stage-1Mx64", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB), "staging_buffers": "64"}),
-    ("IUD-stage-2Mx32", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(2 * MiB), "staging_buffers": "32"}),
-    ("IUD-stage-4Mx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(4 * MiB), "staging_buffers": "16"}),
+    (
+        "IUD-stage-1Mx64",
+        "IO_URING_DMABUF",
+        {"vram_path": "staging", "staging_buffer_size": str(MiB), "staging_buffers": "64"},
+    ),
+    (
+        "IUD-stage-2Mx32",
+        "IO_URING_DMABUF",
+        {"vram_path": "staging", "staging_buffer_size": str(2 * MiB), "staging_buffers": "32"},
+    ),
+    (
+        "IUD-stage-4Mx16",
+        "IO_URING_DMABUF",
+        {"vram_path": "staging", "staging_buffer_size": str(4 * MiB), "staging_buffers": "16"},
+    ),
     # Small pools: less host memory touched per request (cache-resident staging for writes?).
-    ("IUD-stage-1Mx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB), "staging_buffers": "16"}),
-    ("IUD-stage-512Kx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "16"}),
-    ("IUD-stage-256Kx16", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB // 4), "staging_buffers": "16"}),
-    ("IUD-stage-512Kx8", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "8"}),
-    ("IUD-stage-512Kx32", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "32"}),
+    (
+        "IUD-stage-1Mx16",
+        "IO_URING_DMABUF",
+        {"vram_path": "staging", "staging_buffer_size": str(MiB), "staging_buffers": "16"},
+    ),
+    (
+        "IUD-stage-512Kx16",
+        "IO_URING_DMABUF",
+        {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "16"},
+    ),
+    (
+        "IUD-stage-256Kx16",
+        "IO_URING_DMABUF",
+        {"vram_path": "staging", "staging_buffer_size": str(MiB // 4), "staging_buffers": "16"},
+    ),
+    (
+        "IUD-stage-512Kx8",
+        "IO_URING_DMABUF",
+        {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "8"},
+    ),
+    (
+        "IUD-stage-512Kx32",
+        "IO_URING_DMABUF",
+        {"vram_path": "staging", "staging_buffer_size": str(MiB // 2), "staging_buffers": "32"},
+    ),
     # More bytes in flight for disks that want deep queues (256 MiB pinned instead of 64).
-    ("IUD-stage-2Mx128", "IO_URING_DMABUF", {"vram_path": "staging", "staging_buffer_size": str(2 * MiB), "staging_buffers": "128"}),
+    (
+        "IUD-stage-2Mx128",
+        "IO_URING_DMABUF",
+        {"vram_path": "staging", "staging_buffer_size": str(2 * MiB), "staging_buffers": "128"},
+    ),
     # Page-cache READ pieces handed to io_uring's workers (punted) from this size; 0 = never.
     ("IUD-punt-off", "IO_URING_DMABUF", {"vram_path": "staging", "punt_buffered_min": "0"}),
     ("IUD-punt-64K", "IO_URING_DMABUF", {"vram_path": "staging", "punt_buffered_min": "65536"}),
@@ -113,7 +157,11 @@ BACKENDS = [
     ("IUD-pct10", "IO_URING_DMABUF", {"page_cache_threads": "10"}),
     ("IUD-pct8", "IO_URING_DMABUF", {"page_cache_threads": "8"}),
     # ... and all 16 writing one file at once (as many writers as GDS_MT's compatibility mode?)
-    ("IUD-pct16fw0", "IO_URING_DMABUF", {"page_cache_threads": "16", "page_cache_file_writers": "0"}),
+    (
+        "IUD-pct16fw0",
+        "IO_URING_DMABUF",
+        {"page_cache_threads": "16", "page_cache_file_writers": "0"},
+    ),
     # The staging write window (staged_write_window, default 8 MiB): none, 16 MiB, and 8 MiB
     # with 512 KiB write pieces.
     ("IUD-win0", "IO_URING_DMABUF", {"staged_write_window": "0"}),
@@ -170,12 +218,29 @@ BACKENDS = [
 
 
 # Variants measured only when named in --backends.
-OPT_IN = ("IUD-stage-", "IUD-punt-", "IUD-pct", "IUD-win", "IUD-fw1", "IUD-fw4", "IUD-inline", "IUD-swp", "IUD-noprogress", "IUD-pack", "IUD-kernel", "IUD-dmakernel", "IUD-batch", "IUD-kstreams", "IUD-ring", "IUD-caller")
-
+OPT_IN = (
+    "IUD-stage-",
+    "IUD-punt-",
+    "IUD-pct",
+    "IUD-win",
+    "IUD-fw1",
+    "IUD-fw4",
+    "IUD-inline",
+    "IUD-swp",
+    "IUD-noprogress",
+    "IUD-pack",
+    "IUD-kernel",
+    "IUD-dmakernel",
+    "IUD-batch",
+    "IUD-kstreams",
+    "IUD-ring",
+    "IUD-caller",
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # Contiguous sweep (table 2)
+
 
 class Point:
     def __init__(self, agent, name, kind, block, count, direct, path, memory="vram"):
@@ -192,18 +257,36 @@ class Point:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o644)
         os.ftruncate(self.fd, total)
         self.regs = [agent.register_memory([(0, total, self.fd, "")], "FILE", backends=[name])]
-        self.remote = agent.get_xfer_descs([(i * block, block, self.fd) for i in range(count)], "FILE")
+        self.remote = agent.get_xfer_descs(
+            [(i * block, block, self.fd) for i in range(count)], "FILE"
+        )
         if kind == "POSIX" and not self.dram_only:
             # POSIX cannot address VRAM: stage through a pinned host tensor by hand.
             self.host = torch.empty(total, dtype=torch.uint8).pin_memory()
-            self.regs.append(agent.register_memory([(self.host.data_ptr(), total, 0, "")], "DRAM", backends=[name]))
-            self.local = agent.get_xfer_descs([(self.host.data_ptr() + i * block, block, 0) for i in range(count)], "DRAM")
+            self.regs.append(
+                agent.register_memory(
+                    [(self.host.data_ptr(), total, 0, "")], "DRAM", backends=[name]
+                )
+            )
+            self.local = agent.get_xfer_descs(
+                [(self.host.data_ptr() + i * block, block, 0) for i in range(count)], "DRAM"
+            )
         else:
             self.host = None
             mk = "DRAM" if self.dram_only else "VRAM"
-            self.regs.append(agent.register_memory([(self.vram.data_ptr(), total, 0, ""), (self.check.data_ptr(), total, 0, "")], mk, backends=[name]))
-            self.local = agent.get_xfer_descs([(self.vram.data_ptr() + i * block, block, 0) for i in range(count)], mk)
-            self.local_check = agent.get_xfer_descs([(self.check.data_ptr() + i * block, block, 0) for i in range(count)], mk)
+            self.regs.append(
+                agent.register_memory(
+                    [(self.vram.data_ptr(), total, 0, ""), (self.check.data_ptr(), total, 0, "")],
+                    mk,
+                    backends=[name],
+                )
+            )
+            self.local = agent.get_xfer_descs(
+                [(self.vram.data_ptr() + i * block, block, 0) for i in range(count)], mk
+            )
+            self.local_check = agent.get_xfer_descs(
+                [(self.check.data_ptr() + i * block, block, 0) for i in range(count)], mk
+            )
         self.name = name
 
     def xfer(self, op, local=None):
@@ -265,7 +348,11 @@ def run_backend(label, name, params, sizes, args):
             p.verify()
             for op in ("WRITE", "READ"):
                 results[f"{block}:{op}"] = f"{measure(p, op, args.seconds):.2f}"
-                print(f"{label} {op} {block}: {results[f'{block}:{op}']} GB/s", file=sys.stderr, flush=True)
+                print(
+                    f"{label} {op} {block}: {results[f'{block}:{op}']} GB/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         except Exception as e:  # noqa: BLE001 - reported in the table
             print(f"{label} block {block}: {e!r}", file=sys.stderr, flush=True)
             for op in ("READ", "WRITE"):
@@ -283,6 +370,7 @@ def run_backend(label, name, params, sizes, args):
 
 # ---------------------------------------------------------------------------------------------
 # KV-cache pattern (table 1)
+
 
 def kv_blocks(block, fixed):
     """Descriptors per request: --kv_blocks, else 8192 * sqrt(16 KiB / B) rounded down to a power
@@ -302,13 +390,18 @@ def kv_layout(seed, block, n, region_bytes, regions, file_bytes):
     """(region index, slot in region, file offset) arrays of the n descriptors, in request order;
     the same in every process for the same arguments."""
     import numpy as np
+
     rng = np.random.default_rng([seed, block, n])
     per = region_bytes // block
     mem = rng.choice(regions * per, size=n, replace=False)
     slots = file_bytes // block
     c = np.sort(rng.choice(slots - n + 1, size=n, replace=False))
     file_slots = rng.permutation(c + np.arange(n))  # sorted + rank: no two neighbours
-    return (mem // per).astype(np.int64), (mem % per).astype(np.int64), (file_slots * block).astype(np.int64)
+    return (
+        (mem // per).astype(np.int64),
+        (mem % per).astype(np.int64),
+        (file_slots * block).astype(np.int64),
+    )
 
 
 def kv_points(args):
@@ -316,13 +409,17 @@ def kv_points(args):
     pts = []
     for op in args.kv_ops.split(","):
         for b in args.kv_sizes:
-            n = min(kv_blocks(b, args.kv_blocks), kv_max_blocks(b, args.kv_region_bytes, args.kv_regions, args.kv_file_bytes))
+            n = min(
+                kv_blocks(b, args.kv_blocks),
+                kv_max_blocks(b, args.kv_region_bytes, args.kv_regions, args.kv_file_bytes),
+            )
             pts.append((op, b, n))
     return pts
 
 
 class DeviceMem:
     """Large VRAM regions (torch.cuda tensors) and batched slot access on the GPU."""
+
     kind = "VRAM"
 
     def alloc(self, n):
@@ -337,7 +434,9 @@ class DeviceMem:
     def fill_slots(self, region, block, idx, seed):
         g = torch.Generator(device="cuda")
         g.manual_seed(seed)
-        region.view(-1, block)[idx] = torch.randint(0, 256, (len(idx), block), dtype=torch.uint8, device="cuda", generator=g)
+        region.view(-1, block)[idx] = torch.randint(
+            0, 256, (len(idx), block), dtype=torch.uint8, device="cuda", generator=g
+        )
 
     def zero_slots(self, region, block, idx):
         region.view(-1, block)[idx] = 0
@@ -361,13 +460,15 @@ class DeviceMem:
 
 class HostMem:
     """--memory dram: page-aligned numpy regions (no torch, no GPU), for the CPU smoke test."""
+
     kind = "DRAM"
 
     def alloc(self, n):
         import numpy as np
+
         raw = np.empty(n + 4096, dtype=np.uint8)
         off = (-raw.ctypes.data) % 4096
-        a = raw[off:off + n]
+        a = raw[off : off + n]
         a[:] = 0  # touch every page
         return a
 
@@ -379,13 +480,17 @@ class HostMem:
 
     def fill_slots(self, region, block, idx, seed):
         import numpy as np
-        region.reshape(-1, block)[idx] = np.random.default_rng(seed).integers(0, 256, (len(idx), block), dtype=np.uint8)
+
+        region.reshape(-1, block)[idx] = np.random.default_rng(seed).integers(
+            0, 256, (len(idx), block), dtype=np.uint8
+        )
 
     def zero_slots(self, region, block, idx):
         region.reshape(-1, block)[idx] = 0
 
     def gather(self, regions, block, n, parts):
         import numpy as np
+
         out = np.empty((n, block), dtype=np.uint8)
         for r, (pos, idx) in parts.items():
             out[pos] = regions[r].reshape(-1, block)[idx]
@@ -393,10 +498,12 @@ class HostMem:
 
     def equal(self, got, expected_np):
         import numpy as np
+
         return bool(np.array_equal(got, expected_np))
 
     def first_diff(self, got, expected_np):
         import numpy as np
+
         ne = np.argwhere(got != expected_np)
         return tuple(int(v) for v in ne[0]) if len(ne) else None
 
@@ -411,7 +518,7 @@ def cpu_s():
 
 def kv_child(label, name, params, args):
     """One backend, one round: every KV point; prints RESULTS {key: sample}."""
-    import numpy as np
+
     mem = HostMem() if args.memory == "dram" else DeviceMem()
     staged = name == "POSIX" and args.memory != "dram"  # POSIX cannot address VRAM
     agent = nixl_agent(f"kv-{label}-{os.getpid()}", nixl_agent_config(backends=[]))
@@ -424,7 +531,9 @@ def kv_child(label, name, params, args):
     if staged:
         host = torch.empty(max_req, dtype=torch.uint8).pin_memory()
         scratch = torch.empty(max_req, dtype=torch.uint8, device="cuda")
-        regs.append(agent.register_memory([(host.data_ptr(), max_req, 0, "")], "DRAM", backends=[name]))
+        regs.append(
+            agent.register_memory([(host.data_ptr(), max_req, 0, "")], "DRAM", backends=[name])
+        )
     else:
         for r in regions:
             regs.append(agent.register_memory([(mem.ptr(r), rb, 0, "")], mem.kind, backends=[name]))
@@ -437,13 +546,31 @@ def kv_child(label, name, params, args):
         for op, block, n in points:
             key = f"{op}:{block}"
             try:
-                results[key] = kv_point(agent, name, mem, regions, fd, vfd, op, block, n, args,
-                                        (host, scratch) if staged else None)
+                results[key] = kv_point(
+                    agent,
+                    name,
+                    mem,
+                    regions,
+                    fd,
+                    vfd,
+                    op,
+                    block,
+                    n,
+                    args,
+                    (host, scratch) if staged else None,
+                )
             except Exception as e:  # noqa: BLE001 - reported in the table
                 results[key] = {"error": f"{type(e).__name__}: {e}"}
             r = results[key]
-            msg = r.get("error") or f"{r['gbps']:.3f} GB/s {r['cpu_s_per_gb']:.3f} CPU s/GB {r['requests']} req {'ok' if r['verified'] is True else r['verified']}"
-            print(f"kv {label} round {args.kv_round} {op} {block} x {n}: {msg}", file=sys.stderr, flush=True)
+            msg = (
+                r.get("error")
+                or f"{r['gbps']:.3f} GB/s {r['cpu_s_per_gb']:.3f} CPU s/GB {r['requests']} req {'ok' if r['verified'] is True else r['verified']}"
+            )
+            print(
+                f"kv {label} round {args.kv_round} {op} {block} x {n}: {msg}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         deregister_all(agent, name, regs)
         os.close(fd)
@@ -453,15 +580,22 @@ def kv_child(label, name, params, args):
 
 def kv_point(agent, name, mem, regions, fd, vfd, op, block, n, args, staged):
     import numpy as np
-    ridx, slot, foff = kv_layout(args.seed, block, n, args.kv_region_bytes, args.kv_regions, args.kv_file_bytes)
+
+    ridx, slot, foff = kv_layout(
+        args.seed, block, n, args.kv_region_bytes, args.kv_regions, args.kv_file_bytes
+    )
     # Per region: (descriptor positions, slots), as index arrays on the device of the memory.
     parts = {}
     for r in range(len(regions)):
         sel = np.nonzero(ridx == r)[0]
         if len(sel):
             parts[r] = (mem.index(sel), mem.index(slot[sel]))
-    seed = (args.seed * 1000003 + block * 7 + (1 if op == "WRITE" else 2)) * 131 + args.kv_round * 17 + os.getpid() % 97
-    for r, (pos, idx) in parts.items():
+    seed = (
+        (args.seed * 1000003 + block * 7 + (1 if op == "WRITE" else 2)) * 131
+        + args.kv_round * 17
+        + os.getpid() % 97
+    )
+    for r, (_pos, idx) in parts.items():
         if op == "WRITE":
             mem.fill_slots(regions[r], block, idx, seed + r)
         else:
@@ -471,15 +605,24 @@ def kv_point(agent, name, mem, regions, fd, vfd, op, block, n, args, staged):
     if staged is None:
         base = np.array([mem.ptr(r) for r in regions], dtype=np.uint64)
         addrs = base[ridx] + (slot * block).astype(np.uint64)
-        local = np.stack([addrs, np.full(n, block, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1)
+        local = np.stack(
+            [addrs, np.full(n, block, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1
+        )
         lkind = mem.kind
     else:
         host, scratch = staged
         addrs = host.data_ptr() + np.arange(n, dtype=np.uint64) * block
-        local = np.stack([addrs, np.full(n, block, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1)
+        local = np.stack(
+            [addrs, np.full(n, block, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1
+        )
         lkind = "DRAM"
-    h = agent.initialize_xfer(op, agent.get_xfer_descs(local, lkind), agent.get_xfer_descs(remote, "FILE"),
-                              agent.name, backends=[name])
+    h = agent.initialize_xfer(
+        op,
+        agent.get_xfer_descs(local, lkind),
+        agent.get_xfer_descs(remote, "FILE"),
+        agent.name,
+        backends=[name],
+    )
 
     def post():
         s = agent.transfer(h)
@@ -532,11 +675,18 @@ def kv_point(agent, name, mem, regions, fd, vfd, op, block, n, args, staged):
     verified = True
     if not mem.equal(got, expected):
         d, j = mem.first_diff(got, expected)
-        verified = (f"MISMATCH: descriptor {d} (region {ridx[d]} slot {slot[d]}, file offset {foff[d]}) "
-                    f"first difference at byte {j}")
+        verified = (
+            f"MISMATCH: descriptor {d} (region {ridx[d]} slot {slot[d]}, file offset {foff[d]}) "
+            f"first difference at byte {j}"
+        )
     if op == "WRITE" and not args.direct:
         os.fdatasync(fd)  # not timed: keep one measurement's dirty pages out of the next
-    return {"gbps": nbytes / el / 1e9, "cpu_s_per_gb": cpu / (nbytes / 1e9), "requests": k, "verified": verified}
+    return {
+        "gbps": nbytes / el / 1e9,
+        "cpu_s_per_gb": cpu / (nbytes / 1e9),
+        "requests": k,
+        "verified": verified,
+    }
 
 
 def kv_file(args):
@@ -546,6 +696,7 @@ def kv_file(args):
 def prefill(path, nbytes, direct):
     """Random file content (numpy's generator), fsynced for O_DIRECT runs."""
     import numpy as np
+
     rng = np.random.default_rng(0xF11E)
     chunk = 64 * MiB
     with open(path, "wb") as f:
@@ -584,8 +735,11 @@ def kv_table(args, deadline):
     path = kv_file(args)
     t = time.perf_counter()
     prefill(path, args.kv_file_bytes, args.direct)
-    print(f"kv: file {path}: {args.kv_file_bytes} random bytes written in {time.perf_counter() - t:.1f} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"kv: file {path}: {args.kv_file_bytes} random bytes written in {time.perf_counter() - t:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     samples = {(l, op, b): [] for l in labels for op, b, _ in points}
     notes = []
     try:
@@ -599,15 +753,25 @@ def kv_table(args, deadline):
                 cmd = [sys.executable] + sys.argv + ["--kv_one", label, "--kv_round", str(rnd)]
                 got = {}
                 try:
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=min(args.kv_timeout, left))
+                    r = subprocess.run(
+                        cmd, capture_output=True, text=True, timeout=min(args.kv_timeout, left)
+                    )
                     sys.stderr.write(r.stderr)
-                    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULTS ")), None)
+                    line = next(
+                        (x for x in r.stdout.splitlines() if x.startswith("RESULTS ")), None
+                    )
                     got = json.loads(line[8:]) if line else {}
                     if not line:
                         notes.append(f"{label} round {rnd + 1}: no results (exit {r.returncode})")
                 except subprocess.TimeoutExpired as e:
-                    err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-                    sys.stderr.write(f"kv {label} round {rnd + 1}: no result within the timeout; its stderr so far:\n{err}")
+                    err = (
+                        e.stderr.decode(errors="replace")
+                        if isinstance(e.stderr, bytes)
+                        else (e.stderr or "")
+                    )
+                    sys.stderr.write(
+                        f"kv {label} round {rnd + 1}: no result within the timeout; its stderr so far:\n{err}"
+                    )
                     notes.append(per_request.cut_short(label, rnd, args.kv_timeout, left))
                 for op, b, _ in points:
                     s = got.get(f"{op}:{b}")
@@ -615,19 +779,27 @@ def kv_table(args, deadline):
                         samples[(label, op, b)].append(s)
     finally:
         os.unlink(path)
-    print(f"kv raw rounds: {json.dumps({f'{k[0]} {k[1]} {k[2]}': v for k, v in samples.items()})}", file=sys.stderr, flush=True)
+    print(
+        f"kv raw rounds: {json.dumps({f'{k[0]} {k[1]} {k[2]}': v for k, v in samples.items()})}",
+        file=sys.stderr,
+        flush=True,
+    )
     return labels, points, samples, notes
 
 
 def print_kv_table(args, labels, points, samples, notes):
     kind = "O_DIRECT" if args.direct else "page cache"
-    print(f"## Table 1: KV-cache pattern, {args.memory.upper()} <-> FILE ({kind}), scattered blocks\n")
-    print(f"{args.kv_regions} {args.memory.upper()} region(s) of {args.kv_region_bytes // MiB} MiB; file of "
-          f"{args.kv_file_bytes // MiB} MiB in {args.dir}; blocks at random slots against random file offsets, no "
-          f"two adjacent; one request of N descriptors reposted for >= {args.kv_seconds} s (>= 3 times) after one "
-          f"warm-up; medians of {args.kv_rounds} rounds, each backend in its own process per round, order rotated; "
-          "every block compared with the file after every timed loop; CPU s/GB = user+sys of the measuring "
-          "process (getrusage) over the timed loop per GB.\n")
+    print(
+        f"## Table 1: KV-cache pattern, {args.memory.upper()} <-> FILE ({kind}), scattered blocks\n"
+    )
+    print(
+        f"{args.kv_regions} {args.memory.upper()} region(s) of {args.kv_region_bytes // MiB} MiB; file of "
+        f"{args.kv_file_bytes // MiB} MiB in {args.dir}; blocks at random slots against random file offsets, no "
+        f"two adjacent; one request of N descriptors reposted for >= {args.kv_seconds} s (>= 3 times) after one "
+        f"warm-up; medians of {args.kv_rounds} rounds, each backend in its own process per round, order rotated; "
+        "every block compared with the file after every timed loop; CPU s/GB = user+sys of the measuring "
+        "process (getrusage) over the timed loop per GB.\n"
+    )
     ref = "GDS_MT" if "GDS_MT" in labels else (labels[1] if len(labels) > 1 else None)
     head = "| op | block | blocks |" + "".join(f" {l} GB/s | {l} CPU s/GB |" for l in labels)
     head += f" {labels[0]} / {ref} |" if ref else ""
@@ -649,7 +821,9 @@ def print_kv_table(args, labels, points, samples, notes):
                 row += f" n/a ({errs[0][:40] if errs else 'not run'}) | - |"
             bad += [f"{l}: {e}" for e in errs]
         if ref:
-            row += f" {gb[labels[0]] / gb[ref]:.2f}x |" if labels[0] in gb and gb.get(ref) else " - |"
+            row += (
+                f" {gb[labels[0]] / gb[ref]:.2f}x |" if labels[0] in gb and gb.get(ref) else " - |"
+            )
         if bad:
             failures += 1
             for x in bad:
@@ -669,11 +843,15 @@ def contig_table(args, sizes, deadline):
     for label, _, _ in chosen:
         left = deadline - time.monotonic()
         if left < 15:
-            got = {f"{b}:{op}": "n/a (time budget spent)" for b in sizes for op in ("READ", "WRITE")}
+            got = {
+                f"{b}:{op}": "n/a (time budget spent)" for b in sizes for op in ("READ", "WRITE")
+            }
         else:
             cmd = [sys.executable] + sys.argv + ["--one", label]
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=min(args.timeout, left))
+                r = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=min(args.timeout, left)
+                )
                 # The child's progress lines, failures and plugin log go to our stderr (the .log).
                 sys.stderr.write(r.stderr)
                 out = r.stdout
@@ -682,9 +860,19 @@ def contig_table(args, sizes, deadline):
                 if not got:
                     got = {f"{b}:{op}": "n/a (failed)" for b in sizes for op in ("READ", "WRITE")}
             except subprocess.TimeoutExpired as e:
-                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-                sys.stderr.write(f"{label}: no result within {min(args.timeout, left):.0f} s; its stderr so far:\n{err}")
-                why = "time budget (--budget_s) ran out" if left < args.timeout else f"hung > {min(args.timeout, left):.0f} s"
+                err = (
+                    e.stderr.decode(errors="replace")
+                    if isinstance(e.stderr, bytes)
+                    else (e.stderr or "")
+                )
+                sys.stderr.write(
+                    f"{label}: no result within {min(args.timeout, left):.0f} s; its stderr so far:\n{err}"
+                )
+                why = (
+                    "time budget (--budget_s) ran out"
+                    if left < args.timeout
+                    else f"hung > {min(args.timeout, left):.0f} s"
+                )
                 got = {f"{b}:{op}": f"n/a ({why})" for b in sizes for op in ("READ", "WRITE")}
         for k, v in got.items():
             b, op = k.split(":")
@@ -692,7 +880,11 @@ def contig_table(args, sizes, deadline):
     kind = "O_DIRECT" if args.direct else "page cache"
     print(f"## Table 2: contiguous sweep, {args.memory.upper()} <-> FILE ({kind})\n")
     labels = [b[0] for b in chosen]
-    print("| op | block | " + " | ".join(f"{l} GB/s" for l in labels) + " | IO_URING_DMABUF / GDS_MT |")
+    print(
+        "| op | block | "
+        + " | ".join(f"{l} GB/s" for l in labels)
+        + " | IO_URING_DMABUF / GDS_MT |"
+    )
     print("|---|---|" + "---|" * (len(labels) + 1))
     for op in ("READ", "WRITE"):
         for b in sizes:
@@ -719,53 +911,124 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--direct", action="store_true")
-    ap.add_argument("--tables", default="req,kv,contig",
-                    help="any of req, prep, kv, contig (printed in that order: req, what clients wait for, first)")
-    ap.add_argument("--sizes", default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)),
-                    help="contig block sizes")
+    ap.add_argument(
+        "--tables",
+        default="req,kv,contig",
+        help="any of req, prep, kv, contig (printed in that order: req, what clients wait for, first)",
+    )
+    ap.add_argument(
+        "--sizes",
+        default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)),
+        help="contig block sizes",
+    )
     ap.add_argument("--seconds", type=float, default=0.3, help="contig: timed seconds per point")
-    ap.add_argument("--request_bytes", type=int, default=256 * MiB, help="contig: bytes per request (descriptors = this / block, at most 128)")
-    ap.add_argument("--backends", default=",".join(b[0] for b in BACKENDS if not b[0].startswith(OPT_IN)), help="contig backends")
+    ap.add_argument(
+        "--request_bytes",
+        type=int,
+        default=256 * MiB,
+        help="contig: bytes per request (descriptors = this / block, at most 128)",
+    )
+    ap.add_argument(
+        "--backends",
+        default=",".join(b[0] for b in BACKENDS if not b[0].startswith(OPT_IN)),
+        help="contig backends",
+    )
     ap.add_argument("--timeout", type=float, default=90, help="contig: seconds allowed per backend")
-    ap.add_argument("--memory", choices=("vram", "dram"), default="vram",
-                    help="dram: host memory for every backend (contig: pinned, POSIX+copy is then plain POSIX; kv: numpy, no GPU needed)")
+    ap.add_argument(
+        "--memory",
+        choices=("vram", "dram"),
+        default="vram",
+        help="dram: host memory for every backend (contig: pinned, POSIX+copy is then plain POSIX; kv: numpy, no GPU needed)",
+    )
     ap.add_argument("--kv_backends", default="IO_URING_DMABUF,GDS_MT,POSIX+copy")
     ap.add_argument("--kv_sizes", default="4K,8K,16K,32K,64K,128K,256K,512K,1M,2M")
     ap.add_argument("--kv_ops", default="READ,WRITE")
-    ap.add_argument("--kv_blocks", type=int, default=0, help="descriptors per request; 0 = 8192*sqrt(16K/B), power of two in 512..8192")
+    ap.add_argument(
+        "--kv_blocks",
+        type=int,
+        default=0,
+        help="descriptors per request; 0 = 8192*sqrt(16K/B), power of two in 512..8192",
+    )
     ap.add_argument("--kv_regions", type=int, default=2)
     ap.add_argument("--kv_region_mib", type=int, default=1024, help="MiB per region")
-    ap.add_argument("--kv_file_mib", type=int, default=0, help="file size; 0 = what the largest point needs with no two blocks adjacent")
+    ap.add_argument(
+        "--kv_file_mib",
+        type=int,
+        default=0,
+        help="file size; 0 = what the largest point needs with no two blocks adjacent",
+    )
     ap.add_argument("--kv_rounds", type=int, default=3)
-    ap.add_argument("--kv_seconds", type=float, default=0.25, help="timed seconds per measurement (at least 3 requests)")
-    ap.add_argument("--kv_timeout", type=float, default=150, help="seconds allowed per backend and round")
-    ap.add_argument("--kv_poll_sleep_us", type=float, default=0,
-                    help="sleep between checkXfer calls (0 = spin; LMCache sleeps 1000 us)")
+    ap.add_argument(
+        "--kv_seconds",
+        type=float,
+        default=0.25,
+        help="timed seconds per measurement (at least 3 requests)",
+    )
+    ap.add_argument(
+        "--kv_timeout", type=float, default=150, help="seconds allowed per backend and round"
+    )
+    ap.add_argument(
+        "--kv_poll_sleep_us",
+        type=float,
+        default=0,
+        help="sleep between checkXfer calls (0 = spin; LMCache sleeps 1000 us)",
+    )
     # Table 0 and the prep profile (bench/per_request.py).
-    ap.add_argument("--req_backends", default="IO_URING_DMABUF,GDS_MT",
-                    help="req and prep: backends (the second is the ratio's reference)")
-    ap.add_argument("--req_points", default="16K:8192,32K:8192,64K:4096,256K:2048,2M:512",
-                    help="req: block:descriptors per point")
+    ap.add_argument(
+        "--req_backends",
+        default="IO_URING_DMABUF,GDS_MT",
+        help="req and prep: backends (the second is the ratio's reference)",
+    )
+    ap.add_argument(
+        "--req_points",
+        default="16K:8192,32K:8192,64K:4096,256K:2048,2M:512",
+        help="req: block:descriptors per point",
+    )
     ap.add_argument("--req_ops", default="READ,WRITE")
-    ap.add_argument("--req_modes", default="prepped,init,repost",
-                    help="req: make_prepped_xfer per request (always), initialize_xfer per request, repost of one request")
-    ap.add_argument("--req_slot_pages", type=int, default=0,
-                    help="also READ/WRITE the vLLM connector's slot layout: blocks of this many descriptors "
-                         "scattered in memory, end to end in the file (0 = off)")
-    ap.add_argument("--req_no_contig", dest="req_contig", action="store_false",
-                    help="req: leave out the contiguous READ per size")
-    ap.add_argument("--req_seconds", type=float, default=0.25, help="req: summed request time per measurement")
-    ap.add_argument("--req_processes", type=int, default=1,
-                    help="req: processes per backend at once (one agent and one file each; prepped mode only)")
-    ap.add_argument("--req_prefill_write", type=int, default=64 * MiB,
-                    help="req: bytes per write when the file is prefilled (small writes: small page-cache folios)")
+    ap.add_argument(
+        "--req_modes",
+        default="prepped,init,repost",
+        help="req: make_prepped_xfer per request (always), initialize_xfer per request, repost of one request",
+    )
+    ap.add_argument(
+        "--req_slot_pages",
+        type=int,
+        default=0,
+        help="also READ/WRITE the vLLM connector's slot layout: blocks of this many descriptors "
+        "scattered in memory, end to end in the file (0 = off)",
+    )
+    ap.add_argument(
+        "--req_no_contig",
+        dest="req_contig",
+        action="store_false",
+        help="req: leave out the contiguous READ per size",
+    )
+    ap.add_argument(
+        "--req_seconds", type=float, default=0.25, help="req: summed request time per measurement"
+    )
+    ap.add_argument(
+        "--req_processes",
+        type=int,
+        default=1,
+        help="req: processes per backend at once (one agent and one file each; prepped mode only)",
+    )
+    ap.add_argument(
+        "--req_prefill_write",
+        type=int,
+        default=64 * MiB,
+        help="req: bytes per write when the file is prefilled (small writes: small page-cache folios)",
+    )
     ap.add_argument("--prep_descs", default="8192,65536", help="prep: descriptors per list")
     ap.add_argument("--prep_block", type=int, default=4096)
     ap.add_argument("--prep_ops", default="READ,WRITE")
     ap.add_argument("--prep_seconds", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--budget_s", type=float, default=450,
-                    help="wall-clock budget of the whole run: backends and rounds that would start later are reported as not run")
+    ap.add_argument(
+        "--budget_s",
+        type=float,
+        default=450,
+        help="wall-clock budget of the whole run: backends and rounds that would start later are reported as not run",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--kv_one", help=argparse.SUPPRESS)
     ap.add_argument("--req_one", help=argparse.SUPPRESS)
@@ -787,8 +1050,14 @@ def main():
     if args.kv_file_mib:
         args.kv_file_bytes = args.kv_file_mib * MiB
     else:
-        need = max((2 * min(kv_blocks(b, args.kv_blocks), args.kv_regions * (args.kv_region_bytes // b)) - 1) * b
-                   for b in args.kv_sizes)
+        need = max(
+            (
+                2 * min(kv_blocks(b, args.kv_blocks), args.kv_regions * (args.kv_region_bytes // b))
+                - 1
+            )
+            * b
+            for b in args.kv_sizes
+        )
         args.kv_file_bytes = -(-need // MiB) * MiB
     if "req" in tables and (why := per_request.check_fit(args)):
         fail(f"req: {why}")
@@ -818,8 +1087,10 @@ def main():
     kind = "O_DIRECT file" if args.direct else "buffered file (page cache)"
     print(f"# {args.memory.upper()} <-> FILE, {kind}\n")
     gpu = torch.cuda.get_device_name(0) if torch is not None else "none (--memory dram)"
-    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; host {platform.node()}; kernel {platform.release()}; "
-          f"{os.cpu_count()} CPUs; GPU {gpu}; loadavg {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    print(
+        f"date {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; host {platform.node()}; kernel {platform.release()}; "
+        f"{os.cpu_count()} CPUs; GPU {gpu}; loadavg {' '.join(open('/proc/loadavg').read().split()[:3])}"
+    )
     print(f"command: python3 {' '.join(sys.argv)}\n", flush=True)
     deadline = start + args.budget_s
     failures = 0

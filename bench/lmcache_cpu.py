@@ -42,11 +42,15 @@ def main() -> int:
     pkgs = E.pip_target(E.build_wheel(os.path.join(tmp, "wheel")), os.path.join(tmp, "pkgs"))
     site = os.path.join(tmp, "site")
     E.copy_nixl(site, E.wheel_module_of(py))
-    p = E.run([py, "-m", "nixl_io_uring_dmabuf", "install", "--as", "POSIX"], E.child_env([site, pkgs]))
+    p = E.run(
+        [py, "-m", "nixl_io_uring_dmabuf", "install", "--as", "POSIX"], E.child_env([site, pkgs])
+    )
     assert p.returncode == 0, p.stderr
-    routes = {"NIXL POSIX (own)": ([pkgs], {"route": "builtin", "name": "POSIX"}),
-              "IO_URING_DMABUF --as POSIX": ([site, pkgs], {"route": "builtin", "name": "POSIX"}),
-              "IO_URING_DMABUF storage plugin": ([site, pkgs], {"route": "plugin"})}
+    routes = {
+        "NIXL POSIX (own)": ([pkgs], {"route": "builtin", "name": "POSIX"}),
+        "IO_URING_DMABUF --as POSIX": ([site, pkgs], {"route": "builtin", "name": "POSIX"}),
+        "IO_URING_DMABUF storage plugin": ([site, pkgs], {"route": "plugin"}),
+    }
     load_before = os.getloadavg()
     rows = {}
     for rep in range(a.reps):
@@ -56,20 +60,44 @@ def main() -> int:
                 for direct in (False, True):
                     d = os.path.join(tmp, "data", f"{rep}-{name.replace(' ', '_')}-{pool}-{direct}")
                     os.makedirs(d)
-                    specs.append(dict(GEOMETRY, **route, chunks=a.chunks, batch=a.batch, pool=pool,
-                                      direct=direct, path=d, seed=rep + 1))
-            p = subprocess.run([py, os.path.join(REPO, "tests", "python", "clients", "lmcache_driver.py"),
-                                json.dumps(specs)], env=E.child_env(path), capture_output=True,
-                               text=True, timeout=1800)
+                    specs.append(
+                        dict(
+                            GEOMETRY,
+                            **route,
+                            chunks=a.chunks,
+                            batch=a.batch,
+                            pool=pool,
+                            direct=direct,
+                            path=d,
+                            seed=rep + 1,
+                        )
+                    )
+            p = subprocess.run(
+                [
+                    py,
+                    os.path.join(REPO, "tests", "python", "clients", "lmcache_driver.py"),
+                    json.dumps(specs),
+                ],
+                env=E.child_env(path),
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
             res = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             assert p.returncode == 0 and len(res) == len(specs), p.stderr[-3000:]
             for r in res:
                 assert not r["bad"], (name, r["spec"], r["bad"])
                 s = r["spec"]
-                key = (name, "static" if s["pool"] else "dynamic", "direct" if s["direct"] else "buffered")
+                key = (
+                    name,
+                    "static" if s["pool"] else "dynamic",
+                    "direct" if s["direct"] else "buffered",
+                )
                 rows.setdefault(key, []).append((r["put_gbps"], r["get_gbps"]))
     load_after = os.getloadavg()
-    chunk = 2 * GEOMETRY["layers"] * 2 * GEOMETRY["tokens"] * GEOMETRY["heads"] * GEOMETRY["head_dim"]
+    chunk = (
+        2 * GEOMETRY["layers"] * 2 * GEOMETRY["tokens"] * GEOMETRY["heads"] * GEOMETRY["head_dim"]
+    )
     lines = [
         f"# LMCache 0.5.6 on CPU through NIXL: POSIX vs IO_URING_DMABUF ({datetime.date.today()})",
         "",
@@ -91,9 +119,11 @@ def main() -> int:
     for (name, mode, io), vals in rows.items():
         puts = [v[0] for v in vals]
         gets = [v[1] for v in vals]
-        lines.append(f"| {name} | {mode} | {io} | {statistics.median(puts):.2f} "
-                     f"({', '.join(f'{x:.2f}' for x in puts)}) | {statistics.median(gets):.2f} "
-                     f"({', '.join(f'{x:.2f}' for x in gets)}) |")
+        lines.append(
+            f"| {name} | {mode} | {io} | {statistics.median(puts):.2f} "
+            f"({', '.join(f'{x:.2f}' for x in puts)}) | {statistics.median(gets):.2f} "
+            f"({', '.join(f'{x:.2f}' for x in gets)}) |"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write("\n".join(lines) + "\n")

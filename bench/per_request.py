@@ -25,6 +25,7 @@ the longest timed loop), started on every point together.
 The prep profile (--tables prep) times make_prepped_xfer + release and initialize_xfer +
 release with no post, for lists of --prep_descs descriptors, per backend.
 """
+
 import json
 import os
 import subprocess
@@ -45,7 +46,9 @@ def parse_points(s):
     dup = sorted({b for b in blocks if blocks.count(b) > 1})
     if dup:
         # The tables have a row per block size: a second count of one size would overwrite the first.
-        raise SystemExit(f"--req_points: block size {dup[0]} appears more than once ({s}); give each size one count")
+        raise SystemExit(
+            f"--req_points: block size {dup[0]} appears more than once ({s}); give each size one count"
+        )
     return out
 
 
@@ -98,6 +101,7 @@ def prefill(path, nbytes, write_size=64 * MiB):
     Linux 6.18's ext4 a 16 KiB write into a file written in 64 MiB writes (large folios) cost
     13x one into a file written 4 KiB at a time (bench/results/2026-12-02-per-request-cpu.md)."""
     import numpy as np
+
     chunk = 64 * MiB
     base = np.frombuffer(np.random.default_rng(0xF11E).bytes(chunk), dtype=np.uint8).copy()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -110,7 +114,7 @@ def prefill(path, nbytes, write_size=64 * MiB):
             stamps[:, 0] = np.arange(off, off + k, 4096, dtype=np.uint64)
             mv = memoryview(buf)
             for o in range(0, k, write_size):
-                os.pwrite(fd, mv[o:o + write_size], off + o)
+                os.pwrite(fd, mv[o : o + write_size], off + o)
             off += k
     finally:
         os.close(fd)
@@ -119,9 +123,16 @@ def prefill(path, nbytes, write_size=64 * MiB):
 def layout(g, args, layout_kind, block, n):
     """(region index, slot, file offset) per descriptor."""
     import numpy as np
+
     if layout_kind == "contig":
-        return np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64) * block
-    ridx, slot, foff = g.kv_layout(args.seed, block, n, args.kv_region_bytes, args.kv_regions, args.req_file_bytes)
+        return (
+            np.zeros(n, dtype=np.int64),
+            np.arange(n, dtype=np.int64),
+            np.arange(n, dtype=np.int64) * block,
+        )
+    ridx, slot, foff = g.kv_layout(
+        args.seed, block, n, args.kv_region_bytes, args.kv_regions, args.req_file_bytes
+    )
     if layout_kind == "slots":
         # The vLLM connector's files: a block's pages (one per layer) scattered in VRAM but end to
         # end in the block's file slot; slots in random order with a gap after each.
@@ -138,6 +149,7 @@ class Point:
 
     def __init__(self, g, args, agent, name, mem, regions, fd, vfd, op, lay, block, n):
         import numpy as np
+
         self.g, self.args, self.agent, self.name, self.mem = g, args, agent, name, mem
         self.op, self.block, self.n, self.fd, self.vfd = op, block, n, fd, vfd
         self.ridx, self.slot, self.foff = layout(g, args, lay, block, n)
@@ -149,9 +161,17 @@ class Point:
                 self.parts[r] = (mem.index(sel), mem.index(self.slot[sel]))
         base = np.array([mem.ptr(r) for r in regions], dtype=np.uint64)
         addrs = base[self.ridx] + (self.slot * block).astype(np.uint64)
-        self.local_np = np.stack([addrs, np.full(n, block, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1)
-        self.remote_np = np.stack([self.foff.astype(np.uint64), np.full(n, block, dtype=np.uint64),
-                                   np.full(n, fd, dtype=np.uint64)], axis=1)
+        self.local_np = np.stack(
+            [addrs, np.full(n, block, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1
+        )
+        self.remote_np = np.stack(
+            [
+                self.foff.astype(np.uint64),
+                np.full(n, block, dtype=np.uint64),
+                np.full(n, fd, dtype=np.uint64),
+            ],
+            axis=1,
+        )
         self.lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.local_np, mem.kind, backends=[name])
         self.rh = agent.prep_xfer_dlist(agent.name, self.remote_np, "FILE", backends=[name])
         self.idx = np.arange(n, dtype=np.int32)
@@ -163,12 +183,13 @@ class Point:
             self.expected_dev = mem.to_device(self.expected)
         else:
             seed = (args.seed * 1000003 + block * 7 + n) * 131 + os.getpid() % 97
-            for r, (pos, idx) in self.parts.items():
+            for r, (_pos, idx) in self.parts.items():
                 mem.fill_slots(regions[r], block, idx, seed + r)
         mem.sync()
 
     def read_file(self):
         import numpy as np
+
         out = np.empty((self.n, self.block), dtype=np.uint8)
         for i in range(self.n):
             if os.preadv(self.vfd, [out[i]], int(self.foff[i])) != self.block:
@@ -178,7 +199,7 @@ class Point:
     def before(self):
         """Untimed: READ poisons the destinations; WRITE stamps every block with a new number."""
         self.seq += 1
-        for r, (pos, idx) in self.parts.items():
+        for r, (_pos, idx) in self.parts.items():
             if self.op == "READ":
                 self.mem.poison_slots(self.regions[r], self.block, idx, self.seq & 0xFF)
             else:
@@ -193,8 +214,10 @@ class Point:
         if self.mem.equal(got, want):
             return None
         d, j = self.mem.first_diff(got, want)
-        return (f"request {self.seq}: descriptor {d} (region {self.ridx[d]} slot {self.slot[d]}, file offset "
-                f"{self.foff[d]}) first difference at byte {j}")
+        return (
+            f"request {self.seq}: descriptor {d} (region {self.ridx[d]} slot {self.slot[d]}, file offset "
+            f"{self.foff[d]}) first difference at byte {j}"
+        )
 
     def wait(self, h):
         s = self.agent.transfer(h)
@@ -262,9 +285,17 @@ def run_mode(p, mode, seconds, go=None, every=True):
             p.agent.release_xfer_handle(held)
     total = prep + post + rel
     nbytes = k * p.n * p.block
-    return {"gbps": nbytes / total / 1e9 if total else 0.0, "prep_ms": prep / max(k, 1) * 1e3,
-            "post_ms": post / max(k, 1) * 1e3, "release_ms": rel / max(k, 1) * 1e3, "requests": k,
-            "bytes": nbytes, "req_s": total, "wall_s": wall, "verified": True if bad is None else bad}
+    return {
+        "gbps": nbytes / total / 1e9 if total else 0.0,
+        "prep_ms": prep / max(k, 1) * 1e3,
+        "post_ms": post / max(k, 1) * 1e3,
+        "release_ms": rel / max(k, 1) * 1e3,
+        "requests": k,
+        "bytes": nbytes,
+        "req_s": total,
+        "wall_s": wall,
+        "verified": True if bad is None else bad,
+    }
 
 
 def child(g, label, name, params, args):
@@ -274,13 +305,20 @@ def child(g, label, name, params, args):
     agent = g.nixl_agent(f"req-{label}-{os.getpid()}", g.nixl_agent_config(backends=[]))
     agent.create_backend(name, params)
     regions = [mem.alloc(args.kv_region_bytes) for _ in range(args.kv_regions)]
-    regs = [agent.register_memory([(mem.ptr(r), args.kv_region_bytes, 0, "")], mem.kind, backends=[name]) for r in regions]
+    regs = [
+        agent.register_memory(
+            [(mem.ptr(r), args.kv_region_bytes, 0, "")], mem.kind, backends=[name]
+        )
+        for r in regions
+    ]
     path = req_file(args, args.req_proc)
     fd = os.open(path, os.O_RDWR | (os.O_DIRECT if args.direct else 0))
     vfd = os.open(path, os.O_RDONLY)
     regs.append(agent.register_memory([(0, args.req_file_bytes, fd, "")], "FILE", backends=[name]))
     nprocs = args.req_processes
-    modes = ("prepped",) if nprocs > 1 else tuple(m for m in MODES if m in args.req_modes.split(","))
+    modes = (
+        ("prepped",) if nprocs > 1 else tuple(m for m in MODES if m in args.req_modes.split(","))
+    )
 
     def go():
         # --req_processes: every process starts a point's timed loop together.
@@ -304,11 +342,16 @@ def child(g, label, name, params, args):
                     if nprocs > 1:
                         go()  # keep the handshake in step with the other processes
                 r = results[key]
-                msg = r.get("error") or (f"{r['gbps']:.3f} GB/s prep {r['prep_ms']:.3f} post->DONE {r['post_ms']:.3f} "
-                                         f"release {r['release_ms']:.3f} ms {r['requests']} req "
-                                         f"{'ok' if r['verified'] is True else r['verified']}")
-                print(f"req {label} proc {args.req_proc} round {args.kv_round} {op} {lay} {block} x {n} {mode}: {msg}",
-                      file=sys.stderr, flush=True)
+                msg = r.get("error") or (
+                    f"{r['gbps']:.3f} GB/s prep {r['prep_ms']:.3f} post->DONE {r['post_ms']:.3f} "
+                    f"release {r['release_ms']:.3f} ms {r['requests']} req "
+                    f"{'ok' if r['verified'] is True else r['verified']}"
+                )
+                print(
+                    f"req {label} proc {args.req_proc} round {args.kv_round} {op} {lay} {block} x {n} {mode}: {msg}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if p is not None:
                 p.close()
             if op == "WRITE" and not args.direct:
@@ -329,15 +372,22 @@ def extend_mem(mem):
             region.view(-1, block)[idx] = v
 
         def stamp(region, block, idx, seq):
-            region.view(-1, block)[idx, :8] = torch.tensor(list(int(seq).to_bytes(8, "little")), dtype=torch.uint8, device="cuda")
+            region.view(-1, block)[idx, :8] = torch.tensor(
+                list(int(seq).to_bytes(8, "little")), dtype=torch.uint8, device="cuda"
+            )
 
         mem.to_device = lambda a: torch.from_numpy(a).to("cuda")
-        mem.equal = lambda got, want: bool(torch.equal(got, want if isinstance(want, torch.Tensor) else torch.from_numpy(want).to("cuda")))
+        mem.equal = lambda got, want: bool(
+            torch.equal(
+                got, want if isinstance(want, torch.Tensor) else torch.from_numpy(want).to("cuda")
+            )
+        )
 
         def first_diff(got, want):
             w = want if isinstance(want, torch.Tensor) else torch.from_numpy(want).to("cuda")
             ne = (got != w).nonzero()
             return tuple(int(x) for x in ne[0]) if len(ne) else (-1, -1)
+
         mem.first_diff = first_diff
     else:
         import numpy as np
@@ -346,7 +396,9 @@ def extend_mem(mem):
             region.reshape(-1, block)[idx] = v
 
         def stamp(region, block, idx, seq):
-            region.reshape(-1, block)[idx, :8] = np.frombuffer(int(seq).to_bytes(8, "little"), dtype=np.uint8)
+            region.reshape(-1, block)[idx, :8] = np.frombuffer(
+                int(seq).to_bytes(8, "little"), dtype=np.uint8
+            )
 
         mem.to_device = lambda a: a
     mem.poison_slots = poison
@@ -368,16 +420,26 @@ def run_children(label, args, extra, nprocs, timeout):
     procs = []
     for i in range(nprocs):
         cmd = [sys.executable] + sys.argv + ["--req_one", label, "--req_proc", str(i)] + extra
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     deadline = time.monotonic() + timeout
     import selectors
     import threading
+
     errs = [[] for _ in procs]
     outs = [[] for _ in procs]
 
     def drain(i, p):
         for line in p.stderr:
             errs[i].append(line)
+
     ts = [threading.Thread(target=drain, args=(i, p), daemon=True) for i, p in enumerate(procs)]
     for t in ts:
         t.start()
@@ -440,8 +502,11 @@ def table(g, args, deadline):
     t = time.perf_counter()
     for i in range(nprocs):
         prefill(req_file(args, i), args.req_file_bytes, args.req_prefill_write)
-    print(f"req: {nprocs} file(s) of {args.req_file_bytes} bytes written in {args.req_prefill_write}-byte writes in {time.perf_counter() - t:.1f} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"req: {nprocs} file(s) of {args.req_file_bytes} bytes written in {args.req_prefill_write}-byte writes in {time.perf_counter() - t:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     samples = {}
     notes = []
     try:
@@ -452,12 +517,16 @@ def table(g, args, deadline):
                 if left < 20:
                     notes.append(f"{label} round {rnd + 1}: not run (time budget --budget_s spent)")
                     continue
-                res, hung = run_children(label, args, ["--kv_round", str(rnd)], nprocs, min(args.kv_timeout, left))
+                res, hung = run_children(
+                    label, args, ["--kv_round", str(rnd)], nprocs, min(args.kv_timeout, left)
+                )
                 if hung:
                     notes.append(cut_short(label, rnd, args.kv_timeout, left))
                 if any(r is None for r in res):
-                    notes.append(f"{label} round {rnd + 1}: {sum(r is None for r in res)} process(es) gave no results")
-                for op, lay, b, n in pts:
+                    notes.append(
+                        f"{label} round {rnd + 1}: {sum(r is None for r in res)} process(es) gave no results"
+                    )
+                for op, lay, b, _n in pts:
                     for mode in MODES:
                         key = f"{op}:{lay}:{b}:{mode}"
                         got = [r.get(key) for r in res if r and r.get(key) is not None]
@@ -465,17 +534,25 @@ def table(g, args, deadline):
                             continue
                         errs = [x["error"] for x in got if "error" in x]
                         if errs or len(got) < nprocs:
-                            samples.setdefault((label, key), []).append({"error": errs[0] if errs else "a process gave no result"})
+                            samples.setdefault((label, key), []).append(
+                                {"error": errs[0] if errs else "a process gave no result"}
+                            )
                             continue
                         if nprocs == 1:
                             samples.setdefault((label, key), []).append(got[0])
                             continue
-                        agg = {"gbps": sum(x["bytes"] for x in got) / max(x["wall_s"] for x in got) / 1e9,
-                               "prep_ms": g.median([x["prep_ms"] for x in got]),
-                               "post_ms": g.median([x["post_ms"] for x in got]),
-                               "release_ms": g.median([x["release_ms"] for x in got]),
-                               "requests": sum(x["requests"] for x in got),
-                               "verified": next((x["verified"] for x in got if x["verified"] is not True), True)}
+                        agg = {
+                            "gbps": sum(x["bytes"] for x in got)
+                            / max(x["wall_s"] for x in got)
+                            / 1e9,
+                            "prep_ms": g.median([x["prep_ms"] for x in got]),
+                            "post_ms": g.median([x["post_ms"] for x in got]),
+                            "release_ms": g.median([x["release_ms"] for x in got]),
+                            "requests": sum(x["requests"] for x in got),
+                            "verified": next(
+                                (x["verified"] for x in got if x["verified"] is not True), True
+                            ),
+                        }
                         samples.setdefault((label, key), []).append(agg)
     finally:
         for i in range(nprocs):
@@ -483,7 +560,11 @@ def table(g, args, deadline):
                 os.unlink(req_file(args, i))
             except FileNotFoundError:
                 pass
-    print(f"req raw rounds: {json.dumps({f'{k[0]} {k[1]}': v for k, v in samples.items()})}", file=sys.stderr, flush=True)
+    print(
+        f"req raw rounds: {json.dumps({f'{k[0]} {k[1]}': v for k, v in samples.items()})}",
+        file=sys.stderr,
+        flush=True,
+    )
     return labels, pts, samples, notes
 
 
@@ -499,34 +580,60 @@ def print_table(g, args, labels, pts, samples, notes):
     the contiguous READs; returns the number of points with a failure."""
     kind = "O_DIRECT" if args.direct else "page cache"
     nprocs = args.req_processes
-    who = (f"{nprocs} processes at once (one agent and one file each; GB/s = all bytes / longest timed loop; requests back "
-           "to back, the warm-up and the last request of every loop verified byte for byte)") if nprocs > 1 else "one process"
-    print(f"## Table 0: per request (make_prepped_xfer + post + poll to DONE + release), {args.memory.upper()} <-> FILE ({kind}), {who}\n")
-    print(f"{args.kv_regions} {args.memory.upper()} region(s) of {args.kv_region_mib} MiB; file of {args.req_file_bytes // MiB} MiB "
-          f"per process in {args.dir} (prefilled in {args.req_prefill_write}-byte writes); {'every request' if nprocs == 1 else 'requests'} verified byte for byte outside its timed span; GB/s = bytes / "
-          f"{'summed request time' if nprocs == 1 else 'the longest loop'}, >= {args.req_seconds} s (>= 3 requests) per measurement after one warm-up; medians of "
-          f"{args.kv_rounds} rounds, backends alternated (each round in its own processes, order rotated); "
-          "prep / post->DONE / release = mean ms per request.\n")
+    who = (
+        (
+            f"{nprocs} processes at once (one agent and one file each; GB/s = all bytes / longest timed loop; requests back "
+            "to back, the warm-up and the last request of every loop verified byte for byte)"
+        )
+        if nprocs > 1
+        else "one process"
+    )
+    print(
+        f"## Table 0: per request (make_prepped_xfer + post + poll to DONE + release), {args.memory.upper()} <-> FILE ({kind}), {who}\n"
+    )
+    print(
+        f"{args.kv_regions} {args.memory.upper()} region(s) of {args.kv_region_mib} MiB; file of {args.req_file_bytes // MiB} MiB "
+        f"per process in {args.dir} (prefilled in {args.req_prefill_write}-byte writes); {'every request' if nprocs == 1 else 'requests'} verified byte for byte outside its timed span; GB/s = bytes / "
+        f"{'summed request time' if nprocs == 1 else 'the longest loop'}, >= {args.req_seconds} s (>= 3 requests) per measurement after one warm-up; medians of "
+        f"{args.kv_rounds} rounds, backends alternated (each round in its own processes, order rotated); "
+        "prep / post->DONE / release = mean ms per request.\n"
+    )
     ref = labels[1] if len(labels) > 1 else None
     failures = 0
 
     def cell(m):
-        return f" {m['gbps']:.2f} | {m['prep_ms']:.2f} / {m['post_ms']:.2f} / {m['release_ms']:.2f} |" if m else " n/a | - |"
+        return (
+            f" {m['gbps']:.2f} | {m['prep_ms']:.2f} / {m['post_ms']:.2f} / {m['release_ms']:.2f} |"
+            if m
+            else " n/a | - |"
+        )
 
-    head = "| op | block | blocks |" + "".join(f" {l} GB/s | {l} prep / post->DONE / release ms |" for l in labels)
+    head = "| op | block | blocks |" + "".join(
+        f" {l} GB/s | {l} prep / post->DONE / release ms |" for l in labels
+    )
     if ref:
         head += f" {labels[0]} / {ref} |"
     modes = ["prepped"] if nprocs > 1 else [m for m in MODES if m in args.req_modes.split(",")]
     extra = [m for m in modes if m != "prepped"]
     for m in extra:
-        head += "".join(f" {m} {l} GB/s |" for l in labels) + (f" {m} {labels[0]} / {ref} |" if ref else "")
+        head += "".join(f" {m} {l} GB/s |" for l in labels) + (
+            f" {m} {labels[0]} / {ref} |" if ref else ""
+        )
     print(head + " verified |")
-    ncol = 3 + 2 * len(labels) + (1 if ref else 0) + sum(len(labels) + (1 if ref else 0) for _ in extra) + 1
+    ncol = (
+        3
+        + 2 * len(labels)
+        + (1 if ref else 0)
+        + sum(len(labels) + (1 if ref else 0) for _ in extra)
+        + 1
+    )
     print("|" + "---|" * 3 + "---:|" * (ncol - 4) + "---|")
     contig = {}
     for op, lay, b, n in pts:
         bad = []
-        name = {"contig": " contiguous", "slots": f" slots of {args.req_slot_pages} pages"}.get(lay, "")
+        name = {"contig": " contiguous", "slots": f" slots of {args.req_slot_pages} pages"}.get(
+            lay, ""
+        )
         row = f"| {op}{name} | {b >> 10} KiB | {n} |"
         meds = {}
         for m in modes:
@@ -557,15 +664,19 @@ def print_table(g, args, labels, pts, samples, notes):
             contig[b] = meds
     print()
     if contig:
-        print(f"Scattered READ per request as a share of the same run's contiguous READ (same block, same count):\n")
+        print(
+            "Scattered READ per request as a share of the same run's contiguous READ (same block, same count):\n"
+        )
         print("| block |" + "".join(f" {l} scattered / contiguous |" for l in labels))
         print("|---|" + "---:|" * len(labels))
-        for b, n in args.req_points:
+        for b, _n in args.req_points:
             row = f"| {b >> 10} KiB |"
             for l in labels:
                 s = _med(g, samples, (l, f"READ:kv:{b}:prepped"))
                 c = contig.get(b, {}).get((l, "prepped"))
-                row += f" {100 * s['gbps'] / c['gbps']:.0f} % |" if s and c and c["gbps"] else " - |"
+                row += (
+                    f" {100 * s['gbps'] / c['gbps']:.0f} % |" if s and c and c["gbps"] else " - |"
+                )
             print(row)
         print()
     for x in notes:
@@ -578,10 +689,12 @@ def print_table(g, args, labels, pts, samples, notes):
 # ---------------------------------------------------------------------------------------------
 # prep profile
 
+
 def prep_child(g, label, name, params, args):
     """make_prepped_xfer + release and initialize_xfer + release (no post) for lists of
     --prep_descs descriptors of --prep_block bytes, scattered; prints RESULTS."""
     import numpy as np
+
     mem = g.HostMem() if args.memory == "dram" else g.DeviceMem()
     agent = g.nixl_agent(f"prep-{label}-{os.getpid()}", g.nixl_agent_config(backends=[]))
     agent.create_backend(name, params)
@@ -600,23 +713,44 @@ def prep_child(g, label, name, params, args):
             rng = np.random.default_rng([args.seed, n])
             mslot = rng.choice(2 * top, size=n, replace=False).astype(np.uint64)
             fslot = rng.permutation(np.arange(n, dtype=np.uint64) * 2)
-            local_np = np.stack([mem.ptr(region) + mslot * block, np.full(n, block, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1)
-            remote_np = np.stack([fslot * block, np.full(n, block, dtype=np.uint64), np.full(n, fd, dtype=np.uint64)], axis=1)
+            local_np = np.stack(
+                [
+                    mem.ptr(region) + mslot * block,
+                    np.full(n, block, dtype=np.uint64),
+                    np.zeros(n, dtype=np.uint64),
+                ],
+                axis=1,
+            )
+            remote_np = np.stack(
+                [
+                    fslot * block,
+                    np.full(n, block, dtype=np.uint64),
+                    np.full(n, fd, dtype=np.uint64),
+                ],
+                axis=1,
+            )
             lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_np, mem.kind, backends=[name])
             rh = agent.prep_xfer_dlist(agent.name, remote_np, "FILE", backends=[name])
-            local, remote = agent.get_xfer_descs(local_np, mem.kind), agent.get_xfer_descs(remote_np, "FILE")
+            local, remote = (
+                agent.get_xfer_descs(local_np, mem.kind),
+                agent.get_xfer_descs(remote_np, "FILE"),
+            )
             idx = np.arange(n, dtype=np.int32)
             for op in args.prep_ops.split(","):
                 for mode in ("prepped", "init"):
+
                     def one():
                         t0 = time.perf_counter()
                         if mode == "prepped":
                             h = agent.make_prepped_xfer(op, lh, idx, rh, idx, backends=[name])
                         else:
-                            h = agent.initialize_xfer(op, local, remote, agent.name, backends=[name])
+                            h = agent.initialize_xfer(
+                                op, local, remote, agent.name, backends=[name]
+                            )
                         t1 = time.perf_counter()
                         agent.release_xfer_handle(h)
                         return t1 - t0, time.perf_counter() - t1
+
                     one()
                     times = []
                     t_end = time.perf_counter() + args.prep_seconds
@@ -624,9 +758,16 @@ def prep_child(g, label, name, params, args):
                         times.append(one())
                     pm = g.median([a for a, _ in times]) * 1e3
                     rm = g.median([b for _, b in times]) * 1e3
-                    results[f"{op}:{n}:{mode}"] = {"prep_ms": pm, "release_ms": rm, "count": len(times)}
-                    print(f"prep {label} {op} {n} {mode}: prep {pm:.3f} ms release {rm:.3f} ms ({len(times)} times)",
-                          file=sys.stderr, flush=True)
+                    results[f"{op}:{n}:{mode}"] = {
+                        "prep_ms": pm,
+                        "release_ms": rm,
+                        "count": len(times),
+                    }
+                    print(
+                        f"prep {label} {op} {n} {mode}: prep {pm:.3f} ms release {rm:.3f} ms ({len(times)} times)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             agent.release_dlist_handle(lh)
             agent.release_dlist_handle(rh)
     finally:
@@ -647,20 +788,29 @@ def prep_table(g, args, deadline):
                 continue
             cmd = [sys.executable] + sys.argv + ["--prep_one", label]
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=min(args.kv_timeout, left))
+                r = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=min(args.kv_timeout, left)
+                )
                 sys.stderr.write(r.stderr)
                 line = next((x for x in r.stdout.splitlines() if x.startswith("RESULTS ")), None)
                 for k, v in (json.loads(line[8:]) if line else {}).items():
                     samples.setdefault((label, k), []).append(v)
             except subprocess.TimeoutExpired:
                 sys.stderr.write(cut_short(f"prep {label}", rnd, args.kv_timeout, left) + "\n")
-    print(f"## Prep profile: one request's prep and release, no post ({args.memory.upper()} <-> FILE, "
-          f"{args.prep_block >> 10} KiB descriptors, scattered)\n")
-    print(f"Medians over >= {args.prep_seconds} s of requests per cell, then over {args.kv_rounds} rounds (alternated); ms per request, "
-          "and in brackets us per descriptor. make_prepped_xfer includes NIXL's own work (index lookups, "
-          "the backend's prepXfer); initialize_xfer also prepares both lists.\n")
-    print("| op | descriptors | mode |" + "".join(f" {l} prep ms | {l} release ms |" for l in labels)
-          + (f" {labels[0]} / {labels[1]} prep |" if len(labels) > 1 else ""))
+    print(
+        f"## Prep profile: one request's prep and release, no post ({args.memory.upper()} <-> FILE, "
+        f"{args.prep_block >> 10} KiB descriptors, scattered)\n"
+    )
+    print(
+        f"Medians over >= {args.prep_seconds} s of requests per cell, then over {args.kv_rounds} rounds (alternated); ms per request, "
+        "and in brackets us per descriptor. make_prepped_xfer includes NIXL's own work (index lookups, "
+        "the backend's prepXfer); initialize_xfer also prepares both lists.\n"
+    )
+    print(
+        "| op | descriptors | mode |"
+        + "".join(f" {l} prep ms | {l} release ms |" for l in labels)
+        + (f" {labels[0]} / {labels[1]} prep |" if len(labels) > 1 else "")
+    )
     print("|---|---:|---|" + "---:|---:|" * len(labels) + ("---:|" if len(labels) > 1 else ""))
     for op in args.prep_ops.split(","):
         for n in args.prep_descs:
@@ -675,6 +825,10 @@ def prep_table(g, args, deadline):
                     else:
                         row += " n/a | n/a |"
                 if len(labels) > 1:
-                    row += f" {pm[labels[0]] / pm[labels[1]]:.2f}x |" if labels[0] in pm and pm.get(labels[1]) else " - |"
+                    row += (
+                        f" {pm[labels[0]] / pm[labels[1]]:.2f}x |"
+                        if labels[0] in pm and pm.get(labels[1])
+                        else " - |"
+                    )
                 print(row)
     print()

@@ -7,6 +7,7 @@ CPU seconds per GB. ci/bench.sh runs it after iud-bench --out_dir DIR.
 Usage: python bench/plot_results.py DIR
 Needs matplotlib (ci/bench.sh installs it into .venv; the test suite does not need it).
 """
+
 import csv
 import math
 import os
@@ -68,6 +69,7 @@ def main():
     if not rows:
         sys.exit(f"{d}/results.csv has no rows")
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
@@ -79,7 +81,9 @@ def main():
     panels = groups(rows)
     has_ratio = 1 in backends and len(backends) > 1
     ncol = 3 if has_ratio else 2
-    fig, axes = plt.subplots(len(panels), ncol, figsize=(6 * ncol, 3.6 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), ncol, figsize=(6 * ncol, 3.6 * len(panels)), squeeze=False
+    )
     for row_i, (title, key) in enumerate(panels):
         sel = [r for r in rows if in_group(r, key)]
         blocks = sorted({int(r["block"]) for r in sel})
@@ -118,7 +122,10 @@ def main():
             ax.grid(True, alpha=0.3)
         ax_bw.legend(fontsize=7)
     bg = rows[0].get("background_load", "0")
-    fig.suptitle(f"iud-bench {os.path.basename(os.path.abspath(d))} (background load: {bg} busy processes)", fontsize=11)
+    fig.suptitle(
+        f"iud-bench {os.path.basename(os.path.abspath(d))} (background load: {bg} busy processes)",
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     out = os.path.join(d, "results.png")
     fig.savefig(out, dpi=90)

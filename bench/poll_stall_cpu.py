@@ -24,8 +24,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
-                                "python"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python")
+)
 import iud_helpers as H  # noqa: E402
 
 
@@ -42,8 +43,11 @@ def main() -> int:
     mem = np.random.default_rng(2).permutation(n)
     polls, rounds = [], []
     for rep in range(3):
-        h = rig.xfer("WRITE", [(buf.addr + int(m) * page, page) for m in mem],
-                     [((rep % 4) * n * page + i * page, page, fd) for i in range(n)])
+        h = rig.xfer(
+            "WRITE",
+            [(buf.addr + int(m) * page, page) for m in mem],
+            [((rep % 4) * n * page + i * page, page, fd) for i in range(n)],
+        )
         t0 = time.perf_counter()
         state = agent.transfer(h)
         post = time.perf_counter() - t0
@@ -54,13 +58,23 @@ def main() -> int:
             polls.append(time.perf_counter() - t)
             if state not in ("PROC", "DONE"):
                 raise RuntimeError(f"transfer state {state}")
-        rounds.append({"post_ms": round(post * 1e3, 2), "total_s": round(time.perf_counter() - t0, 3)})
+        rounds.append(
+            {"post_ms": round(post * 1e3, 2), "total_s": round(time.perf_counter() - t0, 3)}
+        )
         rig.release(h)
     p = np.array(polls) * 1e3
-    print(json.dumps({"params": params, "rounds": rounds, "checks": len(p),
-                      "check_ms_p50": round(float(np.median(p)), 3),
-                      "check_ms_p99": round(float(np.percentile(p, 99)), 3),
-                      "check_ms_max": round(float(p.max()), 3)}))
+    print(
+        json.dumps(
+            {
+                "params": params,
+                "rounds": rounds,
+                "checks": len(p),
+                "check_ms_p50": round(float(np.median(p)), 3),
+                "check_ms_p99": round(float(np.percentile(p, 99)), 3),
+                "check_ms_max": round(float(p.max()), 3),
+            }
+        )
+    )
     rig.close()
     os.close(fd)
     return 0

@@ -10,6 +10,7 @@ table of medians per (backend, kind, block, count):
 
     python3 bench/profile_timeline.py per-request-latency.log
 """
+
 import re
 import statistics
 import sys
@@ -17,10 +18,18 @@ import sys
 PROFILE = re.compile(
     r"profile: request done in ([\d.]+) ms: storage I/O [\d.]+ ms summed over (\d+) I/Os; "
     r"device copies: (\d+) started .*first / last I/O reaped at ([\d.]+) / ([\d.]+) ms, "
-    r"first copy started at ([\d.]+) ms, last seen done at ([\d.]+) ms")
+    r"first copy started at ([\d.]+) ms, last seen done at ([\d.]+) ms"
+)
 REQ = re.compile(r"^req (\S+) proc \d+ round \d+ (\w+) (\w+) (\d+) x (\d+) ")
-COLUMNS = ("request ms", "I/Os", "copies", "first I/O reaped", "last I/O reaped", "first copy started",
-           "last copy seen done")
+COLUMNS = (
+    "request ms",
+    "I/Os",
+    "copies",
+    "first I/O reaped",
+    "last I/O reaped",
+    "first copy started",
+    "last copy seen done",
+)
 
 
 def summarize(lines):
@@ -53,7 +62,11 @@ def main(argv):
             continue
         med = [statistics.median(r[i] for r in reqs) for i in range(len(COLUMNS))]
         cells = [f"{med[0]:.3f}", f"{med[1]:.0f}", f"{med[2]:.0f}"] + [f"{v:.3f}" for v in med[3:]]
-        print(f"| {backend} | {op} | {kind} | {block} | {count} | {len(reqs)} | " + " | ".join(cells) + " |")
+        print(
+            f"| {backend} | {op} | {kind} | {block} | {count} | {len(reqs)} | "
+            + " | ".join(cells)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

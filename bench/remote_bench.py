@@ -50,11 +50,11 @@ def cpu_of(pid: int) -> tuple[float, float]:
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return int(f[11]) / TICK, int(f[12]) / TICK
 
+
 def client_main(a) -> None:
     import mmap
 
     import numpy as np
-
     from nixl_io_uring_dmabuf.storage_node import StorageClient
 
     cfg = json.loads(a.client)
@@ -78,7 +78,7 @@ def client_main(a) -> None:
         arr[:, 2] = bs
         arr[:, 3] = base + np.arange(n, dtype=np.uint64) * bs
         # Warm-up (connections, first touch of the client buffer, node batches).
-        for name, c in nodes.items():
+        for _name, c in nodes.items():
             c.submit_array("READ", files, arr, net_only=True).wait()
         for r in range(cfg["rounds"]):
             for name, c in nodes.items():
@@ -93,12 +93,24 @@ def client_main(a) -> None:
                     n1, c1 = cpu_of(npid), cpu_of(os.getpid())
                     ok = None
                     if not net_only and r == 0:
-                        ok = all(os.pread(fh.fileno(), bs, int(o)) == buf[i * bs:(i + 1) * bs].tobytes()
-                                 for i, o in enumerate(offs))
-                    out.append(dict(block=bs, node=name, net_only=net_only, round=r, bytes=moved,
-                                    seconds=dt, verified=ok,
-                                    node_cpu=[n1[0] - n0[0], n1[1] - n0[1]],
-                                    client_cpu=[c1[0] - c0[0], c1[1] - c0[1]]))
+                        ok = all(
+                            os.pread(fh.fileno(), bs, int(o))
+                            == buf[i * bs : (i + 1) * bs].tobytes()
+                            for i, o in enumerate(offs)
+                        )
+                    out.append(
+                        dict(
+                            block=bs,
+                            node=name,
+                            net_only=net_only,
+                            round=r,
+                            bytes=moved,
+                            seconds=dt,
+                            verified=ok,
+                            node_cpu=[n1[0] - n0[0], n1[1] - n0[1]],
+                            client_cpu=[c1[0] - c0[0], c1[1] - c0[1]],
+                        )
+                    )
                     print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     stats = {name: c.stats() for name, c in nodes.items()}
     for c in nodes.values():
@@ -107,6 +119,7 @@ def client_main(a) -> None:
 
 
 # ---- driver (runs on the host, builds the testbed) ------------------------------------------------
+
 
 def machine() -> str:
     cpu = "?"
@@ -120,15 +133,21 @@ def machine() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--total", type=size_arg, default=256 * MiB, help="bytes per request (default 256M)")
-    ap.add_argument("--file-size", type=size_arg, default=1 << 30, help="size of the served file (default 1G)")
+    ap.add_argument(
+        "--total", type=size_arg, default=256 * MiB, help="bytes per request (default 256M)"
+    )
+    ap.add_argument(
+        "--file-size", type=size_arg, default=1 << 30, help="size of the served file (default 1G)"
+    )
     ap.add_argument("--blocks", default="64K,128K,256K,512K,1M,2M")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--buffers", type=int, default=16)
     ap.add_argument("--buffer-size", type=size_arg, default=4 * MiB)
     ap.add_argument("--mtu", type=int, default=1500, help="MTU of the veth pair (default 1500)")
     ap.add_argument("--posix-params", default="use_uring=true")
-    ap.add_argument("--iud-params", default="", help="IO_URING_DMABUF params k=v,k=v (default: none)")
+    ap.add_argument(
+        "--iud-params", default="", help="IO_URING_DMABUF params k=v,k=v (default: none)"
+    )
     ap.add_argument("--out", default="", help="append the markdown table to this file")
     ap.add_argument("--client", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -150,17 +169,39 @@ def main() -> int:
         with open(path, "rb") as f:  # into the page cache
             while f.read(64 * MiB):
                 pass
-        common = ["--buffers", str(a.buffers), "--buffer-size", str(a.buffer_size), "--allow-net-only"]
+        common = [
+            "--buffers",
+            str(a.buffers),
+            "--buffer-size",
+            str(a.buffer_size),
+            "--allow-net-only",
+        ]
         iud = [x for kv in a.iud_params.split(",") if kv for x in ("--param", kv)]
         pi, _ = bed.start_node("iud", [f"kv={path}"], "--port", "8888", *common, *iud)
-        posix = ["--backend", "POSIX"] + [x for kv in a.posix_params.split(",") if kv for x in ("--param", kv)]
+        posix = ["--backend", "POSIX"] + [
+            x for kv in a.posix_params.split(",") if kv for x in ("--param", kv)
+        ]
         pp, _ = bed.start_node("posix", [f"kv={path}"], "--port", "8889", *common, *posix)
-        cfg = dict(total=a.total, path=path, file_size=os.path.getsize(path), blocks=blocks,
-                   rounds=a.rounds, seed=1, nodes=[["iud", 8888], ["posix", 8889]],
-                   pids={"iud": pi.pid, "posix": pp.pid})
-        p = bed.client([sys.executable, os.path.abspath(__file__), "--client", json.dumps(cfg)],
-                       stdout=subprocess.PIPE, text=True)
-        print(f"pids: iud node {pi.pid}, posix node {pp.pid}, client {p.pid}", file=sys.stderr, flush=True)
+        cfg = dict(
+            total=a.total,
+            path=path,
+            file_size=os.path.getsize(path),
+            blocks=blocks,
+            rounds=a.rounds,
+            seed=1,
+            nodes=[["iud", 8888], ["posix", 8889]],
+            pids={"iud": pi.pid, "posix": pp.pid},
+        )
+        p = bed.client(
+            [sys.executable, os.path.abspath(__file__), "--client", json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        print(
+            f"pids: iud node {pi.pid}, posix node {pp.pid}, client {p.pid}",
+            file=sys.stderr,
+            flush=True,
+        )
         out, _ = p.communicate(timeout=3600)
         if p.returncode:
             sys.exit(f"bench client failed ({p.returncode})")
@@ -168,9 +209,13 @@ def main() -> int:
     load1 = os.getloadavg()
     pts = res["points"]
     bad = [x for x in pts if x["verified"] is False]
+
     def gbps(bs, node, net_only):
-        return {x["round"]: x["bytes"] / x["seconds"] / 1e9 for x in pts
-                if x["block"] == bs and x["node"] == node and x["net_only"] == net_only}
+        return {
+            x["round"]: x["bytes"] / x["seconds"] / 1e9
+            for x in pts
+            if x["block"] == bs and x["node"] == node and x["net_only"] == net_only
+        }
 
     def span(v):
         return f"{statistics.median(v):.3f} ({min(v):.2f}-{max(v):.2f})"
@@ -201,21 +246,34 @@ def main() -> int:
         cp, rp = list(gbps(bs, "posix", True).values()), list(gbps(bs, "posix", False).values())
         pi_, pp_ = paired(bs, "iud"), paired(bs, "posix")
         rel = lambda v: f"{statistics.median(v):.0%} ({min(v):.0%}-{max(v):.0%})"  # noqa: E731
-        lines.append(f"| {fmt_size(bs)} | {span(ci)} | {span(ri)} | {rel(pi_)} | {span(cp)} | {span(rp)} | "
-                     f"{rel(pp_)} | {statistics.median(ri) / statistics.median(rp):.2f} |")
-    lines += ["", "CPU seconds per GB moved (median over rounds; user+system of the node process, "
-              "all threads, and of the client process; kernel TCP work done in softirq context "
-              "is not always charged to them):", "",
-              "| block | node UCX-only | node IO_URING_DMABUF | node UCX-only (posix) | node POSIX | client (iud read) |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines.append(
+            f"| {fmt_size(bs)} | {span(ci)} | {span(ri)} | {rel(pi_)} | {span(cp)} | {span(rp)} | "
+            f"{rel(pp_)} | {statistics.median(ri) / statistics.median(rp):.2f} |"
+        )
+    lines += [
+        "",
+        "CPU seconds per GB moved (median over rounds; user+system of the node process, "
+        "all threads, and of the client process; kernel TCP work done in softirq context "
+        "is not always charged to them):",
+        "",
+        "| block | node UCX-only | node IO_URING_DMABUF | node UCX-only (posix) | node POSIX | client (iud read) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
     def cpu(bs, node, net_only, who):
-        v = [sum(x[who]) / (x["bytes"] / 1e9) for x in pts
-             if x["block"] == bs and x["node"] == node and x["net_only"] == net_only]
+        v = [
+            sum(x[who]) / (x["bytes"] / 1e9)
+            for x in pts
+            if x["block"] == bs and x["node"] == node and x["net_only"] == net_only
+        ]
         return f"{statistics.median(v):.2f}"
+
     for bs in blocks:
-        lines.append(f"| {fmt_size(bs)} | {cpu(bs, 'iud', True, 'node_cpu')} | {cpu(bs, 'iud', False, 'node_cpu')} | "
-                     f"{cpu(bs, 'posix', True, 'node_cpu')} | {cpu(bs, 'posix', False, 'node_cpu')} | "
-                     f"{cpu(bs, 'iud', False, 'client_cpu')} |")
+        lines.append(
+            f"| {fmt_size(bs)} | {cpu(bs, 'iud', True, 'node_cpu')} | {cpu(bs, 'iud', False, 'node_cpu')} | "
+            f"{cpu(bs, 'posix', True, 'node_cpu')} | {cpu(bs, 'posix', False, 'node_cpu')} | "
+            f"{cpu(bs, 'iud', False, 'client_cpu')} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     print("node counters:", json.dumps(res["stats"]))

@@ -9,6 +9,7 @@ new buffers, and posts it as many times as it was posted.
 
 Usage: python3 bench/replay.py RECORDING.jsonl [--backend IO_URING_DMABUF[:k=v;...]] [--dir /tmp]
 """
+
 import argparse
 import ctypes
 import json
@@ -69,10 +70,10 @@ def main():
         os.ftruncate(fd, size)
         files[key] = (fd, path, size, meta)
     reg_handles = []
-    for md, (old, new, buf) in new_mem.items():
+    for md, (_old, new, _buf) in new_mem.items():
         r = regs[md]
         reg_handles.append(agent.register_memory([(new, r["len"], 0, "")], "DRAM"))
-    for (kind, dev), (fd, path, size, meta) in files.items():
+    for (kind, _dev), (fd, _path, size, _meta) in files.items():
         reg_handles.append(agent.register_memory([(0, size, fd, "")], KINDS[kind]))
 
     def translate_local(addr, length):
@@ -80,12 +81,19 @@ def main():
             r = regs[md]
             if old <= addr and addr + length <= old + r["len"]:
                 return new + (addr - old)
-        raise SystemExit(f"recording names memory 0x{addr:x}+{length} outside every recorded registration")
+        raise SystemExit(
+            f"recording names memory 0x{addr:x}+{length} outside every recorded registration"
+        )
 
     total_bytes, total_ios, t_all = 0, 0, 0.0
     for req, p in preps.items():
-        local = agent.get_xfer_descs([(translate_local(a, n), n, 0) for a, n, _ in p["local"]], "DRAM")
-        remote = agent.get_xfer_descs([(a, n, files[(p["remote_kind"], d)][0]) for a, n, d in p["remote"]], KINDS[p["remote_kind"]])
+        local = agent.get_xfer_descs(
+            [(translate_local(a, n), n, 0) for a, n, _ in p["local"]], "DRAM"
+        )
+        remote = agent.get_xfer_descs(
+            [(a, n, files[(p["remote_kind"], d)][0]) for a, n, d in p["remote"]],
+            KINDS[p["remote_kind"]],
+        )
         h = agent.initialize_xfer(p["op"], local, remote, agent.name, backends=[name])
         for _ in range(max(1, posts.get(req, 1))):
             t = time.perf_counter()
@@ -98,8 +106,10 @@ def main():
             total_bytes += p["bytes"]
             total_ios += p["count"]
         agent.release_xfer_handle(h)
-    print(f"replayed {len(preps)} requests, {total_ios} descriptors, {total_bytes} bytes on {args.backend}: "
-          f"{t_all * 1e3:.1f} ms in transfers, {total_bytes / max(t_all, 1e-9) / 1e9:.2f} GB/s, {total_ios / max(t_all, 1e-9) / 1e3:.1f} k descriptors/s")
+    print(
+        f"replayed {len(preps)} requests, {total_ios} descriptors, {total_bytes} bytes on {args.backend}: "
+        f"{t_all * 1e3:.1f} ms in transfers, {total_bytes / max(t_all, 1e-9) / 1e9:.2f} GB/s, {total_ios / max(t_all, 1e-9) / 1e3:.1f} k descriptors/s"
+    )
     for h in reg_handles:
         agent.deregister_memory(h)
     for fd, path, _, _ in files.values():

@@ -10,6 +10,7 @@ each while the thread that polls is at one, the polling thread is what the reque
 
     python3 bench/thread_cpu.py --interval 0.5 -- python3 bench/gpu_vram_bench.py ...
 """
+
 import argparse
 import os
 import re
@@ -30,7 +31,7 @@ def descendants(root):
                     s = f.read()
             except OSError:
                 continue
-            parent[int(d)] = int(s[s.rindex(")") + 2:].split()[1])
+            parent[int(d)] = int(s[s.rindex(")") + 2 :].split()[1])
     out, todo = {root}, [root]
     while todo:
         p = todo.pop()
@@ -55,8 +56,8 @@ def sample(pids):
                     s = f.read()
             except OSError:
                 continue
-            name = s[s.index("(") + 1:s.rindex(")")]
-            fields = s[s.rindex(")") + 2:].split()
+            name = s[s.index("(") + 1 : s.rindex(")")]
+            fields = s[s.rindex(")") + 2 :].split()
             cpu = (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
             out[(pid, int(tid))] = (re.sub(r"\d+", "#", name), cpu)
     return out
@@ -65,7 +66,9 @@ def sample(pids):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--interval", type=float, default=0.5)
-    ap.add_argument("--min_cores", type=float, default=0.05, help="groups below this are not printed")
+    ap.add_argument(
+        "--min_cores", type=float, default=0.05, help="groups below this are not printed"
+    )
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd

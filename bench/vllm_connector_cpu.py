@@ -33,10 +33,14 @@ import vllm_engine as VE  # noqa: E402
 
 # name -> (NIXL backend, its parameters). The second variant leaves the engine's thread only
 # the post: buffered writes and cached reads go to the plugin's ring and page-cache workers.
-VARIANTS = {"IO_URING_DMABUF": ("IO_URING_DMABUF", {}),
-            "IO_URING_DMABUF (inline_write_max=0, page_cache_caller_reads=false)":
-                ("IO_URING_DMABUF", {"inline_write_max": "0", "page_cache_caller_reads": "false"}),
-            "POSIX": ("POSIX", {})}
+VARIANTS = {
+    "IO_URING_DMABUF": ("IO_URING_DMABUF", {}),
+    "IO_URING_DMABUF (inline_write_max=0, page_cache_caller_reads=false)": (
+        "IO_URING_DMABUF",
+        {"inline_write_max": "0", "page_cache_caller_reads": "false"},
+    ),
+    "POSIX": ("POSIX", {}),
+}
 BACKENDS = tuple(VARIANTS)
 
 
@@ -53,8 +57,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dir", default=None, help="folder for the stores (default: a temp folder)")
     a = ap.parse_args()
-    py = os.path.join(os.environ.get("IUD_CLIENTS_VENV") or os.path.join(REPO, ".venv-clients"),
-                      "bin", "python")
+    py = os.path.join(
+        os.environ.get("IUD_CLIENTS_VENV") or os.path.join(REPO, ".venv-clients"), "bin", "python"
+    )
     tmp = tempfile.mkdtemp(prefix="iud-vllm-bench-", dir=a.dir)
     pkgs = E.pip_target(E.build_wheel(os.path.join(tmp, "wheel")), os.path.join(tmp, "pkgs"))
     site = os.path.join(tmp, "site")
@@ -65,8 +70,14 @@ def main() -> int:
     model = VE.tiny_model(os.path.join(tmp, "model"), python=py)
     prompts = [VE.prompt_text(a.words, seed=1000 + i) for i in range(a.prompts)]
     head = VE.MODEL["hidden_size"] // VE.MODEL["num_attention_heads"]
-    block = VE.MODEL["num_key_value_heads"] * VE.BLOCK_SIZE * 2 * head * 4 \
+    block = (
+        VE.MODEL["num_key_value_heads"]
+        * VE.BLOCK_SIZE
+        * 2
+        * head
+        * 4
         * VE.MODEL["num_hidden_layers"]
+    )
     capacity = 2 * a.prompts * (a.words // VE.BLOCK_SIZE + 2) * (-(-block // 4096) * 4096)
     load_before = os.getloadavg()
     rows: dict = {b: [] for b in BACKENDS}
@@ -83,34 +94,61 @@ def main() -> int:
         for vi, name in enumerate(BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
             backend, params = VARIANTS[name]
             store = os.path.join(tmp, f"store-{rep}-{vi}-{backend}")
-            cfg = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                   "kv_connector_extra_config": {
-                       "spec_name": "NixlStorageOffloadingSpec",
-                       "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
-                       "path": store, "capacity_bytes": capacity, "backend": backend,
-                       "backend_params": params}}
+            cfg = {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "NixlStorageOffloadingSpec",
+                    "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
+                    "path": store,
+                    "capacity_bytes": capacity,
+                    "backend": backend,
+                    "backend_params": params,
+                },
+            }
             sa = os.path.join(tmp, f"stats-a-{rep}-{vi}")
             sb = os.path.join(tmp, f"stats-b-{rep}-{vi}")
-            ra = VE.run_engine(model, prompts, max_tokens=64, kv_transfer_config=cfg, python=py,
-                               path=paths[backend], env={"IUD_KV_STATS_FILE": sa})
-            rb = VE.run_engine(model, prompts, max_tokens=1, kv_transfer_config=cfg, python=py,
-                               path=paths[backend], env={"IUD_KV_STATS_FILE": sb})
+            ra = VE.run_engine(
+                model,
+                prompts,
+                max_tokens=64,
+                kv_transfer_config=cfg,
+                python=py,
+                path=paths[backend],
+                env={"IUD_KV_STATS_FILE": sa},
+            )
+            rb = VE.run_engine(
+                model,
+                prompts,
+                max_tokens=1,
+                kv_transfer_config=cfg,
+                python=py,
+                path=paths[backend],
+                env={"IUD_KV_STATS_FILE": sb},
+            )
             backend = name
             st, ld = stats(sa)["store"], stats(sb)["load"]
-            rows[backend].append({
-                "store_gbps": st["bytes"] / st["seconds"] / 1e9 if st["seconds"] else 0.0,
-                "store_jobs": st["jobs"], "store_mib": st["bytes"] / 2**20,
-                "load_gbps": ld["bytes"] / ld["seconds"] / 1e9 if ld["seconds"] else 0.0,
-                "load_jobs": ld["jobs"], "load_mib": ld["bytes"] / 2**20,
-                "store_thread_ms_per_job": 1e3 * st["post_seconds"] / max(1, st["jobs"]),
-                "load_thread_ms_per_job": 1e3 * ld["post_seconds"] / max(1, ld["jobs"]),
-                "blocks_checked": ld["blocks"], "bad_blocks": ld["bad_blocks"],
-                "failed_jobs": st["failed"] + ld["failed"],
-                "ttft_hit": rb["generate_s"] / a.prompts, "decode_with_stores": ra["generate_s"],
-                "cached": [o["num_cached_tokens"] for o in rb["outputs"]],
-                "prompt_len": [o["prompt_len"] for o in rb["outputs"]],
-                "same_tokens": [o["token_ids"] for o in ra["outputs"]] == tokens64
-                and [o["token_ids"] for o in rb["outputs"]] == tokens1})
+            rows[backend].append(
+                {
+                    "store_gbps": st["bytes"] / st["seconds"] / 1e9 if st["seconds"] else 0.0,
+                    "store_jobs": st["jobs"],
+                    "store_mib": st["bytes"] / 2**20,
+                    "load_gbps": ld["bytes"] / ld["seconds"] / 1e9 if ld["seconds"] else 0.0,
+                    "load_jobs": ld["jobs"],
+                    "load_mib": ld["bytes"] / 2**20,
+                    "store_thread_ms_per_job": 1e3 * st["post_seconds"] / max(1, st["jobs"]),
+                    "load_thread_ms_per_job": 1e3 * ld["post_seconds"] / max(1, ld["jobs"]),
+                    "blocks_checked": ld["blocks"],
+                    "bad_blocks": ld["bad_blocks"],
+                    "failed_jobs": st["failed"] + ld["failed"],
+                    "ttft_hit": rb["generate_s"] / a.prompts,
+                    "decode_with_stores": ra["generate_s"],
+                    "cached": [o["num_cached_tokens"] for o in rb["outputs"]],
+                    "prompt_len": [o["prompt_len"] for o in rb["outputs"]],
+                    "same_tokens": [o["token_ids"] for o in ra["outputs"]] == tokens64
+                    and [o["token_ids"] for o in rb["outputs"]] == tokens1,
+                }
+            )
             print(backend, rep, json.dumps(rows[backend][-1])[:400], flush=True)
     t_end = datetime.datetime.now(datetime.timezone.utc)
     write_report(a, rows, base, load_before, t_start, t_end, r1["versions"])
@@ -122,8 +160,11 @@ def med(xs):
 
 
 def write_report(a, rows, base, load_before, t0, t1, versions) -> None:
-    cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
-                         capture_output=True, text=True).stdout.strip()
+    cpu = subprocess.run(
+        ["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     lines = [
         f"# vLLM storage connector on CPU, {t0:%Y-%m-%d %H:%M}-{t1:%H:%M} UTC: "
         "IO_URING_DMABUF and NIXL POSIX behind the same connector",
@@ -161,13 +202,13 @@ def write_report(a, rows, base, load_before, t0, t1, versions) -> None:
             f"{med(base['ttft']) * 1e3:.1f} ms | {med([r['decode_with_stores'] for r in rs]):.2f} s"
             f" | {med(base['decode']):.2f} s | {sum(r['blocks_checked'] for r in rs)} / "
             f"{sum(r['bad_blocks'] for r in rs)} | "
-            f"{'yes' if all(r['same_tokens'] for r in rs) else 'NO'} |")
+            f"{'yes' if all(r['same_tokens'] for r in rs) else 'NO'} |"
+        )
     lines += ["", "Every point:", "", "```"]
     for b, rs in rows.items():
         for i, r in enumerate(rs):
             lines.append(f"{b} round {i}: " + json.dumps(r))
-    lines += [f"baseline ttft s: {base['ttft']}", f"baseline decode s: {base['decode']}", "```",
-              ""]
+    lines += [f"baseline ttft s: {base['ttft']}", f"baseline decode s: {base['decode']}", "```", ""]
     with open(a.out, "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

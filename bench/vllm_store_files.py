@@ -33,8 +33,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from nixl_io_uring_dmabuf.vllm_connector import layout as L  # noqa: E402
-from nixl_io_uring_dmabuf.vllm_connector.config import IUD_DEFAULT_PARAMS  # noqa: E402
 from nixl_io_uring_dmabuf.vllm_connector import rankstore as R  # noqa: E402
+from nixl_io_uring_dmabuf.vllm_connector.config import IUD_DEFAULT_PARAMS  # noqa: E402
 
 
 def _run(store, jobs) -> float:
@@ -53,47 +53,87 @@ def _run(store, jobs) -> float:
 
 def one_round(a, files: int, chunk: int, maps, regions, saved, root: str) -> dict:
     page = a.page_kib << 10
-    geo = L.Geometry(rank_block_bytes=page * a.layers, blocks_per_chunk=chunk, world_size=1,
-                     capacity_bytes=a.blocks // chunk * L.round_up(chunk * page * a.layers, 4096),
-                     max_file_bytes=64 << 30, slot_files=files)
-    params = {**(IUD_DEFAULT_PARAMS if a.backend == "IO_URING_DMABUF" else {}),
-              **dict(p.split("=", 1) for p in a.param)}  # the connector's defaults
-    store = R.RankStore(root, geo, 0, regions, "DRAM",
-                        R.StoreOptions(backend=a.backend, backend_params=params),
-                        block_sums=lambda ids: [0] * len(ids))
+    geo = L.Geometry(
+        rank_block_bytes=page * a.layers,
+        blocks_per_chunk=chunk,
+        world_size=1,
+        capacity_bytes=a.blocks // chunk * L.round_up(chunk * page * a.layers, 4096),
+        max_file_bytes=64 << 30,
+        slot_files=files,
+    )
+    params = {
+        **(IUD_DEFAULT_PARAMS if a.backend == "IO_URING_DMABUF" else {}),
+        **dict(p.split("=", 1) for p in a.param),
+    }  # the connector's defaults
+    store = R.RankStore(
+        root,
+        geo,
+        0,
+        regions,
+        "DRAM",
+        R.StoreOptions(backend=a.backend, backend_params=params),
+        block_sums=lambda ids: [0] * len(ids),
+    )
     firsts = range(0, a.blocks, a.job_blocks)
     ids = [list(range(f, min(a.blocks, f + a.job_blocks))) for f in firsts]
     try:
-        store_s = _run(store, [
-            lambda j, b=b: store.submit_store(
-                j, b, [i // chunk for i in b], [i % chunk for i in b],
-                [(s.to_bytes(36, "big"), s, s + 1) for s in sorted({i // chunk for i in b})])
-            for b in ids])
+        store_s = _run(
+            store,
+            [
+                lambda j, b=b: store.submit_store(
+                    j,
+                    b,
+                    [i // chunk for i in b],
+                    [i % chunk for i in b],
+                    [(s.to_bytes(36, "big"), s, s + 1) for s in sorted({i // chunk for i in b})],
+                )
+                for b in ids
+            ],
+        )
         st = dict(store.stats["store"])
         for m in maps:
             np.frombuffer(m, dtype=np.uint8)[:] = 0
-        load_s = _run(store, [
-            lambda j, b=b: store.submit_load(j, b, [i // chunk for i in b],
-                                             [i % chunk for i in b], [0] * len(b),
-                                             [i // chunk + 1 for i in b])
-            for b in ids])
+        load_s = _run(
+            store,
+            [
+                lambda j, b=b: store.submit_load(
+                    j,
+                    b,
+                    [i // chunk for i in b],
+                    [i % chunk for i in b],
+                    [0] * len(b),
+                    [i // chunk + 1 for i in b],
+                )
+                for b in ids
+            ],
+        )
         lt = store.stats["load"]
     finally:
         store.close()
     assert all(bytes(m) == s for m, s in zip(maps, saved)), "a loaded block differs"
     gb = a.blocks * page * a.layers / 1e9
-    return {"files": geo.num_files, "chunk": chunk, "GB": round(gb, 3),
-            "store GB/s": round(gb / store_s, 3), "load GB/s": round(gb / load_s, 3),
-            "jobs": int(st.get("jobs", 0)),
-            "store engine_thread_ms_per_job": round(1e3 * st["post_seconds"] / max(1, st["jobs"]), 3),
-            "load engine_thread_ms_per_job": round(1e3 * lt["post_seconds"] / max(1, lt["jobs"]), 3)}
+    return {
+        "files": geo.num_files,
+        "chunk": chunk,
+        "GB": round(gb, 3),
+        "store GB/s": round(gb / store_s, 3),
+        "load GB/s": round(gb / load_s, 3),
+        "jobs": int(st.get("jobs", 0)),
+        "store engine_thread_ms_per_job": round(1e3 * st["post_seconds"] / max(1, st["jobs"]), 3),
+        "load engine_thread_ms_per_job": round(1e3 * lt["post_seconds"] / max(1, lt["jobs"]), 3),
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[1],
-                    help="blocks per chunk (vLLM's blocks_per_chunk)")
+    ap.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="blocks per chunk (vLLM's blocks_per_chunk)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--blocks", type=int, default=512)
     ap.add_argument("--layers", type=int, default=32)
@@ -111,31 +151,39 @@ def main() -> int:
     for m in maps:
         np.frombuffer(m, dtype=np.uint8)[:] = rng.integers(0, 256, len(m), dtype=np.uint8)
     saved = [bytes(m) for m in maps]
-    regions = [R.Region(ctypes.addressof(ctypes.c_char.from_buffer(m)), page, a.blocks, page)
-               for m in maps]
+    regions = [
+        R.Region(ctypes.addressof(ctypes.c_char.from_buffer(m)), page, a.blocks, page) for m in maps
+    ]
     base = tempfile.mkdtemp(prefix="iud-store-files-", dir=a.dir)
     settings = [(f, c) for f in a.files for c in a.chunks]
     rows: dict[tuple[int, int], list[dict]] = {k: [] for k in settings}
     try:
         for rnd in range(a.rounds):
-            for files, chunk in (settings if rnd % 2 == 0 else settings[::-1]):
+            for files, chunk in settings if rnd % 2 == 0 else settings[::-1]:
                 root = os.path.join(base, f"r{rnd}-f{files}-c{chunk}")
-                row = {"round": rnd, "backend": a.backend,
-                       **one_round(a, files, chunk, maps, regions, saved, root)}
+                row = {
+                    "round": rnd,
+                    "backend": a.backend,
+                    **one_round(a, files, chunk, maps, regions, saved, root),
+                }
                 print(json.dumps(row), flush=True)
                 rows[(files, chunk)].append(row)
                 shutil.rmtree(root)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"\n| slot files | blocks per chunk | store GB/s (median of {a.rounds}) | load GB/s "
-          "| engine thread ms/job, store / load |")
+    print(
+        f"\n| slot files | blocks per chunk | store GB/s (median of {a.rounds}) | load GB/s "
+        "| engine thread ms/job, store / load |"
+    )
     print("|---:|---:|---:|---:|---|")
     med = statistics.median
     for rs in rows.values():
-        print(f"| {rs[0]['files']} | {rs[0]['chunk']} | {med(r['store GB/s'] for r in rs):.2f} | "
-              f"{med(r['load GB/s'] for r in rs):.2f} | "
-              f"{med(r['store engine_thread_ms_per_job'] for r in rs):.2f} / "
-              f"{med(r['load engine_thread_ms_per_job'] for r in rs):.2f} |")
+        print(
+            f"| {rs[0]['files']} | {rs[0]['chunk']} | {med(r['store GB/s'] for r in rs):.2f} | "
+            f"{med(r['load GB/s'] for r in rs):.2f} | "
+            f"{med(r['store engine_thread_ms_per_job'] for r in rs):.2f} / "
+            f"{med(r['load engine_thread_ms_per_job'] for r in rs):.2f} |"
+        )
     return 0
 
 

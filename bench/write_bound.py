@@ -10,6 +10,7 @@ cache, F large (64 MiB, the staging pool's default size) does not. Each cell run
     python3 bench/write_bound.py [--dir /tmp] [--blocks 2M] [--files 1] [--footprints 8M,64M]
                                  [--threads 1,2,4,8] [--writeback]
 """
+
 import argparse
 import mmap
 import os
@@ -20,10 +21,12 @@ import time
 MiB = 1 << 20
 
 
-def cell(fds: list, file_size: int, block: int, footprint: int, threads: int, seconds: float) -> float:
+def cell(
+    fds: list, file_size: int, block: int, footprint: int, threads: int, seconds: float
+) -> float:
     src = mmap.mmap(-1, footprint)
     src.write(os.urandom(MiB) * (footprint // MiB))
-    views = [memoryview(src)[i:i + block] for i in range(0, footprint, block)]
+    views = [memoryview(src)[i : i + block] for i in range(0, footprint, block)]
     slots = file_size // block
     done = [0] * threads
     stop = time.perf_counter() + seconds
@@ -63,8 +66,11 @@ def main() -> None:
     ap.add_argument("--files", default="1", help="file counts, comma-separated (1,4)")
     ap.add_argument("--footprints", default="8M,64M", help="source buffer sizes, comma-separated")
     ap.add_argument("--threads", default="1,2,4,8", help="writer thread counts, comma-separated")
-    ap.add_argument("--writeback", action="store_true",
-                    help="fdatasync each file after the prefill, as iud-bench does: blocks allocated, pages clean")
+    ap.add_argument(
+        "--writeback",
+        action="store_true",
+        help="fdatasync each file after the prefill, as iud-bench does: blocks allocated, pages clean",
+    )
     a = ap.parse_args()
     size = a.file_mib * MiB
     nfiles = max(int(n) for n in a.files.split(","))
@@ -77,17 +83,27 @@ def main() -> None:
                 os.pwrite(fd, chunk, off)
             if a.writeback:
                 os.fdatasync(fd)
-        print(f"# buffered pwrites into {a.file_mib} MiB files in {a.dir} (prefilled in 64 MiB writes{' and written back' if a.writeback else ''}); "
-              f"kernel {os.uname().release}; {os.cpu_count()} CPUs; {a.seconds} s per cell\n")
+        print(
+            f"# buffered pwrites into {a.file_mib} MiB files in {a.dir} (prefilled in 64 MiB writes{' and written back' if a.writeback else ''}); "
+            f"kernel {os.uname().release}; {os.cpu_count()} CPUs; {a.seconds} s per cell\n"
+        )
         threads = [int(t) for t in a.threads.split(",")]
-        print("| write size | files | source buffer | " + " | ".join(f"{t} thread(s) GB/s" for t in threads) + " |")
+        print(
+            "| write size | files | source buffer | "
+            + " | ".join(f"{t} thread(s) GB/s" for t in threads)
+            + " |"
+        )
         print("|---|---:|---|" + "---:|" * len(threads))
         for block in (size_arg(b) for b in a.blocks.split(",")):
             for n in (int(x) for x in a.files.split(",")):
                 for footprint in (size_arg(f) for f in a.footprints.split(",")):
                     row = [cell(fds[:n], size, block, footprint, t, a.seconds) for t in threads]
-                    print(f"| {block >> 10} KiB | {n} | {footprint // MiB} MiB | " + " | ".join(f"{g:.2f}" for g in row) + " |",
-                          flush=True)
+                    print(
+                        f"| {block >> 10} KiB | {n} | {footprint // MiB} MiB | "
+                        + " | ".join(f"{g:.2f}" for g in row)
+                        + " |",
+                        flush=True,
+                    )
     finally:
         for fd, p in zip(fds, paths):
             os.close(fd)

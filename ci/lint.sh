@@ -6,7 +6,7 @@
 #      pointed at them).
 #   2. clippy: `cargo clippy --workspace --all-targets --release -- -D warnings`. The lints the
 #      project allows, each with its reason, are in the crate roots (src/lib.rs, src/bridge.rs).
-#   3. ruff (Python): see the marked place below.
+#   3. ruff (Python): `ruff format --check` and `ruff check`, rules in ruff.toml.
 # Every stage runs even if an earlier one failed; the exit status is non-zero if any did.
 # rustfmt and clippy are rustup components; a toolchain without them gets them here.
 set -euo pipefail
@@ -31,9 +31,17 @@ echo "== clippy (cargo clippy --workspace --all-targets --release -- -D warnings
 cargo clippy --workspace --all-targets --release -- -D warnings || status=1
 
 # --- ruff (Python) ----------------------------------------------------------------------------
-# Placeholder: the Python lint (ruff check / ruff format --check over python/, tests/, bench/,
-# ci/) is added here by the Python restructure (issue 45, item 2). Keep it a stage of this
-# script so that ci/test.sh counts it in the lint stage.
+# `ruff format --check` and `ruff check` over the repository (ruff.toml: rules and exclusions),
+# with the ruff pinned here, installed into the project venv when missing.
+RUFF_VERSION=0.17.6
+have_ruff=$("$IUD_PY" -m ruff --version 2>/dev/null || true)
+if [ "$have_ruff" != "ruff $RUFF_VERSION" ]; then
+    echo "ci/lint.sh: installing ruff==$RUFF_VERSION into $IUD_VENV"
+    "$IUD_PY" -m pip install -q --disable-pip-version-check "ruff==$RUFF_VERSION"
+fi
+echo "== ruff (ruff format --check .; ruff check .)"
+"$IUD_PY" -m ruff format --check . || status=1
+"$IUD_PY" -m ruff check . || status=1
 # ---------------------------------------------------------------------------------------------
 
 if [ "$status" -eq 0 ]; then echo "lint: ok"; else echo "lint: FAILED"; fi

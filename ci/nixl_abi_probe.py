@@ -34,28 +34,55 @@ import sys
 
 # The numbers nixl-headers/nixl_abi.h static_asserts (x86-64), by the name the header uses.
 PLUGIN_API_VERSION = 1
-PLUGIN_STRUCT = {"create_engine": 8, "destroy_engine": 16, "get_plugin_name": 24,
-                 "get_plugin_version": 32, "get_backend_options": 40, "get_backend_mems": 48}
+PLUGIN_STRUCT = {
+    "create_engine": 8,
+    "destroy_engine": 16,
+    "get_plugin_name": 24,
+    "get_plugin_version": 32,
+    "get_backend_options": 40,
+    "get_backend_mems": 48,
+}
 INIT_ERR = 0xA0
 VTABLE_SLOTS = 27
 # Init params fields the base constructor reads: localAgent (data, size), type (data, size),
 # customParams, enableTelemetry_.
-INIT_READS = {0x00: "localAgent", 0x08: "localAgent.size", 0x20: "type", 0x28: "type.size",
-              0x40: "customParams", 0x5C: "enableTelemetry_"}
+INIT_READS = {
+    0x00: "localAgent",
+    0x08: "localAgent.size",
+    0x20: "type",
+    0x28: "type.size",
+    0x40: "customParams",
+    0x5C: "enableTelemetry_",
+}
 # Engine fields the base constructor writes: backendType, customParams, telemetryEvents_,
 # telemetryEventsMutex_, initErr, localAgent, enableTelemetry_; nothing at or past sizeof 208.
-BASE_WRITES = {0x08: "backendType", 0x28: "customParams", 0x60: "telemetryEvents_",
-               0x78: "telemetryEventsMutex_", 0xA0: "initErr", 0xA8: "localAgent",
-               0xC8: "enableTelemetry_"}
+BASE_WRITES = {
+    0x08: "backendType",
+    0x28: "customParams",
+    0x60: "telemetryEvents_",
+    0x78: "telemetryEventsMutex_",
+    0xA0: "initErr",
+    0xA8: "localAgent",
+    0xC8: "enableTelemetry_",
+}
 BASE_SIZE = 208
 DESC_SIZES = {"nixlBasicDesc": 24, "nixlBlobDesc": 56, "nixlMetaDesc": 32, "nixlRemoteMetaDesc": 64}
 LIST_TYPE, LIST_VECTOR = 8, 16
 
 ENGINES = {  # plugin file -> engine vtable symbol, constructor symbol
-    "libplugin_POSIX.so": ("_ZTV15nixlPosixEngine", "_ZN15nixlPosixEngineC2EPK21nixlBackendInitParams"),
-    "libplugin_GDS_MT.so": ("_ZTV15nixlGdsMtEngine", "_ZN15nixlGdsMtEngineC2EPK21nixlBackendInitParams"),
+    "libplugin_POSIX.so": (
+        "_ZTV15nixlPosixEngine",
+        "_ZN15nixlPosixEngineC2EPK21nixlBackendInitParams",
+    ),
+    "libplugin_GDS_MT.so": (
+        "_ZTV15nixlGdsMtEngine",
+        "_ZN15nixlGdsMtEngineC2EPK21nixlBackendInitParams",
+    ),
 }
-SHIM = ("_ZTVN12_GLOBAL__N_110ShimEngineE", "_ZN12_GLOBAL__N_110ShimEngineC2EPK21nixlBackendInitParams")
+SHIM = (
+    "_ZTVN12_GLOBAL__N_110ShimEngineE",
+    "_ZN12_GLOBAL__N_110ShimEngineC2EPK21nixlBackendInitParams",
+)
 
 
 def run(*args: str) -> str:
@@ -95,8 +122,14 @@ class Elf:
     def disasm_with_targets(self, name: str) -> list[tuple[str, int | None]]:
         """Instructions, each with the address a %rip-relative operand points at (or None)."""
         addr, size = self.syms[name]
-        out = run("objdump", "-d", "--no-show-raw-insn", f"--start-address={addr}",
-                  f"--stop-address={addr + size}", self.path)
+        out = run(
+            "objdump",
+            "-d",
+            "--no-show-raw-insn",
+            f"--start-address={addr}",
+            f"--stop-address={addr + size}",
+            self.path,
+        )
         res = []
         for ln in out.splitlines():
             if not re.match(r"\s+[0-9a-f]+:\t", ln):
@@ -131,7 +164,7 @@ class Elf:
 
 
 def normalize(demangled: str) -> str:
-    s = re.sub(r"^.*?::~\w+\(\)", "~()", demangled)   # both destructors (D1, D0)
+    s = re.sub(r"^.*?::~\w+\(\)", "~()", demangled)  # both destructors (D1, D0)
     return re.sub(r"^(\(anonymous namespace\)::)?\w+::(?=\w+\()", "", s)
 
 
@@ -159,7 +192,13 @@ def base_ctor(elf: Elf, ctor: str, vtable: str) -> tuple[set[int], set[int]]:
             if src in init:
                 init.add(dst)
             continue
-        if derived_vptr and op == "mov" and len(ops) == 2 and ops[0] == "%rax" and ops[1] in {f"({r})" for r in this}:
+        if (
+            derived_vptr
+            and op == "mov"
+            and len(ops) == 2
+            and ops[0] == "%rax"
+            and ops[1] in {f"({r})" for r in this}
+        ):
             break  # the derived class's vptr is stored: the base constructor is done
         for k, o in enumerate(ops):
             m = MEM.fullmatch(o)
@@ -181,7 +220,7 @@ def version(libs: str) -> str:
     at = data.find(b"NIXL version: \0")
     if at < 0:
         return "unknown"
-    tail = data[at + 15: at + 64].split(b"\0")[0].decode(errors="replace")
+    tail = data[at + 15 : at + 64].split(b"\0")[0].decode(errors="replace")
     return tail if re.fullmatch(r"\d+\.\d+\.\d+\S*", tail) else "unknown"
 
 
@@ -189,14 +228,28 @@ def loaded_offset(ins: list[str]) -> int | None:
     """The offset of the function pointer an indirect call or jump through %rax goes to: the
     last `mov N(%rax),%rax` before the first `call *%rax` / `jmp *%rax`."""
     end = next((k for k, i in enumerate(ins) if re.fullmatch(r"(call|jmp)\s+\*%rax", i)), len(ins))
-    loads = [int(m.group(1), 16) for i in ins[:end] if (m := re.fullmatch(r"mov\s+(0x[0-9a-f]+)\(%rax\),%rax", i))]
+    loads = [
+        int(m.group(1), 16)
+        for i in ins[:end]
+        if (m := re.fullmatch(r"mov\s+(0x[0-9a-f]+)\(%rax\),%rax", i))
+    ]
     return loads[-1] if loads else None
 
 
 def desc_size(ins: list[str]) -> int | None:
     """descCount() is (end - begin) / sizeof(T): `sar $k` alone, or `sar $k; imul $inv`."""
-    shift = next((int(m.group(1), 16) for i in ins if (m := re.fullmatch(r"sar\s+\$(0x[0-9a-f]+),%rax", i))), None)
-    inv = next((int(m.group(1), 16) for i in ins if (m := re.fullmatch(r"imul\s+\$(0x[0-9a-f]+),%eax,%eax", i))), None)
+    shift = next(
+        (int(m.group(1), 16) for i in ins if (m := re.fullmatch(r"sar\s+\$(0x[0-9a-f]+),%rax", i))),
+        None,
+    )
+    inv = next(
+        (
+            int(m.group(1), 16)
+            for i in ins
+            if (m := re.fullmatch(r"imul\s+\$(0x[0-9a-f]+),%eax,%eax", i))
+        ),
+        None,
+    )
     if shift is None:
         return None
     odd = pow(inv, -1, 1 << 32) if inv else 1
@@ -219,16 +272,29 @@ def probe(libs: str, plugin: str | None, facts: bool) -> int:
     nixl = Elf(os.path.join(libs, "libnixl.so"))
 
     loader = nixl.find(r"_ZN12_GLOBAL__N_113backendLoader.*")
-    api = [int(m.group(1), 16) for i in nixl.disasm(loader)
-           if (m := re.fullmatch(r"cmpl\s+\$(0x[0-9a-f]+),\(%rax\)", i))] if loader else []
-    c.check("plugin api_version", api == [PLUGIN_API_VERSION], f"backendLoader accepts {api} (header: {PLUGIN_API_VERSION})")
+    api = (
+        [
+            int(m.group(1), 16)
+            for i in nixl.disasm(loader)
+            if (m := re.fullmatch(r"cmpl\s+\$(0x[0-9a-f]+),\(%rax\)", i))
+        ]
+        if loader
+        else []
+    )
+    c.check(
+        "plugin api_version",
+        api == [PLUGIN_API_VERSION],
+        f"backendLoader accepts {api} (header: {PLUGIN_API_VERSION})",
+    )
 
-    handle = {"create_engine": r"_ZNK23nixlBackendPluginHandle12createEngine.*",
-              "destroy_engine": r"_ZNK23nixlBackendPluginHandle13destroyEngine.*",
-              "get_plugin_name": r"_ZNK23nixlBackendPluginHandle7getNameEv",
-              "get_plugin_version": r"_ZNK23nixlBackendPluginHandle10getVersionEv",
-              "get_backend_options": r"_ZNK23nixlBackendPluginHandle17getBackendOptions.*",
-              "get_backend_mems": r"_ZNK23nixlBackendPluginHandle14getBackendMemsEv"}
+    handle = {
+        "create_engine": r"_ZNK23nixlBackendPluginHandle12createEngine.*",
+        "destroy_engine": r"_ZNK23nixlBackendPluginHandle13destroyEngine.*",
+        "get_plugin_name": r"_ZNK23nixlBackendPluginHandle7getNameEv",
+        "get_plugin_version": r"_ZNK23nixlBackendPluginHandle10getVersionEv",
+        "get_backend_options": r"_ZNK23nixlBackendPluginHandle17getBackendOptions.*",
+        "get_backend_mems": r"_ZNK23nixlBackendPluginHandle14getBackendMemsEv",
+    }
     got = {}
     for field, pat in handle.items():
         name = nixl.find(pat)
@@ -236,9 +302,20 @@ def probe(libs: str, plugin: str | None, facts: bool) -> int:
     c.check("nixlBackendPlugin fields", got == PLUGIN_STRUCT, f"{got}")
 
     create = nixl.find(r"_ZN9nixlAgent13createBackend.*")
-    init_err = [int(m.group(1), 16) for i in nixl.disasm(create)
-                if (m := re.fullmatch(r"cmpb\s+\$0x0,(0x[0-9a-f]+)\(%rax\)", i))] if create else []
-    c.check("initErr read by createBackend", INIT_ERR in init_err, f"cmpb at {[hex(x) for x in init_err]} (header: {hex(INIT_ERR)})")
+    init_err = (
+        [
+            int(m.group(1), 16)
+            for i in nixl.disasm(create)
+            if (m := re.fullmatch(r"cmpb\s+\$0x0,(0x[0-9a-f]+)\(%rax\)", i))
+        ]
+        if create
+        else []
+    )
+    c.check(
+        "initErr read by createBackend",
+        INIT_ERR in init_err,
+        f"cmpb at {[hex(x) for x in init_err]} (header: {hex(INIT_ERR)})",
+    )
 
     build = Elf(os.path.join(libs, "libnixl_build.so"))
     sizes, lists = {}, {}
@@ -248,20 +325,37 @@ def probe(libs: str, plugin: str | None, facts: bool) -> int:
         typ = build.find(rf"_ZNK12nixlDescListI{tag}E7getTypeEv")
         ins = build.disasm(cnt) if cnt else []
         sizes[t] = desc_size(ins)
-        loads = [int(m.group(1), 16) for i in ins if (m := re.fullmatch(r"(?:mov|sub)\s+(0x[0-9a-f]+)\(%rdi\),%rax", i))]
-        tloads = [int(m.group(1), 16) for i in (build.disasm(typ) if typ else []) if (m := re.fullmatch(r"mov\s+(0x[0-9a-f]+)\(%rdi\),%eax", i))]
+        loads = [
+            int(m.group(1), 16)
+            for i in ins
+            if (m := re.fullmatch(r"(?:mov|sub)\s+(0x[0-9a-f]+)\(%rdi\),%rax", i))
+        ]
+        tloads = [
+            int(m.group(1), 16)
+            for i in (build.disasm(typ) if typ else [])
+            if (m := re.fullmatch(r"mov\s+(0x[0-9a-f]+)\(%rdi\),%eax", i))
+        ]
         lists[t] = (tloads[:1], sorted(loads))
     c.check("descriptor sizes", sizes == DESC_SIZES, f"{sizes}")
     want = ([LIST_TYPE], [LIST_VECTOR, LIST_VECTOR + 8])
-    c.check("nixlDescList type/vector offsets", all(v == want for v in lists.values()),
-            f"type @{LIST_TYPE}, vector begin/end @{LIST_VECTOR}/{LIST_VECTOR + 8} in every list" if all(v == want for v in lists.values()) else f"{lists}")
+    c.check(
+        "nixlDescList type/vector offsets",
+        all(v == want for v in lists.values()),
+        f"type @{LIST_TYPE}, vector begin/end @{LIST_VECTOR}/{LIST_VECTOR + 8} in every list"
+        if all(v == want for v in lists.values())
+        else f"{lists}",
+    )
 
     shim_slots = shim_ctor = None
     if plugin:
         ours = Elf(plugin)
         shim_slots = ours.vtable(SHIM[0])
         shim_ctor = base_ctor(ours, SHIM[1], SHIM[0]) if SHIM[1] in ours.syms else None
-        c.check("plugin's ShimEngine constructor", shim_ctor is not None, f"{SHIM[1]} {'found' if shim_ctor else 'missing (inlined?)'} in {plugin}")
+        c.check(
+            "plugin's ShimEngine constructor",
+            shim_ctor is not None,
+            f"{SHIM[1]} {'found' if shim_ctor else 'missing (inlined?)'} in {plugin}",
+        )
     for lib, (vt, ctor) in ENGINES.items():
         path = os.path.join(libs, "plugins", lib)
         if not os.path.exists(path):
@@ -269,11 +363,22 @@ def probe(libs: str, plugin: str | None, facts: bool) -> int:
             continue
         elf = Elf(path)
         slots = elf.vtable(vt)
-        c.check(f"{lib} vtable", len(slots) == VTABLE_SLOTS, f"{len(slots)} slots (header: {VTABLE_SLOTS})")
+        c.check(
+            f"{lib} vtable",
+            len(slots) == VTABLE_SLOTS,
+            f"{len(slots)} slots (header: {VTABLE_SLOTS})",
+        )
         if shim_slots is not None:
-            diff = [f"slot {i}: NIXL {sorted(a)} vs plugin {sorted(b)}" for i, (a, b) in enumerate(zip(slots, shim_slots)) if not a & b]
-            c.check(f"{lib} vtable == plugin's", not diff and len(slots) == len(shim_slots),
-                    "every slot has the same signature" if not diff else "; ".join(diff[:3]))
+            diff = [
+                f"slot {i}: NIXL {sorted(a)} vs plugin {sorted(b)}"
+                for i, (a, b) in enumerate(zip(slots, shim_slots))
+                if not a & b
+            ]
+            c.check(
+                f"{lib} vtable == plugin's",
+                not diff and len(slots) == len(shim_slots),
+                "every slot has the same signature" if not diff else "; ".join(diff[:3]),
+            )
         if facts:
             for i, s in enumerate(slots):
                 print(f"     slot {i:2}: {' = '.join(sorted(s))}")
@@ -281,20 +386,29 @@ def probe(libs: str, plugin: str | None, facts: bool) -> int:
         miss_r = sorted(set(INIT_READS) - reads)
         miss_w = sorted(set(BASE_WRITES) - writes)
         past = sorted(w for w in writes if w >= BASE_SIZE)
-        c.check(f"{lib} base constructor", not miss_r and not miss_w and not past,
-                f"reads init params at {[hex(x) for x in sorted(reads)]}, writes the engine at {[hex(x) for x in sorted(writes)]}"
-                + (f"; missing reads {[hex(x) for x in miss_r]}" if miss_r else "")
-                + (f"; missing writes {[hex(x) for x in miss_w]}" if miss_w else "")
-                + (f"; writes past {BASE_SIZE}: {[hex(x) for x in past]}" if past else ""))
+        c.check(
+            f"{lib} base constructor",
+            not miss_r and not miss_w and not past,
+            f"reads init params at {[hex(x) for x in sorted(reads)]}, writes the engine at {[hex(x) for x in sorted(writes)]}"
+            + (f"; missing reads {[hex(x) for x in miss_r]}" if miss_r else "")
+            + (f"; missing writes {[hex(x) for x in miss_w]}" if miss_w else "")
+            + (f"; writes past {BASE_SIZE}: {[hex(x) for x in past]}" if past else ""),
+        )
     if shim_ctor:
         # Only the fields: the build static_asserts our sizeof, and the optimizer may move the
         # stores of ShimEngine's own members (from 208 on) before its vptr store.
         reads, writes = shim_ctor
         miss = sorted((set(INIT_READS) - reads) | (set(BASE_WRITES) - writes))
-        c.check("plugin's base constructor", not miss,
-                f"same fields as NIXL's: reads {[hex(x) for x in sorted(INIT_READS)]}, writes {[hex(x) for x in sorted(BASE_WRITES)]}"
-                if not miss else f"missing {[hex(x) for x in miss]}")
-    print(f"{'ABI ok' if not c.failed else f'ABI MISMATCH ({c.failed} checks failed)'}: NIXL {ver} ({libs})")
+        c.check(
+            "plugin's base constructor",
+            not miss,
+            f"same fields as NIXL's: reads {[hex(x) for x in sorted(INIT_READS)]}, writes {[hex(x) for x in sorted(BASE_WRITES)]}"
+            if not miss
+            else f"missing {[hex(x) for x in miss]}",
+        )
+    print(
+        f"{'ABI ok' if not c.failed else f'ABI MISMATCH ({c.failed} checks failed)'}: NIXL {ver} ({libs})"
+    )
     return 0 if not c.failed else 1
 
 

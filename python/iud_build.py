@@ -27,8 +27,15 @@ PLUGIN_IN_WHEEL = f"{PACKAGE}/lib/libplugin_IO_URING_DMABUF.so"
 
 # The glibc libraries, whose GLIBC_2.* versions set the tag, and what else the library may need:
 # the C++ runtime, which every manylinux policy allows (libstdc++ at the policy's GLIBCXX level).
-GLIBC_LIBS = {"libc.so.6", "libm.so.6", "libpthread.so.0", "libdl.so.2", "librt.so.1",
-              "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1"}
+GLIBC_LIBS = {
+    "libc.so.6",
+    "libm.so.6",
+    "libpthread.so.0",
+    "libdl.so.2",
+    "librt.so.1",
+    "ld-linux-x86-64.so.2",
+    "ld-linux-aarch64.so.1",
+}
 SYSTEM_LIBS = GLIBC_LIBS | {"libgcc_s.so.1", "libstdc++.so.6"}
 ELF_ARCH = {62: "x86_64", 183: "aarch64"}  # e_machine: EM_X86_64, EM_AARCH64
 
@@ -41,12 +48,21 @@ def _project():
         name = re.search(r'^name\s*=\s*"([^"]+)"', text, re.M).group(1)
         version = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M).group(1)
         summary = re.search(r'^description\s*=\s*"([^"]+)"', text, re.M).group(1)
-        return {"name": name, "version": version, "description": summary,
-                "requires-python": ">=3.9",
-                "scripts": {"nixl-io-uring-dmabuf": f"{PACKAGE}.tools.cli:main"}}
+        return {
+            "name": name,
+            "version": version,
+            "description": summary,
+            "requires-python": ">=3.9",
+            "scripts": {"nixl-io-uring-dmabuf": f"{PACKAGE}.tools.cli:main"},
+        }
     p = tomllib.loads(text)["project"]
-    return {"name": p["name"], "version": p["version"], "description": p["description"],
-            "requires-python": p.get("requires-python", ""), "scripts": p.get("scripts", {})}
+    return {
+        "name": p["name"],
+        "version": p["version"],
+        "description": p["description"],
+        "requires-python": p.get("requires-python", ""),
+        "scripts": p.get("scripts", {}),
+    }
 
 
 def plugin_source() -> str:
@@ -57,7 +73,8 @@ def plugin_source() -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"plugin library {path} not found: run `cargo build --release --lib` (ci/build.sh) "
-            "first, or set IUD_PLUGIN_SO")
+            "first, or set IUD_PLUGIN_SO"
+        )
     return path
 
 
@@ -69,14 +86,15 @@ def elf_needs(path: str) -> tuple[str, list[str], dict[str, set[str]]]:
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ValueError(f"{path} is not a 64-bit little-endian ELF file")
     machine = struct.unpack_from("<H", data, 18)[0]
-    shoff, = struct.unpack_from("<Q", data, 40)
+    (shoff,) = struct.unpack_from("<Q", data, 40)
     shentsize, shnum = struct.unpack_from("<HH", data, 58)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
-                for i in range(shnum)]
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+    ]
 
     def string(strtab: int, off: int) -> str:
         start = sections[strtab][4] + off
-        return data[start:data.index(b"\0", start)].decode()
+        return data[start : data.index(b"\0", start)].decode()
 
     needed: list[str] = []
     versions: dict[str, set[str]] = {}
@@ -109,13 +127,16 @@ def platform_tag(path: str) -> str:
         raise ValueError(f"{path}: no manylinux tag for ELF {arch}")
     extra = [lib for lib in needed if lib not in SYSTEM_LIBS]
     if extra:
-        raise ValueError(f"{path} links {', '.join(extra)}: a manylinux wheel may need only "
-                         f"{', '.join(sorted(SYSTEM_LIBS))}; load vendor libraries with dlopen")
+        raise ValueError(
+            f"{path} links {', '.join(extra)}: a manylinux wheel may need only "
+            f"{', '.join(sorted(SYSTEM_LIBS))}; load vendor libraries with dlopen"
+        )
     glibc = [v for lib, names in versions.items() if lib in GLIBC_LIBS for v in names]
     private = [v for v in glibc if not re.fullmatch(r"GLIBC_2\.\d+(\.\d+)?", v)]
     if private:
-        raise ValueError(f"{path} needs glibc's {', '.join(sorted(private))}, which no manylinux "
-                         "policy allows")
+        raise ValueError(
+            f"{path} needs glibc's {', '.join(sorted(private))}, which no manylinux policy allows"
+        )
     minor = max((int(v.split(".")[1]) for v in glibc), default=17)
     return f"manylinux_2_{minor}_{arch}"
 
@@ -151,15 +172,19 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
                 arc = os.path.relpath(full, HERE).replace(os.sep, "/")
                 files.append((arc, open(full, "rb").read(), 0o644))
     files.append((PLUGIN_IN_WHEEL, open(plugin, "rb").read(), 0o755))
-    metadata = (f"Metadata-Version: 2.1\nName: {proj['name']}\nVersion: {version}\n"
-                f"Summary: {proj['description']}\nLicense: Apache-2.0\n")
+    metadata = (
+        f"Metadata-Version: 2.1\nName: {proj['name']}\nVersion: {version}\n"
+        f"Summary: {proj['description']}\nLicense: Apache-2.0\n"
+    )
     if proj["requires-python"]:
         metadata += f"Requires-Python: {proj['requires-python']}\n"
     wheel = f"Wheel-Version: 1.0\nGenerator: iud_build\nRoot-Is-Purelib: false\nTag: {tag}\n"
     entry = "[console_scripts]\n" + "".join(f"{k} = {v}\n" for k, v in proj["scripts"].items())
-    files += [(f"{dist_info}/METADATA", metadata.encode(), 0o644),
-              (f"{dist_info}/WHEEL", wheel.encode(), 0o644),
-              (f"{dist_info}/entry_points.txt", entry.encode(), 0o644)]
+    files += [
+        (f"{dist_info}/METADATA", metadata.encode(), 0o644),
+        (f"{dist_info}/WHEEL", wheel.encode(), 0o644),
+        (f"{dist_info}/entry_points.txt", entry.encode(), 0o644),
+    ]
     record = [_record_line(arc, data) for arc, data, _ in files] + [f"{dist_info}/RECORD,,"]
     files.append((f"{dist_info}/RECORD", ("\n".join(record) + "\n").encode(), 0o644))
     os.makedirs(wheel_directory, exist_ok=True)

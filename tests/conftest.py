@@ -17,14 +17,15 @@ from support.plugin_dir import use_test_plugin_dir
 
 use_test_plugin_dir()
 
-import pytest  # noqa: E402
-
 import iud_helpers as H  # noqa: E402
+import pytest  # noqa: E402
 
 
 def pytest_report_header(config):
-    return [f"IUD_TEST_BACKEND={H.test_backend()} params={H.default_params(H.test_backend())} "
-            f"NIXL_PLUGIN_DIR={os.environ['NIXL_PLUGIN_DIR']}"]
+    return [
+        f"IUD_TEST_BACKEND={H.test_backend()} params={H.default_params(H.test_backend())} "
+        f"NIXL_PLUGIN_DIR={os.environ['NIXL_PLUGIN_DIR']}"
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -71,9 +72,11 @@ def rig(backend):
 @pytest.fixture
 def known_posix_failure(request, backend):
     """Mark the test xfail when run against POSIX, for a documented POSIX limitation."""
+
     def mark(reason: str):
         if backend == "POSIX":
             request.node.add_marker(pytest.mark.xfail(reason="POSIX: " + reason, strict=False))
+
     return mark
 
 
@@ -87,6 +90,7 @@ def stderr_log(capfd):
         sys.stdout.write(out)
         sys.stdout.write(err)  # keep it visible in the failure report
         return err
+
     return take
 
 

@@ -1,6 +1,11 @@
 """Why does cuFileHandleRegister return 5027 on the GPU machine? Registers an O_DIRECT ext4 file
 with cuFile under a private cufile.json (TRACE logging) and prints the result and the log."""
-import ctypes, json, os, re, sys
+
+import ctypes
+import json
+import os
+import re
+import sys
 
 src = "/etc/cufile.json"
 text = open(src).read() if os.path.exists(src) else "{}"
@@ -18,17 +23,30 @@ os.makedirs("/tmp/cufile-log", exist_ok=True)
 json.dump(cfg, open("/tmp/cufile-probe.json", "w"))
 os.environ["CUFILE_ENV_PATH_JSON"] = "/tmp/cufile-probe.json"
 
+
 class Err(ctypes.Structure):
     _fields_ = [("err", ctypes.c_int), ("cu_err", ctypes.c_int)]
 
+
 class Descr(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("pad", ctypes.c_int), ("fd", ctypes.c_int), ("pad2", ctypes.c_int), ("fs_ops", ctypes.c_void_p)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("pad", ctypes.c_int),
+        ("fd", ctypes.c_int),
+        ("pad2", ctypes.c_int),
+        ("fs_ops", ctypes.c_void_p),
+    ]
+
 
 lib = ctypes.CDLL("libcufile.so.0")
 lib.cuFileDriverOpen.restype = Err
 lib.cuFileHandleRegister.restype = Err
 print("variant", variant, "driver open:", lib.cuFileDriverOpen().err)
-for path, flags in (("/root/cufile-probe.bin", os.O_DIRECT), ("/root/cufile-probe2.bin", 0), ("/tmp/cufile-probe3.bin", os.O_DIRECT)):
+for path, flags in (
+    ("/root/cufile-probe.bin", os.O_DIRECT),
+    ("/root/cufile-probe2.bin", 0),
+    ("/tmp/cufile-probe3.bin", os.O_DIRECT),
+):
     fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
     os.ftruncate(fd, 1 << 20)
     d = Descr(type=1, fd=fd)

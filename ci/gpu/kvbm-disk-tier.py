@@ -39,7 +39,7 @@ import traceback
 
 ENGINE = "kvbm-disk-tier"
 PAGE, LAYERS, HEADS, HEAD_DIM = 16, 4, 8, 128
-NBLK = 4                  # blocks per request
+NBLK = 4  # blocks per request
 DEVICE_BLOCKS = 32
 DISK_BLOCKS = 32
 TIMEOUT_S = 120
@@ -52,22 +52,28 @@ def layer_name(i: int) -> str:
 def piece(block_tag: int, layer: int, kv: int):
     """The bytes of one (block, layer, K/V) piece: PAGE x HEADS x HEAD_DIM bf16, as int16."""
     import numpy as np
+
     rng = np.random.default_rng([block_tag, layer, kv, 0x6B76626D])
     return rng.integers(-32768, 32767, size=(PAGE, HEADS, HEAD_DIM), dtype=np.int16)
 
 
 # ---- worker side (child process) --------------------------------------------------------------
 
+
 def worker_main(conn, device: str, env: dict) -> None:
     os.environ.update(env)
     try:
-        import torch
         import kvbm  # noqa: F401  (imports nixl first, as KVBM does)
+        import torch
         from kvbm._core import _vllm_integration as v
 
         # vLLM's FlashAttention layout: one tensor per layer, (2, blocks, page, heads, head_dim).
-        caches = [torch.zeros((2, DEVICE_BLOCKS, PAGE, HEADS, HEAD_DIM), dtype=torch.bfloat16, device=device)
-                  for _ in range(LAYERS)]
+        caches = [
+            torch.zeros(
+                (2, DEVICE_BLOCKS, PAGE, HEADS, HEAD_DIM), dtype=torch.bfloat16, device=device
+            )
+            for _ in range(LAYERS)
+        ]
         if device == "cuda":
             events = [torch.cuda.Event(enable_timing=False, interprocess=False) for _ in caches]
             for e in events:
@@ -77,7 +83,9 @@ def worker_main(conn, device: str, env: dict) -> None:
             events, handles = [], [0 for _ in caches]
         w = v.PyKvConnectorWorker(None, ENGINE)
         conn.send(("registering", None))
-        w.register_kv_caches(DEVICE_BLOCKS, PAGE, 0, 2, [(layer_name(i), t) for i, t in enumerate(caches)], handles)
+        w.register_kv_caches(
+            DEVICE_BLOCKS, PAGE, 0, 2, [(layer_name(i), t) for i, t in enumerate(caches)], handles
+        )
         conn.send(("ready", None))
         while True:
             cmd, arg = conn.recv()
@@ -87,7 +95,9 @@ def worker_main(conn, device: str, env: dict) -> None:
                 for block, tag in fills:  # the "forward pass" computes these blocks
                     for i, t in enumerate(caches):
                         for kv in (0, 1):
-                            t.view(torch.int16)[kv, block] = torch.from_numpy(piece(tag, i, kv)).to(device)
+                            t.view(torch.int16)[kv, block] = torch.from_numpy(piece(tag, i, kv)).to(
+                                device
+                            )
                 for i, t in enumerate(caches):
                     if events:
                         events[i].record(torch.cuda.current_stream())
@@ -118,6 +128,7 @@ def worker_main(conn, device: str, env: dict) -> None:
 
 
 # ---- scheduler side ---------------------------------------------------------------------------
+
 
 class Run:
     def __init__(self, out: str, variant: str):
@@ -173,9 +184,13 @@ def kvbm_disk_fds(pid: int, disk_dir: str) -> list[str]:
 
 
 def scheduler(run: Run, variant: str, device: str, disk_dir: str, record: str) -> None:
-    env = {"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": str(DISK_BLOCKS), "DYN_KVBM_DISK_CACHE_DIR": disk_dir,
-           # Offload to disk on the first sight of a block (the default filter wants two).
-           "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true", "IO_URING_DMABUF_RECORD": record}
+    env = {
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": str(DISK_BLOCKS),
+        "DYN_KVBM_DISK_CACHE_DIR": disk_dir,
+        # Offload to disk on the first sight of a block (the default filter wants two).
+        "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "true",
+        "IO_URING_DMABUF_RECORD": record,
+    }
     if variant == "host-disk":
         env["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"] = str(NBLK)
     os.environ.update(env)
@@ -219,7 +234,9 @@ def scheduler(run: Run, variant: str, device: str, disk_dir: str, record: str) -
 
         def prefill_and_finish(rid, tokens, blocks, tag0):
             matched = new_request(rid, tokens, blocks, 0)
-            run.check(f"{rid}: nothing cached before its prefill", matched[0] in (0, None), str(matched))
+            run.check(
+                f"{rid}: nothing cached before its prefill", matched[0] in (0, None), str(matched)
+            )
             lead.update_state_after_alloc(rid, blocks, 0)
             o = v.SchedulerOutput()
             o.add_new_request(rid, tokens, blocks, 0)
@@ -240,10 +257,14 @@ def scheduler(run: Run, variant: str, device: str, disk_dir: str, record: str) -
         prefill_and_finish("A", tokens_a, list(range(0, NBLK)), 100)
         if variant == "host-disk":
             run.stage("request C: pushes A out of the host tier")
-            prefill_and_finish("C", list(range(5000, 5000 + NBLK * PAGE)), list(range(NBLK, 2 * NBLK)), 200)
+            prefill_and_finish(
+                "C", list(range(5000, 5000 + NBLK * PAGE)), list(range(NBLK, 2 * NBLK)), 200
+            )
 
         run.stage("disk file holds every piece of A")
-        want = [(tag, i, kv) for tag in range(100, 100 + NBLK) for i in range(LAYERS) for kv in (0, 1)]
+        want = [
+            (tag, i, kv) for tag in range(100, 100 + NBLK) for i in range(LAYERS) for kv in (0, 1)
+        ]
         files, missing = [], want
         deadline = time.time() + TIMEOUT_S
         while missing and time.time() < deadline:
@@ -254,9 +275,12 @@ def scheduler(run: Run, variant: str, device: str, disk_dir: str, record: str) -
             missing = [w for w in want if data.find(piece(*w).tobytes()) < 0]
             if missing:
                 time.sleep(0.5)
-        run.check("disk file", files and not missing,
-                  f"{len(files)} file(s), {len(want) - len(missing)}/{len(want)} pieces of A found"
-                  + (f"; first missing (tag, layer, kv): {missing[:3]}" if missing else ""))
+        run.check(
+            "disk file",
+            files and not missing,
+            f"{len(files)} file(s), {len(want) - len(missing)}/{len(want)} pieces of A found"
+            + (f"; first missing (tag, layer, kv): {missing[:3]}" if missing else ""),
+        )
 
         run.stage("onboard A's blocks into request B")
         parent.send(("wipe", None))
@@ -269,7 +293,7 @@ def scheduler(run: Run, variant: str, device: str, disk_dir: str, record: str) -
         # vLLM allocates, for a request whose external tokens load asynchronously, blocks for
         # those tokens only (its scheduler sets num_new_tokens = 0 while the load runs) and hands
         # them over; KVBM counts any further block as locally computed tokens.
-        lead.update_state_after_alloc("B", blocks_b[:n // PAGE], n)
+        lead.update_state_after_alloc("B", blocks_b[: n // PAGE], n)
         loaded = False
         deadline = time.time() + TIMEOUT_S
         while not loaded and time.time() < deadline:  # vLLM: B waits for its remote KVs
@@ -283,20 +307,38 @@ def scheduler(run: Run, variant: str, device: str, disk_dir: str, record: str) -
         # out rather than guessed).
         parent.send(("compare", [(blocks_b[k], 100 + k) for k in range(NBLK)]))
         bad = recv(parent, "compared", run)
-        run.check("B's device blocks == A's pieces", not bad,
-                  f"{NBLK * LAYERS * 2 - len(bad)}/{NBLK * LAYERS * 2} pieces equal" + (f"; first bad [block, tag, layer, kv]: {bad[:3]}" if bad else ""))
+        run.check(
+            "B's device blocks == A's pieces",
+            not bad,
+            f"{NBLK * LAYERS * 2 - len(bad)}/{NBLK * LAYERS * 2} pieces equal"
+            + (f"; first bad [block, tag, layer, kv]: {bad[:3]}" if bad else ""),
+        )
 
         run.stage("the plugin's record")
         lines = [json.loads(ln) for ln in open(record)] if os.path.exists(record) else []
         # The file may be either list (KVBM onboards with the disk as the local list, READ):
         # the op names the file's direction either way.
-        preps = [ln for ln in lines if ln.get("event") == "prep" and "FILE_SEG" in (ln.get("local_kind"), ln.get("remote_kind"))]
+        preps = [
+            ln
+            for ln in lines
+            if ln.get("event") == "prep"
+            and "FILE_SEG" in (ln.get("local_kind"), ln.get("remote_kind"))
+        ]
         writes = [p for p in preps if p["op"] == "WRITE"]
         reads = [p for p in preps if p["op"] == "READ"]
-        kinds = sorted({p["remote_kind"] if p["local_kind"] == "FILE_SEG" else p["local_kind"] for p in preps})
-        run.result["record"] = {"file_writes": len(writes), "file_reads": len(reads), "local_kinds": kinds,
-                                "bytes_written": sum(p["bytes"] for p in writes), "bytes_read": sum(p["bytes"] for p in reads)}
-        run.check("FILE writes and reads went through the plugin", writes and reads, run.result["record"])
+        kinds = sorted(
+            {p["remote_kind"] if p["local_kind"] == "FILE_SEG" else p["local_kind"] for p in preps}
+        )
+        run.result["record"] = {
+            "file_writes": len(writes),
+            "file_reads": len(reads),
+            "local_kinds": kinds,
+            "bytes_written": sum(p["bytes"] for p in writes),
+            "bytes_read": sum(p["bytes"] for p in reads),
+        }
+        run.check(
+            "FILE writes and reads went through the plugin", writes and reads, run.result["record"]
+        )
         parent.send(("stop", None))
         recv(parent, "stopped", run)
     finally:
@@ -318,7 +360,11 @@ def main() -> int:
         scheduler(run, a.variant, a.device, disk_dir, record)
     except BaseException as e:  # noqa: BLE001 - reported in the result
         run.result["error"] = f"{type(e).__name__}: {e}"
-        run.check(f"reached the end (stopped at: {run.result['stage']})", False, run.result["error"].splitlines()[-1][:400])
+        run.check(
+            f"reached the end (stopped at: {run.result['stage']})",
+            False,
+            run.result["error"].splitlines()[-1][:400],
+        )
         print(run.result["error"], file=sys.stderr)
     return run.save()
 

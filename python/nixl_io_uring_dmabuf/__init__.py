@@ -46,4 +46,5 @@ def plugin_library() -> str:
             return os.path.abspath(c)
     raise FileNotFoundError(
         f"no plugin library: {bundled} is missing (this is not an installed wheel) and no "
-        "cargo build output was found; build with ci/wheel.sh or set IUD_PLUGIN_SO")
+        "cargo build output was found; build with ci/wheel.sh or set IUD_PLUGIN_SO"
+    )

@@ -60,8 +60,10 @@ def _configs(config: Any, metadata: Any) -> tuple[NixlStorageConfig, Any]:
     mine = copy.copy(config)
     mine.extra_config = dict(extra, enable_nixl_storage=True, nixl_backend=_STAND_IN)
     if mine.extra_config.get("nixl_pool_size") is None:
-        raise ValueError(f"{backend} storage plugin: extra_config.nixl_pool_size is required "
-                         "(0 = one file per key)")
+        raise ValueError(
+            f"{backend} storage plugin: extra_config.nixl_pool_size is required "
+            "(0 = one file per key)"
+        )
     nixl_config = NixlStorageConfig.from_cache_engine_config(mine, metadata)
     nixl_config.backend = backend
     return nixl_config, mine
@@ -71,24 +73,30 @@ def _check_cpu_pool(nixl_config: NixlStorageConfig, local_cpu_backend: Any) -> N
     if nixl_config.buffer_device != "cpu":
         return
     if local_cpu_backend is None:
-        raise RuntimeError(f"{nixl_config.backend} storage plugin: nixl_buffer_device cpu "
-                           "needs LMCache's LocalCPUBackend (max_local_cpu_size > 0)")
+        raise RuntimeError(
+            f"{nixl_config.backend} storage plugin: nixl_buffer_device cpu "
+            "needs LMCache's LocalCPUBackend (max_local_cpu_size > 0)"
+        )
     alloc = local_cpu_backend.get_memory_allocator()
-    if not (isinstance(alloc, MixedMemoryAllocator)
-            and isinstance(alloc.pin_allocator, PagedTensorMemoryAllocator)):
+    if not (
+        isinstance(alloc, MixedMemoryAllocator)
+        and isinstance(alloc.pin_allocator, PagedTensorMemoryAllocator)
+    ):
         raise RuntimeError(
             f"{nixl_config.backend} storage plugin: LMCache's CPU pool is not paged, so NIXL "
             "cannot register it page by page; set extra_config rust_raw_block.use_uring: true "
             "(LMCache 0.5.6 pages the pool for io_uring storage plugins) or use "
-            "nixl_buffer_device: cuda")
+            "nixl_buffer_device: cuda"
+        )
 
 
 class _Static(NixlStaticStorageBackend):
     @staticmethod
     def createPool(backend, size, path, use_direct_io, path_sharding, dst_device):
         # The pool of files is the same as for LMCache's own file backends.
-        return NixlStaticStorageBackend.createPool("POSIX", size, path, use_direct_io,
-                                                   path_sharding, dst_device)
+        return NixlStaticStorageBackend.createPool(
+            "POSIX", size, path, use_direct_io, path_sharding, dst_device
+        )
 
 
 class _Dynamic(NixlDynamicStorageBackend):

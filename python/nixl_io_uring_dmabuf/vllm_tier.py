@@ -63,11 +63,24 @@ class NixlFileTier(SecondaryTierManager):
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, path: str,
-                 backend: str = "IO_URING_DMABUF", backend_params: dict | None = None,
-                 direct_io: bool = False, backpressure_detector=None, **unused: Any) -> None:
-        super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
-                         tier_type=tier_type, backpressure_detector=backpressure_detector)
+    def __init__(
+        self,
+        offloading_spec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        path: str,
+        backend: str = "IO_URING_DMABUF",
+        backend_params: dict | None = None,
+        direct_io: bool = False,
+        backpressure_detector=None,
+        **unused: Any,
+    ) -> None:
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
         from nixl._api import nixl_agent, nixl_agent_config
 
         if unused:
@@ -79,11 +92,13 @@ class NixlFileTier(SecondaryTierManager):
         self._primary = np.asarray(primary_kv_view)  # (num_chunks, chunk bytes), no copy
         self._base = self._primary.ctypes.data
         self._stride = self.block_size_bytes
-        self._agent = nixl_agent(f"NixlFileTier-{uuid.uuid4().hex[:8]}",
-                                 nixl_agent_config(backends=[]))
+        self._agent = nixl_agent(
+            f"NixlFileTier-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[])
+        )
         self._agent.create_backend(backend, dict(backend_params or {}))
         self._mem_reg = self._agent.register_memory(
-            [(self._base, self._primary.nbytes, 0, "")], "DRAM", backends=[backend])
+            [(self._base, self._primary.nbytes, 0, "")], "DRAM", backends=[backend]
+        )
         self._present: set = set()
         self._storing: set = set()
         self._jobs: dict[int, _Job] = {}
@@ -106,22 +121,28 @@ class NixlFileTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        pairs = [(k, int(c)) for k, c in zip(job_metadata.keys, job_metadata.chunk_ids)
-                 if k not in self._present and k not in self._storing]
+        pairs = [
+            (k, int(c))
+            for k, c in zip(job_metadata.keys, job_metadata.chunk_ids)
+            if k not in self._present and k not in self._storing
+        ]
         if not pairs:
-            self._finished.append(JobResult(job_metadata.job_id, True, transfer_time=0.0,
-                                            transfer_bytes=0))
+            self._finished.append(
+                JobResult(job_metadata.job_id, True, transfer_time=0.0, transfer_bytes=0)
+            )
             return
         paths = [self._file(k) for k, _ in pairs]
         fds = []
         try:
             for p in paths:
-                fds.append(os.open(p + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC | self._flags,
-                                   0o644))
+                fds.append(
+                    os.open(p + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC | self._flags, 0o644)
+                )
         except OSError as e:
-            self._close(fds, [p + ".tmp" for p in paths[:len(fds)]])
-            logger.error("NixlFileTier: store job %d cannot open its files: %s",
-                         job_metadata.job_id, e)
+            self._close(fds, [p + ".tmp" for p in paths[: len(fds)]])
+            logger.error(
+                "NixlFileTier: store job %d cannot open its files: %s", job_metadata.job_id, e
+            )
             self._finished.append(JobResult(job_metadata.job_id, False))
             return
         job = _Job(job_metadata, True, [k for k, _ in pairs], fds, paths)
@@ -146,8 +167,9 @@ class NixlFileTier(SecondaryTierManager):
     def _start(self, job: _Job, op: str, chunk_ids: list[int]) -> None:
         a, s = self._agent, self._stride
         try:
-            job.reg = a.register_memory([(0, s, fd, "") for fd in job.fds], "FILE",
-                                        backends=[self._backend])
+            job.reg = a.register_memory(
+                [(0, s, fd, "") for fd in job.fds], "FILE", backends=[self._backend]
+            )
             mem = a.get_xfer_descs([(self._base + c * s, s, 0) for c in chunk_ids], "DRAM")
             files = a.get_xfer_descs([(0, s, fd) for fd in job.fds], "FILE")
             job.handle = a.initialize_xfer(op, mem, files, a.name, backends=[self._backend])
@@ -185,9 +207,14 @@ class NixlFileTier(SecondaryTierManager):
                     os.replace(p + ".tmp", p)
                 self._present.update(job.keys)
             self._storing.difference_update(job.keys)
-        self._finished.append(JobResult(job.job.job_id, ok,
-                                        transfer_time=time.perf_counter() - job.t0,
-                                        transfer_bytes=job.bytes if ok else None))
+        self._finished.append(
+            JobResult(
+                job.job.job_id,
+                ok,
+                transfer_time=time.perf_counter() - job.t0,
+                transfer_bytes=job.bytes if ok else None,
+            )
+        )
 
     @staticmethod
     def _close(fds: list, unlink: list) -> None:

@@ -33,6 +33,7 @@ sys.path[:0] = [os.path.join(REPO, "tests", "python", "clients"), os.path.join(R
 def main() -> int:
     try:
         import torch
+
         if not torch.cuda.is_available():
             print("SKIP: no CUDA GPU (torch.cuda.is_available() is False)")
             return 0
@@ -47,17 +48,29 @@ def main() -> int:
     pkg = os.path.join(REPO, "python")
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     E.copy_nixl(site, E.wheel_module_of(sys.executable, inherited))
-    p = E.run([sys.executable, "-m", "nixl_io_uring_dmabuf", "install", "--as", "GDS_MT"],
-              E.child_env([site, pkg] + inherited))
+    p = E.run(
+        [sys.executable, "-m", "nixl_io_uring_dmabuf", "install", "--as", "GDS_MT"],
+        E.child_env([site, pkg] + inherited),
+    )
     if p.returncode != 0:
         print(p.stdout, p.stderr)
         return 1
     driver = os.path.join(REPO, "tests", "python", "clients", "lmcache_driver.py")
-    geometry = {"layers": 16, "tokens": 256, "heads": 8, "head_dim": 64, "chunks": 32,
-                "batch": 8, "device": "cuda"}  # Llama-3.2-1B: 8 MiB chunks
+    geometry = {
+        "layers": 16,
+        "tokens": 256,
+        "heads": 8,
+        "head_dim": 64,
+        "chunks": 32,
+        "batch": 8,
+        "device": "cuda",
+    }  # Llama-3.2-1B: 8 MiB chunks
     routes = {
         "NIXL GDS_MT": ([pkg] + inherited, {"route": "builtin", "name": "GDS_MT"}),
-        "IO_URING_DMABUF --as GDS_MT": ([site, pkg] + inherited, {"route": "builtin", "name": "GDS_MT"}),
+        "IO_URING_DMABUF --as GDS_MT": (
+            [site, pkg] + inherited,
+            {"route": "builtin", "name": "GDS_MT"},
+        ),
         "IO_URING_DMABUF storage plugin": ([site, pkg] + inherited, {"route": "plugin"}),
     }
     wanted = [r for r in os.environ.get("IUD_LMCACHE_ROUTES", "").split(",") if r]
@@ -68,7 +81,14 @@ def main() -> int:
         # A static pool holds every chunk (a smaller one evicts: LMCache then answers misses,
         # which the driver counts as failures; the 2026-12-01 H200 run had 16 slots for 32).
         for pool in (geometry["chunks"], 0):
-            for direct in [d for d in (False, True) if os.environ.get("IUD_LMCACHE_IO", "buffered,direct").find("direct" if d else "buffered") >= 0]:
+            for direct in [
+                d
+                for d in (False, True)
+                if os.environ.get("IUD_LMCACHE_IO", "buffered,direct").find(
+                    "direct" if d else "buffered"
+                )
+                >= 0
+            ]:
                 d = os.path.join(tmp, name.replace(" ", "_"), f"{pool}-{direct}")
                 os.makedirs(d)
                 spec = dict(geometry, **route, pool=pool, direct=direct, path=d)
@@ -79,10 +99,18 @@ def main() -> int:
             again = os.path.join(specs[0]["path"] + "-again")
             os.makedirs(again)
             specs.append(dict(specs[0], path=again, again=True))
-        p = subprocess.run([sys.executable, driver, json.dumps(specs)], env=E.child_env(path),
-                           capture_output=True, text=True, timeout=900)
+        p = subprocess.run(
+            [sys.executable, driver, json.dumps(specs)],
+            env=E.child_env(path),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if os.environ.get("IUD_LMCACHE_LOG_DIR"):
-            with open(os.path.join(os.environ["IUD_LMCACHE_LOG_DIR"], name.replace(" ", "_") + ".log"), "w") as f:
+            with open(
+                os.path.join(os.environ["IUD_LMCACHE_LOG_DIR"], name.replace(" ", "_") + ".log"),
+                "w",
+            ) as f:
                 f.write(p.stderr)
         out = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         results[name] = {"rc": p.returncode, "results": out, "stderr_tail": p.stderr[-3000:]}
@@ -91,9 +119,11 @@ def main() -> int:
             print(f"{name}: FAILED (exit {p.returncode})\n{p.stderr[-3000:]}")
         for r in out:
             s = r["spec"]
-            print(f"{name:32s} {'static' if s['pool'] else 'dynamic':8s}{' again' if s.get('again') else ''} "
-                  f"{'direct' if s['direct'] else 'buffered':9s} put {r['put_gbps']:.3f} GB/s "
-                  f"get {r['get_gbps']:.3f} GB/s bad={len(r['bad'])}")
+            print(
+                f"{name:32s} {'static' if s['pool'] else 'dynamic':8s}{' again' if s.get('again') else ''} "
+                f"{'direct' if s['direct'] else 'buffered':9s} put {r['put_gbps']:.3f} GB/s "
+                f"get {r['get_gbps']:.3f} GB/s bad={len(r['bad'])}"
+            )
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)

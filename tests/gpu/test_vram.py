@@ -4,6 +4,7 @@ ci/gpu/run.sh; on a machine without torch.cuda every test skips with one line sa
 Data is random (torch.randint), never zeros, and verified byte for byte against the source
 tensor and against the file's contents.
 """
+
 import os
 import threading
 
@@ -11,9 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="GPU tests need PyTorch")
 if not torch.cuda.is_available():
-    pytest.skip("GPU tests need a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
+    pytest.skip(
+        "GPU tests need a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True
+    )
 nixl_api = pytest.importorskip("nixl._api", reason="GPU tests need the NIXL wheel (nixl-cu13)")
-nixl_bindings = pytest.importorskip("nixl._bindings", reason="GPU tests need the NIXL wheel (nixl-cu13)")
+nixl_bindings = pytest.importorskip(
+    "nixl._bindings", reason="GPU tests need the NIXL wheel (nixl-cu13)"
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -28,17 +33,22 @@ ROUTE_NAMES = {"staging": "pinned host staging", "cufile": "cuFile", "dmabuf": "
 def doctor_lines():
     """The doctor's report (ci/gpu/run.sh sets IUD_DOCTOR; a local build has target/release)."""
     import subprocess
+
     here = os.path.dirname(os.path.abspath(__file__))
-    exe = os.environ.get("IUD_DOCTOR") or os.path.join(here, "..", "..", "target", "release", "iud-doctor")
+    exe = os.environ.get("IUD_DOCTOR") or os.path.join(
+        here, "..", "..", "target", "release", "iud-doctor"
+    )
     if not os.path.exists(exe):
-        pytest.skip(f"no iud-doctor at {exe} (set IUD_DOCTOR): cannot tell what this machine offers")
+        pytest.skip(
+            f"no iud-doctor at {exe} (set IUD_DOCTOR): cannot tell what this machine offers"
+        )
     return subprocess.run([exe], capture_output=True, text=True, check=True).stdout.splitlines()
 
 
 def doctor_says(prefix):
     for line in doctor_lines():
         if line.strip().startswith(prefix):
-            return line.strip()[len(prefix):].strip()
+            return line.strip()[len(prefix) :].strip()
     raise AssertionError(f"the doctor printed no line starting with {prefix!r}")
 
 
@@ -88,11 +98,31 @@ def round_trip(agent, block, count, direct, path, src_offset=0, file_offset=0):
         m_file = agent.register_memory([(0, file_offset + total, fd, "")], "FILE")
         # Memory order reversed against file order, so nothing lines up by accident.
         order = list(reversed(range(count)))
-        remote = agent.get_xfer_descs([(file_offset + i * block, block, fd) for i in range(count)], "FILE")
-        run(agent, "WRITE", agent.get_xfer_descs([(src.data_ptr() + src_offset + order[i] * block, block, 0) for i in range(count)], "VRAM"), remote)
-        run(agent, "READ", agent.get_xfer_descs([(dst.data_ptr() + src_offset + order[i] * block, block, 0) for i in range(count)], "VRAM"), remote)
+        remote = agent.get_xfer_descs(
+            [(file_offset + i * block, block, fd) for i in range(count)], "FILE"
+        )
+        run(
+            agent,
+            "WRITE",
+            agent.get_xfer_descs(
+                [(src.data_ptr() + src_offset + order[i] * block, block, 0) for i in range(count)],
+                "VRAM",
+            ),
+            remote,
+        )
+        run(
+            agent,
+            "READ",
+            agent.get_xfer_descs(
+                [(dst.data_ptr() + src_offset + order[i] * block, block, 0) for i in range(count)],
+                "VRAM",
+            ),
+            remote,
+        )
         torch.cuda.synchronize()
-        assert torch.equal(src[src_offset:], dst[src_offset:]), "VRAM read back differs from VRAM written"
+        assert torch.equal(src[src_offset:], dst[src_offset:]), (
+            "VRAM read back differs from VRAM written"
+        )
         on_disk = file_bytes(path, file_offset + total)[file_offset:]
         expect = src[src_offset:].view(count, block).flip(0).reshape(-1).cpu()
         assert torch.equal(on_disk, expect), "file contents differ from the VRAM written"
@@ -111,9 +141,15 @@ def test_staging_round_trip(block, direct):
     round_trip(agent, block, count, direct, f"{SCRATCH}/iud-gpu-{block}-{direct}.bin")
 
 
-@pytest.mark.parametrize("block,count", [(16 * 1024, 4096), (64 * 1024, 1024), (256 * 1024, 256)], ids=["16KiB", "64KiB", "256KiB"])
+@pytest.mark.parametrize(
+    "block,count",
+    [(16 * 1024, 4096), (64 * 1024, 1024), (256 * 1024, 256)],
+    ids=["16KiB", "64KiB", "256KiB"],
+)
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
-@pytest.mark.parametrize("copy", ["auto", "kernel", "dma-kernel", "kernel-misaligned", "auto-kstreams1"])
+@pytest.mark.parametrize(
+    "copy", ["auto", "kernel", "dma-kernel", "kernel-misaligned", "auto-kstreams1"]
+)
 def test_staging_scattered_small_blocks_round_trip(block, count, direct, copy, capfd):
     """KV-cache pattern on the staging path: blocks at random VRAM slots against random file
     slots (nothing merges), so the plugin packs several pieces per staging buffer and moves each
@@ -124,7 +160,9 @@ def test_staging_scattered_small_blocks_round_trip(block, count, direct, copy, c
     tensor, verified byte for byte in VRAM, around the blocks, and in the file; the log names the
     copy call that ran."""
     if direct and copy == "kernel-misaligned":
-        pytest.skip("the misaligned fallback is covered by the buffered case (O_DIRECT adds nothing to it)")
+        pytest.skip(
+            "the misaligned fallback is covered by the buffered case (O_DIRECT adds nothing to it)"
+        )
     nslots = count + count // 4  # spare slots: memory and file both have holes
     shift = 8 if copy == "kernel-misaligned" else 0
     src_all = random_tensor(nslots * block + shift)
@@ -137,23 +175,39 @@ def test_staging_scattered_small_blocks_round_trip(block, count, direct, copy, c
     path = f"{SCRATCH}/iud-gpu-kv-{block}-{direct}-{copy}.bin"
     fd = open_file(path, direct, nslots * block)
     how, _, streams = copy.replace("-misaligned", "").partition("-kstreams")
-    agent = make_agent({"vram_path": "staging", "staging_copy": how, "staging_kernel_streams": streams or "4"})
+    agent = make_agent(
+        {"vram_path": "staging", "staging_copy": how, "staging_kernel_streams": streams or "4"}
+    )
     capfd.readouterr()
     try:
         m_src = agent.register_memory([(src_all.data_ptr(), src_all.numel(), 0, "")], "VRAM")
         m_dst = agent.register_memory([(dst_all.data_ptr(), dst_all.numel(), 0, "")], "VRAM")
         m_file = agent.register_memory([(0, nslots * block, fd, "")], "FILE")
         remote = agent.get_xfer_descs([(f * block, block, fd) for f in fil], "FILE")
-        run(agent, "WRITE", agent.get_xfer_descs([(src.data_ptr() + m * block, block, 0) for m in mem], "VRAM"), remote)
-        run(agent, "READ", agent.get_xfer_descs([(dst.data_ptr() + m * block, block, 0) for m in mem], "VRAM"), remote)
+        run(
+            agent,
+            "WRITE",
+            agent.get_xfer_descs([(src.data_ptr() + m * block, block, 0) for m in mem], "VRAM"),
+            remote,
+        )
+        run(
+            agent,
+            "READ",
+            agent.get_xfer_descs([(dst.data_ptr() + m * block, block, 0) for m in mem], "VRAM"),
+            remote,
+        )
         torch.cuda.synchronize()
         on_disk = file_bytes(path, nslots * block).view(nslots, block)
         src_rows, dst_rows = src.view(nslots, block), dst.view(nslots, block)
         want = background.view(nslots, block).clone()
         mem_t, fil_t = torch.tensor(mem), torch.tensor(fil)
         want[mem_t.cuda()] = src_rows[mem_t.cuda()]
-        assert torch.equal(on_disk[fil_t], src_rows[mem_t.cuda()].cpu()), "file slots differ from the VRAM blocks written"
-        assert torch.equal(dst_rows, want), "VRAM after READ differs (blocks read, or the slots around them)"
+        assert torch.equal(on_disk[fil_t], src_rows[mem_t.cuda()].cpu()), (
+            "file slots differ from the VRAM blocks written"
+        )
+        assert torch.equal(dst_rows, want), (
+            "VRAM after READ differs (blocks read, or the slots around them)"
+        )
         for m in (m_src, m_dst, m_file):
             agent.deregister_memory(m)
     finally:
@@ -161,8 +215,13 @@ def test_staging_scattered_small_blocks_round_trip(block, count, direct, copy, c
         os.unlink(path)
     log = capfd.readouterr().err
     # Once per process: the first test of the process that packs pieces logs the copy call.
-    copy_lines = [line for line in log.splitlines() if "staging copies of packed pieces use" in line or "cuMemcpyBatchAsync returned" in line
-                  or "scatter kernel" in line]
+    copy_lines = [
+        line
+        for line in log.splitlines()
+        if "staging copies of packed pieces use" in line
+        or "cuMemcpyBatchAsync returned" in line
+        or "scatter kernel" in line
+    ]
     print("\n".join(copy_lines) or "(the copy call was logged by an earlier test of this process)")
 
 
@@ -176,7 +235,12 @@ def test_auto_round_trip_uses_a_working_path(capfd):
     capfd.readouterr()
     round_trip(agent, MiB, 32, True, f"{SCRATCH}/iud-gpu-auto.bin")
     log = capfd.readouterr().err
-    routes = [line for line in log.splitlines() if "<-> fd " in line and line.split("<-> fd ", 1)[1].split(": ", 1)[-1].startswith(tuple(ROUTE_NAMES.values()))]
+    routes = [
+        line
+        for line in log.splitlines()
+        if "<-> fd " in line
+        and line.split("<-> fd ", 1)[1].split(": ", 1)[-1].startswith(tuple(ROUTE_NAMES.values()))
+    ]
     assert routes, f"no route line in the plugin's log:\n{log[-2000:]}"
     taken = {name for name, text in ROUTE_NAMES.items() for line in routes if f": {text} (" in line}
     assert taken == {predicted}, f"auto took {taken}, the doctor predicted {predicted}: {routes}"
@@ -198,12 +262,22 @@ def test_registration_over_2_5_gib_with_descriptors_crossing_slab_boundaries():
         m_dst = agent.register_memory([(dst.data_ptr(), size, 0, "")], "VRAM")
         m_file = agent.register_memory([(0, len(starts) * block, fd, "")], "FILE")
         remote = agent.get_xfer_descs([(i * block, block, fd) for i in range(len(starts))], "FILE")
-        run(agent, "WRITE", agent.get_xfer_descs([(src.data_ptr() + s, block, 0) for s in starts], "VRAM"), remote)
-        run(agent, "READ", agent.get_xfer_descs([(dst.data_ptr() + s, block, 0) for s in starts], "VRAM"), remote)
+        run(
+            agent,
+            "WRITE",
+            agent.get_xfer_descs([(src.data_ptr() + s, block, 0) for s in starts], "VRAM"),
+            remote,
+        )
+        run(
+            agent,
+            "READ",
+            agent.get_xfer_descs([(dst.data_ptr() + s, block, 0) for s in starts], "VRAM"),
+            remote,
+        )
         torch.cuda.synchronize()
         for s in starts:
-            assert torch.equal(src[s:s + block], dst[s:s + block]), f"block at {s} differs"
-        untouched = dst[GiB + 64 * MiB: GiB + 128 * MiB]
+            assert torch.equal(src[s : s + block], dst[s : s + block]), f"block at {s} differs"
+        untouched = dst[GiB + 64 * MiB : GiB + 128 * MiB]
         assert bool((untouched == 3).all()), "bytes outside the descriptors were written"
         for m in (m_src, m_dst, m_file):
             agent.deregister_memory(m)
@@ -215,7 +289,9 @@ def test_registration_over_2_5_gib_with_descriptors_crossing_slab_boundaries():
 def test_forced_dmabuf_refuses_cleanly_without_the_kernel_uapi(capfd):
     uapi = doctor_says("io_uring DMA-BUF uAPI:")
     if uapi.startswith("available"):
-        pytest.skip("this kernel has the io_uring DMA-BUF uAPI, so vram_path=dmabuf is not refused at registration (the NVMe lab covers that path)")
+        pytest.skip(
+            "this kernel has the io_uring DMA-BUF uAPI, so vram_path=dmabuf is not refused at registration (the NVMe lab covers that path)"
+        )
     agent = make_agent({"vram_path": "dmabuf"})
     t = random_tensor(8 * MiB)
     capfd.readouterr()
@@ -225,7 +301,9 @@ def test_forced_dmabuf_refuses_cleanly_without_the_kernel_uapi(capfd):
     with pytest.raises(nixl_bindings.nixlBackendError):
         agent.register_memory([(t.data_ptr(), t.numel(), 0, "")], "VRAM")
     log = capfd.readouterr().err
-    assert "vram_path=dmabuf cannot work here" in log, f"no refusal line naming the cause:\n{log[-2000:]}"
+    assert "vram_path=dmabuf cannot work here" in log, (
+        f"no refusal line naming the cause:\n{log[-2000:]}"
+    )
     # The backend still moves DRAM afterwards.
     buf = torch.randint(0, 256, (MiB,), dtype=torch.uint8)
     back = torch.zeros(MiB, dtype=torch.uint8)
@@ -248,7 +326,13 @@ def test_cufile_round_trip(block):
     """vram_path=cufile through libcufile (compatibility mode on machines without nvidia-fs or
     P2PDMA). cuFile wants O_DIRECT files."""
     agent = make_agent({"vram_path": "cufile"})
-    round_trip(agent, block, max(2, min(32, (64 * MiB) // block)), True, f"{SCRATCH}/iud-gpu-cufile-{block}.bin")
+    round_trip(
+        agent,
+        block,
+        max(2, min(32, (64 * MiB) // block)),
+        True,
+        f"{SCRATCH}/iud-gpu-cufile-{block}.bin",
+    )
 
 
 @pytest.mark.parametrize("block", [MiB, 16 * MiB])
@@ -260,6 +344,7 @@ def test_cufile_batch_api_round_trip(block):
     a hang or error fails with what happened."""
     import subprocess
     import sys
+
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         f"import sys; sys.path.insert(0, {here!r}); import test_vram as t; "
@@ -268,7 +353,9 @@ def test_cufile_batch_api_round_trip(block):
         f"print('BATCH ROUND TRIP VERIFIED')"
     )
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
         outcome = f"exit {r.returncode}: {(r.stdout + r.stderr).strip()[-600:]}"
         ok = r.returncode == 0 and "BATCH ROUND TRIP VERIFIED" in r.stdout
     except subprocess.TimeoutExpired:
@@ -296,7 +383,9 @@ def test_transfers_are_ordered_after_kernels_already_queued(path):
     path_name = f"{SCRATCH}/iud-gpu-order-{path}.bin"
     fd = open_file(path_name, True, n)
     # File block i holds memory block nb-1-i.
-    local = lambda t: agent.get_xfer_descs([(t.data_ptr() + (nb - 1 - i) * block, block, 0) for i in range(nb)], "VRAM")
+    local = lambda t: agent.get_xfer_descs(  # noqa: E731 - one expression, used twice
+        [(t.data_ptr() + (nb - 1 - i) * block, block, 0) for i in range(nb)], "VRAM"
+    )
     try:
         agent.register_memory([(src.data_ptr(), n, 0, ""), (dst.data_ptr(), n, 0, "")], "VRAM")
         agent.register_memory([(0, n, fd, "")], "FILE")
@@ -305,7 +394,9 @@ def test_transfers_are_ordered_after_kernels_already_queued(path):
         src.copy_(expected)  # queued behind the sleep on the default stream
         run(agent, "WRITE", local(src), remote)
         on_disk = file_bytes(path_name, n).view(nb, block)
-        assert torch.equal(on_disk, expected.view(nb, block).flip(0).cpu()), "WRITE read the buffer before the kernel that fills it"
+        assert torch.equal(on_disk, expected.view(nb, block).flip(0).cpu()), (
+            "WRITE read the buffer before the kernel that fills it"
+        )
         torch.cuda._sleep(200_000_000)
         dst.fill_(7)  # queued behind the sleep; the READ must land after it
         run(agent, "READ", local(dst), remote)
@@ -324,13 +415,16 @@ def test_staging_round_trip_with_a_block_device(mode):
     Skips where no loop device can be set up (one line says why)."""
     import shutil
     import subprocess
+
     if shutil.which("losetup") is None:
         pytest.skip("no losetup on this machine")
     size = 64 * MiB
     image = f"{SCRATCH}/iud-gpu-blk-{mode}.img"
     with open(image, "wb") as f:
         f.truncate(size)
-    r = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", image], capture_output=True, text=True)
+    r = subprocess.run(
+        ["losetup", "--find", "--show", "--direct-io=on", image], capture_output=True, text=True
+    )
     if r.returncode != 0:
         os.unlink(image)
         pytest.skip(f"no loop device here: {r.stderr.strip()}")
@@ -340,23 +434,45 @@ def test_staging_round_trip_with_a_block_device(mode):
         agent = make_agent({"vram_path": "staging"})
         src, dst = random_tensor(size), torch.zeros(size, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
-        agent.register_memory([(src.data_ptr(), size, 0, ""), (dst.data_ptr(), size, 0, "")], "VRAM")
+        agent.register_memory(
+            [(src.data_ptr(), size, 0, ""), (dst.data_ptr(), size, 0, "")], "VRAM"
+        )
         dev_id = fd if mode == "fd" else 4242
-        agent.register_memory([(0, size, dev_id, "" if mode == "fd" else f"rw,direct:{dev}")], "BLOCK")
-        pieces = [(i * MiB, MiB) for i in range(32)] + [(32 * MiB + i * 4096, 4096) for i in range(64)]
+        agent.register_memory(
+            [(0, size, dev_id, "" if mode == "fd" else f"rw,direct:{dev}")], "BLOCK"
+        )
+        pieces = [(i * MiB, MiB) for i in range(32)] + [
+            (32 * MiB + i * 4096, 4096) for i in range(64)
+        ]
         # Memory holds the pieces in reverse order, so nothing lines up with the device by accident.
         mem_off, pos = [0] * len(pieces), 0
         for k in reversed(range(len(pieces))):
             mem_off[k], pos = pos, pos + pieces[k][1]
         remote = agent.get_xfer_descs([(off, n, dev_id) for off, n in pieces], "BLOCK")
-        run(agent, "WRITE", agent.get_xfer_descs([(src.data_ptr() + mem_off[k], n, 0) for k, (_, n) in enumerate(pieces)], "VRAM"), remote)
-        run(agent, "READ", agent.get_xfer_descs([(dst.data_ptr() + mem_off[k], n, 0) for k, (_, n) in enumerate(pieces)], "VRAM"), remote)
+        run(
+            agent,
+            "WRITE",
+            agent.get_xfer_descs(
+                [(src.data_ptr() + mem_off[k], n, 0) for k, (_, n) in enumerate(pieces)], "VRAM"
+            ),
+            remote,
+        )
+        run(
+            agent,
+            "READ",
+            agent.get_xfer_descs(
+                [(dst.data_ptr() + mem_off[k], n, 0) for k, (_, n) in enumerate(pieces)], "VRAM"
+            ),
+            remote,
+        )
         torch.cuda.synchronize()
         used = pos
         assert torch.equal(src[:used], dst[:used]), "VRAM read back from the block device differs"
         with open(dev, "rb") as f:
             on_dev = torch.frombuffer(bytearray(f.read(used)), dtype=torch.uint8)
-        expect = torch.cat([src[mem_off[k]:mem_off[k] + n] for k, (_, n) in enumerate(pieces)]).cpu()
+        expect = torch.cat(
+            [src[mem_off[k] : mem_off[k] + n] for k, (_, n) in enumerate(pieces)]
+        ).cpu()
         assert torch.equal(on_dev, expect), "block device contents differ from the VRAM written"
     finally:
         os.close(fd)
@@ -382,10 +498,28 @@ def test_four_threads_stage_concurrently_on_one_agent():
 
         def worker(i):
             try:
-                remote = agent.get_xfer_descs([(i * total + k * block, block, fd) for k in range(count)], "FILE")
+                remote = agent.get_xfer_descs(
+                    [(i * total + k * block, block, fd) for k in range(count)], "FILE"
+                )
                 for _ in range(3):
-                    run(agent, "WRITE", agent.get_xfer_descs([(srcs[i].data_ptr() + k * block, block, 0) for k in range(count)], "VRAM"), remote)
-                    run(agent, "READ", agent.get_xfer_descs([(dsts[i].data_ptr() + k * block, block, 0) for k in range(count)], "VRAM"), remote)
+                    run(
+                        agent,
+                        "WRITE",
+                        agent.get_xfer_descs(
+                            [(srcs[i].data_ptr() + k * block, block, 0) for k in range(count)],
+                            "VRAM",
+                        ),
+                        remote,
+                    )
+                    run(
+                        agent,
+                        "READ",
+                        agent.get_xfer_descs(
+                            [(dsts[i].data_ptr() + k * block, block, 0) for k in range(count)],
+                            "VRAM",
+                        ),
+                        remote,
+                    )
                     torch.cuda.synchronize()
                     if not torch.equal(srcs[i], dsts[i]):
                         errors.append(f"thread {i}: data differs")
@@ -448,7 +582,11 @@ def test_a_closed_or_reused_fd_is_refused_and_nothing_moves(path, op, fate, capf
             state = f"raised {type(e).__name__}"
         assert state not in ("DONE", "PROC"), f"the post after the fd was {fate} returned {state}"
         cause = "is no longer open" if fate == "closed" else "now refers to a different file"
-        lines = [ln for ln in capfd.readouterr().err.splitlines() if f"fd {fd} registered as FILE for {a}" in ln]
+        lines = [
+            ln
+            for ln in capfd.readouterr().err.splitlines()
+            if f"fd {fd} registered as FILE for {a}" in ln
+        ]
         assert len(lines) == 1 and cause in lines[0], lines
         torch.cuda.synchronize()
         assert torch.equal(file_bytes(a, size), a_before), "the registered file changed"

@@ -37,19 +37,32 @@ def vk():
 
 def make_agent(params):
     _counter[0] += 1
-    agent = nixl_api.nixl_agent(f"gpu-vk-{os.getpid()}-{_counter[0]}", nixl_api.nixl_agent_config(backends=[]))
+    agent = nixl_api.nixl_agent(
+        f"gpu-vk-{os.getpid()}-{_counter[0]}", nixl_api.nixl_agent_config(backends=[])
+    )
     agent.create_backend("IO_URING_DMABUF", params)
     return agent
 
 
-@pytest.mark.parametrize("size,block", [(64 * MiB, MiB), (4 * MiB + 8192, 4096), (256 * MiB, 16 * MiB)])
+@pytest.mark.parametrize(
+    "size,block", [(64 * MiB, MiB), (4 * MiB + 8192, 4096), (256 * MiB, 16 * MiB)]
+)
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
 def test_vulkan_staging_round_trip(vk, size, block, direct):
     rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
     agent = make_agent({"gpu_provider": "vulkan", "vram_path": "staging"})
-    variant = round_trip(agent, vk, f"{SCRATCH}/iud-gpu-vk-{size}-{direct}.bin", size=size, block=block,
-                         direct=direct, rng=rng)
-    print(f"variant {variant}: {size} B allocations, {block} B blocks, {'O_DIRECT' if direct else 'buffered'}: verified")
+    variant = round_trip(
+        agent,
+        vk,
+        f"{SCRATCH}/iud-gpu-vk-{size}-{direct}.bin",
+        size=size,
+        block=block,
+        direct=direct,
+        rng=rng,
+    )
+    print(
+        f"variant {variant}: {size} B allocations, {block} B blocks, {'O_DIRECT' if direct else 'buffered'}: verified"
+    )
 
 
 def test_vulkan_auto_path_moves_the_memory_and_reports_its_choice(vk):
@@ -57,7 +70,9 @@ def test_vulkan_auto_path_moves_the_memory_and_reports_its_choice(vk):
     NVMe target; cuFile and staging otherwise) must move the bytes correctly."""
     rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
     agent = make_agent({"gpu_provider": "vulkan"})
-    round_trip(agent, vk, f"{SCRATCH}/iud-gpu-vk-auto.bin", size=16 * MiB, block=MiB, direct=True, rng=rng)
+    round_trip(
+        agent, vk, f"{SCRATCH}/iud-gpu-vk-auto.bin", size=16 * MiB, block=MiB, direct=True, rng=rng
+    )
 
 
 def test_plain_cuda_memory_is_refused_by_the_vulkan_provider(vk):
@@ -65,7 +80,7 @@ def test_plain_cuda_memory_is_refused_by_the_vulkan_provider(vk):
     torch = pytest.importorskip("torch")
     t = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
     agent = make_agent({"gpu_provider": "vulkan", "vram_path": "staging"})
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - any error, as long as nothing is written
         agent.register_memory([(t.data_ptr(), MiB, 0, "")], "VRAM")
 
 

@@ -51,8 +51,9 @@ class Slot:
         os.close(self.fd)
 
 
-def worker(agent, backend: str, t: int, d: str, slot: Slot | None, rounds: int,
-           errors: list) -> None:
+def worker(
+    agent, backend: str, t: int, d: str, slot: Slot | None, rounds: int, errors: list
+) -> None:
     try:
         rng = np.random.default_rng([os.getpid(), t])
         if JITTER_MS:
@@ -81,17 +82,20 @@ def worker(agent, backend: str, t: int, d: str, slot: Slot | None, rounds: int,
             else:
                 hs = hd = hf = None
                 lf = agent.get_xfer_descs(fl, "FILE")
-                w = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, "DRAM"), lf,
-                                          agent.name, backends=[backend])
-                rd = agent.initialize_xfer("READ", agent.get_xfer_descs(dst, "DRAM"), lf,
-                                           agent.name, backends=[backend])
+                w = agent.initialize_xfer(
+                    "WRITE", agent.get_xfer_descs(src, "DRAM"), lf, agent.name, backends=[backend]
+                )
+                rd = agent.initialize_xfer(
+                    "READ", agent.get_xfer_descs(dst, "DRAM"), lf, agent.name, backends=[backend]
+                )
             for h, op in ((w, "WRITE"), (rd, "READ")):
                 st = agent.transfer(h)
                 deadline = time.monotonic() + POLL_S
                 while st == "PROC":
                     if time.monotonic() > deadline:
-                        raise AssertionError(f"thread {t} round {r} {op} still PROC after "
-                                             f"{POLL_S} s")
+                        raise AssertionError(
+                            f"thread {t} round {r} {op} still PROC after {POLL_S} s"
+                        )
                     st = agent.check_xfer_state(h)
                 if st != "DONE":
                     raise AssertionError(f"thread {t} round {r} {op} ended {st}")
@@ -102,9 +106,11 @@ def worker(agent, backend: str, t: int, d: str, slot: Slot | None, rounds: int,
                     agent.release_dlist_handle(h)
             for i, s in enumerate(slots):
                 a, b = int(s) * DESC, half + int(s) * DESC
-                if not np.array_equal(buf.arr[a:a + DESC], buf.arr[b:b + DESC]):
-                    raise AssertionError(f"thread {t} round {r} descriptor {i}: "
-                                         + H.first_diff(buf.arr[b:b + DESC], buf.arr[a:a + DESC]))
+                if not np.array_equal(buf.arr[a : a + DESC], buf.arr[b : b + DESC]):
+                    raise AssertionError(
+                        f"thread {t} round {r} descriptor {i}: "
+                        + H.first_diff(buf.arr[b : b + DESC], buf.arr[a : a + DESC])
+                    )
         if not upfront:
             slot.deregister(agent)
     except BaseException as e:  # noqa: BLE001 - reported by the main thread
@@ -118,16 +124,21 @@ def main() -> int:
     upfront = len(sys.argv) > 6 and sys.argv[6] == "upfront"
     from nixl._api import nixl_thread_sync_t
 
-    mode = {"none": None, "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
-            "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT}[sync]
+    mode = {
+        "none": None,
+        "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    }[sync]
     agent = H.make_agent(backend, sync_mode=mode, name="concreg")
     errors: list = []
     slots = [Slot(d, t) for t in range(threads)] if upfront else [None] * threads
     for s in slots:
         if s is not None:
             s.register(agent)
-    ts = [threading.Thread(target=worker, args=(agent, backend, t, d, slots[t], rounds, errors))
-          for t in range(threads)]
+    ts = [
+        threading.Thread(target=worker, args=(agent, backend, t, d, slots[t], rounds, errors))
+        for t in range(threads)
+    ]
     for th in ts:
         th.start()
     for th in ts:
@@ -138,8 +149,10 @@ def main() -> int:
     if errors:
         print("\n".join(errors), file=sys.stderr)
         return 1
-    print(f"ok: {threads} threads x {rounds} round trips, {backend}, sync {sync}"
-          + (", registered up front" if upfront else ", registering in the threads"))
+    print(
+        f"ok: {threads} threads x {rounds} round trips, {backend}, sync {sync}"
+        + (", registered up front" if upfront else ", registering in the threads")
+    )
     return 0
 
 

@@ -12,9 +12,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
-
 import iud_helpers as H  # noqa: E402
+import numpy as np  # noqa: E402
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402
 
 scenario, workdir = sys.argv[1], sys.argv[2]
@@ -43,16 +42,23 @@ class Files:
         self.dst.fill(rng)
         c = 32 * H.KiB
         n = self.src.size // c
-        w = self.rig.xfer("WRITE", [(self.src.addr + i * c, c) for i in range(n)],
-                          [(i * c, c, self.fd) for i in range(n)])
+        w = self.rig.xfer(
+            "WRITE",
+            [(self.src.addr + i * c, c) for i in range(n)],
+            [(i * c, c, self.fd) for i in range(n)],
+        )
         self.rig.run(w, 30, what=self.tag)
-        r = self.rig.xfer("READ", [(self.dst.addr + i * c, c) for i in range(n)],
-                          [(i * c, c, self.fd) for i in range(n)])
+        r = self.rig.xfer(
+            "READ",
+            [(self.dst.addr + i * c, c) for i in range(n)],
+            [(i * c, c, self.fd) for i in range(n)],
+        )
         self.rig.run(r, 30, what=self.tag)
         self.rig.release(w)
         self.rig.release(r)
-        assert np.array_equal(self.dst.arr, self.src.arr), self.tag + ": " + \
-            H.first_diff(self.dst.arr, self.src.arr)
+        assert np.array_equal(self.dst.arr, self.src.arr), (
+            self.tag + ": " + H.first_diff(self.dst.arr, self.src.arr)
+        )
 
     def close(self):
         self.rig.close()

@@ -36,9 +36,7 @@ def nixl_errors():
     """All exception classes the NIXL bindings raise (nixlBackendError, nixlNotFoundError, ...)."""
     import nixl._bindings as b
 
-    errs = tuple(
-        getattr(b, n) for n in dir(b) if n.startswith("nixl") and n.endswith("Error")
-    )
+    errs = tuple(getattr(b, n) for n in dir(b) if n.startswith("nixl") and n.endswith("Error"))
     assert errs, "nixl._bindings exposes no nixl*Error classes"
     return errs
 
@@ -76,7 +74,7 @@ class Buf:
         self.addr = self.arr.ctypes.data
         assert self.addr % ALIGN == 0
 
-    def fill(self, rng: np.random.Generator) -> "Buf":
+    def fill(self, rng: np.random.Generator) -> Buf:
         self.arr[:] = np.frombuffer(rng.bytes(self.size), dtype=np.uint8)
         return self
 
@@ -98,11 +96,15 @@ def first_diff(a: np.ndarray, b: np.ndarray) -> str:
         return f"shape {a.shape} != {b.shape}"
     bad = np.flatnonzero(a != b)
     if bad.size == 0:
-        return ("no difference on re-check: the bytes changed between two comparisons, so I/O "
-                "was still landing in memory after the request reported DONE or was released")
+        return (
+            "no difference on re-check: the bytes changed between two comparisons, so I/O "
+            "was still landing in memory after the request reported DONE or was released"
+        )
     i = int(bad[0])
-    return (f"{bad.size} differing bytes, first at {i} (got 0x{int(a[i]):02x}, "
-            f"expected 0x{int(b[i]):02x}), last at {int(bad[-1])}")
+    return (
+        f"{bad.size} differing bytes, first at {i} (got 0x{int(a[i]):02x}, "
+        f"expected 0x{int(b[i]):02x}), last at {int(bad[-1])}"
+    )
 
 
 def plugin_error_lines(text: str) -> list[str]:
@@ -157,8 +159,7 @@ class Rig:
     def new_dev_id(self) -> int:
         return next(self._dev_ids)
 
-    def reg_path(self, path: str, length: int, modes: str = "rw,create",
-                 dev_id: int | None = None):
+    def reg_path(self, path: str, length: int, modes: str = "rw,create", dev_id: int | None = None):
         """Path-mode registration; returns (devId for transfer descriptors, registration)."""
         dev_id = self.new_dev_id() if dev_id is None else dev_id
         r = self.agent.register_memory([(0, length, dev_id, f"{modes}:{path}")], "FILE")
@@ -186,21 +187,24 @@ class Rig:
 
     def prep_mem(self, descs, kind="DRAM"):
         """prep_xfer_dlist for the local (initiator) side."""
-        h = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [_triple(d) for d in descs], kind,
-                                       backends=[self.backend])
+        h = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", [_triple(d) for d in descs], kind, backends=[self.backend]
+        )
         self.dlists.append(h)
         return h
 
     def prep_file(self, descs, kind="FILE"):
         """prep_xfer_dlist for the loopback (own agent name) side."""
-        h = self.agent.prep_xfer_dlist(self.name, [_triple(d) for d in descs], kind,
-                                       backends=[self.backend])
+        h = self.agent.prep_xfer_dlist(
+            self.name, [_triple(d) for d in descs], kind, backends=[self.backend]
+        )
         self.dlists.append(h)
         return h
 
     def prepped_xfer(self, op: str, hl, li, hr, ri):
-        h = self.agent.make_prepped_xfer(op, hl, list(map(int, li)), hr, list(map(int, ri)),
-                                         backends=[self.backend])
+        h = self.agent.make_prepped_xfer(
+            op, hl, list(map(int, li)), hr, list(map(int, ri)), backends=[self.backend]
+        )
         self.handles.append(h)
         return h
 
@@ -220,8 +224,9 @@ class Rig:
         spins = 0
         while st == "PROC":
             if time.monotonic() > deadline:
-                raise AssertionError(f"transfer {what} still PROC after {timeout:.0f} s\n"
-                                     + uring_diagnostics())
+                raise AssertionError(
+                    f"transfer {what} still PROC after {timeout:.0f} s\n" + uring_diagnostics()
+                )
             spins += 1
             time.sleep(0 if spins < 2000 else 0.0002)
             st = self.agent.check_xfer_state(h)
@@ -282,8 +287,7 @@ class Rig:
 def uring_diagnostics() -> str:
     """Ring counters of every io_uring fd of this process and the io_uring worker threads, for
     the message of a transfer that never completes."""
-    keys = ("SqHead", "SqTail", "CachedSqHead", "CqHead", "CqTail", "CachedCqTail", "SQEs",
-            "CQEs")
+    keys = ("SqHead", "SqTail", "CachedSqHead", "CqHead", "CqTail", "CachedCqTail", "SQEs", "CQEs")
     out = []
     for fd in sorted(os.listdir("/proc/self/fd"), key=int):
         try:
@@ -307,8 +311,10 @@ def uring_diagnostics() -> str:
         if comm.startswith("iou-"):
             key = f"{comm.split('-')[0]}-{comm.split('-')[1]}@{wchan or '-'}"
             workers[key] = workers.get(key, 0) + 1
-    out.append("io_uring threads (kind@wchan: count): " + (", ".join(
-        f"{k}: {v}" for k, v in sorted(workers.items())) or "none"))
+    out.append(
+        "io_uring threads (kind@wchan: count): "
+        + (", ".join(f"{k}: {v}" for k, v in sorted(workers.items())) or "none")
+    )
     return "\n".join(out)
 
 
@@ -319,8 +325,11 @@ def _triple(d):
 def make_agent(backend: str, params: dict | None = None, sync_mode=None, name: str = "iud"):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    cfg = nixl_agent_config(backends=[]) if sync_mode is None else \
-        nixl_agent_config(backends=[], sync_mode=sync_mode)
+    cfg = (
+        nixl_agent_config(backends=[])
+        if sync_mode is None
+        else nixl_agent_config(backends=[], sync_mode=sync_mode)
+    )
     agent = nixl_agent(unique_name(name), cfg)
     agent.create_backend(backend, default_params(backend) if params is None else params)
     return agent
@@ -328,11 +337,12 @@ def make_agent(backend: str, params: dict | None = None, sync_mode=None, name: s
 
 # ---- layouts for the round-trip tests -------------------------------------------------------
 
+
 @dataclass
 class Layout:
-    sizes: np.ndarray      # bytes per descriptor
-    mem_off: np.ndarray    # offset of descriptor i in the DRAM buffers
-    file_off: np.ndarray   # offset of descriptor i in the file
+    sizes: np.ndarray  # bytes per descriptor
+    mem_off: np.ndarray  # offset of descriptor i in the DRAM buffers
+    file_off: np.ndarray  # offset of descriptor i in the file
     mem_size: int
     file_size: int
 
@@ -345,8 +355,9 @@ class Layout:
         return int(self.sizes.sum())
 
 
-def mixed_layout(rng: np.random.Generator, direct: bool, n_small=900, n_medium=180,
-                 n_large=10) -> Layout:
+def mixed_layout(
+    rng: np.random.Generator, direct: bool, n_small=900, n_medium=180, n_large=10
+) -> Layout:
     """>= 1000 descriptors, 512 B .. 16 MiB, mostly small: ~125 MiB in all.
 
     Buffered: arbitrary sizes and offsets. O_DIRECT: sizes, offsets and gaps are multiples of
@@ -385,20 +396,22 @@ def mixed_layout(rng: np.random.Generator, direct: bool, n_small=900, n_medium=1
 def expected_mem(layout: Layout, src: np.ndarray, background: np.ndarray) -> np.ndarray:
     out = background.copy()
     for s, m in zip(layout.sizes, layout.mem_off):
-        out[m:m + s] = src[m:m + s]
+        out[m : m + s] = src[m : m + s]
     return out
 
 
 def expected_file(layout: Layout, src: np.ndarray) -> np.ndarray:
     out = np.zeros(layout.file_size, np.uint8)
     for s, m, f in zip(layout.sizes, layout.mem_off, layout.file_off):
-        out[f:f + s] = src[m:m + s]
+        out[f : f + s] = src[m : m + s]
     return out
 
 
 def describe_mem_mismatch(layout: Layout, got: np.ndarray, want: np.ndarray) -> str:
     for i, (s, m) in enumerate(zip(layout.sizes, layout.mem_off)):
-        if not np.array_equal(got[m:m + s], want[m:m + s]):
-            return (f"descriptor {i} (size {s}, mem off {m}, file off {layout.file_off[i]}): "
-                    + first_diff(got[m:m + s], want[m:m + s]))
+        if not np.array_equal(got[m : m + s], want[m : m + s]):
+            return (
+                f"descriptor {i} (size {s}, mem off {m}, file off {layout.file_off[i]}): "
+                + first_diff(got[m : m + s], want[m : m + s])
+            )
     return "outside any descriptor (gap overwritten): " + first_diff(got, want)

@@ -25,7 +25,11 @@ class VulkanAlloc:
 
     def __init__(self, plugin_so: str):
         self.lib = lib = ctypes.CDLL(plugin_so)
-        lib.iud_vulkan_alloc.argtypes = [ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]
+        lib.iud_vulkan_alloc.argtypes = [
+            ctypes.c_int,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ]
         lib.iud_vulkan_alloc.restype = ctypes.c_int
         lib.iud_vulkan_free.argtypes = [ctypes.c_uint64]
         lib.iud_vulkan_free.restype = ctypes.c_int
@@ -63,8 +67,11 @@ class VulkanAlloc:
             cu = ctypes.CDLL("libcuda.so.1")
             ctx = ctypes.c_void_p()
             dev = ctypes.c_int()
-            for what, rc in (("cuInit", cu.cuInit(0)), ("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), 0)),
-                             ("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))):
+            for what, rc in (
+                ("cuInit", cu.cuInit(0)),
+                ("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(dev), 0)),
+                ("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
+            ):
                 assert rc == 0, f"{what} = {rc}"
             cu.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]
             cu.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
@@ -104,8 +111,17 @@ def _run(agent, op, local, remote, timeout=120.0):
         agent.release_xfer_handle(h)
 
 
-def round_trip(agent, vk: VulkanAlloc, path: str, *, size: int, block: int, direct: bool,
-               rng: np.random.Generator, device: int = 0) -> str:
+def round_trip(
+    agent,
+    vk: VulkanAlloc,
+    path: str,
+    *,
+    size: int,
+    block: int,
+    direct: bool,
+    rng: np.random.Generator,
+    device: int = 0,
+) -> str:
     """WRITE blocks of one Vulkan allocation to a file and READ them into a second one, in
     reversed memory order and at offsets inside the allocations, through two registrations per
     allocation (the whole allocation, and one starting at a page offset inside it). Verifies the
@@ -135,15 +151,31 @@ def round_trip(agent, vk: VulkanAlloc, path: str, *, size: int, block: int, dire
         regs.append(agent.register_memory([(0, count * block, fd, "")], "FILE"))
         order = list(reversed(range(count)))  # memory order reversed against file order
         remote = agent.get_xfer_descs([(i * block, block, fd) for i in range(count)], "FILE")
-        _run(agent, "WRITE", agent.get_xfer_descs([(src_addr + starts[order[i]], block, device) for i in range(count)], "VRAM"), remote)
+        _run(
+            agent,
+            "WRITE",
+            agent.get_xfer_descs(
+                [(src_addr + starts[order[i]], block, device) for i in range(count)], "VRAM"
+            ),
+            remote,
+        )
         on_disk = np.fromfile(path, dtype=np.uint8, count=count * block)
-        want = np.concatenate([src[starts[order[i]]:starts[order[i]] + block] for i in range(count)])
+        want = np.concatenate(
+            [src[starts[order[i]] : starts[order[i]] + block] for i in range(count)]
+        )
         assert np.array_equal(on_disk, want), "file contents differ from the Vulkan memory written"
-        _run(agent, "READ", agent.get_xfer_descs([(dst_addr + starts[order[i]], block, device) for i in range(count)], "VRAM"), remote)
+        _run(
+            agent,
+            "READ",
+            agent.get_xfer_descs(
+                [(dst_addr + starts[order[i]], block, device) for i in range(count)], "VRAM"
+            ),
+            remote,
+        )
         got = vk.get(dst_addr, size)
         expect = background.copy()
         for s in starts:
-            expect[s:s + block] = src[s:s + block]
+            expect[s : s + block] = src[s : s + block]
         if not np.array_equal(got, expect):
             bad = int(np.flatnonzero(got != expect)[0])
             raise AssertionError(f"destination differs at byte {bad} (variant {variant})")

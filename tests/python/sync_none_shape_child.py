@@ -55,10 +55,14 @@ def layout(rng: np.random.Generator, direct: bool):
     unit = 4096 if direct else 1
     sizes = rng.integers(1, MAX_DESC // unit, size=DESCS, endpoint=True) * unit
     fslot, mslot = FILE // DESCS, MEM // DESCS
-    foff = [int(s) * fslot + int(rng.integers(0, (fslot - z) // unit, endpoint=True)) * unit
-            for s, z in zip(rng.permutation(DESCS), sizes)]
-    moff = [int(s) * mslot + int(rng.integers(0, (mslot - z) // unit, endpoint=True)) * unit
-            for s, z in zip(rng.permutation(DESCS), sizes)]
+    foff = [
+        int(s) * fslot + int(rng.integers(0, (fslot - z) // unit, endpoint=True)) * unit
+        for s, z in zip(rng.permutation(DESCS), sizes)
+    ]
+    moff = [
+        int(s) * mslot + int(rng.integers(0, (mslot - z) // unit, endpoint=True)) * unit
+        for s, z in zip(rng.permutation(DESCS), sizes)
+    ]
     return [(int(z), m, f) for z, m, f in zip(sizes, moff, foff)]
 
 
@@ -75,22 +79,35 @@ def wait(agent, h, what: str) -> None:
 
 def check(what: str, descs, src: H.Buf, dst: H.Buf, shadow: np.ndarray) -> None:
     for i, (z, m, f) in enumerate(descs):
-        if not np.array_equal(dst.arr[m:m + z], src.arr[m:m + z]):
-            raise AssertionError(f"{what} descriptor {i} (file offset {f}, {z} bytes): "
-                                 + H.first_diff(dst.arr[m:m + z], src.arr[m:m + z]))
-        shadow[f:f + z] = src.arr[m:m + z]
+        if not np.array_equal(dst.arr[m : m + z], src.arr[m : m + z]):
+            raise AssertionError(
+                f"{what} descriptor {i} (file offset {f}, {z} bytes): "
+                + H.first_diff(dst.arr[m : m + z], src.arr[m : m + z])
+            )
+        shadow[f : f + z] = src.arr[m : m + z]
 
 
-def round_trip(agent, backend: str, fd: int, rng, r: int, direct: bool, shadow: np.ndarray,
-               tag: str, move: bool = True) -> None:
+def round_trip(
+    agent,
+    backend: str,
+    fd: int,
+    rng,
+    r: int,
+    direct: bool,
+    shadow: np.ndarray,
+    tag: str,
+    move: bool = True,
+) -> None:
     descs = layout(rng, direct)
     src, dst = H.Buf(MEM), H.Buf(MEM)
     src.fill(rng)
     dst.arr[:] = 0
     pieces = PIECES if not move else math.gcd(PIECES, DESCS)  # a descriptor stays in one piece
     piece = MEM // pieces
-    regs = [agent.register_memory([(b.addr + k * piece, piece, 0, "") for k in range(pieces)],
-                                  "DRAM") for b in (src, dst)]
+    regs = [
+        agent.register_memory([(b.addr + k * piece, piece, 0, "") for k in range(pieces)], "DRAM")
+        for b in (src, dst)
+    ]
     regs.append(agent.register_memory([(0, FILE, fd, "")], "FILE"))
     if not move:
         for reg in reversed(regs):
@@ -111,10 +128,12 @@ def round_trip(agent, backend: str, fd: int, rng, r: int, direct: bool, shadow: 
         posts = 1
     else:
         lf = agent.get_xfer_descs(fl, "FILE")
-        w = agent.initialize_xfer("WRITE", agent.get_xfer_descs(s, "DRAM"), lf, agent.name,
-                                  backends=[backend])
-        rd = agent.initialize_xfer("READ", agent.get_xfer_descs(d, "DRAM"), lf, agent.name,
-                                   backends=[backend])
+        w = agent.initialize_xfer(
+            "WRITE", agent.get_xfer_descs(s, "DRAM"), lf, agent.name, backends=[backend]
+        )
+        rd = agent.initialize_xfer(
+            "READ", agent.get_xfer_descs(d, "DRAM"), lf, agent.name, backends=[backend]
+        )
         posts = 2
     for p in range(posts):
         if p:  # the repost: new bytes through the same two requests
@@ -134,8 +153,10 @@ def round_trip(agent, backend: str, fd: int, rng, r: int, direct: bool, shadow: 
 def check_file(fd: int, shadow: np.ndarray, tag: str) -> None:
     got = H.read_file(fd, FILE)
     if not np.array_equal(got, shadow):
-        raise AssertionError(f"{tag}: the file differs from what this thread wrote to it: "
-                             + H.first_diff(got, shadow))
+        raise AssertionError(
+            f"{tag}: the file differs from what this thread wrote to it: "
+            + H.first_diff(got, shadow)
+        )
 
 
 def open_file(d: str, name: str, direct: bool) -> int:
@@ -145,16 +166,24 @@ def open_file(d: str, name: str, direct: bool) -> int:
     return fd
 
 
-def worker(agent, backend: str, t: int, d: str, rounds: int, xfer_every: int,
-           errors: list) -> None:
+def worker(agent, backend: str, t: int, d: str, rounds: int, xfer_every: int, errors: list) -> None:
     try:
         rng = np.random.default_rng([os.getpid(), t])
         fd = open_file(d, f"t{t}.bin", False)
         shadow = np.zeros(FILE, dtype=np.uint8)
         try:
             for r in range(rounds):
-                round_trip(agent, backend, fd, rng, r, False, shadow, f"thread {t} (fd {fd})",
-                           move=r % xfer_every == 0)
+                round_trip(
+                    agent,
+                    backend,
+                    fd,
+                    rng,
+                    r,
+                    False,
+                    shadow,
+                    f"thread {t} (fd {fd})",
+                    move=r % xfer_every == 0,
+                )
             check_file(fd, shadow, f"thread {t} (fd {fd})")
         finally:
             os.close(fd)
@@ -172,8 +201,11 @@ def main() -> int:
     sync = os.environ.get("IUD_SHAPE_SYNC", "none")
     from nixl._api import nixl_thread_sync_t
 
-    mode = {"none": None, "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
-            "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT}[sync]
+    mode = {
+        "none": None,
+        "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    }[sync]
     # mode None: nixl_agent_config(backends=[]), whose default is sync mode NONE
     agent = H.make_agent(backend, sync_mode=mode, name="shape48")
     rng = np.random.default_rng([os.getpid(), 99])
@@ -186,8 +218,10 @@ def main() -> int:
         finally:
             os.close(fd)
     errors: list = []
-    ts = [threading.Thread(target=worker, args=(agent, backend, t, d, rounds, xfer_every, errors))
-          for t in range(threads)]
+    ts = [
+        threading.Thread(target=worker, args=(agent, backend, t, d, rounds, xfer_every, errors))
+        for t in range(threads)
+    ]
     for th in ts:
         th.start()
     for th in ts:
@@ -195,8 +229,10 @@ def main() -> int:
     if errors:
         print("\n".join(errors), file=sys.stderr)
         return 1
-    print(f"ok: {threads} threads x {rounds} round trips (every {xfer_every}. moving data), "
-          f"{backend}, sync {sync}, registering per round trip")
+    print(
+        f"ok: {threads} threads x {rounds} round trips (every {xfer_every}. moving data), "
+        f"{backend}, sync {sync}, registering per round trip"
+    )
     return 0
 
 

@@ -24,13 +24,21 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # A command after a pipe that can stop reading before its input ends.
 EARLY_READERS = [
     (re.compile(r"^head\b"), "head"),
-    (re.compile(r"^grep\b.*\s(-[a-zA-Z0-9]*[qmlL][a-zA-Z0-9]*|--quiet|--silent|--max-count\S*|"
-                r"--files-with(out)?-match\S*)(\s|$)"), "grep that stops at a match"),
+    (
+        re.compile(
+            r"^grep\b.*\s(-[a-zA-Z0-9]*[qmlL][a-zA-Z0-9]*|--quiet|--silent|--max-count\S*|"
+            r"--files-with(out)?-match\S*)(\s|$)"
+        ),
+        "grep that stops at a match",
+    ),
     (re.compile(r"^sed\b.*(\d+q\b|;\s*q\b|'q'|\bq;)"), "sed with q"),
     (re.compile(r"^awk\b.*\bexit\b"), "awk with exit"),
     (re.compile(r"^(read|cmp)\b"), "read/cmp"),
     # GNU grep quits at the first match when stdout is /dev/null (unless it counts, -c)
-    (re.compile(r"^grep\b(?!.*\s-[a-zA-Z0-9]*c)(.*\s)?(1?>|&>)\s*/dev/null"), "grep into /dev/null stops at a match"),
+    (
+        re.compile(r"^grep\b(?!.*\s-[a-zA-Z0-9]*c)(.*\s)?(1?>|&>)\s*/dev/null"),
+        "grep into /dev/null stops at a match",
+    ),
 ]
 
 
@@ -94,7 +102,7 @@ def _code_lines(text: str):
             continue
         code = _blank_quotes(raw)
         m = re.search(r"<<-?\s*(['\"]?)(\w+)\1", raw)
-        if m and code[m.start():m.start() + 2] == "<<" and "<<<" not in raw:
+        if m and code[m.start() : m.start() + 2] == "<<" and "<<<" not in raw:
             heredoc_end = m.group(2)
         yield n, code, raw
 
@@ -108,7 +116,7 @@ def early_reader_pipes(text: str) -> list[tuple[int, str, str]]:
         pipes = [m.start() for m in re.finditer(r"(?<!\|)\|(?!\|)", code)]
         for k, pos in enumerate(pipes):
             end = pipes[k + 1] if k + 1 < len(pipes) else len(code)
-            reader = raw[pos + 1:end].lstrip("&").strip()
+            reader = raw[pos + 1 : end].lstrip("&").strip()
             for pattern, reason in EARLY_READERS:
                 if pattern.search(reader):
                     found.append((n, reason, raw.strip()))
@@ -117,15 +125,16 @@ def early_reader_pipes(text: str) -> list[tuple[int, str, str]]:
 
 
 def shell_files() -> list[str]:
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     return [f for f in files if f.endswith(".sh") or f in (".ci/run",)]
 
 
 def test_the_check_finds_the_pipelines_that_failed_and_spares_the_safe_forms():
     bad = [
         '"$tools/usr/bin/etcd" --version | head -n 1',
-        "dpkg-deb -x \"$(ls -t \"$tools\"/debs/etcd-server_*.deb | head -n 1)\" \"$tools\"",
+        'dpkg-deb -x "$(ls -t "$tools"/debs/etcd-server_*.deb | head -n 1)" "$tools"',
         "if ! ldd \"$bin\" 2>&1 | grep -q 'statically linked'; then",
         "x=$(find . -name a | head -1)",
         "cmd | grep -Eqi pattern",
@@ -161,5 +170,7 @@ def test_no_script_pipes_into_a_reader_that_stops_early():
         with open(os.path.join(REPO, f), encoding="utf-8") as fh:
             for n, reason, line in early_reader_pipes(fh.read()):
                 problems.append(f"{f}:{n}: {reason}: {line}")
-    assert not problems, ("pipelines whose writer can die of SIGPIPE under pipefail (use sed -n "
-                          "1p, grep -c >/dev/null or find -print -quit):\n" + "\n".join(problems))
+    assert not problems, (
+        "pipelines whose writer can die of SIGPIPE under pipefail (use sed -n "
+        "1p, grep -c >/dev/null or find -print -quit):\n" + "\n".join(problems)
+    )

@@ -10,9 +10,8 @@ from __future__ import annotations
 import gc
 import os
 
-import pytest
-
 import iud_helpers as H
+import pytest
 
 
 def rings() -> dict:
@@ -46,8 +45,9 @@ def holders_of(path: str) -> list[int]:
 
 
 def buffer_holders(addr: int) -> list[int]:
-    return [fd for fd, (_, bufs) in rings().items()
-            if any(b.startswith(f"0x{addr:x}/") for b in bufs)]
+    return [
+        fd for fd, (_, bufs) in rings().items() if any(b.startswith(f"0x{addr:x}/") for b in bufs)
+    ]
 
 
 def exercise(rig, path, mode, rng):
@@ -79,10 +79,12 @@ def test_file_released_at_deregistration(rig, rng, tmp_path, mode, is_plugin):
     if fd is not None:
         os.close(fd)
     held = holders_of(path)
-    assert not held, (f"after deregister_memory of the FILE ({mode} mode) the file is still in "
-                      f"the fixed-file table of io_uring fd(s) {held}: the kernel keeps it open "
-                      "(its space is not freed if deleted, its filesystem cannot be unmounted) "
-                      "until some later operation on the engine")
+    assert not held, (
+        f"after deregister_memory of the FILE ({mode} mode) the file is still in "
+        f"the fixed-file table of io_uring fd(s) {held}: the kernel keeps it open "
+        "(its space is not freed if deleted, its filesystem cannot be unmounted) "
+        "until some later operation on the engine"
+    )
 
 
 def test_buffer_released_at_deregistration(rig, rng, tmp_path, is_plugin):
@@ -93,8 +95,10 @@ def test_buffer_released_at_deregistration(rig, rng, tmp_path, is_plugin):
     held = buffer_holders(buf.addr)
     rig.dereg(freg)
     os.close(fd)
-    assert not held, (f"after deregister_memory of the DRAM region it is still a fixed buffer "
-                      f"(pinned) of io_uring fd(s) {held}")
+    assert not held, (
+        f"after deregister_memory of the DRAM region it is still a fixed buffer "
+        f"(pinned) of io_uring fd(s) {held}"
+    )
 
 
 @pytest.mark.parametrize("mode", ["fd", "path"])
@@ -114,8 +118,10 @@ def test_file_released_by_the_next_operation(rig, rng, tmp_path, mode):
         rig.run(h, 30, what="WRITE to another file")
         rig.release(h)
         held = holders_of(path)
-        assert not held, (f"deregistered file still in the fixed-file table of io_uring fd(s) "
-                          f"{held} after another request ran on the engine")
+        assert not held, (
+            f"deregistered file still in the fixed-file table of io_uring fd(s) "
+            f"{held} after another request ran on the engine"
+        )
     finally:
         rig.close()
         os.close(ofd)
@@ -137,6 +143,8 @@ def test_agent_destruction_closes_the_ring(backend, rng, tmp_path):
     after = set(rings())
     if backend == H.PLUGIN:
         assert during - before, "no io_uring descriptor appeared for the engine"
-    assert not (after - before), (f"io_uring descriptors {sorted(after - before)} are still open "
-                                  "after the agent (and its engine) were destroyed")
+    assert not (after - before), (
+        f"io_uring descriptors {sorted(after - before)} are still open "
+        "after the agent (and its engine) were destroyed"
+    )
     assert not holders_of(str(tmp_path / "r.bin"))

@@ -24,9 +24,8 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 import iud_helpers as H
+import pytest
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "concurrent_reg_child.py")
 RUNS = int(os.environ.get("IUD_CONCREG_RUNS", "6"))
@@ -47,14 +46,20 @@ def run_child(backend: str, sync: str, tmp_path, upfront: bool, runs: int) -> No
         args = [sys.executable, CHILD, backend, sync, str(d), str(THREADS), str(ROUNDS)]
         if upfront:
             args.append("upfront")
-        p = subprocess.run(args, capture_output=True, text=True, timeout=180,
-                           preexec_fn=_cap_memory)
+        p = subprocess.run(
+            args, capture_output=True, text=True, timeout=180, preexec_fn=_cap_memory
+        )
         if p.returncode != 0:
-            what = (f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0
-                    else f"exit {p.returncode}")
+            what = (
+                f"killed by {signal.Signals(-p.returncode).name}"
+                if p.returncode < 0
+                else f"exit {p.returncode}"
+            )
             tail = "\n".join(p.stderr.splitlines()[-25:])
-            pytest.fail(f"run {i + 1} of {runs} ({backend}, sync {sync}"
-                        f"{', registered up front' if upfront else ''}): {what}\n{tail}")
+            pytest.fail(
+                f"run {i + 1} of {runs} ({backend}, sync {sync}"
+                f"{', registered up front' if upfront else ''}): {what}\n{tail}"
+            )
         lines = p.stdout.splitlines()
         assert lines and lines[-1].startswith("ok:"), p.stdout
         errors = H.plugin_error_lines(p.stdout + p.stderr)

@@ -20,9 +20,11 @@ import subprocess
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 # Words that mark a path as another project's (checked only for paths that do not exist here).
-OTHER_PROJECTS = re.compile(r"NIXL|nixl|ai-dynamo|kernel|Linux|linux|liburing|vLLM|vllm|LMCache|"
-                            r"lmcache|Dynamo|dynamo|upstream|UCX|cuFile|glommio|cudarc|io-uring|"
-                            r"rustls|cloud-hypervisor|mainline|torvalds|axboe")
+OTHER_PROJECTS = re.compile(
+    r"NIXL|nixl|ai-dynamo|kernel|Linux|linux|liburing|vLLM|vllm|LMCache|"
+    r"lmcache|Dynamo|dynamo|upstream|UCX|cuFile|glommio|cudarc|io-uring|"
+    r"rustls|cloud-hypervisor|mainline|torvalds|axboe"
+)
 
 
 def pages() -> list[str]:
@@ -30,8 +32,9 @@ def pages() -> list[str]:
 
 
 def top_level() -> set[str]:
-    out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     return {f.split("/")[0] for f in out}
 
 
@@ -63,7 +66,7 @@ def named_paths(page: str, text: str):
             else:
                 rel = m.group(1).split("::")[0].rstrip(".,;:)")
                 how = "code"
-            context = (before + line[:m.start()])[-300:]
+            context = (before + line[: m.start()])[-300:]
             if rel.startswith("..") or rel.split("/")[0] not in tops:
                 if how == "link":
                     yield n, rel, how, context
@@ -103,13 +106,15 @@ def test_every_repository_path_the_readme_and_docs_name_exists():
 
 def test_the_check_catches_a_missing_path_and_accepts_other_projects_paths():
     page = os.path.join(REPO, "docs", "x.md")
-    text = ("see `tests/python/no_such_test.py` and [this](../src/no_such.rs), `src/engine/mod.rs`\n"
-            "NIXL's `src/core/nixl_agent.cpp`, `ci/vm/work/`\n"
-            "[up](../../outside.md) [ok](parameters.md) [web](https://example.org/x)\n"
-            "\n"
-            "```sh\n"
-            "ls src/not_checked_in_a_command.rs\n"
-            "```\n")
+    text = (
+        "see `tests/python/no_such_test.py` and [this](../src/no_such.rs), `src/engine/mod.rs`\n"
+        "NIXL's `src/core/nixl_agent.cpp`, `ci/vm/work/`\n"
+        "[up](../../outside.md) [ok](parameters.md) [web](https://example.org/x)\n"
+        "\n"
+        "```sh\n"
+        "ls src/not_checked_in_a_command.rs\n"
+        "```\n"
+    )
     checked, problems = problems_in(page, text)
     assert problems == [
         "docs/x.md:1: tests/python/no_such_test.py (code) does not exist",
@@ -124,7 +129,8 @@ def test_nothing_refers_to_the_workplace_outside_the_repository():
     needles = ["../" + "shared", "/work/" + "shared"]
     hits = []
     for needle in needles:
-        p = subprocess.run(["git", "grep", "-n", "-F", needle, "--", "."], cwd=REPO,
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            ["git", "grep", "-n", "-F", needle, "--", "."], cwd=REPO, capture_output=True, text=True
+        )
         hits += [ln for ln in p.stdout.splitlines() if ln]
     assert not hits, "references to files outside the repository:\n" + "\n".join(hits)

@@ -11,10 +11,9 @@ from __future__ import annotations
 import gc
 import os
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 from support.mounts import FuseMount
 
 SIZE = 8 * H.MiB
@@ -28,6 +27,7 @@ def faultfs(tmp_path):
         m = FuseMount(str(tmp_path / f"mnt{len(mounts)}"), mode, content)
         mounts.append(m)
         return m
+
     yield start
     gc.collect()
     for m in mounts:
@@ -49,9 +49,13 @@ def _eio_scenario(backend, is_plugin, rng, fs, content, stderr_log, tmp_path, pa
         rig.reg_dram(buf)
         stderr_log()
         c = 512 * H.KiB
-        out = rig.attempt(lambda: rig.xfer(
-            "READ", [(buf.addr + i, c) for i in range(0, SIZE, c)],
-            [(i, c, dev) for i in range(0, SIZE, c)]))
+        out = rig.attempt(
+            lambda: rig.xfer(
+                "READ",
+                [(buf.addr + i, c) for i in range(0, SIZE, c)],
+                [(i, c, dev) for i in range(0, SIZE, c)],
+            )
+        )
         log = stderr_log()
         assert out.stage != "timeout", "READ over an EIO range still PROC after 30 s"
         assert out.failed, f"READ over a range that returns EIO completed ({out})"
@@ -67,8 +71,9 @@ def _eio_scenario(backend, is_plugin, rng, fs, content, stderr_log, tmp_path, pa
         rig.run(h, 60, what="READ of the good part of the file after EIO")
         rig.release(h)
         del h
-        assert np.array_equal(buf.arr[:good], content[:good]), \
+        assert np.array_equal(buf.arr[:good], content[:good]), (
             "good part after EIO: " + H.first_diff(buf.arr[:good], content[:good])
+        )
         # and a plain disk file
         p = str(tmp_path / "plain.bin")
         data = H.rand_bytes(rng, 1 * H.MiB)
@@ -82,7 +87,7 @@ def _eio_scenario(backend, is_plugin, rng, fs, content, stderr_log, tmp_path, pa
             rig.run(h, 60, what="READ of a disk file after EIO")
             rig.release(h)
             del h
-            assert np.array_equal(buf.arr[:data.size], data)
+            assert np.array_equal(buf.arr[: data.size], data)
         finally:
             rig.close()
             os.close(pfd)
@@ -94,8 +99,7 @@ def _eio_scenario(backend, is_plugin, rng, fs, content, stderr_log, tmp_path, pa
 
 @pytest.mark.privileged
 @pytest.mark.parametrize("path_mode", [False, True], ids=["fd", "path"])
-def test_eio_fails_the_request(backend, is_plugin, rng, faultfs, stderr_log, tmp_path,
-                               path_mode):
+def test_eio_fails_the_request(backend, is_plugin, rng, faultfs, stderr_log, tmp_path, path_mode):
     bad = 5 * H.MiB + 777
     content = H.rand_bytes(rng, SIZE)
     fs = faultfs(f"eio:{bad}", content)

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 
 SIZE = 4 * H.MiB
 BLOCK = 256 * H.KiB
@@ -23,7 +22,10 @@ BLOCK = 256 * H.KiB
 PATHS = {
     "defaults": ({}, False),
     "ring, fixed file": ({"inline_write_max": "0", "punt_buffered_min": "0"}, False),
-    "ring, raw fd": ({"inline_write_max": "0", "punt_buffered_min": "0", "fixed_files": "false"}, False),
+    "ring, raw fd": (
+        {"inline_write_max": "0", "punt_buffered_min": "0", "fixed_files": "false"},
+        False,
+    ),
     "O_DIRECT": ({}, True),
 }
 
@@ -32,8 +34,9 @@ PATHS = {
 @pytest.mark.parametrize("fate", ["closed", "reused"])
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_a_closed_or_reused_fd_is_refused_and_nothing_moves(is_plugin, need_direct, rng, tmp_path,
-                                                            stderr_log, path, op, fate, between_posts):
+def test_a_closed_or_reused_fd_is_refused_and_nothing_moves(
+    is_plugin, need_direct, rng, tmp_path, stderr_log, path, op, fate, between_posts
+):
     if not is_plugin:
         pytest.skip("NIXL's POSIX backend uses the fd number as it is at each post")
     params, direct = PATHS[path]
@@ -52,8 +55,11 @@ def test_a_closed_or_reused_fd_is_refused_and_nothing_moves(is_plugin, need_dire
     rig.reg_fd(fd, SIZE)
     n = SIZE // BLOCK
     # Memory and file order differ, so nothing merges and nothing lines up by accident.
-    h = rig.xfer(op, [(buf.addr + i * BLOCK, BLOCK) for i in range(n)],
-                 [(((i * 5) % n) * BLOCK, BLOCK, fd) for i in range(n)])
+    h = rig.xfer(
+        op,
+        [(buf.addr + i * BLOCK, BLOCK) for i in range(n)],
+        [(((i * 5) % n) * BLOCK, BLOCK, fd) for i in range(n)],
+    )
     if between_posts:
         rig.run(h, what="first post")
     with open(a, "rb") as f:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
-
-import numpy as np
-import pytest
 
 import iud_helpers as H
+import numpy as np
+import pytest
+import tomllib
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 MANIFEST = os.path.join(REPO, "plugin-manifest", f"{H.PLUGIN}.toml")
@@ -44,14 +43,17 @@ def test_plugin_params_match_manifest(plugin_so):
 
     plugin, params = manifest()
     agent = nixl_agent(H.unique_name("params"), nixl_agent_config(backends=[]))
-    assert H.PLUGIN in agent.get_plugin_list(), \
+    assert H.PLUGIN in agent.get_plugin_list(), (
         f"{H.PLUGIN} not in the plugin list {agent.get_plugin_list()}"
+    )
     got = agent.get_plugin_params(H.PLUGIN)
-    assert got == params, (f"get_plugin_params({H.PLUGIN!r}) = {got}\n"
-                           f"manifest params         = {params}")
+    assert got == params, (
+        f"get_plugin_params({H.PLUGIN!r}) = {got}\nmanifest params         = {params}"
+    )
     mems = agent.get_plugin_mem_types(H.PLUGIN)
-    assert list(mems) == list(plugin["mems"]), \
+    assert list(mems) == list(plugin["mems"]), (
         f"get_plugin_mem_types = {mems}, manifest mems = {plugin['mems']}"
+    )
     agent.create_backend(H.PLUGIN, {})
     assert sorted(agent.get_backend_mem_types(H.PLUGIN)) == sorted(plugin["mems"])
 
@@ -67,10 +69,24 @@ def small_roundtrip(agent, rng, tmp_path, tag):
         rig.reg_fd(fd, src.size)
         c = 64 * H.KiB
         n = src.size // c
-        rig.run(rig.xfer("WRITE", [(src.addr + i * c, c) for i in range(n)],
-                         [(i * c, c, fd) for i in range(n)]), 30, what=tag + " WRITE")
-        rig.run(rig.xfer("READ", [(dst.addr + i * c, c) for i in range(n)],
-                         [(i * c, c, fd) for i in range(n)]), 30, what=tag + " READ")
+        rig.run(
+            rig.xfer(
+                "WRITE",
+                [(src.addr + i * c, c) for i in range(n)],
+                [(i * c, c, fd) for i in range(n)],
+            ),
+            30,
+            what=tag + " WRITE",
+        )
+        rig.run(
+            rig.xfer(
+                "READ",
+                [(dst.addr + i * c, c) for i in range(n)],
+                [(i * c, c, fd) for i in range(n)],
+            ),
+            30,
+            what=tag + " READ",
+        )
         assert np.array_equal(dst.arr, src.arr), tag + ": " + H.first_diff(dst.arr, src.arr)
         assert np.array_equal(H.read_file(path), src.arr), tag + " file"
     finally:
@@ -78,13 +94,21 @@ def small_roundtrip(agent, rng, tmp_path, tag):
         os.close(fd)
 
 
-@pytest.mark.parametrize("params", [
-    {},
-    {"file_path": "/tmp/lmcache-style", "use_direct_io": "true"},   # LMCache passes these
-    {"use_uring": "true", "use_aio": "false", "ios_pool_size": "65536",
-     "kernel_queue_size": "256"},                                   # POSIX keys (nixlbench)
-    "manifest-defaults",
-], ids=["empty", "lmcache-keys", "posix-keys", "manifest-defaults"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"file_path": "/tmp/lmcache-style", "use_direct_io": "true"},  # LMCache passes these
+        {
+            "use_uring": "true",
+            "use_aio": "false",
+            "ios_pool_size": "65536",
+            "kernel_queue_size": "256",
+        },  # POSIX keys (nixlbench)
+        "manifest-defaults",
+    ],
+    ids=["empty", "lmcache-keys", "posix-keys", "manifest-defaults"],
+)
 def test_create_backend_accepts(plugin_so, rng, tmp_path, params):
     if params == "manifest-defaults":
         params = manifest()[1]
@@ -93,6 +117,7 @@ def test_create_backend_accepts(plugin_so, rng, tmp_path, params):
 
 
 # ---- the parameter table of docs/parameters.md ------------------------------------------------
+
 
 def _cells(line):
     line = line.strip()
@@ -113,8 +138,10 @@ def doc_param_table():
     """Rows of the docs/parameters.md table whose first column holds manifest param names in
     backticks: {name: (default, description)}."""
     if not os.path.exists(PARAMS_DOC):
-        pytest.fail(f"{PARAMS_DOC} does not exist; it must document the backend parameters in a "
-                    "markdown table: | `name` | default | description |")
+        pytest.fail(
+            f"{PARAMS_DOC} does not exist; it must document the backend parameters in a "
+            "markdown table: | `name` | default | description |"
+        )
     with open(PARAMS_DOC, encoding="utf-8") as f:
         lines = f.read().splitlines()
     _, params = manifest()
@@ -134,9 +161,11 @@ def doc_param_table():
                 rows[m.group(1)] = (_unquote(cells[1]), cells[2])
         if set(rows) & set(params):
             return rows
-    pytest.fail("docs/parameters.md has no parameter table: expected a markdown table with rows like "
-                "'| `ring_entries` | `512` | description |' whose first column names the "
-                f"parameters of {os.path.relpath(MANIFEST, REPO)}")
+    pytest.fail(
+        "docs/parameters.md has no parameter table: expected a markdown table with rows like "
+        "'| `ring_entries` | `512` | description |' whose first column names the "
+        f"parameters of {os.path.relpath(MANIFEST, REPO)}"
+    )
 
 
 def test_doc_param_table_matches_manifest():
@@ -144,9 +173,12 @@ def test_doc_param_table_matches_manifest():
     rows = doc_param_table()
     missing = sorted(set(params) - set(rows))
     extra = sorted(set(rows) - set(params))
-    assert not missing and not extra, (f"docs/parameters.md table vs manifest: missing "
-                                       f"{missing}, not in the manifest {extra}")
+    assert not missing and not extra, (
+        f"docs/parameters.md table vs manifest: missing {missing}, not in the manifest {extra}"
+    )
     wrong = {k: (rows[k][0], params[k]) for k in params if rows[k][0] != params[k]}
-    assert not wrong, f"docs/parameters.md defaults differ from the manifest (doc, manifest): {wrong}"
+    assert not wrong, (
+        f"docs/parameters.md defaults differ from the manifest (doc, manifest): {wrong}"
+    )
     empty = [k for k in params if not rows[k][1].strip()]
     assert not empty, f"docs/parameters.md rows without a description: {empty}"

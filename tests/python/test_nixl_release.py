@@ -16,11 +16,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
-
-import pytest
 
 import iud_helpers as H
+import pytest
+import tomllib
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -87,13 +86,18 @@ def run_child(tmp_path, extra_env=None):
     env.update({"NIXL_LOG_LEVEL": "INFO", "IO_URING_DMABUF_LOG": "debug"})
     env.pop(ALLOW, None)
     env.update(extra_env or {})
-    p = subprocess.run([sys.executable, "-c", CHILD, H.PLUGIN, str(tmp_path / "posix.bin")],
-                       env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, H.PLUGIN, str(tmp_path / "posix.bin")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     report = f"child rc={p.returncode}\n--- stdout ---\n{p.stdout}\n--- stderr ---\n{p.stderr}"
     assert p.returncode == 0, report
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, report
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["posix_roundtrip"], "NIXL's POSIX round trip lost bytes\n" + report
     return result, p.stderr, report
 
@@ -104,14 +108,20 @@ def test_plugin_reads_the_runtime_release(plugin_so, tmp_path):
     nixl_says = re.findall(r"NIXL version: (\S+)", err)
     assert nixl_says == [version], f"NIXL logged {nixl_says}, the wheel is {version}\n{report}"
     ours = re.findall(rf"{H.PLUGIN}: NIXL (\S+) \((\S*libnixl_common[^)]*)\)", err)
-    assert [v for v, _ in ours] == [version], f"the plugin read {ours}, the wheel is {version}\n{report}"
+    assert [v for v, _ in ours] == [version], (
+        f"the plugin read {ours}, the wheel is {version}\n{report}"
+    )
     v = verdict(version)
     if v == "unverified":
-        assert not result["created"], f"NIXL {version} is of an unverified line but the plugin loaded\n{report}"
+        assert not result["created"], (
+            f"NIXL {version} is of an unverified line but the plugin loaded\n{report}"
+        )
         assert "is not of a release line this plugin was verified for" in err, report
         assert H.plugin_error_lines(err), f"the refusal logged no error line\n{report}"
     else:
-        assert result["created"], f"NIXL {version} ({v}): create_backend failed: {result.get('error')}\n{report}"
+        assert result["created"], (
+            f"NIXL {version} ({v}): create_backend failed: {result.get('error')}\n{report}"
+        )
         assert not H.plugin_error_lines(err), report
         phrase = "a tested release" if v == "tested" else "is not one of the releases tested"
         assert phrase in err, f"NIXL {version} ({v}): no line saying {phrase!r}\n{report}"
@@ -120,9 +130,13 @@ def test_plugin_reads_the_runtime_release(plugin_so, tmp_path):
 def test_override_loads_an_unverified_release(plugin_so, tmp_path):
     version = installed_release()
     if verdict(version) != "unverified":
-        pytest.skip(f"NIXL {version} is of a verified release line; ci/nixl-matrix.sh runs this under nixl-cu13 0.10.1")
+        pytest.skip(
+            f"NIXL {version} is of a verified release line; ci/nixl-matrix.sh runs this under nixl-cu13 0.10.1"
+        )
     # Only create_backend: 0.10's engine vtable has 4 more slots before loadLocalMD, so a
     # registration would call the wrong method. That is why the release is refused by default.
     result, err, report = run_child(tmp_path, {ALLOW: "1"})
-    assert result["created"], f"{ALLOW}=1 but create_backend failed: {result.get('error')}\n{report}"
+    assert result["created"], (
+        f"{ALLOW}=1 but create_backend failed: {result.get('error')}\n{report}"
+    )
     assert "loading anyway because" in err, report

@@ -1,5 +1,6 @@
 """The README's Python example runs as written, with the venv's interpreter, against the real
 NIXL runtime and the plugin (the block between the readme-example markers)."""
+
 import os
 import re
 import subprocess
@@ -10,7 +11,11 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 def readme_example():
     text = open(os.path.join(ROOT, "README.md")).read()
-    m = re.search(r"<!-- readme-example: begin -->\n```python\n(.*?)```\n<!-- readme-example: end -->", text, re.S)
+    m = re.search(
+        r"<!-- readme-example: begin -->\n```python\n(.*?)```\n<!-- readme-example: end -->",
+        text,
+        re.S,
+    )
     assert m, "README.md has no readme-example block"
     return m.group(1)
 
@@ -19,6 +24,8 @@ def test_the_readme_example_runs_as_written(plugin_so, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(readme_example())
     env = dict(os.environ, NIXL_PLUGIN_DIR=os.path.dirname(plugin_so), TMPDIR=str(tmp_path))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "round trip verified: 4194304 bytes" in r.stdout, r.stdout

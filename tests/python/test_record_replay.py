@@ -1,13 +1,12 @@
 """Recording mode: the `record` parameter writes one JSON line per registration, prepared
 request (with both descriptor lists) and post; bench/replay.py replays such a file through NIXL."""
+
 import json
 import os
 import subprocess
 import sys
 
 import numpy as np
-import pytest
-
 from nixl._api import nixl_agent, nixl_agent_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,12 +43,26 @@ def test_recording_captures_registrations_requests_and_posts_and_replays(tmp_pat
     assert kinds.count("register") == 2 and kinds.count("deregister") == 2
     assert kinds.count("prep") == 1 and kinds.count("post") == 2 and kinds.count("release") == 1
     prep = next(e for e in events if e["event"] == "prep")
-    assert prep["op"] == "WRITE" and prep["local_kind"] == "DRAM_SEG" and prep["remote_kind"] == "FILE_SEG"
+    assert (
+        prep["op"] == "WRITE"
+        and prep["local_kind"] == "DRAM_SEG"
+        and prep["remote_kind"] == "FILE_SEG"
+    )
     assert prep["count"] == len(idx) and prep["ios_after_merge"] == len(idx)
     assert prep["remote"] == [[i * block, block, fd] for i in idx]
     assert all(e["status"] == "DONE" for e in events if e["event"] == "post")
 
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "replay.py"), str(rec), "--dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "replay.py"),
+            str(rec),
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert f"replayed 1 requests, {2 * len(idx)} descriptors" in out.stdout, out.stdout

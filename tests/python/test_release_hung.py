@@ -12,10 +12,9 @@ import os
 import select
 import time
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 from support.mounts import FuseMount
 
 pytestmark = pytest.mark.privileged  # a FUSE mount
@@ -26,7 +25,8 @@ HOLD_S = 36  # longer than the plugin's wait in release (30 s, src/xfer/driver/m
 
 
 def test_release_on_a_read_the_storage_holds_fails_and_keeps_the_request(
-        tmp_path, rng, backend, is_plugin, stderr_log):
+    tmp_path, rng, backend, is_plugin, stderr_log
+):
     if not is_plugin:
         pytest.skip("the plugin's release semantics (NIXL's POSIX does not drain on release)")
     content = H.rand_bytes(rng, SIZE)
@@ -40,8 +40,11 @@ def test_release_on_a_read_the_storage_holds_fails_and_keeps_the_request(
         buf.arr[:] = ~content  # every byte differs from the file's
         rig.reg_dram(buf)
         c = 512 * H.KiB
-        h = rig.xfer("READ", [(buf.addr + i, c) for i in range(0, SIZE, c)],
-                     [(i, c, fd) for i in range(0, SIZE, c)])
+        h = rig.xfer(
+            "READ",
+            [(buf.addr + i, c) for i in range(0, SIZE, c)],
+            [(i, c, fd) for i in range(0, SIZE, c)],
+        )
         assert agent.transfer(h) in ("PROC", "DONE")
         ready, _, _ = select.select([fs.proc.stdout], [], [], 60)
         assert ready and fs.proc.stdout.readline().strip() == "HELD", "no read reached FUSE"

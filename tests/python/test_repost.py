@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 
 N_DESC = 96
 POSTS = 4
@@ -58,7 +57,7 @@ def test_repost(rig, rng, tmp_path, kind, prepped, request):
         def expect_file():
             out = np.empty(total, np.uint8)
             for (a, s), (o, _, _) in zip(mem_src, files):
-                out[o:o + s] = src.arr[a - src.addr:a - src.addr + s]
+                out[o : o + s] = src.arr[a - src.addr : a - src.addr + s]
             return out
 
         for k in range(POSTS):
@@ -67,11 +66,13 @@ def test_repost(rig, rng, tmp_path, kind, prepped, request):
             rig.run(w, what=f"WRITE post #{k + 1}")
             got = H.read_file(path)
             want = expect_file()
-            assert np.array_equal(got, want), f"file after WRITE post #{k + 1}: " + \
-                H.first_diff(got, want)
+            assert np.array_equal(got, want), f"file after WRITE post #{k + 1}: " + H.first_diff(
+                got, want
+            )
             rig.run(r, what=f"READ post #{k + 1}")
-            assert np.array_equal(dst.arr, src.arr), f"buffer after READ post #{k + 1}: " + \
-                H.first_diff(dst.arr, src.arr)
+            assert np.array_equal(dst.arr, src.arr), (
+                f"buffer after READ post #{k + 1}: " + H.first_diff(dst.arr, src.arr)
+            )
 
         # READ reposted with the file changed underneath (and the buffer scrambled) each time
         for k in range(POSTS):
@@ -83,9 +84,10 @@ def test_repost(rig, rng, tmp_path, kind, prepped, request):
             rig.run(r, what=f"READ-only post #{k + 1}")
             want = np.empty(total, np.uint8)
             for (a, s), (o, _, _) in zip(mem_dst, files):
-                want[a - dst.addr:a - dst.addr + s] = new[o:o + s]
-            assert np.array_equal(dst.arr, want), f"buffer after READ-only post #{k + 1}: " + \
-                H.first_diff(dst.arr, want)
+                want[a - dst.addr : a - dst.addr + s] = new[o : o + s]
+            assert np.array_equal(dst.arr, want), (
+                f"buffer after READ-only post #{k + 1}: " + H.first_diff(dst.arr, want)
+            )
     finally:
         rig.close()
         if fd is not None:

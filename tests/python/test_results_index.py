@@ -37,4 +37,6 @@ def test_every_record_is_named_in_the_index_exactly_once():
 def test_every_record_the_index_names_exists():
     present = set(records())
     absent = sorted({n for n in index_names() if n not in present})
-    assert not absent, f"bench/results/README.md names files that are not in bench/results/: {absent}"
+    assert not absent, (
+        f"bench/results/README.md names files that are not in bench/results/: {absent}"
+    )

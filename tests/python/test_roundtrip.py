@@ -8,10 +8,9 @@ from __future__ import annotations
 import gc
 import os
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 
 
 def open_fds_to(path: str) -> list[int]:
@@ -26,8 +25,17 @@ def open_fds_to(path: str) -> list[int]:
     return out
 
 
-def roundtrip(rig: H.Rig, rng, path: str, *, direct: bool, mode: str, prepped: bool,
-              layout: H.Layout | None = None, log=None) -> None:
+def roundtrip(
+    rig: H.Rig,
+    rng,
+    path: str,
+    *,
+    direct: bool,
+    mode: str,
+    prepped: bool,
+    layout: H.Layout | None = None,
+    log=None,
+) -> None:
     lay = layout or H.mixed_layout(rng, direct)
     assert lay.n >= 1000
     a = H.Buf(lay.mem_size).fill(rng)
@@ -35,13 +43,15 @@ def roundtrip(rig: H.Rig, rng, path: str, *, direct: bool, mode: str, prepped: b
     background = b.arr.copy()
     fd = None
     if mode == "fd":
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0),
-                     0o644)
+        fd = os.open(
+            path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644
+        )
         dev = fd
         file_reg = rig.reg_fd(fd, lay.file_size)
     else:
-        dev, file_reg = rig.reg_path(path, lay.file_size,
-                                     "rw,direct,create" if direct else "rw,create")
+        dev, file_reg = rig.reg_path(
+            path, lay.file_size, "rw,direct,create" if direct else "rw,create"
+        )
     try:
         ra = rig.reg_dram(a)
         rb = rig.reg_dram(b)
@@ -63,12 +73,15 @@ def roundtrip(rig: H.Rig, rng, path: str, *, direct: bool, mode: str, prepped: b
         got = H.read_file(fd if fd is not None else path)
         want = H.expected_file(lay, a.arr)
         assert got.size == lay.file_size, f"file size {got.size} != {lay.file_size} {what}"
-        assert np.array_equal(got, want), "file after WRITE " + what + ": " + H.first_diff(got, want)
+        assert np.array_equal(got, want), (
+            "file after WRITE " + what + ": " + H.first_diff(got, want)
+        )
 
         rig.run(r, what="READ " + what)
         want_b = H.expected_mem(lay, a.arr, background)
-        assert np.array_equal(b.arr, want_b), \
+        assert np.array_equal(b.arr, want_b), (
             "buffer B after READ " + what + ": " + H.describe_mem_mismatch(lay, b.arr, want_b)
+        )
 
         rig.release(w)
         rig.release(r)
@@ -80,8 +93,9 @@ def roundtrip(rig: H.Rig, rng, path: str, *, direct: bool, mode: str, prepped: b
             assert not errs, f"successful round trip logged errors: {errs}"
         if mode == "path":
             gc.collect()
-            assert open_fds_to(path) == [], \
+            assert open_fds_to(path) == [], (
                 f"path-mode file {path} still open in this process after deregistration"
+            )
     finally:
         if fd is not None:
             os.close(fd)
@@ -93,8 +107,15 @@ def roundtrip(rig: H.Rig, rng, path: str, *, direct: bool, mode: str, prepped: b
 def test_roundtrip(rig, rng, tmp_path, direct, mode, prepped, is_plugin, stderr_log, request):
     if direct:
         request.getfixturevalue("need_direct")
-    roundtrip(rig, rng, str(tmp_path / "rt.bin"), direct=direct, mode=mode, prepped=prepped,
-              log=stderr_log if is_plugin else None)
+    roundtrip(
+        rig,
+        rng,
+        str(tmp_path / "rt.bin"),
+        direct=direct,
+        mode=mode,
+        prepped=prepped,
+        log=stderr_log if is_plugin else None,
+    )
 
 
 # Non-default engine parameters (IO_URING_DMABUF only): a ring much smaller than the request,
@@ -110,8 +131,7 @@ PARAM_SETS = {
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
 @pytest.mark.parametrize("pset", list(PARAM_SETS))
-def test_roundtrip_params(is_plugin, plugin_so, rng, tmp_path, direct, pset, stderr_log,
-                          request):
+def test_roundtrip_params(is_plugin, plugin_so, rng, tmp_path, direct, pset, stderr_log, request):
     if not is_plugin:
         pytest.skip("engine parameters of IO_URING_DMABUF")
     if direct:
@@ -120,7 +140,15 @@ def test_roundtrip_params(is_plugin, plugin_so, rng, tmp_path, direct, pset, std
     rig = H.Rig(agent, H.PLUGIN)
     try:
         lay = H.mixed_layout(rng, direct, n_small=950, n_medium=60, n_large=3)
-        roundtrip(rig, rng, str(tmp_path / "rt.bin"), direct=direct, mode="fd",
-                  prepped=(pset in ("ring16", "split64k")), layout=lay, log=stderr_log)
+        roundtrip(
+            rig,
+            rng,
+            str(tmp_path / "rt.bin"),
+            direct=direct,
+            mode="fd",
+            prepped=(pset in ("ring16", "split64k")),
+            layout=lay,
+            log=stderr_log,
+        )
     finally:
         rig.close()

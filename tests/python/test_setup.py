@@ -1,6 +1,7 @@
 """ci/setup.sh decides what to install from dpkg's own records of the exact packages. Replays
 machine states through a private dpkg status database (IUD_DPKG_ADMINDIR): the state that fooled
 the old file glob (libclang-cpp14 present, libclang-dev absent) must ask for libclang-dev."""
+
 import os
 import shutil
 import subprocess
@@ -17,10 +18,19 @@ def needs(tmp_path, installed):
     admin = tmp_path / "dpkg"
     (admin / "info").mkdir(parents=True)
     (admin / "updates").mkdir()
-    (admin / "status").write_text("".join(
-        f"Package: {p}\nStatus: install ok installed\nArchitecture: amd64\nVersion: 1\n\n" for p in installed))
-    r = subprocess.run(["bash", os.path.join(ROOT, "ci", "setup.sh"), "--needs"], capture_output=True, text=True,
-                       env=dict(os.environ, IUD_DPKG_ADMINDIR=str(admin)), check=True)
+    (admin / "status").write_text(
+        "".join(
+            f"Package: {p}\nStatus: install ok installed\nArchitecture: amd64\nVersion: 1\n\n"
+            for p in installed
+        )
+    )
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "ci", "setup.sh"), "--needs"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, IUD_DPKG_ADMINDIR=str(admin)),
+        check=True,
+    )
     return r.stdout.split()
 
 
@@ -39,5 +49,10 @@ def test_nothing_is_installed_when_everything_is_there(tmp_path):
 
 def test_this_machine_has_what_setup_installs():
     # ci/test.sh ran setup first, so the real dpkg database must have every package now.
-    r = subprocess.run(["bash", os.path.join(ROOT, "ci", "setup.sh"), "--needs"], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "ci", "setup.sh"), "--needs"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert r.stdout.split() == [], f"setup left out: {r.stdout}"

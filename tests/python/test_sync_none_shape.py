@@ -32,9 +32,8 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 import iud_helpers as H
+import pytest
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sync_none_shape_child.py")
 NONE_RUNS = int(os.environ.get("IUD_SYNC_NONE_SHAPE_RUNS", "0"))
@@ -42,8 +41,10 @@ CHILD_AS = 6 << 30
 # What NIXL's damaged lists produce by themselves (no plugin frame): its own NOT_FOUND refusals,
 # the plugin's refusal of an MD NIXL hands back after deregistering it, glibc's heap checks.
 NIXL_OWN = re.compile(r"NIXL_ERR_NOT_FOUND|is not a live registration of this engine")
-DATA_ERROR = re.compile(r"differing bytes|differs from what this thread wrote|read past end of file"
-                        r"|refers to a different file|no difference on re-check")
+DATA_ERROR = re.compile(
+    r"differing bytes|differs from what this thread wrote|read past end of file"
+    r"|refers to a different file|no difference on re-check"
+)
 
 
 def _cap_memory() -> None:
@@ -52,8 +53,14 @@ def _cap_memory() -> None:
 
 def run_child(backend: str, d, sync: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, IUD_SHAPE_SYNC=sync)
-    return subprocess.run([sys.executable, CHILD, backend, str(d), "4", "3"], capture_output=True,
-                          text=True, timeout=300, preexec_fn=_cap_memory, env=env)
+    return subprocess.run(
+        [sys.executable, CHILD, backend, str(d), "4", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_cap_memory,
+        env=env,
+    )
 
 
 def ring_tables() -> tuple[int, int]:
@@ -83,8 +90,7 @@ def ring_tables() -> tuple[int, int]:
     return files, bufs
 
 
-def test_registration_takes_no_ring_slot_until_a_request_uses_it(backend, is_plugin, rng,
-                                                                  tmp_path):
+def test_registration_takes_no_ring_slot_until_a_request_uses_it(backend, is_plugin, rng, tmp_path):
     """registerMem of DRAM and FILE leaves the ring's fixed-buffer and fixed-file tables alone
     (pinning 8 MiB took 7 ms inside registerMem before, 150x POSIX's registerMem, and widened
     NIXL's list race); the first request takes the slots, deregistration gives them back."""
@@ -107,10 +113,11 @@ def test_registration_takes_no_ring_slot_until_a_request_uses_it(backend, is_plu
             rig.run(h, what=op)
             rig.release(h)
         for off, n in descs:
-            assert (dst.arr[off:off + n] == src.arr[off:off + n]).all(), f"offset {off}"
+            assert (dst.arr[off : off + n] == src.arr[off : off + n]).all(), f"offset {off}"
         used = ring_tables()
-        assert used == (base[0] + 1, base[1] + 2), \
+        assert used == (base[0] + 1, base[1] + 2), (
             f"a request on 2 buffers and 1 file should hold 1 file and 2 buffer slots: {base} -> {used}"
+        )
         for r in regs:
             rig.dereg(r)
         assert ring_tables() == base, "deregistration left slots behind"
@@ -133,8 +140,11 @@ def test_issue48_shape_with_a_locking_agent(backend, tmp_path, sync):
         assert not errors, f"run {i + 1}: the plugin logged errors:\n" + "\n".join(errors)
 
 
-@pytest.mark.skipif(NONE_RUNS <= 0, reason="opt-in: IUD_SYNC_NONE_SHAPE_RUNS=N runs issue 48's "
-                    "shape N times in sync mode NONE (about 2 s a run)")
+@pytest.mark.skipif(
+    NONE_RUNS <= 0,
+    reason="opt-in: IUD_SYNC_NONE_SHAPE_RUNS=N runs issue 48's "
+    "shape N times in sync mode NONE (about 2 s a run)",
+)
 def test_issue48_shape_sync_none_moves_no_wrong_byte(backend, tmp_path):
     tally = {"ok": 0, "NIXL's lists": 0, "crash": 0}
     for i in range(NONE_RUNS):
@@ -145,14 +155,17 @@ def test_issue48_shape_sync_none_moves_no_wrong_byte(backend, tmp_path):
         tail = "\n".join(p.stderr.splitlines()[-25:])
         assert not DATA_ERROR.search(out), f"run {i + 1}: data moved wrongly\n{tail}"
         foreign = [ln for ln in H.plugin_error_lines(out) if not NIXL_OWN.search(ln)]
-        assert not foreign, f"run {i + 1}: plugin errors not caused by NIXL's lists:\n" + \
-            "\n".join(foreign)
+        assert not foreign, f"run {i + 1}: plugin errors not caused by NIXL's lists:\n" + "\n".join(
+            foreign
+        )
         if p.returncode == 0:
             tally["ok"] += 1
         elif p.returncode < 0:
             tally["crash"] += 1
-            print(f"run {i + 1}: {signal.Signals(-p.returncode).name}: "
-                  + " | ".join(ln for ln in p.stderr.splitlines() if "chunk" in ln or "free" in ln))
+            print(
+                f"run {i + 1}: {signal.Signals(-p.returncode).name}: "
+                + " | ".join(ln for ln in p.stderr.splitlines() if "chunk" in ln or "free" in ln)
+            )
         else:
             assert NIXL_OWN.search(out), f"run {i + 1}: exit {p.returncode}\n{tail}"
             tally["NIXL's lists"] += 1

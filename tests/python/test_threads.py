@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 import threading
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 
 THREADS = 8
 ITERS = 12
@@ -86,7 +85,7 @@ class Worker:
                 rig.dlists.remove(h)
         want = before
         for m, s in zip(moff, sizes):
-            want[m:m + s] = self.src.arr[m:m + s]
+            want[m : m + s] = self.src.arr[m : m + s]
         assert np.array_equal(self.dst.arr, want), what + ": " + H.first_diff(self.dst.arr, want)
         # and the file itself
         top = int(foff[-1] + sizes[-1])
@@ -98,7 +97,7 @@ class Worker:
         got = np.frombuffer(raw, np.uint8)
         wantf = np.empty(top, np.uint8)
         for fo, m, s in zip(foff, moff, sizes):
-            wantf[fo:fo + s] = self.src.arr[m:m + s]
+            wantf[fo : fo + s] = self.src.arr[m : m + s]
         assert np.array_equal(got, wantf), what + " (file): " + H.first_diff(got, wantf)
 
     def __call__(self):
@@ -112,6 +111,7 @@ class Worker:
                     self.rig.dereg(r)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             import traceback
+
             self.error = f"thread {self.t}: {e!r}\n{traceback.format_exc()}"
 
 
@@ -120,8 +120,10 @@ def run_threads(rig, rng, tmp_path, register_here):
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         rig.reg_fd(fd, THREADS * REGION)
-        workers = [Worker(rig, t, int(rng.integers(1 << 62)), fd, t * REGION, tmp_path,
-                          register_here) for t in range(THREADS)]
+        workers = [
+            Worker(rig, t, int(rng.integers(1 << 62)), fd, t * REGION, tmp_path, register_here)
+            for t in range(THREADS)
+        ]
         threads = [threading.Thread(target=w, daemon=True) for w in workers]
         for th in threads:
             th.start()

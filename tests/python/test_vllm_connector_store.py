@@ -20,12 +20,11 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
+import iud_helpers as H  # noqa: E402
 from nixl_io_uring_dmabuf.vllm_connector import catalog as C  # noqa: E402
 from nixl_io_uring_dmabuf.vllm_connector import checksum, journal  # noqa: E402
 from nixl_io_uring_dmabuf.vllm_connector import layout as L  # noqa: E402
 from nixl_io_uring_dmabuf.vllm_connector import rankstore as R  # noqa: E402
-
-import iud_helpers as H  # noqa: E402
 
 PAGES = (16384, 8192)  # two "layers" per block
 NUM_BLOCKS = 24
@@ -36,10 +35,14 @@ class Kv:
 
     def __init__(self, num_blocks=NUM_BLOCKS, pages=PAGES):
         self.maps = [mmap.mmap(-1, num_blocks * p) for p in pages]
-        self.arrays = [np.frombuffer(m, dtype=np.uint8).reshape(num_blocks, p)
-                       for m, p in zip(self.maps, pages)]
-        self.regions = [R.Region(ctypes.addressof(ctypes.c_char.from_buffer(m)), p, num_blocks, p)
-                        for m, p in zip(self.maps, pages)]
+        self.arrays = [
+            np.frombuffer(m, dtype=np.uint8).reshape(num_blocks, p)
+            for m, p in zip(self.maps, pages)
+        ]
+        self.regions = [
+            R.Region(ctypes.addressof(ctypes.c_char.from_buffer(m)), p, num_blocks, p)
+            for m, p in zip(self.maps, pages)
+        ]
 
     def fill(self, block: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -51,14 +54,24 @@ class Kv:
 
 
 def geometry(slots: int, bpc: int = 1, world: int = 1) -> L.Geometry:
-    return L.Geometry(rank_block_bytes=sum(PAGES), blocks_per_chunk=bpc, world_size=world,
-                      capacity_bytes=slots * world * L.round_up(sum(PAGES) * bpc, 4096),
-                      max_file_bytes=4 * L.round_up(sum(PAGES) * bpc, 4096))
+    return L.Geometry(
+        rank_block_bytes=sum(PAGES),
+        blocks_per_chunk=bpc,
+        world_size=world,
+        capacity_bytes=slots * world * L.round_up(sum(PAGES) * bpc, 4096),
+        max_file_bytes=4 * L.round_up(sum(PAGES) * bpc, 4096),
+    )
 
 
 def open_rank(root, geo, kv, backend, rank=0, **kw) -> R.RankStore:
-    return R.RankStore(str(root), geo, rank, kv.regions, "DRAM",
-                       R.StoreOptions(backend=backend, backend_params=H.default_params(backend), **kw))
+    return R.RankStore(
+        str(root),
+        geo,
+        rank,
+        kv.regions,
+        "DRAM",
+        R.StoreOptions(backend=backend, backend_params=H.default_params(backend), **kw),
+    )
 
 
 def key(i: int) -> bytes:
@@ -85,8 +98,13 @@ def store_keys(cat, store, keys, blocks, commit=True):
     acc, evicted = out
     by_key = dict(zip(keys, blocks))
     j = next(_job)
-    store.submit_store(j, [by_key[k] for k, _, _ in acc], [s for _, s, _ in acc], [0] * len(acc),
-                       acc if commit else [])
+    store.submit_store(
+        j,
+        [by_key[k] for k, _, _ in acc],
+        [s for _, s, _ in acc],
+        [0] * len(acc),
+        acc if commit else [],
+    )
     res = wait_jobs(store, [j])[j]
     assert res.ok, res.error
     return cat.complete_store([k for k, _, _ in acc]), evicted
@@ -95,8 +113,14 @@ def store_keys(cat, store, keys, blocks, commit=True):
 def load_keys(cat, store, keys, blocks, rank=0):
     items = cat.prepare_load(keys)
     j = next(_job)
-    store.submit_load(j, blocks, [it.slot for it in items], [0] * len(items),
-                      [it.sums[rank][0] for it in items], [it.gen for it in items])
+    store.submit_load(
+        j,
+        blocks,
+        [it.slot for it in items],
+        [0] * len(items),
+        [it.sums[rank][0] for it in items],
+        [it.gen for it in items],
+    )
     res = wait_jobs(store, [j])[j]
     cat.complete_load(keys)
     return res
@@ -108,7 +132,8 @@ def kv():
 
 
 def test_stored_blocks_are_found_again_by_a_new_catalog_and_load_byte_for_byte(
-        tmp_path, kv, backend):
+    tmp_path, kv, backend
+):
     geo = geometry(slots=10)
     cat = C.Catalog(str(tmp_path), geo)
     store = open_rank(tmp_path, geo, kv, backend)
@@ -165,7 +190,7 @@ def test_a_torn_journal_tail_is_ignored_then_cut_before_the_next_append(tmp_path
     whole = os.path.getsize(log)
     rec = journal.commit(key(7), 5, 999, 10, [1])
     with open(log, "ab") as f:  # a process died in the middle of its append
-        f.write(rec[:len(rec) // 2])
+        f.write(rec[: len(rec) // 2])
     cat = C.Catalog(str(tmp_path), geo)
     assert sorted(cat.committed()) == sorted(key(b) for b in range(3))
     store = open_rank(tmp_path, geo, kv, backend)  # the worker cuts the tail
@@ -227,7 +252,8 @@ def _fill_bytes(kv, seed):
 
 
 def test_capacity_evicts_least_recently_used_unpinned_blocks_and_reuses_their_slots(
-        tmp_path, kv, backend):
+    tmp_path, kv, backend
+):
     geo = geometry(slots=4)
     cat = C.Catalog(str(tmp_path), geo)
     store = open_rank(tmp_path, geo, kv, backend)
@@ -257,7 +283,8 @@ def test_capacity_evicts_least_recently_used_unpinned_blocks_and_reuses_their_sl
 
 
 def test_a_full_store_evicts_stores_every_rank_committed_before_vllm_completes_them(
-        tmp_path, kv, backend):
+    tmp_path, kv, backend
+):
     geo = geometry(slots=3)
     cat = C.Catalog(str(tmp_path), geo)
     store = open_rank(tmp_path, geo, kv, backend)
@@ -325,9 +352,14 @@ def test_chunks_of_several_blocks_load_from_the_middle_of_a_slot(tmp_path, kv, b
     assert cat.complete_store([key(0), key(1)]) == [key(0), key(1)]
     items = cat.prepare_load([key(0), key(1)])
     j = next(_job)  # the first chunk's first block is already on the "GPU": skip 1
-    store.submit_load(j, [12, 13, 14, 15, 16], [slots[0]] * 2 + [slots[1]] * 3, [1, 2, 0, 1, 2],
-                      [items[0].sums[0][1], items[0].sums[0][2]] + list(items[1].sums[0]),
-                      [items[0].gen] * 2 + [items[1].gen] * 3)
+    store.submit_load(
+        j,
+        [12, 13, 14, 15, 16],
+        [slots[0]] * 2 + [slots[1]] * 3,
+        [1, 2, 0, 1, 2],
+        [items[0].sums[0][1], items[0].sums[0][2]] + list(items[1].sums[0]),
+        [items[0].gen] * 2 + [items[1].gen] * 3,
+    )
     res = wait_jobs(store, [j])[j]
     assert res.ok and res.bad_blocks == []
     assert [kv.block(b) for b in range(12, 17)] == [kv.block(b) for b in range(1, 6)]
@@ -367,7 +399,7 @@ def test_a_job_lists_each_slot_as_one_range_of_its_file(tmp_path, kv, backend, b
     store = open_rank(tmp_path, geo, kv, backend)
     n = 2 * bpc
     blocks = list(range(3, 3 + n))
-    slots = [4] * bpc + [1] * bpc                      # two chunks, out of slot order
+    slots = [4] * bpc + [1] * bpc  # two chunks, out of slot order
     subs = list(range(bpc)) * 2
     job = R._Job(1, False, *store._check_pairs(blocks, slots, subs), None)
     local, remote = store._indices(job)
@@ -378,19 +410,34 @@ def test_a_job_lists_each_slot_as_one_range_of_its_file(tmp_path, kv, backend, b
     pages = np.asarray(PAGES)[page]
     rows = np.stack([base + np.asarray(runs)[page] + sub * pages, pages, fi], axis=1)
     blk, lpage = np.divmod(local, npg)
-    addr = np.asarray([r.addr for r in kv.regions])[lpage] + blk * np.asarray([r.stride for r in kv.regions])[lpage]
+    addr = (
+        np.asarray([r.addr for r in kv.regions])[lpage]
+        + blk * np.asarray([r.stride for r in kv.regions])[lpage]
+    )
     mem = np.stack([addr, np.asarray(PAGES)[lpage]], axis=1)
     per_slot = bpc * len(PAGES)
     for c in range(2):
-        r = rows[c * per_slot:(c + 1) * per_slot]
+        r = rows[c * per_slot : (c + 1) * per_slot]
         assert len(set(r[:, 2])) == 1, "one file per slot"
-        assert (r[1:, 0] == r[:-1, 0] + r[:-1, 1]).all(), f"slot {slots[c * bpc]}: a gap or a step back"
+        assert (r[1:, 0] == r[:-1, 0] + r[:-1, 1]).all(), (
+            f"slot {slots[c * bpc]}: a gap or a step back"
+        )
         if bpc > 1:
-            m = mem[c * per_slot:c * per_slot + bpc]
-            assert (m[1:, 0] == m[:-1, 0] + m[:-1, 1]).all(), "page 0 of consecutive blocks: neighbours"
+            m = mem[c * per_slot : c * per_slot + bpc]
+            assert (m[1:, 0] == m[:-1, 0] + m[:-1, 1]).all(), (
+                "page 0 of consecutive blocks: neighbours"
+            )
     assert sorted(zip(local.tolist(), remote.tolist())) == sorted(
-        zip((np.asarray(blocks)[:, None] * len(PAGES) + np.arange(len(PAGES))).reshape(-1).tolist(),
-            ((np.asarray(slots) * bpc + np.asarray(subs))[:, None] * len(PAGES) + np.arange(len(PAGES))).reshape(-1).tolist()))
+        zip(
+            (np.asarray(blocks)[:, None] * len(PAGES) + np.arange(len(PAGES))).reshape(-1).tolist(),
+            (
+                (np.asarray(slots) * bpc + np.asarray(subs))[:, None] * len(PAGES)
+                + np.arange(len(PAGES))
+            )
+            .reshape(-1)
+            .tolist(),
+        )
+    )
     store.close()
 
 
@@ -437,8 +484,9 @@ def test_tensor_parallel_blocks_need_every_ranks_commit(tmp_path, backend):
     acc, _ = cat.prepare_store([key(0), key(1)])
     for r in range(2):  # rank 1 "dies" before committing key(1)
         j = next(_job)
-        stores[r].submit_store(j, [0, 1], [acc[0][1], acc[1][1]], [0, 0],
-                               acc if r == 0 else acc[:1])
+        stores[r].submit_store(
+            j, [0, 1], [acc[0][1], acc[1][1]], [0, 0], acc if r == 0 else acc[:1]
+        )
         assert wait_jobs(stores[r], [j])[j].ok
     assert cat.complete_store([key(0), key(1)]) == [key(0)]
     assert os.path.isfile(L.slot_file(str(tmp_path), 1, 2, 0))
@@ -473,12 +521,18 @@ while True:  # store forever, every block's content derived from its key number
 
 def test_sigkill_during_stores_leaves_only_whole_blocks_visible(tmp_path, backend):
     env = dict(os.environ)
-    path = os.pathsep.join([os.path.dirname(__file__),
-                            os.path.join(os.path.dirname(__file__), "..", "..", "python")])
+    path = os.pathsep.join(
+        [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..", "..", "python")]
+    )
     for delay in (0.05, 0.3):
         root = tmp_path / f"kill-{delay}"
-        p = subprocess.Popen([sys.executable, "-c", CHILD, path, str(root), backend], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", CHILD, path, str(root), backend],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         lines = []
         for line in p.stdout:  # NIXL logs to stdout too
             lines.append(line)
@@ -525,14 +579,17 @@ def test_the_plugin_gets_engine_thread_light_parameters_unless_the_config_sets_t
 
     base = {"path": "/kv", "capacity_gb": 1}
     assert StoreConfig.from_extra(base).backend_params == {
-        "inline_write_max": "0", "page_cache_caller_reads": "false"}
+        "inline_write_max": "0",
+        "page_cache_caller_reads": "false",
+    }
     mine = StoreConfig.from_extra({**base, "backend_params": {"inline_write_max": "65536"}})
     assert mine.backend_params == {"inline_write_max": "65536", "page_cache_caller_reads": "false"}
     # Another backend (NIXL's own) gets exactly what the config gives, JSON booleans as
     # "true"/"false".
     assert StoreConfig.from_extra({**base, "backend": "GDS_MT"}).backend_params == {}
-    posix = StoreConfig.from_extra({**base, "backend": "POSIX",
-                                    "backend_params": {"use_uring": True, "ios_pool_size": 64}})
+    posix = StoreConfig.from_extra(
+        {**base, "backend": "POSIX", "backend_params": {"use_uring": True, "ios_pool_size": 64}}
+    )
     assert posix.backend_params == {"use_uring": "true", "ios_pool_size": "64"}
 
 
@@ -544,14 +601,22 @@ def test_fold_columns_is_fold_for_every_block():
     assert checksum.fold_columns(s1, s2) == want
 
 
-@pytest.mark.parametrize("slots,max_slots_per_file,stripe,files", [
-    (20, 4, 8, 8), (20, 1, 8, 20), (3, 100, 8, 3), (20, 100, 1, 1), (20, 3, 2, 7)])
-def test_slots_are_striped_over_the_files_and_each_has_one_place(slots, max_slots_per_file,
-                                                                stripe, files):
+@pytest.mark.parametrize(
+    "slots,max_slots_per_file,stripe,files",
+    [(20, 4, 8, 8), (20, 1, 8, 20), (3, 100, 8, 3), (20, 100, 1, 1), (20, 3, 2, 7)],
+)
+def test_slots_are_striped_over_the_files_and_each_has_one_place(
+    slots, max_slots_per_file, stripe, files
+):
     block = L.round_up(sum(PAGES), 4096)
-    geo = L.Geometry(rank_block_bytes=sum(PAGES), blocks_per_chunk=1, world_size=1,
-                     capacity_bytes=slots * block, max_file_bytes=max_slots_per_file * block,
-                     slot_files=stripe)
+    geo = L.Geometry(
+        rank_block_bytes=sum(PAGES),
+        blocks_per_chunk=1,
+        world_size=1,
+        capacity_bytes=slots * block,
+        max_file_bytes=max_slots_per_file * block,
+        slot_files=stripe,
+    )
     assert geo.num_files == files
     places = [geo.locate(s) for s in range(slots)]
     assert len(set(places)) == slots

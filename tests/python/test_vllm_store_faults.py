@@ -24,7 +24,6 @@ import shutil
 
 import numpy as np
 import pytest
-
 import test_vllm_connector_store as T
 from nixl_io_uring_dmabuf.vllm_connector import catalog as C
 from nixl_io_uring_dmabuf.vllm_connector import journal
@@ -87,8 +86,9 @@ class Blocks:
             self.kv.fill(i, seed=self.seed)
             rows[k] = i
         j = next(T._job)
-        store.submit_store(j, [rows[k] for k, _, _ in acc], [s for _, s, _ in acc],
-                           [0] * len(acc), acc)
+        store.submit_store(
+            j, [rows[k] for k, _, _ in acc], [s for _, s, _ in acc], [0] * len(acc), acc
+        )
         res = T.wait_jobs(store, [j])[j]
         done = cat.complete_store([k for k, _, _ in acc])
         if res.ok:
@@ -100,7 +100,7 @@ class Blocks:
         """Loads `keys` (8 at a time into rows 16..23) and compares them with what was stored."""
         keys = list(keys)
         for i in range(0, len(keys), 8):
-            part = keys[i:i + 8]
+            part = keys[i : i + 8]
             rows = list(range(16, 16 + len(part)))
             res = T.load_keys(cat, store, part, rows)
             assert res.ok and res.bad_blocks == [], res
@@ -114,9 +114,11 @@ def keys(a, b):
 
 # ---- 1. ENOSPC in the commit journal's append -------------------------------------------------
 
+
 @pytest.mark.privileged
 def test_enospc_in_the_commit_append_leaves_the_journal_whole_and_stores_resume(
-        small_fs, kv, backend):
+    small_fs, kv, backend
+):
     """Six 8-block stores fill 3648 B of the journal's first page; the file system is then
     filled, so the seventh store's 608-B append needs a page that is not there. Before: 448 B of
     it stayed in the journal, later stores were never visible, and a restart cut 48 good
@@ -157,9 +159,11 @@ def test_enospc_in_the_commit_append_leaves_the_journal_whole_and_stores_resume(
 
 # ---- 2. ENOSPC writing the TOMB of an eviction ------------------------------------------------
 
+
 @pytest.mark.privileged
 def test_an_eviction_whose_tomb_cannot_be_written_refuses_the_store_and_changes_nothing(
-        small_fs, kv, backend, caplog):
+    small_fs, kv, backend, caplog
+):
     root = small_fs("1m")
     geo = T.geometry(slots=8)
     cat = C.Catalog(str(root), geo)
@@ -227,6 +231,7 @@ def test_a_dropped_block_keeps_its_slot_until_its_tomb_is_written(small_fs, kv, 
 
 # ---- 3. one damaged byte in record 2 of 6 -----------------------------------------------------
 
+
 @pytest.mark.parametrize("where", ["magic", "length", "body", "crc"])
 def test_one_damaged_record_costs_that_record_only(tmp_path, kv, backend, where):
     geo = T.geometry(slots=16)
@@ -282,6 +287,7 @@ def test_the_reader_steps_over_damage_only_once_a_valid_record_follows():
 
 # ---- 4. start-up on a full or read-only file system -------------------------------------------
 
+
 def _one_clear_line(excinfo, *words):
     e = excinfo.value
     msg = str(e)
@@ -300,8 +306,11 @@ def test_start_up_on_a_full_file_system_is_one_line_naming_path_and_cause(small_
     root = fs / "kv"
     with pytest.raises(L.StoreUnavailable) as ei:
         C.Catalog(str(root), T.geometry(slots=4))
-    print(_one_clear_line(ei, str(root / "store.json"), "No space left on device", "ENOSPC",
-                          "0 B free"))
+    print(
+        _one_clear_line(
+            ei, str(root / "store.json"), "No space left on device", "ENOSPC", "0 B free"
+        )
+    )
 
 
 @pytest.mark.privileged
@@ -341,6 +350,7 @@ def test_slot_files_that_do_not_fit_are_refused_at_start_up(small_fs, kv, backen
 
 # ---- 5. the cause of a failed transfer reaches the job's error --------------------------------
 
+
 @pytest.mark.privileged
 def test_enospc_in_a_slot_write_names_enospc_in_the_jobs_error(small_fs, kv, backend, caplog):
     root = small_fs("1m")
@@ -356,8 +366,11 @@ def test_enospc_in_a_slot_write_names_enospc_in_the_jobs_error(small_fs, kv, bac
     print(res.error)
     assert "No space left on device (ENOSPC" in res.error and "slots-" in res.error
     assert store.stats["causes"] == {"ENOSPC": 1} and store.stats["store"]["failed"] == 1
-    assert any("ENOSPC" in r.getMessage() and "store job" in r.getMessage()
-               for r in caplog.records if r.levelno >= logging.ERROR)
+    assert any(
+        "ENOSPC" in r.getMessage() and "store job" in r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.ERROR
+    )
     os.unlink(filler)
     res, done = blocks.store(cat, store, keys(6, 10))
     assert res.ok and sorted(done) == sorted(keys(6, 10))
@@ -387,8 +400,14 @@ def test_a_short_slot_file_is_named_in_the_load_jobs_error(tmp_path, kv, backend
 def test_eio_from_the_file_system_is_named_in_the_load_jobs_error(tmp_path, kv, backend):
     """The slot file is served by a FUSE file system that fails reads of one slot with EIO."""
     block = L.round_up(sum(T.PAGES), 4096)
-    geo = L.Geometry(rank_block_bytes=sum(T.PAGES), blocks_per_chunk=1, world_size=1,
-                     capacity_bytes=4 * block, max_file_bytes=64 * block, slot_files=1)
+    geo = L.Geometry(
+        rank_block_bytes=sum(T.PAGES),
+        blocks_per_chunk=1,
+        world_size=1,
+        capacity_bytes=4 * block,
+        max_file_bytes=64 * block,
+        slot_files=1,
+    )
     root = tmp_path / "kv"
     cat = C.Catalog(str(root), geo)
     store = T.open_rank(root, geo, kv, backend)

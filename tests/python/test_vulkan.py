@@ -6,11 +6,10 @@ variants run on the GPU machine (tests/gpu/test_vulkan_gpu.py)."""
 
 from __future__ import annotations
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
-from iud_vulkan import ENOTSUP, EINVAL, HOST_VARIANTS, OK, VulkanAlloc, round_trip
+from iud_vulkan import EINVAL, ENOTSUP, HOST_VARIANTS, OK, VulkanAlloc, round_trip
 
 MiB = 1 << 20
 
@@ -39,8 +38,15 @@ def test_round_trip_through_vulkan_allocations(vk, vram_path, direct, direct_ok,
         pytest.skip("the test directory's filesystem does not support O_DIRECT")
     agent = H.make_agent(H.PLUGIN, {"gpu_provider": "vulkan", "vram_path": vram_path})
     for size, block in ((8 * MiB, 256 * 1024), (MiB + 8192, 4096)):
-        variant = round_trip(agent, vk, str(tmp_path / f"vk-{size}.bin"), size=size, block=block,
-                             direct=direct, rng=rng)
+        variant = round_trip(
+            agent,
+            vk,
+            str(tmp_path / f"vk-{size}.bin"),
+            size=size,
+            block=block,
+            direct=direct,
+            rng=rng,
+        )
         assert variant in HOST_VARIANTS
 
 
@@ -77,7 +83,7 @@ def test_allocations_survive_an_agent_and_free_after_deregistration(vk, rng, tmp
     try:
         data = np.frombuffer(rng.bytes(MiB), dtype=np.uint8)
         vk.put(addr, data)
-        for i in range(2):
+        for _i in range(2):
             agent = H.make_agent(H.PLUGIN, {"gpu_provider": "vulkan", "vram_path": "staging"})
             r = agent.register_memory([(addr, MiB, 0, "")], "VRAM")
             agent.deregister_memory(r)

@@ -34,7 +34,10 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = {
     # issue 16's pattern: one 16 MiB buffer and file registered per thread, 64 x 64 KiB
-    "concreg": (os.path.join(HERE, "..", "python", "concurrent_reg_child.py"), ["none", "{d}", "4", "3"]),
+    "concreg": (
+        os.path.join(HERE, "..", "python", "concurrent_reg_child.py"),
+        ["none", "{d}", "4", "3"],
+    ),
     # issue 48's client shape: two fresh buffers and the file registered per round trip,
     # 64 descriptors of random sizes, reposts, whole-file checks
     "issue48": (os.path.join(HERE, "..", "python", "sync_none_shape_child.py"), ["{d}", "4", "3"]),
@@ -62,9 +65,11 @@ def classify(rc: int | None, err: str) -> tuple[str, str]:
     # refusals (its lists lost a registration). The first of them in the log decides: after
     # NIXL's own refusal (createXferReq finding no registration, its section gone) the plugin
     # can still refuse an MD NIXL hands back a second time at agent teardown.
-    logged = [(ln.strip(), "plugin" if re.search(r"\bERROR\b.*io_uring_dmabuf", ln) else "NIXL")
-              for ln in err.splitlines()
-              if re.search(r"\bERROR\b.*io_uring_dmabuf", ln) or re.match(r"E\d{4} ", ln.strip())]
+    logged = [
+        (ln.strip(), "plugin" if re.search(r"\bERROR\b.*io_uring_dmabuf", ln) else "NIXL")
+        for ln in err.splitlines()
+        if re.search(r"\bERROR\b.*io_uring_dmabuf", ln) or re.match(r"E\d{4} ", ln.strip())
+    ]
     raised = [(ln.strip(), "NIXL") for ln in err.splitlines() if "Error" in ln and "thread" in ln]
     rest = [(ln, "NIXL") for ln in err.strip().splitlines()[-1:]] or [(f"exit {rc}", "NIXL")]
     first, who = (logged or raised or rest)[0]
@@ -94,8 +99,9 @@ def one_run(backend: str, d: str) -> tuple[str, str]:
     args = child_args(backend, d)
     with tempfile.TemporaryFile(dir=d) as err:
         try:
-            p = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=err, timeout=180,
-                               preexec_fn=cap_memory)
+            p = subprocess.run(
+                args, stdout=subprocess.DEVNULL, stderr=err, timeout=180, preexec_fn=cap_memory
+            )
         except subprocess.TimeoutExpired:
             return classify(None, "")
         return classify(p.returncode, head_and_tail(err))
@@ -103,14 +109,28 @@ def one_run(backend: str, d: str) -> tuple[str, str]:
 
 def gdb_frames(backend: str, d: str) -> str | None:
     """Runs the child under gdb; the crashing thread's frames, or None when it did not crash."""
-    cmd = ["gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "handle SIGPIPE nostop",
-           "-ex", "run", "-ex", "bt 25", "--args"] + child_args(backend, d)
+    cmd = [
+        "gdb",
+        "-q",
+        "-batch",
+        "-ex",
+        "set pagination off",
+        "-ex",
+        "handle SIGPIPE nostop",
+        "-ex",
+        "run",
+        "-ex",
+        "bt 25",
+        "--args",
+    ] + child_args(backend, d)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     if "received signal" not in out:
         return None
     start = out.index("received signal")
-    return "\n".join(ln for ln in out[start:].splitlines() if ln.startswith("#") or "received signal" in ln)
+    return "\n".join(
+        ln for ln in out[start:].splitlines() if ln.startswith("#") or "received signal" in ln
+    )
 
 
 def main() -> int:
@@ -118,9 +138,18 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--backends", default="IO_URING_DMABUF,POSIX")
     ap.add_argument("--gdb-crashes", type=int, default=0)
-    ap.add_argument("--shape", choices=sorted(CHILDREN), default="concreg",
-                    help="concreg: issue 16's pattern (default); issue48: issue 48's client shape")
-    ap.add_argument("--gdb-tries", type=int, default=0, help="runs under gdb per backend (default 10 x --gdb-crashes)")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(CHILDREN),
+        default="concreg",
+        help="concreg: issue 16's pattern (default); issue48: issue 48's client shape",
+    )
+    ap.add_argument(
+        "--gdb-tries",
+        type=int,
+        default=0,
+        help="runs under gdb per backend (default 10 x --gdb-crashes)",
+    )
     a = ap.parse_args()
     global SHAPE
     SHAPE = a.shape
@@ -128,7 +157,7 @@ def main() -> int:
     counts = {b: collections.Counter() for b in backends}
     examples = {b: collections.defaultdict(list) for b in backends}
     for i in range(a.runs):
-        for b in (backends if i % 2 == 0 else list(reversed(backends))):
+        for b in backends if i % 2 == 0 else list(reversed(backends)):
             d = tempfile.mkdtemp(prefix="iud-none-", dir="/var/tmp")
             try:
                 kind, what = one_run(b, d)
@@ -141,7 +170,9 @@ def main() -> int:
     print("\n| backend | runs | ok | error | crash | timeout |\n|---|---:|---:|---:|---:|---:|")
     for b in backends:
         c = counts[b]
-        print(f"| {b} | {sum(c.values())} | {c['ok']} | {c['error']} | {c['crash']} | {c['timeout']} |")
+        print(
+            f"| {b} | {sum(c.values())} | {c['ok']} | {c['error']} | {c['crash']} | {c['timeout']} |"
+        )
     for b in backends:
         for kind, whats in examples[b].items():
             for w in whats:

@@ -31,9 +31,18 @@ def main() -> int:
     a = ap.parse_args()
     params = H.default_params(a.backend) | dict(kv.split("=", 1) for kv in a.params)
     agent = H.make_agent(a.backend, params=params, name="regtime")
-    t: dict[str, list[float]] = {k: [] for k in (
-        "registerMem DRAM", "registerMem FILE", "deregisterMem DRAM", "deregisterMem FILE",
-        "initialize_xfer", "transfer", "release")}
+    t: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "registerMem DRAM",
+            "registerMem FILE",
+            "deregisterMem DRAM",
+            "deregisterMem FILE",
+            "initialize_xfer",
+            "transfer",
+            "release",
+        )
+    }
     with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
         fd = os.open(os.path.join(d, "f.bin"), os.O_RDWR | os.O_CREAT, 0o644)
         os.ftruncate(fd, FILE)
@@ -47,8 +56,9 @@ def main() -> int:
             rf = agent.register_memory([(0, FILE, fd, "")], "FILE")
             t2 = time.perf_counter()
             mem = agent.get_xfer_descs([(b.addr + o, n, 0) for o, n in descs], "DRAM")
-            h = agent.initialize_xfer("WRITE", mem, agent.get_xfer_descs(files, "FILE"), agent.name,
-                                      backends=[a.backend])
+            h = agent.initialize_xfer(
+                "WRITE", mem, agent.get_xfer_descs(files, "FILE"), agent.name, backends=[a.backend]
+            )
             t3 = time.perf_counter()
             st = agent.transfer(h)
             while st == "PROC":
@@ -65,8 +75,12 @@ def main() -> int:
                 t[k].append(v * 1e6)
         os.close(fd)
     p90 = int(a.cycles * 0.9)
-    print(f"{a.backend} {params}: " + ", ".join(
-        f"{k} {statistics.median(v):.0f} us (p90 {sorted(v)[p90]:.0f})" for k, v in t.items()))
+    print(
+        f"{a.backend} {params}: "
+        + ", ".join(
+            f"{k} {statistics.median(v):.0f} us (p90 {sorted(v)[p90]:.0f})" for k, v in t.items()
+        )
+    )
     return 0
 
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
-
 import iud_helpers as H
+import numpy as np
 from support.mounts import RULES, FuseMount
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,6 +35,7 @@ def status_name(value) -> str:
     if name:
         return name
     import nixl._bindings as b
+
     for n in dir(b):
         if n.startswith("NIXL_") and int(getattr(b, n)) == int(value):
             return n
@@ -47,6 +47,7 @@ def exc_status(e: BaseException) -> str:
 
 
 # ---- kernel resources -------------------------------------------------------------------------
+
 
 def ring_fds() -> list[int]:
     out = []
@@ -116,7 +117,7 @@ class Snapshot:
         b = sum(v[1] for v in self.rings.values())
         return f, b
 
-    def diff(self, later: "Snapshot", closed_ok: bool = False) -> str:
+    def diff(self, later: Snapshot, closed_ok: bool = False) -> str:
         out = []
         gone = set(self.fds) - set(later.fds)
         new = set(later.fds) - set(self.fds)
@@ -125,8 +126,7 @@ class Snapshot:
         if gone and not closed_ok:
             out.append(f"closed fds {sorted(gone)}")
         if self.tables() != later.tables():
-            out.append(f"io_uring (fixed files, fixed buffers) {self.tables()} -> "
-                       f"{later.tables()}")
+            out.append(f"io_uring (fixed files, fixed buffers) {self.tables()} -> {later.tables()}")
         return "; ".join(out)
 
 
@@ -138,6 +138,7 @@ def _link(fd: int) -> str:
 
 
 # ---- running requests and recording the exact status ------------------------------------------
+
 
 class Result:
     def __init__(self, stage: str, status: str, release: str = "NIXL_SUCCESS"):
@@ -167,8 +168,9 @@ def run_request(rig, make, timeout: float = 60.0, release: bool = True) -> Resul
         while int(st) == 1:  # NIXL_IN_PROG
             stage = "check"
             if time.monotonic() > deadline:
-                raise AssertionError(f"request still in progress after {timeout} s\n"
-                                     + H.uring_diagnostics())
+                raise AssertionError(
+                    f"request still in progress after {timeout} s\n" + H.uring_diagnostics()
+                )
             st = ag.getXferStatus(h._handle)
         status = status_name(st)
         if int(st) == 0:
@@ -187,6 +189,7 @@ def run_request(rig, make, timeout: float = 60.0, release: bool = True) -> Resul
 
 # ---- FUSE fault filesystem ----------------------------------------------------------------------
 
+
 def fault_mount(root, rules: str, content: np.ndarray) -> FuseMount:
     """The rules file system (tests/support/fuse_rules.py) on a fresh folder under `root`; its
     daemon's pipes are the harness's, not the plugin's (Snapshot)."""
@@ -197,6 +200,7 @@ def fault_mount(root, rules: str, content: np.ndarray) -> FuseMount:
 
 
 # ---- the bystander: a request on the same engine that must be unaffected -------------------------
+
 
 class Bystander:
     """A plain disk file + buffers on the same agent. start() posts a large READ (in flight while
@@ -221,8 +225,10 @@ class Bystander:
 
     def _descs(self):
         c = 256 * H.KiB
-        return ([(self.buf.addr + i, c) for i in range(0, self.SIZE, c)],
-                [(i, c, self.fd) for i in range(0, self.SIZE, c)])
+        return (
+            [(self.buf.addr + i, c) for i in range(0, self.SIZE, c)],
+            [(i, c, self.fd) for i in range(0, self.SIZE, c)],
+        )
 
     def start(self):
         self.buf.fill(self.rng)
@@ -236,8 +242,9 @@ class Bystander:
         assert st == "DONE", f"bystander READ across {label} ended {st}"
         self.rig.release(self.h)
         self.h = None
-        assert np.array_equal(self.buf.arr, self.content), \
+        assert np.array_equal(self.buf.arr, self.content), (
             f"bystander READ across {label}: " + H.first_diff(self.buf.arr, self.content)
+        )
         new = H.rand_bytes(self.rng, self.SIZE)
         self.buf.arr[:] = new
         mem, files = self._descs()
@@ -248,8 +255,9 @@ class Bystander:
         h = self.rig.xfer("READ", mem, files)
         self.rig.run(h, 60, what=f"bystander READ after {label}")
         self.rig.release(h)
-        assert np.array_equal(self.buf.arr, new), \
+        assert np.array_equal(self.buf.arr, new), (
             f"bystander round trip after {label}: " + H.first_diff(self.buf.arr, new)
+        )
         self.content = new
         self.rounds += 1
 

@@ -26,8 +26,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # As pytest.ini's pythonpath: tests/python (iud_helpers), tests/ (support) and python/ (the package).
-sys.path[:0] = [os.path.join(HERE, "..", "python"), os.path.join(HERE, ".."),
-                os.path.join(HERE, "..", "..", "python")]
+sys.path[:0] = [
+    os.path.join(HERE, "..", "python"),
+    os.path.join(HERE, ".."),
+    os.path.join(HERE, "..", "..", "python"),
+]
 
 
 def _setup():
@@ -45,6 +48,7 @@ class Patterns:
 
     def __init__(self, rng):
         import numpy as np
+
         r = np.frombuffer(rng.bytes(self.L), np.uint8)
         self.block = np.concatenate([r, r])  # windows of up to L bytes never wrap
 
@@ -52,12 +56,13 @@ class Patterns:
         x = (cid * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
         start = (x >> 20) % self.L
         xb = (cid % 255) + 1
-        return self.block[start:start + size] ^ xb
+        return self.block[start : start + size] ^ xb
 
 
 def layout(rng, n, span, sizes):
     """Non-overlapping starts for `sizes` inside [0, span), in a random order of placement."""
     import numpy as np
+
     total = int(sizes.sum())
     slack = span - total
     assert slack >= 0
@@ -88,8 +93,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     _setup()
-    import numpy as np
     import iud_helpers as H
+    import numpy as np
 
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     rng = np.random.default_rng(seed)
@@ -112,10 +117,23 @@ def main(argv=None) -> int:
     rig.reg_fd(fd_b, fsize)
     if fd_d is not None:
         rig.reg_fd(fd_d, fsize)
-    st = {"seed": seed, "requests": 0, "reads": 0, "writes": 0, "reposts": 0, "descriptors": 0,
-          "bytes": 0, "bytes_verified": 0, "direct_requests": 0, "mismatched_bytes": 0,
-          "mismatched_descriptors": 0, "overrun_bytes": 0, "errors": 0, "file_mib": a.file_mib,
-          "final_file_check": None}
+    st = {
+        "seed": seed,
+        "requests": 0,
+        "reads": 0,
+        "writes": 0,
+        "reposts": 0,
+        "descriptors": 0,
+        "bytes": 0,
+        "bytes_verified": 0,
+        "direct_requests": 0,
+        "mismatched_bytes": 0,
+        "mismatched_descriptors": 0,
+        "overrun_bytes": 0,
+        "errors": 0,
+        "file_mib": a.file_mib,
+        "final_file_check": None,
+    }
     first_bad = []
     next_chunk = 1
     pats = Patterns(rng)
@@ -150,8 +168,10 @@ def main(argv=None) -> int:
                 for i in order:
                     mstart[i] = max(mstart[i], pos)
                     pos = mstart[i] + sizes[i]
-                if fstart.max() + sizes[fstart.argmax()] > fsize or \
-                        mstart.max() + sizes[mstart.argmax()] > msize:
+                if (
+                    fstart.max() + sizes[fstart.argmax()] > fsize
+                    or mstart.max() + sizes[mstart.argmax()] > msize
+                ):
                     continue
             fd = fd_d if direct else fd_b
             total = int(sizes.sum())
@@ -163,9 +183,9 @@ def main(argv=None) -> int:
             if write:
                 for i in range(n):
                     v = pats.window(next_chunk + i, sl[i])
-                    arr[ml[i]:ml[i] + sl[i]] = v
+                    arr[ml[i] : ml[i] + sl[i]] = v
                     shadow_next = v
-                    shadow[fl[i]:fl[i] + sl[i]] = shadow_next
+                    shadow[fl[i] : fl[i] + sl[i]] = shadow_next
                 next_chunk += n
                 h = rig.xfer("WRITE", mem_descs, file_descs)
                 rig.run(h, 300, what="soak WRITE")
@@ -182,17 +202,24 @@ def main(argv=None) -> int:
                     mask = np.ones(hi_m - lo_m, bool)
                     for i in range(n):
                         m, f, sz = ml[i], fl[i], sl[i]
-                        mask[m - lo_m:m - lo_m + sz] = False
-                        if not np.array_equal(arr[m:m + sz], shadow[f:f + sz]):
-                            nb = int((arr[m:m + sz] != shadow[f:f + sz]).sum())
+                        mask[m - lo_m : m - lo_m + sz] = False
+                        if not np.array_equal(arr[m : m + sz], shadow[f : f + sz]):
+                            nb = int((arr[m : m + sz] != shadow[f : f + sz]).sum())
                             st["mismatched_bytes"] += nb
                             st["mismatched_descriptors"] += 1
                             if len(first_bad) < 5:
-                                first_bad.append({"request": st["requests"], "descriptor": i,
-                                                  "size": sz, "file": f, "mem": m,
-                                                  "direct": direct, "bytes": nb,
-                                                  "detail": H.first_diff(arr[m:m + sz],
-                                                                         shadow[f:f + sz])})
+                                first_bad.append(
+                                    {
+                                        "request": st["requests"],
+                                        "descriptor": i,
+                                        "size": sz,
+                                        "file": f,
+                                        "mem": m,
+                                        "direct": direct,
+                                        "bytes": nb,
+                                        "detail": H.first_diff(arr[m : m + sz], shadow[f : f + sz]),
+                                    }
+                                )
                     over = int((arr[lo_m:hi_m][mask] != sentinel).sum())
                     st["overrun_bytes"] += over
                     st["bytes_verified"] += total
@@ -207,16 +234,20 @@ def main(argv=None) -> int:
             now = time.monotonic()
             if now - last_print > 30:
                 last_print = now
-                print(f"soak: {st['bytes'] / (1 << 30):.1f} GiB, {st['descriptors']} descriptors,"
-                      f" {st['requests']} requests, mismatches {st['mismatched_bytes']}, "
-                      f"{now - t0:.0f} s", file=sys.stderr, flush=True)
+                print(
+                    f"soak: {st['bytes'] / (1 << 30):.1f} GiB, {st['descriptors']} descriptors,"
+                    f" {st['requests']} requests, mismatches {st['mismatched_bytes']}, "
+                    f"{now - t0:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         # every byte of the file, through an independent path
         os.fsync(fd_b)
         diff = 0
         step = 64 * MiB
         for off in range(0, fsize, step):
             got = np.frombuffer(os.pread(fd_b, step, off), np.uint8)
-            diff += int((got != shadow[off:off + len(got)]).sum())
+            diff += int((got != shadow[off : off + len(got)]).sum())
         st["final_file_check"] = f"{fsize} bytes, {diff} differ"
         st["mismatched_bytes"] += diff
     except Exception as e:  # noqa: BLE001 - reported in the summary

@@ -27,10 +27,9 @@ import os
 import subprocess
 import time
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 import rel
 
 pytestmark = pytest.mark.slow
@@ -46,16 +45,20 @@ def record(entry: dict) -> None:
 
 
 class Scene:
-    def __init__(self, backend, rng, tmp_path, stderr_log, params=None, direct=True,
-                 bystander=True):
+    def __init__(
+        self, backend, rng, tmp_path, stderr_log, params=None, direct=True, bystander=True
+    ):
         gc.collect()
         self.before_agent = rel.Snapshot()
         self.rng, self.tmp = rng, tmp_path
         self.log = stderr_log
         self.agent = H.make_agent(backend, params)
         self.rig = H.Rig(self.agent, backend)
-        self.by = rel.Bystander(self.rig, rng, tmp_path, direct) if bystander else rel.NoBystander(
-            self.rig, tmp_path)
+        self.by = (
+            rel.Bystander(self.rig, rng, tmp_path, direct)
+            if bystander
+            else rel.NoBystander(self.rig, tmp_path)
+        )
         self.by.start()
         self.by.finish("setup")
         self.fault_regs, self.fault_fds, self.mounts = [], [], []
@@ -85,20 +88,31 @@ class Scene:
         took = time.monotonic() - t0
         log = self.log()
         lines = H.plugin_error_lines(log)
-        entry = {"fault": label, "stage": res.stage, "status": res.status,
-                 "release": res.release, "error_lines": len(lines),
-                 "line": lines[0][-300:] if lines else "", "seconds": round(took, 3)}
+        entry = {
+            "fault": label,
+            "stage": res.stage,
+            "status": res.status,
+            "release": res.release,
+            "error_lines": len(lines),
+            "line": lines[0][-300:] if lines else "",
+            "seconds": round(took, 3),
+        }
         try:
             statuses = (status,) if isinstance(status, str) else tuple(status)
-            assert res.status in statuses, f"{label}: status {res.status}, expected {statuses} ({res})"
+            assert res.status in statuses, (
+                f"{label}: status {res.status}, expected {statuses} ({res})"
+            )
             assert res.stage in stages, f"{label}: surfaced at {res.stage}, expected {stages}"
             assert res.release in ("NIXL_SUCCESS", "-"), f"{label}: release gave {res.release}"
             if log_lines is None:  # either outcome is correct: one line exactly when it failed
                 log_lines = 0 if res.status == "NIXL_SUCCESS" else 1
-            assert len(lines) == log_lines, (f"{label}: {len(lines)} plugin ERROR lines, expected "
-                                             f"{log_lines}:\n{log}")
+            assert len(lines) == log_lines, (
+                f"{label}: {len(lines)} plugin ERROR lines, expected {log_lines}:\n{log}"
+            )
             for c in contains:
-                assert any(c in ln for ln in lines), f"{label}: no ERROR line mentions {c!r}:\n{log}"
+                assert any(c in ln for ln in lines), (
+                    f"{label}: no ERROR line mentions {c!r}:\n{log}"
+                )
             if extra:
                 extra()
             self.by.finish(label)
@@ -153,6 +167,7 @@ def scene_factory(backend, is_plugin, rng, tmp_path, stderr_log, need_direct):
         s = Scene(backend, rng, tmp_path, stderr_log, params, direct, bystander)
         made.append(s)
         return s
+
     yield make
     for s in made:
         s.close()
@@ -188,10 +203,23 @@ def test_eio_on_read(scene, rng, mode):
         dev, r = scene.rig.reg_path(m.path, SIZE, "rw")
         scene.reg(r)
     c = 256 * KiB
-    scene.check(f"EIO on read ({mode} mode)", lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-        "READ", [(buf.addr + i, c) for i in range(0, SIZE, c)], [(i, c, dev) for i in range(0, SIZE, c)])),
-        "NIXL_ERR_BACKEND", ("post", "check"), contains=("Input/output error",))
-    res = rel.run_request(scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr, 2 * MiB)], [(0, 2 * MiB, dev)]))
+    scene.check(
+        f"EIO on read ({mode} mode)",
+        lambda: rel.run_request(
+            scene.rig,
+            lambda: scene.rig.xfer(
+                "READ",
+                [(buf.addr + i, c) for i in range(0, SIZE, c)],
+                [(i, c, dev) for i in range(0, SIZE, c)],
+            ),
+        ),
+        "NIXL_ERR_BACKEND",
+        ("post", "check"),
+        contains=("Input/output error",),
+    )
+    res = rel.run_request(
+        scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr, 2 * MiB)], [(0, 2 * MiB, dev)])
+    )
     assert res.status == "NIXL_ERR_NOT_FOUND", res  # the fault's registrations are gone now
     gc.collect()
     assert m.stop()["eio"] > 0
@@ -211,14 +239,25 @@ def write_fault_scene(scene_factory, rng, ring_only, fault, content):
 
 def whole_buffer_write(scene, buf, fd, chunk):
     """WRITE of the whole buffer to the file in `chunk`-byte descriptors, run to its end."""
-    return lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-        "WRITE", [(buf.addr + i, chunk) for i in range(0, SIZE, chunk)],
-        [(i, chunk, fd) for i in range(0, SIZE, chunk)]))
+    return lambda: rel.run_request(
+        scene.rig,
+        lambda: scene.rig.xfer(
+            "WRITE",
+            [(buf.addr + i, chunk) for i in range(0, SIZE, chunk)],
+            [(i, chunk, fd) for i in range(0, SIZE, chunk)],
+        ),
+    )
 
 
 # name -> (FUSE fault, file bytes at mount, descriptor size, errno text, fault counter)
 WRITE_FAULTS = {
-    "EIO on write": (f"eio_write:{2 * MiB + 4097}", SIZE, 512 * KiB, "Input/output error", "eio_write"),
+    "EIO on write": (
+        f"eio_write:{2 * MiB + 4097}",
+        SIZE,
+        512 * KiB,
+        "Input/output error",
+        "eio_write",
+    ),
     "ENOSPC": (f"enospc:{3 * MiB}", MiB, 1 * MiB, "No space left on device", "enospc"),
 }
 
@@ -228,9 +267,16 @@ WRITE_FAULTS = {
 @pytest.mark.parametrize("what", list(WRITE_FAULTS), ids=["eio", "enospc"])
 def test_write_fault_fails_the_request(scene_factory, rng, ring_only, what):
     fault, file_bytes, chunk, text, counter = WRITE_FAULTS[what]
-    scene, m, buf, fd = write_fault_scene(scene_factory, rng, ring_only, fault, np.zeros(file_bytes, np.uint8))
-    scene.check(f"{what} ({'ring' if ring_only else 'inline pwrite'})", whole_buffer_write(scene, buf, fd, chunk),
-                "NIXL_ERR_BACKEND", ("post", "check"), contains=(text,))
+    scene, m, buf, fd = write_fault_scene(
+        scene_factory, rng, ring_only, fault, np.zeros(file_bytes, np.uint8)
+    )
+    scene.check(
+        f"{what} ({'ring' if ring_only else 'inline pwrite'})",
+        whole_buffer_write(scene, buf, fd, chunk),
+        "NIXL_ERR_BACKEND",
+        ("post", "check"),
+        contains=(text,),
+    )
     assert m.stop()[counter] > 0
 
 
@@ -239,21 +285,31 @@ def test_write_fault_fails_the_request(scene_factory, rng, ring_only, what):
 def test_short_writes_are_completed(scene_factory, rng, ring_only):
     """Every FUSE WRITE stores at most 8 KiB and says so: the plugin must resubmit remainders
     until the request is complete, and the file must hold exactly the bytes."""
-    scene, m, buf, fd = write_fault_scene(scene_factory, rng, ring_only, "short_write:8192",
-                                          np.zeros(SIZE, np.uint8))
+    scene, m, buf, fd = write_fault_scene(
+        scene_factory, rng, ring_only, "short_write:8192", np.zeros(SIZE, np.uint8)
+    )
 
     def verify():
         got = m.backing_bytes()[:SIZE]
-        assert np.array_equal(got, buf.arr), "short writes: file content " + H.first_diff(got, buf.arr)
+        assert np.array_equal(got, buf.arr), "short writes: file content " + H.first_diff(
+            got, buf.arr
+        )
 
-    scene.check(f"short writes ({'ring' if ring_only else 'inline pwrite'})",
-                whole_buffer_write(scene, buf, fd, 512 * KiB),
-                "NIXL_SUCCESS", ("done",), log_lines=0, extra=verify)
+    scene.check(
+        f"short writes ({'ring' if ring_only else 'inline pwrite'})",
+        whole_buffer_write(scene, buf, fd, 512 * KiB),
+        "NIXL_SUCCESS",
+        ("done",),
+        log_lines=0,
+        extra=verify,
+    )
     assert m.stop()["short_writes"] > 0
 
 
 @pytest.mark.privileged
-@pytest.mark.parametrize("params", [{"punt_buffered_min": "65536"}, {}], ids=["punt-64K", "defaults"])
+@pytest.mark.parametrize(
+    "params", [{"punt_buffered_min": "65536"}, {}], ids=["punt-64K", "defaults"]
+)
 def test_delayed_io_completes_and_others_progress(scene_factory, rng, params):
     """Each FUSE READ answers 40 ms late: the request stays in progress while a bystander
     request on a disk file completes, then finishes with the right bytes.
@@ -287,19 +343,29 @@ def test_delayed_io_completes_and_others_progress(scene_factory, rng, params):
         scene.by.state = st_by
         st = scene.rig.poll(h, st, 120, "delayed READ")
         scene.rig.release(h)
-        return rel.Result("done" if st == "DONE" else "check", "NIXL_SUCCESS" if st == "DONE" else st)
+        return rel.Result(
+            "done" if st == "DONE" else "check", "NIXL_SUCCESS" if st == "DONE" else st
+        )
 
     def verify():
         assert seen["first"] == "PROC", f"a 4 MiB READ from a 40 ms/request filesystem gave {seen}"
         assert seen["slow_state_when_bystander_done"] == "PROC", seen
         assert np.array_equal(buf.arr, content), "delayed READ: " + H.first_diff(buf.arr, content)
 
-    scene.check("delayed I/O (40 ms per FUSE request)", action, "NIXL_SUCCESS", ("done",), log_lines=0,
-                extra=verify)
+    scene.check(
+        "delayed I/O (40 ms per FUSE request)",
+        action,
+        "NIXL_SUCCESS",
+        ("done",),
+        log_lines=0,
+        extra=verify,
+    )
     assert m.stop()["delayed"] > 0
     # Not a threshold, a record: how long the post itself took (RELIABILITY.md, finding 2).
-    print(f"delayed READ ({params or 'defaults'}): postXfer returned {seen['first']} after {seen['post_s'] * 1e3:.1f} ms; "
-          f"bystander done {seen['bystander_s'] * 1e3:.1f} ms later")
+    print(
+        f"delayed READ ({params or 'defaults'}): postXfer returned {seen['first']} after {seen['post_s'] * 1e3:.1f} ms; "
+        f"bystander done {seen['bystander_s'] * 1e3:.1f} ms later"
+    )
 
 
 @pytest.mark.privileged
@@ -314,8 +380,11 @@ def test_release_while_delayed_io_in_flight(scene_factory, rng):
     seen = {}
 
     def action():
-        h = scene.rig.xfer("READ", [(buf.addr + i, 256 * KiB) for i in range(0, SIZE, 256 * KiB)],
-                           [(i, 256 * KiB, fd) for i in range(0, SIZE, 256 * KiB)])
+        h = scene.rig.xfer(
+            "READ",
+            [(buf.addr + i, 256 * KiB) for i in range(0, SIZE, 256 * KiB)],
+            [(i, 256 * KiB, fd) for i in range(0, SIZE, 256 * KiB)],
+        )
         seen["state"] = scene.agent.transfer(h)
         t0 = time.monotonic()
         scene.rig.release(h)
@@ -329,8 +398,14 @@ def test_release_while_delayed_io_in_flight(scene_factory, rng):
         assert seen["state"] == "PROC", seen
         assert seen["quiet"], "memory changed after release returned"
 
-    scene.check("release while in flight (slow FUSE)", action, "NIXL_SUCCESS", ("done",), log_lines=0,
-                extra=verify)
+    scene.check(
+        "release while in flight (slow FUSE)",
+        action,
+        "NIXL_SUCCESS",
+        ("done",),
+        log_lines=0,
+        extra=verify,
+    )
     print(seen)
 
 
@@ -343,7 +418,9 @@ def test_release_on_hung_storage_waits_for_one_read_step_per_thread(scene_factor
     logs when each READ arrives; READs arriving while release runs are the steps it waited for
     (one per worker at most) plus the kernel's readahead for them (at most one each)."""
     threads = 2
-    scene = scene_factory({"punt_buffered_min": "65536", "page_cache_threads": str(threads)}, bystander=False)
+    scene = scene_factory(
+        {"punt_buffered_min": "65536", "page_cache_threads": str(threads)}, bystander=False
+    )
     content = H.rand_bytes(rng, SIZE)
     m = scene.mount("delay_ms:200", content)
     buf = H.Buf(SIZE)
@@ -353,8 +430,11 @@ def test_release_on_hung_storage_waits_for_one_read_step_per_thread(scene_factor
     seen = {}
 
     def action():
-        h = scene.rig.xfer("READ", [(buf.addr + i, MiB) for i in range(0, SIZE, MiB)],
-                           [(i, MiB, fd) for i in range(0, SIZE, MiB)])
+        h = scene.rig.xfer(
+            "READ",
+            [(buf.addr + i, MiB) for i in range(0, SIZE, MiB)],
+            [(i, MiB, fd) for i in range(0, SIZE, MiB)],
+        )
         seen["state"] = scene.agent.transfer(h)
         time.sleep(0.5)  # the workers are inside their pieces
         t0 = time.time()
@@ -369,13 +449,16 @@ def test_release_on_hung_storage_waits_for_one_read_step_per_thread(scene_factor
     t0, t1 = seen["release"]
     times = m.stop()["read_times"]
     during = sum(t0 <= t <= t1 for t in times)
-    print(f"release took {t1 - t0:.2f} s; FUSE READs arriving meanwhile: {during}; in all: {len(times)}")
+    print(
+        f"release took {t1 - t0:.2f} s; FUSE READs arriving meanwhile: {during}; in all: {len(times)}"
+    )
     assert seen["state"] == "PROC", seen
     assert seen["quiet"], "memory changed after release returned"
     assert during <= 2 * threads, f"release waited for {during} FUSE READs with {threads} workers"
 
 
 # ---- misuse on ordinary files -------------------------------------------------------------------
+
 
 def test_read_past_eof(scene, rng):
     p = str(scene.tmp / "short.bin")
@@ -384,9 +467,15 @@ def test_read_past_eof(scene, rng):
     buf = H.Buf(MiB)
     scene.reg(scene.rig.reg_dram(buf))
     scene.reg(scene.rig.reg_fd(fd, MiB))
-    scene.check("read past EOF", lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-        "READ", [(buf.addr, 128 * KiB)], [(0, 128 * KiB, fd)])),
-        "NIXL_ERR_BACKEND", ("post", "check"), contains=("end of file",))
+    scene.check(
+        "read past EOF",
+        lambda: rel.run_request(
+            scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr, 128 * KiB)], [(0, 128 * KiB, fd)])
+        ),
+        "NIXL_ERR_BACKEND",
+        ("post", "check"),
+        contains=("end of file",),
+    )
 
 
 def test_fd_closed_while_registered(scene, rng):
@@ -397,9 +486,15 @@ def test_fd_closed_while_registered(scene, rng):
     scene.reg(scene.rig.reg_dram(buf))
     scene.reg(scene.rig.reg_fd(fd, MiB))
     os.close(fd)
-    scene.check("fd closed while registered", lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-        "READ", [(buf.addr, 64 * KiB)], [(0, 64 * KiB, fd)])),
-        ("NIXL_ERR_NOT_ALLOWED", "NIXL_ERR_BACKEND"), ("prep", "post"), contains=(f"fd {fd}",))
+    scene.check(
+        "fd closed while registered",
+        lambda: rel.run_request(
+            scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr, 64 * KiB)], [(0, 64 * KiB, fd)])
+        ),
+        ("NIXL_ERR_NOT_ALLOWED", "NIXL_ERR_BACKEND"),
+        ("prep", "post"),
+        contains=(f"fd {fd}",),
+    )
 
 
 def test_fd_closed_between_posts(scene, rng):
@@ -419,8 +514,14 @@ def test_fd_closed_between_posts(scene, rng):
     def action():
         r = rel.run_request(scene2.rig, lambda: h)
         return r
-    res = scene2.check("fd closed between two posts of a prepared request", action,
-                       "NIXL_ERR_BACKEND", ("post",), contains=(f"fd {fd} registered as FILE", "is no longer open"))
+
+    res = scene2.check(
+        "fd closed between two posts of a prepared request",
+        action,
+        "NIXL_ERR_BACKEND",
+        ("post",),
+        contains=(f"fd {fd} registered as FILE", "is no longer open"),
+    )
     print(res)
 
 
@@ -433,15 +534,25 @@ def test_truncated_under_registration(scene, rng):
     scene.reg(scene.rig.reg_dram(buf))
     scene.reg(scene.rig.reg_fd(fd, MiB))
     os.truncate(p, 256 * KiB)
-    def still_there():  # the part that is still there reads fine
-        r = rel.run_request(scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr, 256 * KiB)],
-                                                              [(0, 256 * KiB, fd)]))
-        assert r.status == "NIXL_SUCCESS", r
-        assert np.array_equal(buf.arr[:256 * KiB], content[:256 * KiB])
 
-    scene.check("file truncated under a registration", lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-        "READ", [(buf.addr, 512 * KiB)], [(256 * KiB, 512 * KiB, fd)])),
-        "NIXL_ERR_BACKEND", ("post", "check"), contains=("end of file",), extra=still_there)
+    def still_there():  # the part that is still there reads fine
+        r = rel.run_request(
+            scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr, 256 * KiB)], [(0, 256 * KiB, fd)])
+        )
+        assert r.status == "NIXL_SUCCESS", r
+        assert np.array_equal(buf.arr[: 256 * KiB], content[: 256 * KiB])
+
+    scene.check(
+        "file truncated under a registration",
+        lambda: rel.run_request(
+            scene.rig,
+            lambda: scene.rig.xfer("READ", [(buf.addr, 512 * KiB)], [(256 * KiB, 512 * KiB, fd)]),
+        ),
+        "NIXL_ERR_BACKEND",
+        ("post", "check"),
+        contains=("end of file",),
+        extra=still_there,
+    )
 
 
 def test_deregister_while_in_flight(scene, rng):
@@ -456,8 +567,11 @@ def test_deregister_while_in_flight(scene, rng):
     seen = {}
 
     def action():
-        h = scene.rig.xfer("READ", [(buf.addr + i, MiB) for i in range(0, n, MiB)],
-                           [(i, MiB, fd) for i in range(0, n, MiB)])
+        h = scene.rig.xfer(
+            "READ",
+            [(buf.addr + i, MiB) for i in range(0, n, MiB)],
+            [(i, MiB, fd) for i in range(0, n, MiB)],
+        )
         seen["state"] = scene.agent.transfer(h)
         errs = H.nixl_errors()
         try:
@@ -474,14 +588,24 @@ def test_deregister_while_in_flight(scene, rng):
                 st = rel.exc_status(e)
         seen["end"] = st
         scene.rig.release(h)
-        return rel.Result("done" if st == "DONE" else "check", "NIXL_SUCCESS" if st == "DONE" else st)
+        return rel.Result(
+            "done" if st == "DONE" else "check", "NIXL_SUCCESS" if st == "DONE" else st
+        )
 
     def verify():
         assert seen["state"] == "PROC", seen
-        assert np.array_equal(buf.arr, content), "READ across deregistration: " + H.first_diff(buf.arr, content)
+        assert np.array_equal(buf.arr, content), "READ across deregistration: " + H.first_diff(
+            buf.arr, content
+        )
 
-    scene.check("deregister while a transfer is in flight", action, "NIXL_SUCCESS", ("done",),
-                log_lines=0, extra=verify)
+    scene.check(
+        "deregister while a transfer is in flight",
+        action,
+        "NIXL_SUCCESS",
+        ("done",),
+        log_lines=0,
+        extra=verify,
+    )
     print(seen)
 
 
@@ -498,20 +622,30 @@ def test_release_while_in_flight(scene, rng):
     def action():
         states = []
         for op in ("READ", "WRITE", "READ"):
-            h = scene.rig.xfer(op, [(buf.addr + i, MiB) for i in range(0, n, MiB)],
-                               [(i, MiB, fd) for i in range(0, n, MiB)])
+            h = scene.rig.xfer(
+                op,
+                [(buf.addr + i, MiB) for i in range(0, n, MiB)],
+                [(i, MiB, fd) for i in range(0, n, MiB)],
+            )
             states.append(scene.agent.transfer(h))
             scene.rig.release(h)
         seen["states"] = states
         return rel.Result("done", "NIXL_SUCCESS")
 
-    scene.check("release while in flight", action, "NIXL_SUCCESS", ("done",), log_lines=0,
-                extra=lambda: None)
+    scene.check(
+        "release while in flight",
+        action,
+        "NIXL_SUCCESS",
+        ("done",),
+        log_lines=0,
+        extra=lambda: None,
+    )
     assert "PROC" in seen["states"], seen
 
 
-@pytest.mark.parametrize("case", ["unregistered", "outside", "length-mismatch", "zero-length",
-                                  "read-only-write"])
+@pytest.mark.parametrize(
+    "case", ["unregistered", "outside", "length-mismatch", "zero-length", "read-only-write"]
+)
 def test_invalid_descriptors(scene, rng, case):
     p = str(scene.tmp / "inv.bin")
     file_with(p, H.rand_bytes(rng, MiB))
@@ -531,12 +665,20 @@ def test_invalid_descriptors(scene, rng, case):
     # NIXL itself rejects descriptors it cannot match to a registration (no plugin call, no
     # plugin log line); the plugin sees the others.
     agent_side = case in ("unregistered", "outside", "length-mismatch")
-    expect = {"unregistered": "NIXL_ERR_NOT_FOUND", "outside": "NIXL_ERR_NOT_FOUND",
-              "length-mismatch": ("NIXL_ERR_INVALID_PARAM", "NIXL_ERR_MISMATCH"),
-              "zero-length": ("NIXL_ERR_INVALID_PARAM", "NIXL_ERR_NOT_FOUND"),
-              "read-only-write": "NIXL_ERR_INVALID_PARAM"}[case]
-    scene.check(f"invalid descriptors: {case}", lambda: rel.run_request(scene.rig, make), expect,
-                ("prep",), log_lines=0 if agent_side else 1)
+    expect = {
+        "unregistered": "NIXL_ERR_NOT_FOUND",
+        "outside": "NIXL_ERR_NOT_FOUND",
+        "length-mismatch": ("NIXL_ERR_INVALID_PARAM", "NIXL_ERR_MISMATCH"),
+        "zero-length": ("NIXL_ERR_INVALID_PARAM", "NIXL_ERR_NOT_FOUND"),
+        "read-only-write": "NIXL_ERR_INVALID_PARAM",
+    }[case]
+    scene.check(
+        f"invalid descriptors: {case}",
+        lambda: rel.run_request(scene.rig, make),
+        expect,
+        ("prep",),
+        log_lines=0 if agent_side else 1,
+    )
 
 
 def test_overlapping_descriptors(scene, rng):
@@ -549,23 +691,39 @@ def test_overlapping_descriptors(scene, rng):
     scene.reg(scene.rig.reg_dram(src))
     scene.reg(scene.rig.reg_dram(dst))
     scene.reg(scene.rig.reg_fd(fd, MiB))
-    d = [(0, 64 * KiB), (32 * KiB, 64 * KiB), (16 * KiB, 200 * KiB), (300 * KiB, 4 * KiB), (300 * KiB, 4 * KiB)]
+    d = [
+        (0, 64 * KiB),
+        (32 * KiB, 64 * KiB),
+        (16 * KiB, 200 * KiB),
+        (300 * KiB, 4 * KiB),
+        (300 * KiB, 4 * KiB),
+    ]
 
     def action():
-        w = rel.run_request(scene.rig, lambda: scene.rig.xfer(
-            "WRITE", [(src.addr + o, n) for o, n in d], [(o, n, fd) for o, n in d]))
+        w = rel.run_request(
+            scene.rig,
+            lambda: scene.rig.xfer(
+                "WRITE", [(src.addr + o, n) for o, n in d], [(o, n, fd) for o, n in d]
+            ),
+        )
         if w.failed:
             return w
-        return rel.run_request(scene.rig, lambda: scene.rig.xfer(
-            "READ", [(dst.addr + o, n) for o, n in d], [(o, n, fd) for o, n in d]))
+        return rel.run_request(
+            scene.rig,
+            lambda: scene.rig.xfer(
+                "READ", [(dst.addr + o, n) for o, n in d], [(o, n, fd) for o, n in d]
+            ),
+        )
 
     def verify():
         got = H.read_file(p)
         for o, n in d:
-            assert np.array_equal(got[o:o + n], src.arr[o:o + n]), f"file [{o},+{n})"
-            assert np.array_equal(dst.arr[o:o + n], src.arr[o:o + n]), f"memory [{o},+{n})"
+            assert np.array_equal(got[o : o + n], src.arr[o : o + n]), f"file [{o},+{n})"
+            assert np.array_equal(dst.arr[o : o + n], src.arr[o : o + n]), f"memory [{o},+{n})"
 
-    scene.check("overlapping descriptors", action, "NIXL_SUCCESS", ("done",), log_lines=0, extra=verify)
+    scene.check(
+        "overlapping descriptors", action, "NIXL_SUCCESS", ("done",), log_lines=0, extra=verify
+    )
 
 
 @pytest.mark.parametrize("what", ["offset", "length", "memory"])
@@ -577,12 +735,19 @@ def test_odirect_misalignment(scene, rng, what):
     scene.reg(scene.rig.reg_dram(buf))
     scene.reg(scene.rig.reg_fd(fd, MiB))
     m, f, n = {"offset": (0, 100, 4096), "length": (0, 0, 1000), "memory": (17, 0, 4096)}[what]
-    scene.check(f"O_DIRECT misalignment ({what})", lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-        "READ", [(buf.addr + m, n)], [(f, n, fd)])),
-        "NIXL_ERR_INVALID_PARAM", ("prep",), contains=("O_DIRECT",))
+    scene.check(
+        f"O_DIRECT misalignment ({what})",
+        lambda: rel.run_request(
+            scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr + m, n)], [(f, n, fd)])
+        ),
+        "NIXL_ERR_INVALID_PARAM",
+        ("prep",),
+        contains=("O_DIRECT",),
+    )
 
 
 # ---- environment: GPU libraries, kernel uAPI ------------------------------------------------------
+
 
 def _have_lib(name):
     try:
@@ -604,11 +769,17 @@ def test_missing_libcuda(scene):
             return rel.Result("done", "NIXL_SUCCESS", "-")
         except errs as e:
             return rel.Result("register", rel.exc_status(e), "-")
+
     # NIXL's registerMem turns any backend refusal into NIXL_ERR_BACKEND ("registration failed
     # for the specified or all potential backends"); the plugin's own status is checked by the
     # C++ driver in tests/asan.
-    scene.check("missing libcuda (VRAM registration)", action,
-                ("NIXL_ERR_NOT_SUPPORTED", "NIXL_ERR_BACKEND"), ("register",), contains=("libcuda",))
+    scene.check(
+        "missing libcuda (VRAM registration)",
+        action,
+        ("NIXL_ERR_NOT_SUPPORTED", "NIXL_ERR_BACKEND"),
+        ("register",),
+        contains=("libcuda",),
+    )
 
 
 def test_cufile_not_available(scene_factory):
@@ -622,9 +793,13 @@ def test_cufile_not_available(scene_factory):
             return rel.Result("done", "NIXL_SUCCESS", "-")
         except errs as e:
             return rel.Result("register", rel.exc_status(e), "-")
-    want = ("libcufile", "cufile", "libcuda")
-    res = scene.check("vram_path=cufile (no libcufile path)", action,
-                      ("NIXL_ERR_NOT_SUPPORTED", "NIXL_ERR_BACKEND"), ("register",))
+
+    res = scene.check(
+        "vram_path=cufile (no libcufile path)",
+        action,
+        ("NIXL_ERR_NOT_SUPPORTED", "NIXL_ERR_BACKEND"),
+        ("register",),
+    )
     print(res)
 
 
@@ -641,15 +816,21 @@ def test_no_dmabuf_uapi(scene_factory):
             return rel.Result("done", "NIXL_SUCCESS", "-")
         except errs as e:
             return rel.Result("register", rel.exc_status(e), "-")
+
     res = action()
     if res.status == "NIXL_SUCCESS":
         pytest.skip("this kernel has the io_uring DMA-BUF uAPI; the refusal case needs one without")
-    scene.check("kernel without the io_uring DMA-BUF uAPI (dram_dmabuf=on)", action,
-                ("NIXL_ERR_NOT_SUPPORTED", "NIXL_ERR_BACKEND"), ("register",),
-                contains=("dram_dmabuf=on", "DMA-BUF uAPI"))
+    scene.check(
+        "kernel without the io_uring DMA-BUF uAPI (dram_dmabuf=on)",
+        action,
+        ("NIXL_ERR_NOT_SUPPORTED", "NIXL_ERR_BACKEND"),
+        ("register",),
+        contains=("dram_dmabuf=on", "DMA-BUF uAPI"),
+    )
 
 
 # ---- BLK: loop devices, and a loop device on the fault filesystem ----------------------------------
+
 
 def _losetup(path, direct=False):
     args = ["losetup", "--find", "--show"] + (["--direct-io=on"] if direct else []) + [path]
@@ -683,17 +864,34 @@ def test_blk_eio_through_loop_on_faultfs(scene, rng):
         scene.reg(r)
 
         def action():
-            return rel.run_request(scene.rig, lambda: scene.rig.xfer(
-                "READ", [(buf.addr + i, 256 * KiB) for i in range(0, SIZE, 256 * KiB)],
-                [(i, 256 * KiB, dev_id) for i in range(0, SIZE, 256 * KiB)], file_kind="BLOCK"))
+            return rel.run_request(
+                scene.rig,
+                lambda: scene.rig.xfer(
+                    "READ",
+                    [(buf.addr + i, 256 * KiB) for i in range(0, SIZE, 256 * KiB)],
+                    [(i, 256 * KiB, dev_id) for i in range(0, SIZE, 256 * KiB)],
+                    file_kind="BLOCK",
+                ),
+            )
+
         def good_part():  # the good part of the device reads
-            res = rel.run_request(scene.rig, lambda: scene.rig.xfer(
-                "READ", [(buf.addr, MiB)], [(0, MiB, dev_id)], file_kind="BLOCK"))
+            res = rel.run_request(
+                scene.rig,
+                lambda: scene.rig.xfer(
+                    "READ", [(buf.addr, MiB)], [(0, MiB, dev_id)], file_kind="BLOCK"
+                ),
+            )
             assert res.status == "NIXL_SUCCESS", res
             assert np.array_equal(buf.arr[:MiB], content[:MiB])
-        scene.check("EIO on read, BLK (loop device on the fault filesystem)", action,
-                    "NIXL_ERR_BACKEND", ("post", "check"), contains=("Input/output error",),
-                    extra=good_part)
+
+        scene.check(
+            "EIO on read, BLK (loop device on the fault filesystem)",
+            action,
+            "NIXL_ERR_BACKEND",
+            ("post", "check"),
+            contains=("Input/output error",),
+            extra=good_part,
+        )
     finally:
         gc.collect()
         _lodetach(dev)
@@ -710,16 +908,32 @@ def test_blk_eio_on_write_through_loop_on_faultfs(scene, rng):
         scene.reg(r)
 
         def good_part():  # the first MiB of the device still takes writes and reads back
-            res = rel.run_request(scene.rig, lambda: scene.rig.xfer(
-                "WRITE", [(buf.addr, MiB)], [(0, MiB, dev_id)], file_kind="BLOCK"))
+            res = rel.run_request(
+                scene.rig,
+                lambda: scene.rig.xfer(
+                    "WRITE", [(buf.addr, MiB)], [(0, MiB, dev_id)], file_kind="BLOCK"
+                ),
+            )
             assert res.status == "NIXL_SUCCESS", res
             got = m.backing_bytes()[:MiB]
             assert np.array_equal(got, buf.arr[:MiB]), H.first_diff(got, buf.arr[:MiB])
-        scene.check("EIO on write, BLK (loop device on the fault filesystem)", lambda: rel.run_request(
-            scene.rig, lambda: scene.rig.xfer(
-                "WRITE", [(buf.addr + i, 256 * KiB) for i in range(0, SIZE, 256 * KiB)],
-                [(i, 256 * KiB, dev_id) for i in range(0, SIZE, 256 * KiB)], file_kind="BLOCK")),
-            "NIXL_ERR_BACKEND", ("post", "check"), contains=("Input/output error",), extra=good_part)
+
+        scene.check(
+            "EIO on write, BLK (loop device on the fault filesystem)",
+            lambda: rel.run_request(
+                scene.rig,
+                lambda: scene.rig.xfer(
+                    "WRITE",
+                    [(buf.addr + i, 256 * KiB) for i in range(0, SIZE, 256 * KiB)],
+                    [(i, 256 * KiB, dev_id) for i in range(0, SIZE, 256 * KiB)],
+                    file_kind="BLOCK",
+                ),
+            ),
+            "NIXL_ERR_BACKEND",
+            ("post", "check"),
+            contains=("Input/output error",),
+            extra=good_part,
+        )
     finally:
         gc.collect()
         _lodetach(dev)
@@ -735,17 +949,28 @@ def test_blk_misaligned(scene, rng):
         scene.reg(scene.rig.reg_dram(buf))
         dev_id, r = _reg_blk(scene, dev, SIZE)
         scene.reg(r)
-        scene.check("BLK misaligned offset", lambda: rel.run_request(scene.rig, lambda: scene.rig.xfer(
-            "READ", [(buf.addr, 4096)], [(100, 4096, dev_id)], file_kind="BLOCK")),
-            "NIXL_ERR_INVALID_PARAM", ("prep",), contains=("O_DIRECT",))
+        scene.check(
+            "BLK misaligned offset",
+            lambda: rel.run_request(
+                scene.rig,
+                lambda: scene.rig.xfer(
+                    "READ", [(buf.addr, 4096)], [(100, 4096, dev_id)], file_kind="BLOCK"
+                ),
+            ),
+            "NIXL_ERR_INVALID_PARAM",
+            ("prep",),
+            contains=("O_DIRECT",),
+        )
     finally:
         gc.collect()
         _lodetach(dev)
 
 
-KERNEL_SHORT_READ = ("kernel: io_uring retries a short read of a FUSE direct_io file itself, at the "
-                     "stale offset 0 (the FUSE daemon sees every retry at offset 0); NIXL's POSIX "
-                     "backend gets the same misplaced bytes (RELIABILITY.md)")
+KERNEL_SHORT_READ = (
+    "kernel: io_uring retries a short read of a FUSE direct_io file itself, at the "
+    "stale offset 0 (the FUSE daemon sees every retry at offset 0); NIXL's POSIX "
+    "backend gets the same misplaced bytes (RELIABILITY.md)"
+)
 
 
 @pytest.mark.privileged
@@ -760,7 +985,9 @@ def test_short_reads_fuse_direct_io(scene, rng):
     scene.reg(scene.rig.reg_dram(buf))
     fd = scene.fd(os.open(m.path, os.O_RDONLY))
     scene.reg(scene.rig.reg_fd(fd, MiB))
-    res = rel.run_request(scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr, MiB)], [(0, MiB, fd)]))
+    res = rel.run_request(
+        scene.rig, lambda: scene.rig.xfer("READ", [(buf.addr, MiB)], [(0, MiB, fd)])
+    )
     equal = bool(np.array_equal(buf.arr, content))
     diff = "" if equal else H.first_diff(buf.arr, content)
     scene.by.start()
@@ -769,9 +996,17 @@ def test_short_reads_fuse_direct_io(scene, rng):
     gc.collect()
     stats = m.stop()
     log = stats.get("read_log", [])
-    record({"fault": "short reads (FUSE direct_io, 4 KiB per reply)", "stage": res.stage,
-            "status": res.status, "bytes_equal": equal, "diff": diff, "fuse_read_log": log[:6],
-            "short_replies": stats.get("short_reads")})
+    record(
+        {
+            "fault": "short reads (FUSE direct_io, 4 KiB per reply)",
+            "stage": res.stage,
+            "status": res.status,
+            "bytes_equal": equal,
+            "diff": diff,
+            "fuse_read_log": log[:6],
+            "short_replies": stats.get("short_reads"),
+        }
+    )
     assert res.status in ("NIXL_SUCCESS", "NIXL_ERR_BACKEND"), res
     if res.status == "NIXL_SUCCESS" and not equal:
         kernel_retry_at_zero = len(log) > 1 and all(off == 0 for off, _ in log)

@@ -17,10 +17,9 @@ import json
 import os
 import time
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 import rel
 
 pytestmark = pytest.mark.slow
@@ -42,8 +41,14 @@ def ring_state(fd):
 
 def measure(ring):
     files, bufs = rel.ring_tables(ring)
-    return {"fds": rel.non_ring_fds(), "rings": len(rel.ring_fds()), "fixed_files": files,
-            "fixed_buffers": bufs, "rss_kib": rel.rss_kib(), "sq_cq_pending": ring_state(ring)}
+    return {
+        "fds": rel.non_ring_fds(),
+        "rings": len(rel.ring_fds()),
+        "fixed_files": files,
+        "fixed_buffers": bufs,
+        "rss_kib": rel.rss_kib(),
+        "sq_cq_pending": ring_state(ring),
+    }
 
 
 def test_register_transfer_deregister_cycles(request, backend, is_plugin, rng, tmp_path):
@@ -84,8 +89,9 @@ def test_register_transfer_deregister_cycles(request, backend, is_plugin, rng, t
         rig.run(r, 30, what=f"cycle {c} READ")
         rig.release(r)
         if c % 16 == 0:
-            assert np.array_equal(back.arr[:n], b.arr[:n]), f"cycle {c}: " + \
-                H.first_diff(back.arr[:n], b.arr[:n])
+            assert np.array_equal(back.arr[:n], b.arr[:n]), f"cycle {c}: " + H.first_diff(
+                back.arr[:n], b.arr[:n]
+            )
             checked += 1
         rig.dereg(freg)
         rig.dereg(breg)
@@ -103,17 +109,27 @@ def test_register_transfer_deregister_cycles(request, backend, is_plugin, rng, t
     w = r = breg = freg = back_reg = None
     del rig, agent
     import gc
+
     gc.collect()
     after = set(rel.ring_fds())
-    summary = {"cycles": cycles, "seconds": round(took, 1), "bytes_checked_cycles": checked,
-               "warm": base, "end": end, "ring_closed": ring not in after, "samples": samples}
+    summary = {
+        "cycles": cycles,
+        "seconds": round(took, 1),
+        "bytes_checked_cycles": checked,
+        "warm": base,
+        "end": end,
+        "ring_closed": ring not in after,
+        "samples": samples,
+    }
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "leaks.jsonl"), "a") as f:
         f.write(json.dumps(summary) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "samples"}))
     assert end["fds"] == base["fds"], f"fds grew: {base['fds']} -> {end['fds']}"
-    assert (end["fixed_files"], end["fixed_buffers"]) == (base["fixed_files"], base["fixed_buffers"]), \
-        f"io_uring tables grew: {base} -> {end}"
+    assert (end["fixed_files"], end["fixed_buffers"]) == (
+        base["fixed_files"],
+        base["fixed_buffers"],
+    ), f"io_uring tables grew: {base} -> {end}"
     assert end["sq_cq_pending"] == (0, 0), f"ring not idle after the cycles: {end}"
     assert end["rings"] == base["rings"]
     growth = end["rss_kib"] - base["rss_kib"]

@@ -14,10 +14,9 @@ import os
 import threading
 import time
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 import rel
 
 pytestmark = pytest.mark.slow
@@ -35,8 +34,14 @@ class Worker:
         self.tmp = tmp_path
         self.src, self.dst = H.Buf(REGION), H.Buf(REGION)
         self.regs = [rig.reg_dram(self.src), rig.reg_dram(self.dst)]
-        self.counts = {"roundtrip": 0, "release_inflight": 0, "release_was_proc": 0,
-                       "repost": 0, "register_cycle": 0, "bytes": 0}
+        self.counts = {
+            "roundtrip": 0,
+            "release_inflight": 0,
+            "release_was_proc": 0,
+            "repost": 0,
+            "register_cycle": 0,
+            "bytes": 0,
+        }
         self.error = None
 
     def descs(self, direct):
@@ -82,17 +87,22 @@ class Worker:
             rig.agent.release_dlist_handle(h)
             rig.dlists.remove(h)
         for m, s in zip(moff, sizes):
-            if not np.array_equal(self.dst.arr[m:m + s], self.src.arr[m:m + s]):
-                raise AssertionError(f"thread {self.t}: descriptor mem {m} size {s}: "
-                                     + H.first_diff(self.dst.arr[m:m + s], self.src.arr[m:m + s]))
+            if not np.array_equal(self.dst.arr[m : m + s], self.src.arr[m : m + s]):
+                raise AssertionError(
+                    f"thread {self.t}: descriptor mem {m} size {s}: "
+                    + H.first_diff(self.dst.arr[m : m + s], self.src.arr[m : m + s])
+                )
         self.counts["roundtrip"] += 1
         self.counts["bytes"] += 2 * int(sizes.sum())
 
     def release_inflight(self):
         rig = self.rig
         c = H.MiB
-        h = rig.xfer("READ", [(self.dst.addr + i, c) for i in range(0, REGION, c)],
-                     [(self.base + i, c, self.dfd) for i in range(0, REGION, c)])
+        h = rig.xfer(
+            "READ",
+            [(self.dst.addr + i, c) for i in range(0, REGION, c)],
+            [(self.base + i, c, self.dfd) for i in range(0, REGION, c)],
+        )
         st = rig.agent.transfer(h)
         rig.release(h)
         snap = self.dst.arr.copy()
@@ -114,8 +124,10 @@ class Worker:
             self.dst.arr[:n] = k
             rig.run(r, 60, what=f"repost {k}")
             if not np.array_equal(self.dst.arr[:n], self.src.arr[:n]):
-                raise AssertionError(f"thread {self.t}: repost {k}: "
-                                     + H.first_diff(self.dst.arr[:n], self.src.arr[:n]))
+                raise AssertionError(
+                    f"thread {self.t}: repost {k}: "
+                    + H.first_diff(self.dst.arr[:n], self.src.arr[:n])
+                )
         rig.release(r)
         self.counts["repost"] += 1
 
@@ -145,6 +157,7 @@ class Worker:
                     self.register_cycle()
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             import traceback
+
             self.error = f"thread {self.t}: {e!r}\n{traceback.format_exc()}"
 
 
@@ -153,9 +166,12 @@ def test_eight_threads(request, backend, is_plugin, rng, tmp_path, need_direct, 
     if not is_plugin:
         pytest.skip("the stress mix includes plugin-only guarantees (release drains in flight)")
     from nixl._api import nixl_thread_sync_t
+
     seconds = request.config.getoption("--stress-seconds") or 5.0
-    sync = {"NONE": nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
-            "RW": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW}[mode]
+    sync = {
+        "NONE": nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
+        "RW": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+    }[mode]
     gc_before = rel.Snapshot()
     agent = H.make_agent(backend, sync_mode=sync)
     rig = H.Rig(agent, backend)
@@ -166,8 +182,10 @@ def test_eight_threads(request, backend, is_plugin, rng, tmp_path, need_direct, 
     try:
         rig.reg_fd(fd, THREADS * REGION)
         rig.reg_fd(dfd, THREADS * REGION)
-        workers = [Worker(rig, t, int(rng.integers(1 << 62)), fd, dfd, tmp_path, mode == "RW")
-                   for t in range(THREADS)]
+        workers = [
+            Worker(rig, t, int(rng.integers(1 << 62)), fd, dfd, tmp_path, mode == "RW")
+            for t in range(THREADS)
+        ]
         deadline = time.monotonic() + seconds
         threads = [threading.Thread(target=w, args=(deadline,), daemon=True) for w in workers]
         t0 = time.monotonic()
@@ -180,8 +198,13 @@ def test_eight_threads(request, backend, is_plugin, rng, tmp_path, need_direct, 
         assert not hung, f"threads {hung} did not finish"
         errors = [w.error for w in workers if w.error]
         total = {k: sum(w.counts[k] for w in workers) for k in workers[0].counts}
-        entry = {"mode": mode, "threads": THREADS, "seconds": round(took, 1), **total,
-                 "errors": len(errors)}
+        entry = {
+            "mode": mode,
+            "threads": THREADS,
+            "seconds": round(took, 1),
+            **total,
+            "errors": len(errors),
+        }
         os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "stress.jsonl"), "a") as f:
             f.write(json.dumps(entry) + "\n")
@@ -194,6 +217,7 @@ def test_eight_threads(request, backend, is_plugin, rng, tmp_path, need_direct, 
         os.close(dfd)
         rig = agent = workers = threads = None
         import gc
+
         gc.collect()
     d = gc_before.diff(rel.Snapshot(), closed_ok=True)
     assert not d, f"after the stress and agent teardown: {d}"

@@ -16,8 +16,7 @@ import time
 import traceback
 
 import numpy as np
-
-from nixl_io_uring_dmabuf.storage_node import NodeUnreachable, StorageClient, StorageError
+from nixl_io_uring_dmabuf.storage_node import StorageClient, StorageError
 
 KiB, MiB = 1 << 10, 1 << 20
 BUF = 64 * MiB
@@ -63,13 +62,13 @@ class HostBuf:
 
     def get(self, addr, ln):
         o = addr - self.base
-        return self.arr[o:o + ln]
+        return self.arr[o : o + ln]
 
     def put(self, off, data):
-        self.arr[off:off + len(data)] = data
+        self.arr[off : off + len(data)] = data
 
     def fill(self, off, ln, byte):
-        self.arr[off:off + ln] = byte
+        self.arr[off : off + ln] = byte
 
 
 class CudaBuf:
@@ -86,14 +85,14 @@ class CudaBuf:
 
     def get(self, addr, ln):
         o = addr - self.base
-        return self.t[o:o + ln].cpu().numpy()
+        return self.t[o : o + ln].cpu().numpy()
 
     def put(self, off, data):
-        self.t[off:off + len(data)].copy_(self.torch.from_numpy(np.ascontiguousarray(data)))
+        self.t[off : off + len(data)].copy_(self.torch.from_numpy(np.ascontiguousarray(data)))
         self.torch.cuda.synchronize()
 
     def fill(self, off, ln, byte):
-        self.t[off:off + ln].fill_(byte)
+        self.t[off : off + ln].fill_(byte)
         self.torch.cuda.synchronize()  # the poison must land before the node's bytes do
 
 
@@ -111,8 +110,9 @@ class Worker:
 
     def connect(self, node, addr=None, timeout=30.0, ping=0.5, mem="DRAM"):
         self.b = HostBuf(BUF) if mem == "DRAM" else CudaBuf(BUF)
-        self.c = StorageClient(node, node_addr=tuple(addr) if addr else None, timeout=timeout,
-                               ping_interval=ping)
+        self.c = StorageClient(
+            node, node_addr=tuple(addr) if addr else None, timeout=timeout, ping_interval=ping
+        )
         self.c.register(self.base, BUF, mem=self.b.mem, dev=0)
         return {"name": self.c.name}
 
@@ -138,10 +138,16 @@ class Worker:
                     got = self.view(a, ln)
                     if not np.array_equal(want, got):
                         bad = int(np.argmax(want != got))
-                        return {"ok": False, "error": f"block {i} (file offset {f}, {ln} B): first wrong byte at +{bad}: "
-                                                      f"got {int(got[bad])} want {int(want[bad])}"}
+                        return {
+                            "ok": False,
+                            "error": f"block {i} (file offset {f}, {ln} B): first wrong byte at +{bad}: "
+                            f"got {int(got[bad])} want {int(want[bad])}",
+                        }
             if n != sum(ln for _, ln, _ in blocks):
-                return {"ok": False, "error": f"node reported {n} bytes for {sum(ln for _, ln, _ in blocks)}"}
+                return {
+                    "ok": False,
+                    "error": f"node reported {n} bytes for {sum(ln for _, ln, _ in blocks)}",
+                }
             total += n
         return {"ok": True, "bytes": total, "blocks": len(blocks)}
 
@@ -162,7 +168,10 @@ class Worker:
         with open(path, "rb") as fh:
             for i, (f, ln, a) in enumerate(blocks):
                 if os.pread(fh.fileno(), ln, f) != self.view(a, ln).tobytes():
-                    return {"ok": False, "error": f"after WRITE, file bytes of block {i} (offset {f}) differ"}
+                    return {
+                        "ok": False,
+                        "error": f"after WRITE, file bytes of block {i} (offset {f}) differ",
+                    }
         # Read back through the node into the other half.
         back = [(f, ln, a + half) for f, ln, a in blocks]
         self.b.fill(half, used, 0x5A)
@@ -176,8 +185,15 @@ class Worker:
         """One long READ (blocks cycle over the file and the buffer); reports how it ended."""
         size = file_size(path)
         nb = total // block
-        blocks = [(file, (i * block) % (size - block + 1) // 4096 * 4096, block,
-                   self.base + (i * block) % (BUF - block + 1) // 4096 * 4096) for i in range(nb)]
+        blocks = [
+            (
+                file,
+                (i * block) % (size - block + 1) // 4096 * 4096,
+                block,
+                self.base + (i * block) % (BUF - block + 1) // 4096 * 4096,
+            )
+            for i in range(nb)
+        ]
         t0 = time.monotonic()
         p = self.c.submit("READ", blocks, mem=self.b.mem, timeout=timeout)
         say({"event": "submitted", "id": p.req_id})
@@ -185,7 +201,12 @@ class Worker:
             n = p.wait()
             return {"ok": True, "bytes": n, "elapsed": time.monotonic() - t0}
         except StorageError as e:
-            return {"ok": False, "type": type(e).__name__, "error": str(e), "elapsed": time.monotonic() - t0}
+            return {
+                "ok": False,
+                "type": type(e).__name__,
+                "error": str(e),
+                "elapsed": time.monotonic() - t0,
+            }
 
     def retry_read_verify(self, file, path, seed, within=60.0, **kw):
         """read_verify until it succeeds (a node being restarted); reports the failures seen."""
@@ -199,7 +220,11 @@ class Worker:
             except StorageError as e:
                 failures.append(f"{type(e).__name__}: {e}")
                 if time.monotonic() > deadline:
-                    return {"ok": False, "error": f"no successful read within {within:.0f} s", "failures": failures[-5:]}
+                    return {
+                        "ok": False,
+                        "error": f"no successful read within {within:.0f} s",
+                        "failures": failures[-5:],
+                    }
                 time.sleep(0.5)
 
     def stats(self):

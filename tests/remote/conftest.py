@@ -45,9 +45,13 @@ def _remote_setup() -> dict:
     if os.environ.get("IUD_REMOTE_SETUP") == "0":  # machines without apt access (the GPU host)
         return {p: "not installed (IUD_REMOTE_SETUP=0: not installing)" for p in missing}
     if os.geteuid() != 0:
-        return {p: "not installed, and not root to install it (run ci/remote-setup.sh)" for p in missing}
+        return {
+            p: "not installed, and not root to install it (run ci/remote-setup.sh)" for p in missing
+        }
     r = subprocess.run(["bash", script], capture_output=True, text=True, timeout=300)
-    why = f"ci/remote-setup.sh failed: {r.stderr.strip()[-300:]}" if r.returncode else "not installed"
+    why = (
+        f"ci/remote-setup.sh failed: {r.stderr.strip()[-300:]}" if r.returncode else "not installed"
+    )
     return {p: why for p in needs()}
 
 
@@ -61,8 +65,10 @@ def bed(remote_setup):
     if "iproute2" in remote_setup:
         pytest.skip(f"iproute2: {remote_setup['iproute2']}")
     if not testbed.plugin_dir_ready():
-        pytest.skip("no plugin folder with IO_URING_DMABUF (run bash ci/build.sh; NIXL_PLUGIN_DIR="
-                    f"{os.environ.get('NIXL_PLUGIN_DIR')!r})")
+        pytest.skip(
+            "no plugin folder with IO_URING_DMABUF (run bash ci/build.sh; NIXL_PLUGIN_DIR="
+            f"{os.environ.get('NIXL_PLUGIN_DIR')!r})"
+        )
     b = testbed.Testbed()
     try:
         b.up()
@@ -98,8 +104,14 @@ class Worker:
 
     def __init__(self, bed, etcd=None, name="w"):
         self.log = os.path.join(bed.tmp, f"client-{name}-{len(bed.procs)}.log")
-        self.p = bed.client([sys.executable, WORKER], etcd=etcd, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=open(self.log, "w"), text=True)
+        self.p = bed.client(
+            [sys.executable, WORKER],
+            etcd=etcd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.log, "w"),
+            text=True,
+        )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.events = []
@@ -117,7 +129,9 @@ class Worker:
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
-            pytest.fail(f"client worker gave no answer within {timeout:.0f} s (hung)\n{self.tail()}")
+            pytest.fail(
+                f"client worker gave no answer within {timeout:.0f} s (hung)\n{self.tail()}"
+            )
         if line is None:
             pytest.fail(f"client worker exited ({self.p.poll()})\n{self.tail()}")
         return json.loads(line)

@@ -59,7 +59,9 @@ def test_two_clients_read_and_write_concurrently(bed, request, data_file, worker
         assert r["bytes"] > 24 * MiB
     # Writes into disjoint halves of the rw export, checked in the file and read back.
     for i, w in enumerate((w1, w2)):
-        w.send(cmd="write_verify", file="rw", path=rw, seed=20 + i, start=i * 16 * MiB, length=16 * MiB)
+        w.send(
+            cmd="write_verify", file="rw", path=rw, seed=20 + i, start=i * 16 * MiB, length=16 * MiB
+        )
     for w in (w1, w2):
         r = w.answer()
         assert r["ok"], r
@@ -107,8 +109,9 @@ def test_client_that_disappears_mid_request_frees_its_buffers(bed, etcd, data_fi
     assert s["active_requests"] >= 1, f"the victim's request never became active: {s}"
     os.kill(victim.p.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
     s = wait_stats(other, lambda s: s["active_requests"] == 0 and s["free_buffers"] == BUFFERS)
-    assert s["active_requests"] == 0 and s["free_buffers"] == BUFFERS, \
+    assert s["active_requests"] == 0 and s["free_buffers"] == BUFFERS, (
         f"buffers not freed after the client was {how}: {s}\n{open(log).read()[-3000:]}"
+    )
     assert s["clients_dropped"] >= 1 and s["requests_failed"] >= 1, s
     # The node still serves the other client.
     r = other.call(cmd="read_verify", file="kv", path=data_file, seed=7, budget=16 * MiB)
@@ -118,7 +121,9 @@ def test_client_that_disappears_mid_request_frees_its_buffers(bed, etcd, data_fi
 
 @pytest.mark.parametrize("md", ["etcd", "p2p"])
 @pytest.mark.parametrize("how", ["killed", "stopped"])
-def test_node_that_dies_mid_request_fails_the_client_then_serves_again(bed, request, data_file, worker, md, how):
+def test_node_that_dies_mid_request_fails_the_client_then_serves_again(
+    bed, request, data_file, worker, md, how
+):
     env_etcd = request.getfixturevalue("etcd") if md == "etcd" else None
     node, log = node_ready(bed, env_etcd, data_file)
     w = worker(env_etcd)
@@ -134,15 +139,21 @@ def test_node_that_dies_mid_request_fails_the_client_then_serves_again(bed, requ
     assert not r["ok"], f"the request survived its node being {how}: {r}"
     want = "NodeUnreachable" if how == "killed" else "RequestTimeout"
     assert r["type"] == want, r
-    print(f"client error after the node was {how}: {r['type']} after {r['elapsed']:.2f} s: {r['error']}")
+    print(
+        f"client error after the node was {how}: {r['type']} after {r['elapsed']:.2f} s: {r['error']}"
+    )
     if how == "stopped":
         os.kill(node.pid, signal.SIGKILL)
     node.wait(30)
     # A new node process under the same name re-registers its exports and publishes again.
     node2, log2 = node_ready(bed, env_etcd, data_file)
-    r = w.call(cmd="retry_read_verify", file="kv", path=data_file, seed=2, budget=16 * MiB, within=60)
+    r = w.call(
+        cmd="retry_read_verify", file="kv", path=data_file, seed=2, budget=16 * MiB, within=60
+    )
     assert r["ok"], f"{r}\n{open(log2).read()[-3000:]}"
-    print(f"restarted node served after {len(r['failures_before'])} failed attempt(s): {r['failures_before'][-2:]}")
+    print(
+        f"restarted node served after {len(r['failures_before'])} failed attempt(s): {r['failures_before'][-2:]}"
+    )
     assert node2.poll() is None
 
 
@@ -156,8 +167,11 @@ def test_block_device_export(bed, worker):
     img = os.path.join(bed.tmp, "blk.img")
     with open(img, "wb") as f:
         f.write(os.urandom(32 * MiB))
-    r = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", "-b", "4096", img],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["losetup", "-f", "--show", "--direct-io=on", "-b", "4096", img],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         pytest.skip(f"no loop device: {r.stderr.strip()}")
     dev = r.stdout.strip()

@@ -26,8 +26,10 @@ def _cuda() -> str:
     return ""
 
 
-pytestmark = [pytest.mark.privileged,  # network namespaces
-              pytest.mark.skipif(bool(_cuda()), reason=_cuda() or "CUDA available")]
+pytestmark = [
+    pytest.mark.privileged,  # network namespaces
+    pytest.mark.skipif(bool(_cuda()), reason=_cuda() or "CUDA available"),
+]
 
 UCX_TLS = os.environ.get("IUDS_VRAM_UCX_TLS", "tcp,cuda_copy,cuda_ipc")
 
@@ -46,9 +48,19 @@ def test_client_vram_read_and_write(bed, request, data_file, worker, md, pool, m
 
     monkeypatch.setattr(bed, "env", env)
     rw = os.path.join(bed.tmp, "rw.bin")
-    node, log = bed.start_node("node1", [f"kv={data_file}", f"rw={rw}:rw:size={32 * MiB}"],
-                               "--buffers", "8", "--buffer-size", "2M", "--port", "8888",
-                               "--pool-mem", pool, etcd=etcd)
+    node, log = bed.start_node(
+        "node1",
+        [f"kv={data_file}", f"rw={rw}:rw:size={32 * MiB}"],
+        "--buffers",
+        "8",
+        "--buffer-size",
+        "2M",
+        "--port",
+        "8888",
+        "--pool-mem",
+        pool,
+        etcd=etcd,
+    )
     w = worker(etcd)
     addr = ["10.77.0.1", 8888] if md == "p2p" else None
     assert w.call(cmd="connect", node="node1", addr=addr, mem="VRAM")["ok"]
@@ -57,8 +69,10 @@ def test_client_vram_read_and_write(bed, request, data_file, worker, md, pool, m
     r = w.call(cmd="write_verify", file="rw", path=rw, seed=4, start=0, length=16 * MiB)
     assert r["ok"], f"{r}\n{open(log).read()[-3000:]}"
     s = w.call(cmd="stats")
-    print(f"VRAM client, {pool} staging, {md}: {s['bytes_read']} B read, {s['bytes_written']} B written, "
-          f"UCX_TLS={UCX_TLS}")
+    print(
+        f"VRAM client, {pool} staging, {md}: {s['bytes_read']} B read, {s['bytes_written']} B written, "
+        f"UCX_TLS={UCX_TLS}"
+    )
     assert s["requests_failed"] == 0, s
     assert w.call(cmd="quit")["ok"]
     assert node.poll() is None, open(log).read()

@@ -43,10 +43,10 @@ NO_REPLY = {FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT}
 FUSE_BIG_WRITES = 1 << 5
 MAX_IO = 128 * 1024
 
-IN_HDR = struct.Struct("<IIQQIIIHH")          # fuse_in_header, 40 bytes
-OUT_HDR = struct.Struct("<IiQ")               # fuse_out_header, 16 bytes
-ATTR = struct.Struct("<QQQQQQIIIIIIIIII")     # fuse_attr, 88 bytes
-READ_IN = struct.Struct("<QQIIQII")           # fuse_read_in / fuse_write_in, 40 bytes
+IN_HDR = struct.Struct("<IIQQIIIHH")  # fuse_in_header, 40 bytes
+OUT_HDR = struct.Struct("<IiQ")  # fuse_out_header, 16 bytes
+ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr, 88 bytes
+READ_IN = struct.Struct("<QQIIQII")  # fuse_read_in / fuse_write_in, 40 bytes
 INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")  # fuse_init_out, 64 bytes
 
 ROOT, DATA = 1, 2
@@ -61,15 +61,16 @@ class FaultFS:
         if mode.startswith("hang:"):
             _, at, secs = mode.split(":")
             self.hang_at, self.hang_s = int(at), float(secs)
-        self.stats = {"reads": 0, "writes": 0, "eio": 0, "read_bytes": 0,
-                      "written_bytes": 0}
+        self.stats = {"reads": 0, "writes": 0, "eio": 0, "read_bytes": 0, "written_bytes": 0}
         self.fd = os.open("/dev/fuse", os.O_RDWR)
 
     def mount(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         opts = f"fd={self.fd},rootmode=40000,user_id=0,group_id=0,max_read={MAX_IO}"
-        if libc.mount(b"iud-faultfs", self.mnt.encode(), b"fuse.iud-faultfs", 2 | 4,
-                      opts.encode()) != 0:
+        if (
+            libc.mount(b"iud-faultfs", self.mnt.encode(), b"fuse.iud-faultfs", 2 | 4, opts.encode())
+            != 0
+        ):
             e = ctypes.get_errno()
             raise OSError(e, f"mount fuse on {self.mnt}: {os.strerror(e)}")
 
@@ -77,15 +78,17 @@ class FaultFS:
         if node == ROOT:
             return ATTR.pack(ROOT, 0, 0, 0, 0, 0, 0, 0, 0, 0o40755, 2, 0, 0, 0, 4096, 0)
         size = os.fstat(self.bfd).st_size
-        return ATTR.pack(DATA, size, (size + 511) // 512, 0, 0, 0, 0, 0, 0, 0o100644, 1, 0, 0,
-                         0, 4096, 0)
+        return ATTR.pack(
+            DATA, size, (size + 511) // 512, 0, 0, 0, 0, 0, 0, 0o100644, 1, 0, 0, 0, 4096, 0
+        )
 
     def handle(self, op: int, node: int, body: bytes):
         """Returns (error, payload)."""
         if op == FUSE_INIT:
             major, minor = struct.unpack_from("<II", body)
-            return 0, INIT_OUT.pack(7, min(minor, 31), MAX_IO, FUSE_BIG_WRITES, 16, 12, MAX_IO,
-                                    1, 0, 0, 0, 0)
+            return 0, INIT_OUT.pack(
+                7, min(minor, 31), MAX_IO, FUSE_BIG_WRITES, 16, 12, MAX_IO, 1, 0, 0, 0, 0
+            )
         if op == FUSE_LOOKUP:
             name = body.split(b"\0", 1)[0]
             if node == ROOT and name == b"data":
@@ -115,7 +118,7 @@ class FaultFS:
             return 0, data
         if op == FUSE_WRITE:
             _, off, size, *_ = READ_IN.unpack_from(body)
-            data = body[READ_IN.size:READ_IN.size + size]
+            data = body[READ_IN.size : READ_IN.size + size]
             self.stats["writes"] += 1
             done = os.pwrite(self.bfd, data, off)
             self.stats["written_bytes"] += done
@@ -134,7 +137,7 @@ class FaultFS:
             if not req:
                 return
             _, op, unique, node, *_ = IN_HDR.unpack_from(req)
-            body = req[IN_HDR.size:]
+            body = req[IN_HDR.size :]
             if op in NO_REPLY:
                 continue
             try:
@@ -144,8 +147,7 @@ class FaultFS:
             if err:
                 payload = b""
             try:
-                os.write(self.fd, OUT_HDR.pack(OUT_HDR.size + len(payload), err, unique)
-                         + payload)
+                os.write(self.fd, OUT_HDR.pack(OUT_HDR.size + len(payload), err, unique) + payload)
             except OSError:
                 pass  # the request was interrupted
             if op == FUSE_DESTROY:
@@ -159,6 +161,7 @@ def main() -> None:
     def stop(*_):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.umount2(mnt.encode(), 2)  # MNT_DETACH
+
     signal.signal(signal.SIGTERM, stop)
     fs.mount()
     print("READY", flush=True)

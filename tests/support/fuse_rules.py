@@ -68,8 +68,17 @@ class RulesFS(base.FaultFS):
     def __init__(self, mnt: str, backing: str, spec: str):
         super().__init__(mnt, backing, "full")
         self.rules = Rules(spec)
-        self.stats.update({"read_log": [], "short_reads": 0, "short_writes": 0, "enospc": 0, "eio_write": 0, "delayed": 0,
-                           "read_times": []})
+        self.stats.update(
+            {
+                "read_log": [],
+                "short_reads": 0,
+                "short_writes": 0,
+                "enospc": 0,
+                "eio_write": 0,
+                "delayed": 0,
+                "read_times": [],
+            }
+        )
 
     def handle(self, op: int, node: int, body: bytes):
         r = self.rules
@@ -105,7 +114,7 @@ class RulesFS(base.FaultFS):
                 self.stats["enospc"] += 1
                 return -errno.ENOSPC, b""
             if r.short_write is not None and size > r.short_write:
-                data = body[base.READ_IN.size:base.READ_IN.size + r.short_write]
+                data = body[base.READ_IN.size : base.READ_IN.size + r.short_write]
                 self.stats["writes"] += 1
                 self.stats["short_writes"] += 1
                 done = os.pwrite(self.bfd, data, off)
@@ -120,7 +129,9 @@ def main() -> None:
 
     def stop(*_):
         import ctypes
+
         ctypes.CDLL(None, use_errno=True).umount2(mnt.encode(), 2)  # MNT_DETACH
+
     signal.signal(signal.SIGTERM, stop)
     fs.mount()
     print("READY", flush=True)
@@ -128,6 +139,7 @@ def main() -> None:
         fs.serve()
     finally:
         import json
+
         print("STATS " + json.dumps(fs.stats), flush=True)
 
 

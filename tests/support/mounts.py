@@ -34,8 +34,12 @@ class FuseMount:
         with open(self.backing, "wb") as f:
             f.write(content.tobytes())
         self.path = os.path.join(self.mnt, "data")
-        self.proc = subprocess.Popen([sys.executable, daemon, self.mnt, self.backing, faults],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, daemon, self.mnt, self.backing, faults],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         ready, _, _ = select.select([self.proc.stdout], [], [], 20)
         line = self.proc.stdout.readline().strip() if ready else ""
         if line != "READY":
@@ -81,8 +85,11 @@ class TmpfsMounts:
         tmpfs's own, 1777)."""
         os.mkdir(folder)
         opts = f"size={size}" + (f",mode={mode}" if mode else "") + (",ro" if ro else "")
-        p = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(folder)],
-                           capture_output=True, text=True)
+        p = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(folder)],
+            capture_output=True,
+            text=True,
+        )
         if p.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
         self.mounted.append(str(folder))

@@ -21,7 +21,8 @@ def use_test_plugin_dir() -> str:
     wheel = first_wheel()
     libs, bundled = (wheel.libs, wheel.bundled) if wheel else (None, None)
     plugin_dir = os.environ.get("IUD_PLUGIN_DIR") or (
-        os.path.join(libs, "iud-plugins") if libs else "")
+        os.path.join(libs, "iud-plugins") if libs else ""
+    )
     if not os.path.isdir(plugin_dir) and libs:
         # Not built yet: a private directory with the wheel's plugins only (enough for
         # IUD_TEST_BACKEND=POSIX runs).

@@ -66,7 +66,9 @@ class Pending:
         # The progress thread resolves every request by its deadline; the extra margin only
         # guards against that thread having died.
         if not self._done.wait(max(0.0, self.deadline - time.monotonic()) + 5.0):
-            raise RequestTimeout(f"request {self.req_id}: no answer and no deadline handling (progress thread dead?)")
+            raise RequestTimeout(
+                f"request {self.req_id}: no answer and no deadline handling (progress thread dead?)"
+            )
         if self.error:
             raise self.error
         return self.moved
@@ -79,14 +81,26 @@ class StorageClient:
     metadata exchange; None = etcd (NIXL_ETCD_ENDPOINTS must be set).
     """
 
-    def __init__(self, node: str, *, node_addr: tuple[str, int] | None = None, name: str | None = None,
-                 timeout: float = 60.0, connect_timeout: float = 10.0, ping_interval: float = 1.0,
-                 listen_port: int = 0):
+    def __init__(
+        self,
+        node: str,
+        *,
+        node_addr: tuple[str, int] | None = None,
+        name: str | None = None,
+        timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        ping_interval: float = 1.0,
+        listen_port: int = 0,
+    ):
         self.node, self.node_addr = node, node_addr
         if node_addr is None and not nixl_runtime.etcd_configured():
             raise ValueError("give node_addr=(ip, port) or set NIXL_ETCD_ENDPOINTS")
         self.md = "p2p" if node_addr else "etcd"
-        self.timeout, self.connect_timeout, self.ping_interval = timeout, connect_timeout, ping_interval
+        self.timeout, self.connect_timeout, self.ping_interval = (
+            timeout,
+            connect_timeout,
+            ping_interval,
+        )
         self.instance = secrets.token_hex(6)
         self.name = name or f"iuds-client-{socket.gethostname()}-{os.getpid()}-{self.instance}"
         nixl_runtime.use_project_plugins()
@@ -95,12 +109,18 @@ class StorageClient:
 
         nixl_agent_config, nixl_thread_sync_t = api.nixl_agent_config, api.nixl_thread_sync_t
 
-        self._errors = tuple(getattr(b, n) for n in dir(b) if n.startswith("nixl") and n.endswith("Error"))
+        self._errors = tuple(
+            getattr(b, n) for n in dir(b) if n.startswith("nixl") and n.endswith("Error")
+        )
         # The socket exchange runs on NIXL's listener thread, so a p2p client has one too (port 0:
         # the kernel picks it; the node answers on the connection the client opened).
-        cfg = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=node_addr is not None,
-                                listen_port=listen_port, backends=["UCX"],
-                                sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        cfg = nixl_agent_config(
+            enable_prog_thread=True,
+            enable_listen_thread=node_addr is not None,
+            listen_port=listen_port,
+            backends=["UCX"],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
         self.agent = nixl_runtime.make_agent(self.name, cfg, nixl_runtime.progress_delay_us())
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL's UCX plugin did not load (NIXL_LOG_LEVEL=INFO says why)")
@@ -110,7 +130,7 @@ class StorageClient:
         self._lock = threading.RLock()
         self._conn_lock = threading.Lock()
         self._regs = []
-        self._dirty = True                   # registrations not yet published
+        self._dirty = True  # registrations not yet published
         self._connected = False
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
@@ -162,7 +182,9 @@ class StorageClient:
                 else:
                     self.agent.fetch_remote_metadata(self.node)
             except self._errors as e:
-                raise NodeUnreachable(f"metadata exchange with {self.node} via {where} failed: {e!r}") from None
+                raise NodeUnreachable(
+                    f"metadata exchange with {self.node} via {where} failed: {e!r}"
+                ) from None
             step_end = min(deadline, time.monotonic() + 1.0)
             while time.monotonic() < step_end:
                 if self.agent.check_remote_metadata(self.node):
@@ -171,7 +193,9 @@ class StorageClient:
             if self.agent.check_remote_metadata(self.node):
                 break
             if time.monotonic() >= deadline:
-                raise NodeUnreachable(f"no metadata for node {self.node} via {where} within {self.connect_timeout:.0f} s")
+                raise NodeUnreachable(
+                    f"no metadata for node {self.node} via {where} within {self.connect_timeout:.0f} s"
+                )
         if self.node_addr:
             # NIXL's socket exchange may have written our first publish into a connection left
             # over from a previous node process (lost when the kernel reset it); now that the
@@ -191,7 +215,7 @@ class StorageClient:
             self._connected = False
             failed = list(self._pending.values())
             self._pending.clear()
-            for ev, box in self._stats.values():
+            for ev, _box in self._stats.values():
                 ev.set()
             self._stats.clear()
         for p in failed:
@@ -216,15 +240,30 @@ class StorageClient:
             rows.append((files.setdefault(f, len(files)), off, ln, addr, dev))
         return list(files), np.array(rows, dtype=np.uint64).reshape(-1, P.BLOCK_FIELDS)
 
-    def submit(self, op: str, blocks, *, mem: str = "DRAM", timeout: float | None = None,
-               net_only: bool = False) -> Pending:
+    def submit(
+        self,
+        op: str,
+        blocks,
+        *,
+        mem: str = "DRAM",
+        timeout: float | None = None,
+        net_only: bool = False,
+    ) -> Pending:
         """Send one request. blocks: (file, offset, length, addr[, dev]) tuples, at most
         protocol.MAX_BLOCKS. Returns a Pending; raises NodeUnreachable if it cannot be sent."""
         files, arr = self._table(blocks)
         return self.submit_array(op, files, arr, mem=mem, timeout=timeout, net_only=net_only)
 
-    def submit_array(self, op: str, files: list[str], arr: np.ndarray, *, mem: str = "DRAM",
-                     timeout: float | None = None, net_only: bool = False) -> Pending:
+    def submit_array(
+        self,
+        op: str,
+        files: list[str],
+        arr: np.ndarray,
+        *,
+        mem: str = "DRAM",
+        timeout: float | None = None,
+        net_only: bool = False,
+    ) -> Pending:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._conn_lock:
             self._connect()
@@ -244,7 +283,7 @@ class StorageClient:
 
     def _run(self, op, blocks, mem, timeout) -> int:
         blocks = list(blocks)
-        parts = [blocks[i:i + P.MAX_BLOCKS] for i in range(0, len(blocks), P.MAX_BLOCKS)]
+        parts = [blocks[i : i + P.MAX_BLOCKS] for i in range(0, len(blocks), P.MAX_BLOCKS)]
         pend = [self.submit(op, part, mem=mem, timeout=timeout) for part in parts]
         return sum(p.wait() for p in pend)
 
@@ -291,7 +330,9 @@ class StorageClient:
             if m.header.get("ok"):
                 p._resolve(int(m.header.get("bytes", 0)))
             else:
-                p._resolve(error=StorageError(f"request {rid}: {m.header.get('error') or 'failed'}"))
+                p._resolve(
+                    error=StorageError(f"request {rid}: {m.header.get('error') or 'failed'}")
+                )
             p.settled.set()
         elif m.kind == P.STATR:
             with self._lock:
@@ -318,8 +359,12 @@ class StorageClient:
                         self._pending.pop(p.req_id, None)
                         self._abandoned[p.req_id] = p
                 for p in expired:
-                    p._resolve(error=RequestTimeout(f"request {p.req_id}: no answer from {self.node} "
-                                                    f"by its deadline; asked the node to cancel it"))
+                    p._resolve(
+                        error=RequestTimeout(
+                            f"request {p.req_id}: no answer from {self.node} "
+                            f"by its deadline; asked the node to cancel it"
+                        )
+                    )
                     try:
                         with self._lock:
                             self._send(P.encode(P.CNCL, {"id": p.req_id}))

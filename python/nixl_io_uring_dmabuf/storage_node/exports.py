@@ -23,13 +23,13 @@ class Export:
     path: str
     writable: bool = False
     direct: bool = False
-    size: int = 0            # bytes served; 0 = the file's or device's current size
+    size: int = 0  # bytes served; 0 = the file's or device's current size
     fd: int = -1
     seg: str = "FILE"
     reg: object = None
 
     @classmethod
-    def parse(cls, spec: str) -> "Export":
+    def parse(cls, spec: str) -> Export:
         """NAME=PATH[:rw][:direct][:size=BYTES]"""
         name, eq, rest = spec.partition("=")
         if not eq or not name or not rest:
@@ -65,9 +65,12 @@ class Export:
                     os.ftruncate(self.fd, self.size)
                 self.size = self.size or st.st_size
             if self.size <= 0:
-                raise ValueError(f"export {self.name}: {self.path} is empty; give :size=BYTES to serve a new file")
-            self.reg = agent.register_memory([(0, self.size, self.fd, self.name)], self.seg,
-                                             backends=[backend])
+                raise ValueError(
+                    f"export {self.name}: {self.path} is empty; give :size=BYTES to serve a new file"
+                )
+            self.reg = agent.register_memory(
+                [(0, self.size, self.fd, self.name)], self.seg, backends=[backend]
+            )
         except BaseException:
             os.close(self.fd)
             self.fd = -1

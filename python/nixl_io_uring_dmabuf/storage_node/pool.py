@@ -18,10 +18,19 @@ ALIGN = 4096
 
 
 class BufferPool:
-    def __init__(self, agent, count: int, size: int, mem: str = "DRAM", backends: list[str] | None = None,
-                 gpu: int = 0):
+    def __init__(
+        self,
+        agent,
+        count: int,
+        size: int,
+        mem: str = "DRAM",
+        backends: list[str] | None = None,
+        gpu: int = 0,
+    ):
         if count < 2:
-            raise ValueError(f"the pool needs at least 2 buffers to overlap storage and network, got {count}")
+            raise ValueError(
+                f"the pool needs at least 2 buffers to overlap storage and network, got {count}"
+            )
         if size < ALIGN or size % ALIGN:
             raise ValueError(f"buffer size must be a multiple of {ALIGN}, got {size}")
         self.agent, self.count, self.size, self.mem = agent, count, size, mem
@@ -41,8 +50,9 @@ class BufferPool:
             self.dev = gpu
         else:
             raise ValueError(f"pool memory must be DRAM or VRAM, got {mem!r}")
-        self._reg = agent.register_memory([(self.base, total, self.dev, "iuds-pool")], mem,
-                                          backends=backends or [])
+        self._reg = agent.register_memory(
+            [(self.base, total, self.dev, "iuds-pool")], mem, backends=backends or []
+        )
         self._free = list(range(count - 1, -1, -1))
         self.quarantined = 0  # buffers held by transfers that could not be cancelled
 
@@ -64,7 +74,7 @@ class BufferPool:
         """The bytes of one DRAM buffer (for net-only benchmark fills and tests)."""
         if self.mem != "DRAM":
             raise ValueError("only DRAM buffers have a host view")
-        return np.frombuffer(self._mm, dtype=np.uint8)[idx * self.size:(idx + 1) * self.size]
+        return np.frombuffer(self._mm, dtype=np.uint8)[idx * self.size : (idx + 1) * self.size]
 
     def close(self) -> None:
         if self._reg is not None:

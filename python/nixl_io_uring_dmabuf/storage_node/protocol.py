@@ -22,13 +22,13 @@ MAGIC = b"IUDS"
 VERSION = 1
 
 # Message kinds.
-REQ = b"REQ_"     # client -> node: READ (file -> client memory) or WRITE (client memory -> file)
-DONE = b"DONE"    # node -> client: one request finished (ok or with an error text)
-PING = b"PING"    # client -> node: "still here" while requests are outstanding (a lease)
-STAT = b"STAT"    # client -> node: ask for counters
-STATR = b"STAR"   # node -> client: counters (answer to STAT)
-BYE = b"BYE_"     # client -> node: forget me (its metadata and any bookkeeping)
-CNCL = b"CNCL"    # client -> node: give up request "id" (answered by its DONE once nothing moves)
+REQ = b"REQ_"  # client -> node: READ (file -> client memory) or WRITE (client memory -> file)
+DONE = b"DONE"  # node -> client: one request finished (ok or with an error text)
+PING = b"PING"  # client -> node: "still here" while requests are outstanding (a lease)
+STAT = b"STAT"  # client -> node: ask for counters
+STATR = b"STAR"  # node -> client: counters (answer to STAT)
+BYE = b"BYE_"  # client -> node: forget me (its metadata and any bookkeeping)
+CNCL = b"CNCL"  # client -> node: give up request "id" (answered by its DONE once nothing moves)
 
 KINDS = (REQ, DONE, PING, STAT, STATR, BYE, CNCL)
 BLOCK_FIELDS = 5
@@ -61,7 +61,9 @@ def encode(kind: bytes, header: dict, payload: bytes = b"") -> bytes:
 
 def decode(msg: bytes) -> Message:
     if len(msg) < _HDR.size:
-        raise ProtocolError(f"message of {len(msg)} bytes is shorter than the {_HDR.size}-byte frame")
+        raise ProtocolError(
+            f"message of {len(msg)} bytes is shorter than the {_HDR.size}-byte frame"
+        )
     magic, kind, hlen = _HDR.unpack_from(msg)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}")
@@ -71,11 +73,13 @@ def decode(msg: bytes) -> Message:
     if end > len(msg):
         raise ProtocolError(f"header length {hlen} runs past the {len(msg)}-byte message")
     try:
-        header = json.loads(msg[_HDR.size:end])
+        header = json.loads(msg[_HDR.size : end])
     except ValueError as e:
         raise ProtocolError(f"header is not JSON: {e}") from None
     if not isinstance(header, dict) or header.get("v") != VERSION:
-        raise ProtocolError(f"unsupported header version {header.get('v') if isinstance(header, dict) else header!r}")
+        raise ProtocolError(
+            f"unsupported header version {header.get('v') if isinstance(header, dict) else header!r}"
+        )
     return Message(kind, header, bytes(msg[end:]))
 
 
@@ -84,12 +88,12 @@ class Request:
     """A READ or WRITE request as the node sees it."""
 
     req_id: int
-    op: str                      # "READ" (file -> client) or "WRITE" (client -> file)
-    mem: str                     # client memory type: "DRAM" or "VRAM"
-    files: list[str]             # export names, indexed by column 0 of blocks
-    blocks: np.ndarray           # N x 5 uint64
-    net_only: bool = False       # benchmark: skip storage, move pool buffers over UCX only
-    instance: str = ""           # client instance token (changes when a client restarts)
+    op: str  # "READ" (file -> client) or "WRITE" (client -> file)
+    mem: str  # client memory type: "DRAM" or "VRAM"
+    files: list[str]  # export names, indexed by column 0 of blocks
+    blocks: np.ndarray  # N x 5 uint64
+    net_only: bool = False  # benchmark: skip storage, move pool buffers over UCX only
+    instance: str = ""  # client instance token (changes when a client restarts)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -103,8 +107,16 @@ def encode_request(req: Request) -> bytes:
         raise ProtocolError(f"blocks must be N x {BLOCK_FIELDS}, got shape {blocks.shape}")
     if not 0 < len(blocks) <= MAX_BLOCKS:
         raise ProtocolError(f"a request names 1..{MAX_BLOCKS} blocks, got {len(blocks)}")
-    header = {"id": req.req_id, "op": req.op, "mem": req.mem, "files": req.files,
-              "n": len(blocks), "net_only": req.net_only, "inst": req.instance, **req.extra}
+    header = {
+        "id": req.req_id,
+        "op": req.op,
+        "mem": req.mem,
+        "files": req.files,
+        "n": len(blocks),
+        "net_only": req.net_only,
+        "inst": req.instance,
+        **req.extra,
+    }
     return encode(REQ, header, blocks.tobytes())
 
 
@@ -120,10 +132,20 @@ def decode_request(m: Message) -> Request:
     if mem not in ("DRAM", "VRAM"):
         raise ProtocolError(f"request {req_id}: memory must be DRAM or VRAM, got {mem!r}")
     if not 0 < n <= MAX_BLOCKS or len(m.payload) != n * BLOCK_FIELDS * 8:
-        raise ProtocolError(f"request {req_id}: {n} blocks do not match a payload of {len(m.payload)} bytes")
+        raise ProtocolError(
+            f"request {req_id}: {n} blocks do not match a payload of {len(m.payload)} bytes"
+        )
     blocks = np.frombuffer(m.payload, dtype="<u8").reshape(n, BLOCK_FIELDS).astype(np.uint64)
-    return Request(req_id, op, mem, files, blocks, bool(h.get("net_only", False)),
-                   str(h.get("inst", "")), {"md": h.get("md", "etcd")})
+    return Request(
+        req_id,
+        op,
+        mem,
+        files,
+        blocks,
+        bool(h.get("net_only", False)),
+        str(h.get("inst", "")),
+        {"md": h.get("md", "etcd")},
+    )
 
 
 def done(req_id: int, ok: bool, nbytes: int = 0, error: str = "", node: str = "") -> bytes:

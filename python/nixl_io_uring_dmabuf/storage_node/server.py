@@ -21,9 +21,9 @@ cached metadata; a request whose transfers make no progress for ``stall_timeout`
 
 from __future__ import annotations
 
+import enum
 import itertools
 import os
-import enum
 import secrets
 import sys
 import time
@@ -52,6 +52,7 @@ def _nixl_errors():
 class Stage(enum.Enum):
     """Where a batch is: waiting for a buffer, in its storage or its network transfer, or parked
     after a failure until NIXL lets its transfer go (its buffer is not reused before that)."""
+
     QUEUED = "queued"
     STORAGE = "storage"
     NET = "net"
@@ -61,25 +62,26 @@ class Stage(enum.Enum):
 @dataclass(frozen=True)
 class NodeConfig:
     """What a node serves with (the `serve` options of __main__.py, docs/remote-storage.md)."""
-    backend: str = "IO_URING_DMABUF"   # the storage backend (or POSIX, for comparison)
+
+    backend: str = "IO_URING_DMABUF"  # the storage backend (or POSIX, for comparison)
     backend_params: dict = field(default_factory=dict)
-    buffers: int = 16                  # staging buffers in the pool
+    buffers: int = 16  # staging buffers in the pool
     buffer_size: int = 4 * MiB
-    pool_mem: str = "DRAM"             # the pool's memory: DRAM or VRAM (on GPU `gpu`)
+    pool_mem: str = "DRAM"  # the pool's memory: DRAM or VRAM (on GPU `gpu`)
     gpu: int = 0
-    listen_port: int | None = None     # NIXL's socket listener; None: off
-    publish_etcd: bool | None = None   # None: when NIXL_ETCD_ENDPOINTS is set
+    listen_port: int | None = None  # NIXL's socket listener; None: off
+    publish_etcd: bool | None = None  # None: when NIXL_ETCD_ENDPOINTS is set
     stall_timeout: float = 30.0
     client_lease: float = 10.0
     md_timeout: float = 10.0
     progress_delay_us: int | None = None  # None: nixl_runtime.progress_delay_us()
-    allow_net_only: bool = False       # bench/remote_bench.py only: READs without storage
+    allow_net_only: bool = False  # bench/remote_bench.py only: READs without storage
 
 
 @dataclass(eq=False)
 class Batch:
-    req: "Active"
-    pieces: np.ndarray                 # M x 6, plan columns
+    req: Active
+    pieces: np.ndarray  # M x 6, plan columns
     buf: int = -1
     stage: Stage = Stage.QUEUED
     handle: object = None
@@ -90,9 +92,9 @@ class Batch:
 class Active:
     client: str
     req: P.Request
-    md: str                             # how the client publishes metadata: "etcd" or "p2p"
+    md: str  # how the client publishes metadata: "etcd" or "p2p"
     received: float
-    batches: list                       # pending Batch objects, in order
+    batches: list  # pending Batch objects, in order
     inflight: list = field(default_factory=list)
     moved: int = 0
     error: str = ""
@@ -101,7 +103,7 @@ class Active:
     md_fetched: float = 0.0
     disconnected: bool = False
     forced: bool = False
-    rdescs: object = None               # the request's client-side descriptors, for admission
+    rdescs: object = None  # the request's client-side descriptors, for admission
 
 
 @dataclass
@@ -119,20 +121,40 @@ class StorageNode:
         self.exports = {e.name: e for e in exports}
         self.backend = c.backend
         self.backend_params = dict(c.backend_params)
-        self.nbuf, self.buf_size, self.pool_mem, self.gpu = c.buffers, c.buffer_size, c.pool_mem, c.gpu
+        self.nbuf, self.buf_size, self.pool_mem, self.gpu = (
+            c.buffers,
+            c.buffer_size,
+            c.pool_mem,
+            c.gpu,
+        )
         self.listen_port = c.listen_port
-        self.publish_etcd = nixl_runtime.etcd_configured() if c.publish_etcd is None else c.publish_etcd
-        self.stall_timeout, self.client_lease, self.md_timeout = c.stall_timeout, c.client_lease, c.md_timeout
+        self.publish_etcd = (
+            nixl_runtime.etcd_configured() if c.publish_etcd is None else c.publish_etcd
+        )
+        self.stall_timeout, self.client_lease, self.md_timeout = (
+            c.stall_timeout,
+            c.client_lease,
+            c.md_timeout,
+        )
         self.allow_net_only = c.allow_net_only
-        self.progress_delay_us = (nixl_runtime.progress_delay_us() if c.progress_delay_us is None
-                                  else c.progress_delay_us)
+        self.progress_delay_us = (
+            nixl_runtime.progress_delay_us() if c.progress_delay_us is None else c.progress_delay_us
+        )
         self.agent = None
         self.pool: BufferPool | None = None
         self.active: list[Active] = []
         self.clients: dict[str, ClientState] = {}
-        self.stat_waiting: list[tuple[str, dict, float, float]] = []  # (client, header, received, fetched)
-        self.counters = dict(requests_ok=0, requests_failed=0, bytes_read=0, bytes_written=0,
-                             clients_dropped=0, bad_messages=0)
+        self.stat_waiting: list[
+            tuple[str, dict, float, float]
+        ] = []  # (client, header, received, fetched)
+        self.counters = dict(
+            requests_ok=0,
+            requests_failed=0,
+            bytes_read=0,
+            bytes_written=0,
+            clients_dropped=0,
+            bad_messages=0,
+        )
         self._rr = itertools.count()
         self._errors = ()
         self._last_sweep = 0.0
@@ -146,29 +168,45 @@ class StorageNode:
 
         self._errors = _nixl_errors()
         listen = self.listen_port is not None
-        cfg = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=listen,
-                                listen_port=self.listen_port or 0, backends=[])
+        cfg = nixl_agent_config(
+            enable_prog_thread=True,
+            enable_listen_thread=listen,
+            listen_port=self.listen_port or 0,
+            backends=[],
+        )
         self.agent = nixl_runtime.make_agent(self.name, cfg, self.progress_delay_us)
         plugins = self.agent.get_plugin_list()
         for need in ("UCX", self.backend):
             if need not in plugins:
-                raise RuntimeError(f"NIXL plugin {need} not found in {os.environ.get('NIXL_PLUGIN_DIR') or 'the wheel'} "
-                                   f"(available: {', '.join(plugins)}); set NIXL_PLUGIN_DIR to the folder ci/build.sh lays out")
+                raise RuntimeError(
+                    f"NIXL plugin {need} not found in {os.environ.get('NIXL_PLUGIN_DIR') or 'the wheel'} "
+                    f"(available: {', '.join(plugins)}); set NIXL_PLUGIN_DIR to the folder ci/build.sh lays out"
+                )
         self.agent.create_backend("UCX", {})
         self.agent.create_backend(self.backend, self.backend_params)
-        self.pool = BufferPool(self.agent, self.nbuf, self.buf_size, self.pool_mem,
-                               backends=["UCX", self.backend], gpu=self.gpu)
+        self.pool = BufferPool(
+            self.agent,
+            self.nbuf,
+            self.buf_size,
+            self.pool_mem,
+            backends=["UCX", self.backend],
+            gpu=self.gpu,
+        )
         for e in self.exports.values():
             e.open(self.agent, self.backend)
         if self.publish_etcd:
             self.agent.send_local_metadata()
-        served = ", ".join(f"{e.name}={e.path} ({e.size} B, {e.seg}{', rw' if e.writable else ''})"
-                           for e in self.exports.values())
+        served = ", ".join(
+            f"{e.name}={e.path} ({e.size} B, {e.seg}{', rw' if e.writable else ''})"
+            for e in self.exports.values()
+        )
         md = "etcd " + os.environ.get("NIXL_ETCD_ENDPOINTS", "") if self.publish_etcd else "no etcd"
         if self.listen_port is not None:
             md += f", socket port {self.listen_port}"
-        log(f"{self.name} (instance {self.instance}) serving {served} through {self.backend} with "
-            f"{self.nbuf} x {self.buf_size} B {self.pool_mem} buffers; metadata: {md}")
+        log(
+            f"{self.name} (instance {self.instance}) serving {served} through {self.backend} with "
+            f"{self.nbuf} x {self.buf_size} B {self.pool_mem} buffers; metadata: {md}"
+        )
 
     def close(self) -> None:
         if self.agent is None:
@@ -263,8 +301,11 @@ class StorageNode:
             if req.instance and c.instance and req.instance != c.instance:
                 # The client restarted under the same name: its old requests and (with etcd) its
                 # cached metadata belong to a dead process.
-                self._forget_client(client, f"client restarted (instance {c.instance} -> {req.instance})",
-                                    disconnect=m.header.get("md") == "etcd")
+                self._forget_client(
+                    client,
+                    f"client restarted (instance {c.instance} -> {req.instance})",
+                    disconnect=m.header.get("md") == "etcd",
+                )
                 c = self._client(client, now)
             c.instance = req.instance or c.instance
             a = Active(client, req, m.header.get("md", "etcd"), now, [], last_progress=now)
@@ -307,14 +348,18 @@ class StorageNode:
         if len(bad):
             i = int(bad[0])
             f = exps[int(b[i, 0])]
-            return (f"block {i} ({f.name} offset {int(b[i, 1])} length {int(b[i, 2])}) ends past the "
-                    f"export's {f.size} bytes")
+            return (
+                f"block {i} ({f.name} offset {int(b[i, 1])} length {int(b[i, 2])}) ends past the "
+                f"export's {f.size} bytes"
+            )
         return ""
 
     # ---- admission: the client's metadata must be loaded before anything moves -------------
 
     def _remote_descs(self, a: Active, rows: np.ndarray):
-        d = np.ascontiguousarray(np.stack([rows[:, 3], rows[:, 2], rows[:, 4]], axis=1), dtype=np.uint64)
+        d = np.ascontiguousarray(
+            np.stack([rows[:, 3], rows[:, 2], rows[:, 4]], axis=1), dtype=np.uint64
+        )
         return self.agent.get_xfer_descs(d, a.req.mem)
 
     def _have_md(self, client: str, descs=None) -> bool:
@@ -343,14 +388,18 @@ class StorageNode:
                 self._finish(a)
                 return True
             exps = [self.exports[f] for f in a.req.files]
-            a.batches = [Batch(a, p) for p in plan.cut_batches(a.req.blocks, self.buf_size,
-                                                                 lambda i: exps[i].seg)]
+            a.batches = [
+                Batch(a, p)
+                for p in plan.cut_batches(a.req.blocks, self.buf_size, lambda i: exps[i].seg)
+            ]
             return True
         a.md_fetched = self._fetch_md(a.client, a.md, now, a.md_fetched)
         if now - a.received > self.md_timeout:
             # Without the client's metadata the node cannot even send it an error.
-            log(f"dropping request {a.req.req_id} of {a.client}: its metadata ({'etcd' if a.md == 'etcd' else 'socket'}) "
-                f"did not arrive within {self.md_timeout:.0f} s")
+            log(
+                f"dropping request {a.req.req_id} of {a.client}: its metadata ({'etcd' if a.md == 'etcd' else 'socket'}) "
+                f"did not arrive within {self.md_timeout:.0f} s"
+            )
             self.counters["requests_failed"] += 1
             self.active.remove(a)
             return True
@@ -364,20 +413,28 @@ class StorageNode:
                 self._send(client, P.encode(P.STATR, {"id": h.get("id", 0), **self.stats()}))
                 progressed = True
             elif now - received <= self.md_timeout:
-                keep.append((client, h, received, self._fetch_md(client, h.get("md", "etcd"), now, fetched)))
+                keep.append(
+                    (client, h, received, self._fetch_md(client, h.get("md", "etcd"), now, fetched))
+                )
             else:
                 log(f"dropping a STAT from {client}: no metadata within {self.md_timeout:.0f} s")
         self.stat_waiting = keep
         return progressed
 
     def stats(self) -> dict:
-        return dict(node=self.name, instance=self.instance, backend=self.backend,
-                    buffers=self.nbuf, buffer_size=self.buf_size,
-                    free_buffers=self.pool.free if self.pool else 0,
-                    held_buffers=sum(len(a.inflight) for a in self.active),
-                    draining=sum(b.stage is Stage.DRAINING for a in self.active for b in a.inflight),
-                    active_requests=len(self.active),
-                    clients=sorted(c for c in self.clients), **self.counters)
+        return dict(
+            node=self.name,
+            instance=self.instance,
+            backend=self.backend,
+            buffers=self.nbuf,
+            buffer_size=self.buf_size,
+            free_buffers=self.pool.free if self.pool else 0,
+            held_buffers=sum(len(a.inflight) for a in self.active),
+            draining=sum(b.stage is Stage.DRAINING for a in self.active for b in a.inflight),
+            active_requests=len(self.active),
+            clients=sorted(c for c in self.clients),
+            **self.counters,
+        )
 
     # ---- the pipeline -----------------------------------------------------------------------
 
@@ -403,8 +460,14 @@ class StorageNode:
     def _local_descs(self, b: Batch):
         p = b.pieces
         base = self.pool.addr(b.buf)
-        d = np.stack([p[:, plan.BOFF] + np.uint64(base), p[:, plan.LEN],
-                      np.full(len(p), self.pool.dev, dtype=np.uint64)], axis=1)
+        d = np.stack(
+            [
+                p[:, plan.BOFF] + np.uint64(base),
+                p[:, plan.LEN],
+                np.full(len(p), self.pool.dev, dtype=np.uint64),
+            ],
+            axis=1,
+        )
         return self.agent.get_xfer_descs(np.ascontiguousarray(d, dtype=np.uint64), self.pool.mem)
 
     def _post(self, b: Batch, stage: Stage) -> None:
@@ -415,17 +478,26 @@ class StorageNode:
             if stage is Stage.STORAGE:
                 exps = [self.exports[f] for f in a.req.files]
                 p = b.pieces
-                fds = np.array([e.fd for e in exps], dtype=np.uint64)[p[:, plan.FILE].astype(np.int64)]
-                remote = np.ascontiguousarray(np.stack([p[:, plan.FOFF], p[:, plan.LEN], fds], axis=1),
-                                              dtype=np.uint64)
+                fds = np.array([e.fd for e in exps], dtype=np.uint64)[
+                    p[:, plan.FILE].astype(np.int64)
+                ]
+                remote = np.ascontiguousarray(
+                    np.stack([p[:, plan.FOFF], p[:, plan.LEN], fds], axis=1), dtype=np.uint64
+                )
                 seg = exps[int(p[0, plan.FILE])].seg
-                h = self.agent.initialize_xfer(a.req.op, local, self.agent.get_xfer_descs(remote, seg),
-                                               self.name, backends=[self.backend])
+                h = self.agent.initialize_xfer(
+                    a.req.op,
+                    local,
+                    self.agent.get_xfer_descs(remote, seg),
+                    self.name,
+                    backends=[self.backend],
+                )
             else:
                 # READ request: UCX WRITE into the client; WRITE request: UCX READ from it.
                 op = "WRITE" if a.req.op == "READ" else "READ"
-                h = self.agent.initialize_xfer(op, local, self._remote_descs(a, b.pieces), a.client,
-                                               backends=["UCX"])
+                h = self.agent.initialize_xfer(
+                    op, local, self._remote_descs(a, b.pieces), a.client, backends=["UCX"]
+                )
             b.handle = h
             st = self.agent.transfer(h)
         except self._errors as e:
@@ -575,13 +647,17 @@ class StorageNode:
     def _sweep(self, now: float) -> None:
         for a in list(self.active):
             if a.admitted and not a.error and now - a.last_progress > self.stall_timeout:
-                log(f"request {a.req.req_id} of {a.client}: no transfer finished for {self.stall_timeout:.0f} s")
+                log(
+                    f"request {a.req.req_id} of {a.client}: no transfer finished for {self.stall_timeout:.0f} s"
+                )
                 self._fail(a, f"no progress for {self.stall_timeout:.0f} s")
             elif a.error and not a.forced and now - a.last_progress > self.stall_timeout:
                 # Transfers NIXL could not cancel are still in flight: cut the connection so
                 # UCX fails them and the buffers come back.
-                log(f"request {a.req.req_id} of {a.client}: {len(a.inflight)} transfer(s) still in flight "
-                    f"{self.stall_timeout:.0f} s after it failed; disconnecting the client")
+                log(
+                    f"request {a.req.req_id} of {a.client}: {len(a.inflight)} transfer(s) still in flight "
+                    f"{self.stall_timeout:.0f} s after it failed; disconnecting the client"
+                )
                 a.forced = True
                 try:
                     self.agent.remove_remote_agent(a.client)
@@ -590,8 +666,11 @@ class StorageNode:
         for name, c in list(self.clients.items()):
             busy = any(a.client == name for a in self.active)
             if busy and now - c.last_seen > self.client_lease:
-                self._forget_client(name, f"no message for {self.client_lease:.0f} s (lease expired)",
-                                    disconnect=True)
+                self._forget_client(
+                    name,
+                    f"no message for {self.client_lease:.0f} s (lease expired)",
+                    disconnect=True,
+                )
             elif not busy and now - c.last_seen > max(60.0, 6 * self.client_lease):
                 # Idle bookkeeping only; NIXL keeps the metadata until it is invalidated.
                 self.clients.pop(name, None)

@@ -41,8 +41,11 @@ class TestbedUnavailable(RuntimeError):
 def find_etcd() -> str | None:
     """etcd from IUD_ETCD, PATH, or where ci/remote-setup.sh unpacks Debian's etcd-server."""
     target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(REPO, "target")
-    for c in (os.environ.get("IUD_ETCD"), shutil.which("etcd"),
-              os.path.join(target, "remote-tools", "usr", "bin", "etcd")):
+    for c in (
+        os.environ.get("IUD_ETCD"),
+        shutil.which("etcd"),
+        os.path.join(target, "remote-tools", "usr", "bin", "etcd"),
+    ):
         if c and os.access(c, os.X_OK):
             return c
     return None
@@ -75,7 +78,9 @@ class Testbed:
             m = re.match(r"(iuds-(\d+)-[ab])\b", line)
             if not m or os.path.exists(f"/proc/{m[2]}"):
                 continue
-            pids = subprocess.run(["ip", "netns", "pids", m[1]], capture_output=True, text=True).stdout
+            pids = subprocess.run(
+                ["ip", "netns", "pids", m[1]], capture_output=True, text=True
+            ).stdout
             for pid in pids.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
@@ -83,7 +88,7 @@ class Testbed:
                     pass
             subprocess.run(["ip", "netns", "del", m[1]], capture_output=True)
 
-    def up(self) -> "Testbed":
+    def up(self) -> Testbed:
         if os.geteuid() != 0:
             raise TestbedUnavailable("needs root to create network namespaces")
         if not shutil.which("ip"):
@@ -140,15 +145,21 @@ class Testbed:
     def env(self, host: str, **extra) -> dict:
         """Environment for a process on host "a" or "b": UCX over TCP on that host's veth only."""
         e = dict(os.environ)
-        e.update(UCX_TLS=_tcp_tls(), UCX_NET_DEVICES=self.veth_a if host == "a" else self.veth_b,
-                 PYTHONPATH=PACKAGE_ROOT + os.pathsep + e.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+        e.update(
+            UCX_TLS=_tcp_tls(),
+            UCX_NET_DEVICES=self.veth_a if host == "a" else self.veth_b,
+            PYTHONPATH=PACKAGE_ROOT + os.pathsep + e.get("PYTHONPATH", ""),
+            PYTHONUNBUFFERED="1",
+        )
         e.update({k: str(v) for k, v in extra.items() if v is not None})
         for k, v in extra.items():
             if v is None:
                 e.pop(k, None)
         return e
 
-    def spawn(self, host: str, argv: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
+    def spawn(
+        self, host: str, argv: list[str], env: dict | None = None, **popen
+    ) -> subprocess.Popen:
         ns = self.ns_a if host == "a" else self.ns_b
         p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env or self.env(host), **popen)
         self.procs.append(p)
@@ -158,16 +169,34 @@ class Testbed:
         """etcd on host A; returns its client URL (for NIXL_ETCD_ENDPOINTS)."""
         etcd = find_etcd()
         if not etcd:
-            raise TestbedUnavailable("etcd not found (apt: etcd-server; ci/remote-setup.sh unpacks it)")
+            raise TestbedUnavailable(
+                "etcd not found (apt: etcd-server; ci/remote-setup.sh unpacks it)"
+            )
         url = f"http://{A_IP}:2379"
         log = os.path.join(self.tmp, "etcd.log")
         data = tempfile.mkdtemp(prefix="etcd-", dir=self.tmp)
-        p = self.spawn("a", [etcd, "--name", "iuds", "--data-dir", data,
-                             "--listen-client-urls", url, "--advertise-client-urls", url,
-                             "--listen-peer-urls", "http://127.0.0.1:2380",
-                             "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
-                             "--initial-cluster", "iuds=http://127.0.0.1:2380"],
-                       stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        p = self.spawn(
+            "a",
+            [
+                etcd,
+                "--name",
+                "iuds",
+                "--data-dir",
+                data,
+                "--listen-client-urls",
+                url,
+                "--advertise-client-urls",
+                url,
+                "--listen-peer-urls",
+                "http://127.0.0.1:2380",
+                "--initial-advertise-peer-urls",
+                "http://127.0.0.1:2380",
+                "--initial-cluster",
+                "iuds=http://127.0.0.1:2380",
+            ],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = open(log).read()
@@ -178,16 +207,29 @@ class Testbed:
             time.sleep(0.1)
         raise RuntimeError(f"etcd not ready within {timeout:.0f} s:\n{open(log).read()[-2000:]}")
 
-    def start_node(self, name: str, exports: list[str], *args: str, etcd: str | None = None,
-                   timeout: float = 60.0, env_extra: dict | None = None) -> tuple[subprocess.Popen, str]:
+    def start_node(
+        self,
+        name: str,
+        exports: list[str],
+        *args: str,
+        etcd: str | None = None,
+        timeout: float = 60.0,
+        env_extra: dict | None = None,
+    ) -> tuple[subprocess.Popen, str]:
         """A storage node on host A; returns the process and the path of its stderr log."""
         log = os.path.join(self.tmp, f"node-{name}-{len(self.procs)}.log")
         argv = [sys.executable, "-m", "nixl_io_uring_dmabuf.storage_node", "serve", "--name", name]
         for e in exports:
             argv += ["--export", e]
         env = self.env("a", NIXL_ETCD_ENDPOINTS=etcd, **(env_extra or {}))
-        p = self.spawn("a", argv + list(args), env=env, stdout=subprocess.PIPE,
-                       stderr=open(log, "w"), text=True)
+        p = self.spawn(
+            "a",
+            argv + list(args),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=open(log, "w"),
+            text=True,
+        )
         deadline = time.monotonic() + timeout
         line = ""
         while not line.startswith("READY") and time.monotonic() < deadline:
@@ -195,7 +237,9 @@ class Testbed:
             if not line:
                 break
         if not line.startswith("READY"):
-            raise RuntimeError(f"node {name} did not start (exit {p.poll()}): {line!r}\n{open(log).read()[-3000:]}")
+            raise RuntimeError(
+                f"node {name} did not start (exit {p.poll()}): {line!r}\n{open(log).read()[-3000:]}"
+            )
         return p, log
 
     def client(self, argv: list[str], etcd: str | None = None, **popen) -> subprocess.Popen:

@@ -11,10 +11,13 @@ from nixl_io_uring_dmabuf.tools import roundtrip
 _DEFAULT_PARAMS = {"POSIX": {"use_uring": "true"}}
 
 
-def bench(directory: str, size: int, block: int, backends: list[str], direct: bool,
-          iters: int) -> int:
-    print(f"# {platform.node()} kernel {platform.release()}: {size} bytes in {block}-byte "
-          f"descriptors, {'O_DIRECT' if direct else 'buffered'}, file in {directory}")
+def bench(
+    directory: str, size: int, block: int, backends: list[str], direct: bool, iters: int
+) -> int:
+    print(
+        f"# {platform.node()} kernel {platform.release()}: {size} bytes in {block}-byte "
+        f"descriptors, {'O_DIRECT' if direct else 'buffered'}, file in {directory}"
+    )
     print(f"{'backend':16s} {'iter':>4s} {'write GB/s':>10s} {'read GB/s':>10s}  check")
     status = 0
     for name in backends:
@@ -27,7 +30,9 @@ def bench(directory: str, size: int, block: int, backends: list[str], direct: bo
             continue
         for it in range(iters):
             r = roundtrip.run(agent, name, directory, size, block, direct)
-            print(f"{name:16s} {it:4d} {r.gbps(r.write_s):10.2f} {r.gbps(r.read_s):10.2f}  "
-                  f"{'OK' if r.ok else 'FAILED: ' + r.detail}")
+            print(
+                f"{name:16s} {it:4d} {r.gbps(r.write_s):10.2f} {r.gbps(r.read_s):10.2f}  "
+                f"{'OK' if r.ok else 'FAILED: ' + r.detail}"
+            )
             status |= 0 if r.ok else 1
     return status

@@ -43,22 +43,28 @@ def _owner(path: str, ours: str) -> str:
 def report(live: bool = True, directory: str | None = None, out=print) -> int:
     """Prints the report; returns 0 when every name the plugin serves passed the live check.
     Every problem it finds ends the report with one `error:` line and one `fix:` command."""
-    out(f"nixl_io_uring_dmabuf {__version__}, Python {platform.python_version()} "
-        f"({sys.executable}), kernel {platform.release()}")
+    out(
+        f"nixl_io_uring_dmabuf {__version__}, Python {platform.python_version()} "
+        f"({sys.executable}), kernel {platform.release()}"
+    )
     try:
         lib = plugin_library()
         ours = sha256(lib)
         out(f"plugin library: {lib}")
     except FileNotFoundError as e:
         out(f"error: plugin library missing: {e}")
-        out("fix: pip install target/wheels/nixl_io_uring_dmabuf-*.whl  (built by bash ci/wheel.sh)")
+        out(
+            "fix: pip install target/wheels/nixl_io_uring_dmabuf-*.whl  (built by bash ci/wheel.sh)"
+        )
         return 1
     disabled = "/proc/sys/kernel/io_uring_disabled"
     if os.path.exists(disabled):
         with open(disabled) as f:
             v = f.read().strip()
-        out(f"io_uring_disabled = {v}" + ("" if v == "0" else " (io_uring is restricted: the "
-                                            "plugin cannot create its ring)"))
+        out(
+            f"io_uring_disabled = {v}"
+            + ("" if v == "0" else " (io_uring is restricted: the plugin cannot create its ring)")
+        )
     env = nixlenv.check()
     for line in env.describe():
         out(line)
@@ -72,16 +78,20 @@ def report(live: bool = True, directory: str | None = None, out=print) -> int:
     env_dir = os.environ.get("NIXL_PLUGIN_DIR")
     loaded = next((w for w in wheels if w.module == env.loads), None)
     for w in wheels:
-        out(f"NIXL wheel {w.module}: {w.libs}"
-            + (" (the one `import nixl` loads)" if w is loaded else ""))
+        out(
+            f"NIXL wheel {w.module}: {w.libs}"
+            + (" (the one `import nixl` loads)" if w is loaded else "")
+        )
     if env_dir:
         out(f"NIXL_PLUGIN_DIR={env_dir}: NIXL reads this folder instead of the wheel's plugins/")
         read = env_dir
     elif loaded is not None:
         read = loaded.plugins
     else:
-        out(f"error: `import nixl` loads {env.loads}, whose library folder (libnixl.so and "
-            "plugins/) was not found")
+        out(
+            f"error: `import nixl` loads {env.loads}, whose library folder (libnixl.so and "
+            "plugins/) was not found"
+        )
         out(f"fix: {nixlenv.pip_command(['--force-reinstall', env.loads.replace('_', '-')])}")
         return 1
     served = []
@@ -95,32 +105,43 @@ def report(live: bool = True, directory: str | None = None, out=print) -> int:
                 served.append(name)
     if not served:
         out(f"error: the plugin is not in the folder NIXL reads here ({read})")
-        out("fix: python -m nixl_io_uring_dmabuf install"
-            + (f" --plugin-dir {env_dir}" if env_dir else ""))
+        out(
+            "fix: python -m nixl_io_uring_dmabuf install"
+            + (f" --plugin-dir {env_dir}" if env_dir else "")
+        )
         return 1
     if not live:
         return 0
     out("live check (child process; one 1 MiB round trip per name):")
     env_vars = dict(os.environ)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        code = ("import sys, json\nfrom nixl_io_uring_dmabuf.tools import roundtrip\n"
-                "a = roundtrip.new_agent('iud-doctor')\n"
-                "for n in json.loads(sys.argv[1]):\n"
-                "    try:\n"
-                "        a.create_backend(n)\n"
-                "        mems = a.get_backend_mem_types(n)\n"
-                "        r = roundtrip.run(a, n, sys.argv[2], 1 << 20, 1 << 18)\n"
-                "        print(f'  {n:16s} mems={mems} round trip ' + ('OK' if r.ok else "
-                "'FAILED: ' + r.detail), flush=True)\n"
-                "    except Exception as e:\n"
-                "        print(f'  {n:16s} FAILED: {e!r}', flush=True)\n")
+        code = (
+            "import sys, json\nfrom nixl_io_uring_dmabuf.tools import roundtrip\n"
+            "a = roundtrip.new_agent('iud-doctor')\n"
+            "for n in json.loads(sys.argv[1]):\n"
+            "    try:\n"
+            "        a.create_backend(n)\n"
+            "        mems = a.get_backend_mem_types(n)\n"
+            "        r = roundtrip.run(a, n, sys.argv[2], 1 << 20, 1 << 18)\n"
+            "        print(f'  {n:16s} mems={mems} round trip ' + ('OK' if r.ok else "
+            "'FAILED: ' + r.detail), flush=True)\n"
+            "    except Exception as e:\n"
+            "        print(f'  {n:16s} FAILED: {e!r}', flush=True)\n"
+        )
         try:
-            p = subprocess.run([sys.executable, "-c", code, json.dumps(served), tmp], env=env_vars,
-                               capture_output=True, text=True, timeout=300)
+            p = subprocess.run(
+                [sys.executable, "-c", code, json.dumps(served), tmp],
+                env=env_vars,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
         except subprocess.TimeoutExpired:
             out("error: the live check did not finish within 300 s")
-            out("fix: NIXL_LOG_LEVEL=INFO IO_URING_DMABUF_LOG=debug python -m nixl_io_uring_dmabuf "
-                "doctor  (shows where it stops)")
+            out(
+                "fix: NIXL_LOG_LEVEL=INFO IO_URING_DMABUF_LOG=debug python -m nixl_io_uring_dmabuf "
+                "doctor  (shows where it stops)"
+            )
             return 1
     for line in p.stdout.splitlines():
         if line.startswith("  "):  # the child's own lines, not NIXL's INFO logging
@@ -132,10 +153,14 @@ def report(live: bool = True, directory: str | None = None, out=print) -> int:
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or ["no output"])[-1]
         out(f"error: the live check's process failed (exit {p.returncode}): {last}")
-        out("fix: NIXL_LOG_LEVEL=INFO python -m nixl_io_uring_dmabuf doctor  (NIXL reports plugin "
-            "load failures only at that level)")
+        out(
+            "fix: NIXL_LOG_LEVEL=INFO python -m nixl_io_uring_dmabuf doctor  (NIXL reports plugin "
+            "load failures only at that level)"
+        )
     elif not ok:
         out("error: a live round trip failed (lines above)")
-        out("fix: NIXL_LOG_LEVEL=INFO IO_URING_DMABUF_LOG=debug python -m nixl_io_uring_dmabuf "
-            "doctor  (the plugin's reason is in its log)")
+        out(
+            "fix: NIXL_LOG_LEVEL=INFO IO_URING_DMABUF_LOG=debug python -m nixl_io_uring_dmabuf "
+            "doctor  (the plugin's reason is in its log)"
+        )
     return 0 if ok else 1

@@ -64,7 +64,8 @@ def targets(plugin_dir: str | None, wheels: list[NixlWheel]) -> list[Target]:
     if not wheels:  # nixlenv.check() says so first, with the fix; this is the last guard
         raise InstallError(
             "no NIXL wheel found for this Python (neither nixl-cu12 nor nixl-cu13 is installed); "
-            "python -m nixl_io_uring_dmabuf doctor prints the command that installs one")
+            "python -m nixl_io_uring_dmabuf doctor prints the command that installs one"
+        )
     return [Target(w.plugins, w, True) for w in wheels]
 
 
@@ -113,8 +114,12 @@ def _backup(folder: str, dest: str, say: Callable[[str], None]) -> str:
     return backup
 
 
-def install(aliases: list[str], plugin_dir: str | None = None,
-            say: Callable[[str], None] = print, rerun: str | None = None) -> list[Target]:
+def install(
+    aliases: list[str],
+    plugin_dir: str | None = None,
+    say: Callable[[str], None] = print,
+    rerun: str | None = None,
+) -> list[Target]:
     """Installs into the plugin folder of every NIXL runtime wheel of this environment (or into
     `plugin_dir`). Without `plugin_dir` it first checks that `import nixl` works here and
     refuses, with the one command that fixes it, when it does not: a plugin in a folder that
@@ -157,59 +162,87 @@ def install(aliases: list[str], plugin_dir: str | None = None,
         _save(t.folder, manifest)
         _explain(t, names, say, env)
     if os.environ.get("NIXL_PLUGIN_DIR") and plugin_dir is None:
-        say(f"note: NIXL_PLUGIN_DIR={os.environ['NIXL_PLUGIN_DIR']} is set in this shell: NIXL "
+        say(
+            f"note: NIXL_PLUGIN_DIR={os.environ['NIXL_PLUGIN_DIR']} is set in this shell: NIXL "
             "reads that folder instead of the wheel's plugins/ folder, so unset it (or use "
-            "--plugin-dir) for processes that should load what was installed here")
-    say("undo: python -m nixl_io_uring_dmabuf install --uninstall"
-        + (f" --plugin-dir {plugin_dir}" if plugin_dir else ""))
+            "--plugin-dir) for processes that should load what was installed here"
+        )
+    say(
+        "undo: python -m nixl_io_uring_dmabuf install --uninstall"
+        + (f" --plugin-dir {plugin_dir}" if plugin_dir else "")
+    )
     return done
 
 
-def _link_wheel_plugins(t: Target, manifest: dict, names: list[str],
-                        say: Callable[[str], None]) -> None:
+def _link_wheel_plugins(
+    t: Target, manifest: dict, names: list[str], say: Callable[[str], None]
+) -> None:
     if t.wheel is None:
         wheels = find_wheels()
         if wheels:
-            say(f"  note: the wheel's own plugins (POSIX, UCX, ...) are not linked here: they "
+            say(
+                f"  note: the wheel's own plugins (POSIX, UCX, ...) are not linked here: they "
                 f"load their libraries through RPATH $ORIGIN/.., which works only from a folder "
                 f"directly inside {wheels[0].libs}; NIXL_PLUGIN_DIR={t.folder} offers only "
-                f"what is installed in it")
+                f"what is installed in it"
+            )
         return
     for src in sorted(os.listdir(t.wheel.plugins)):
         if not (src.startswith("libplugin_") and src.endswith(".so")):
             continue
-        if src[len("libplugin_"):-3] in names:
+        if src[len("libplugin_") : -3] in names:
             continue
         dest = os.path.join(t.folder, src)
         if os.path.lexists(dest):
             continue  # ours from an earlier run, or the user's: leave it
         target = os.path.relpath(os.path.join(t.wheel.plugins, src), t.folder)
         os.symlink(target, dest)
-        manifest["entries"].append({"path": dest, "name": src[len("libplugin_"):-3],
-                                    "kind": "link", "target": target, "backup": None})
+        manifest["entries"].append(
+            {
+                "path": dest,
+                "name": src[len("libplugin_") : -3],
+                "kind": "link",
+                "target": target,
+                "backup": None,
+            }
+        )
     say(f"  linked the wheel's plugins from {t.wheel.plugins}")
 
 
-def _explain(t: Target, names: list[str], say: Callable[[str], None],
-             env: nixlenv.NixlEnv | None = None) -> None:
+def _explain(
+    t: Target, names: list[str], say: Callable[[str], None], env: nixlenv.NixlEnv | None = None
+) -> None:
     if t.default:
         say("  NIXL reads this folder by default (when NIXL_PLUGIN_DIR is not set)")
         if env is not None and env.loads and t.wheel is not None:
-            say(f"  `import nixl` loads {env.loads} in this environment"
-                + (": this is its folder" if env.loads == t.wheel.module
-                   else f", not {t.wheel.module}: this folder is used only by programs that load "
-                        f"{t.wheel.module}'s libnixl.so directly (e.g. a nixlbench built against it)"))
+            say(
+                f"  `import nixl` loads {env.loads} in this environment"
+                + (
+                    ": this is its folder"
+                    if env.loads == t.wheel.module
+                    else f", not {t.wheel.module}: this folder is used only by programs that load "
+                    f"{t.wheel.module}'s libnixl.so directly (e.g. a nixlbench built against it)"
+                )
+            )
     else:
-        say(f"  use it with: export NIXL_PLUGIN_DIR={t.folder}  (it replaces NIXL's default folder)")
+        say(
+            f"  use it with: export NIXL_PLUGIN_DIR={t.folder}  (it replaces NIXL's default folder)"
+        )
     replaced = [n for n in names if n != PLUGIN_NAME]
     if replaced:
-        say(f"  create_backend({', '.join(repr(n) for n in replaced)}) now loads IO_URING_DMABUF "
+        say(
+            f"  create_backend({', '.join(repr(n) for n in replaced)}) now loads IO_URING_DMABUF "
             f"in every process that reads this folder; NIXL's own {', '.join(replaced)} is "
-            f"unavailable there until you uninstall")
+            f"unavailable there until you uninstall"
+        )
 
 
-def uninstall(aliases: list[str] | None = None, plugin_dir: str | None = None,
-              force: bool = False, say: Callable[[str], None] = print) -> None:
+def uninstall(
+    aliases: list[str] | None = None,
+    plugin_dir: str | None = None,
+    force: bool = False,
+    say: Callable[[str], None] = print,
+) -> None:
     """Undoes what install recorded (only the `aliases` names when given)."""
     wheels = find_wheels()
     folders = [os.path.abspath(plugin_dir)] if plugin_dir else [w.plugins for w in wheels]

@@ -33,8 +33,10 @@ class NixlWheel:
         return os.path.join(self.site, f"{self.module}.libs")
 
     def plugin_names(self) -> list[str]:
-        return sorted(os.path.basename(p)[len("libplugin_"):-3]
-                      for p in glob.glob(os.path.join(self.plugins, "libplugin_*.so")))
+        return sorted(
+            os.path.basename(p)[len("libplugin_") : -3]
+            for p in glob.glob(os.path.join(self.plugins, "libplugin_*.so"))
+        )
 
 
 def find_wheels() -> list[NixlWheel]:

@@ -78,14 +78,21 @@ class NixlEnv:
         if self.torch is None:
             torch = "torch: not installed (NIXL's `nixl` then takes nixl_cu13 or nixl_cu12, whichever is installed)"
         elif self.cuda_major is None:
-            torch = f"torch {self.torch}: a CPU build (NIXL's `nixl` then takes nixl_cu13 or nixl_cu12)"
+            torch = (
+                f"torch {self.torch}: a CPU build (NIXL's `nixl` then takes nixl_cu13 or nixl_cu12)"
+            )
         else:
-            torch = (f"torch {self.torch}: built for CUDA {self.torch_cuda}, so NIXL's `nixl` "
-                     f"loads nixl_cu{self.cuda_major}")
+            torch = (
+                f"torch {self.torch}: built for CUDA {self.torch_cuda}, so NIXL's `nixl` "
+                f"loads nixl_cu{self.cuda_major}"
+            )
         have = ", ".join(f"{k} {v or '(version unknown)'}" for k, v in self.packages.items())
         lines = [torch, f"NIXL packages: {have or 'none'}"]
-        lines.append(f"import nixl: loads {self.loads}" if self.loads
-                     else f"import nixl: FAILS: {self.import_error}")
+        lines.append(
+            f"import nixl: loads {self.loads}"
+            if self.loads
+            else f"import nixl: FAILS: {self.import_error}"
+        )
         return lines
 
     def error_lines(self, rerun: str | None = None) -> list[str]:
@@ -162,8 +169,16 @@ def probe_import(timeout: float = 120.0) -> tuple[str | None, str | None]:
 
 def _pip_in_plain_interpreter() -> bool:
     try:
-        p = subprocess.run([sys.executable, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('pip') is None)"],
-                           capture_output=True, timeout=30, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import importlib.util as u, sys; sys.exit(u.find_spec('pip') is None)",
+            ],
+            capture_output=True,
+            timeout=30,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return p.returncode == 0
@@ -187,7 +202,11 @@ def check(probe: bool = True) -> NixlEnv:
     """What this environment has, what `import nixl` loads, and the fix when it fails."""
     torch, torch_cuda = torch_cuda_from_disk()
     packages = {}
-    for pip_name, module in (("nixl", "nixl"), ("nixl-cu12", "nixl_cu12"), ("nixl-cu13", "nixl_cu13")):
+    for pip_name, module in (
+        ("nixl", "nixl"),
+        ("nixl-cu12", "nixl_cu12"),
+        ("nixl-cu13", "nixl_cu13"),
+    ):
         if _present(module):
             packages[pip_name] = _dist_version(pip_name)
     env = NixlEnv(sys.executable, torch, torch_cuda, packages, _present("numpy"), None, None)
@@ -196,13 +215,16 @@ def check(probe: bool = True) -> NixlEnv:
 
     # The version the fix names: the meta package's (it pins its runtime wheels), else an
     # installed runtime wheel's, else the tested one.
-    version = next((v for k in ("nixl", "nixl-cu13", "nixl-cu12") if (v := packages.get(k))),
-                   NIXL_TESTED)
+    version = next(
+        (v for k in ("nixl", "nixl-cu13", "nixl-cu12") if (v := packages.get(k))), NIXL_TESTED
+    )
     major = env.cuda_major
     if major is not None and major not in NIXL_CUDA_MAJORS:
-        env.problem = (f"torch {torch} is built for CUDA {torch_cuda}, and NIXL publishes runtime "
-                       f"wheels for CUDA {' and '.join(map(str, NIXL_CUDA_MAJORS))} only "
-                       f"(nixl-cu12, nixl-cu13): NIXL's `nixl` cannot load here")
+        env.problem = (
+            f"torch {torch} is built for CUDA {torch_cuda}, and NIXL publishes runtime "
+            f"wheels for CUDA {' and '.join(map(str, NIXL_CUDA_MAJORS))} only "
+            f"(nixl-cu12, nixl-cu13): NIXL's `nixl` cannot load here"
+        )
         env.fix = None
         env.note = "install a torch built for CUDA 12 or 13 in this environment"
         return env
@@ -228,25 +250,37 @@ def check(probe: bool = True) -> NixlEnv:
         if major is not None:
             need = f"torch {torch} is built for CUDA {major}, so `nixl` needs nixl-cu{major}"
         else:
-            need = ("without a CUDA build of torch `nixl` takes nixl_cu13 or nixl_cu12 "
-                    "(nixl-cu12 runs without CUDA)")
-        env.problem = (f"`import nixl` fails in this Python environment ({why}). NIXL packages "
-                       f"installed: {have}; {need}.")
+            need = (
+                "without a CUDA build of torch `nixl` takes nixl_cu13 or nixl_cu12 "
+                "(nixl-cu12 runs without CUDA)"
+            )
+        env.problem = (
+            f"`import nixl` fails in this Python environment ({why}). NIXL packages "
+            f"installed: {have}; {need}."
+        )
         env.fix = pip_command(missing)
-        env.note = ("--no-deps: only what is missing; NIXL's wheels require torch and each "
-                    "other, which pip would otherwise resolve and download" if torch else
-                    "--no-deps: NIXL's wheels require torch, which pip would otherwise download "
-                    "(about 3 GB from PyPI); neither NIXL's storage backends nor this plugin "
-                    "need it")
+        env.note = (
+            "--no-deps: only what is missing; NIXL's wheels require torch and each "
+            "other, which pip would otherwise resolve and download"
+            if torch
+            else "--no-deps: NIXL's wheels require torch, which pip would otherwise download "
+            "(about 3 GB from PyPI); neither NIXL's storage backends nor this plugin "
+            "need it"
+        )
     elif env.import_error and "torch" in env.import_error and torch is None:
-        env.problem = (f"`import nixl` fails ({why}): this `nixl` ({packages.get('nixl')}) "
-                       "imports torch (NIXL 1.3.x does; 1.4.1 and later do not)")
+        env.problem = (
+            f"`import nixl` fails ({why}): this `nixl` ({packages.get('nixl')}) "
+            "imports torch (NIXL 1.3.x does; 1.4.1 and later do not)"
+        )
         env.fix = f"{shlex.quote(sys.executable)} -m pip install torch"
         env.note = "about 3 GB; or use NIXL 1.4.1 or later, whose `nixl` works without torch"
     else:
         env.problem = f"`import nixl` fails in this Python environment: {why}"
-        wheel = f"nixl-cu{major}" if major is not None else (
-            "nixl-cu13" if "nixl-cu13" in packages else "nixl-cu12")
+        wheel = (
+            f"nixl-cu{major}"
+            if major is not None
+            else ("nixl-cu13" if "nixl-cu13" in packages else "nixl-cu12")
+        )
         env.fix = pip_command(["--force-reinstall", f"nixl=={version}", f"{wheel}=={version}"])
         env.note = "reinstalls NIXL's meta package and the runtime wheel it loads"
     return env

@@ -55,8 +55,15 @@ def _wait(agent, handle, timeout_s: float) -> str:
     return state
 
 
-def run(agent, backend: str, directory: str, size: int, block: int, direct: bool = False,
-        timeout_s: float = 120.0) -> Result:
+def run(
+    agent,
+    backend: str,
+    directory: str,
+    size: int,
+    block: int,
+    direct: bool = False,
+    timeout_s: float = 120.0,
+) -> Result:
     """Writes `size` random bytes in `block`-sized descriptors to a new file in `directory`, reads
     them back, compares. The agent must already have `backend` created."""
     size = -(-size // block) * block
@@ -70,10 +77,13 @@ def run(agent, backend: str, directory: str, size: int, block: int, direct: bool
         chunk = os.urandom(min(size, 1 << 20))
         for off in range(0, size, len(chunk)):
             n = min(len(chunk), size - off)
-            src.mm[off:off + n] = chunk[:n]
+            src.mm[off : off + n] = chunk[:n]
         dst.mm[:size] = b"\xa5" * size
-        regs.append(agent.register_memory([(src.addr, size, 0, ""), (dst.addr, size, 0, "")],
-                                          "DRAM", backends=[backend]))
+        regs.append(
+            agent.register_memory(
+                [(src.addr, size, 0, ""), (dst.addr, size, 0, "")], "DRAM", backends=[backend]
+            )
+        )
         regs.append(agent.register_memory([(0, size, fd, "")], "FILE", backends=[backend]))
         offs = range(0, size, block)
         file_descs = agent.get_xfer_descs([(o, block, fd) for o in offs], "FILE")
@@ -86,11 +96,25 @@ def run(agent, backend: str, directory: str, size: int, block: int, direct: bool
             state = _wait(agent, h, timeout_s)
             times[op] = time.perf_counter() - t0
             if state != "DONE":
-                return Result(backend, size, block, times.get("WRITE", 0), times.get("READ", 0),
-                              False, f"{op} ended in state {state}")
+                return Result(
+                    backend,
+                    size,
+                    block,
+                    times.get("WRITE", 0),
+                    times.get("READ", 0),
+                    False,
+                    f"{op} ended in state {state}",
+                )
         same = src.mm[:size] == dst.mm[:size]
-        return Result(backend, size, block, times["WRITE"], times["READ"], same,
-                      "" if same else "the bytes read back differ from the bytes written")
+        return Result(
+            backend,
+            size,
+            block,
+            times["WRITE"],
+            times["READ"],
+            same,
+            "" if same else "the bytes read back differ from the bytes written",
+        )
     finally:
         for h in handles:
             agent.release_xfer_handle(h)

@@ -55,8 +55,14 @@ class LoadItem:
 
 
 class Catalog:
-    def __init__(self, root: str, geometry: L.Geometry, manifest_extra: dict | None = None,
-                 durable: bool = False, verify_on_lookup: bool = True):
+    def __init__(
+        self,
+        root: str,
+        geometry: L.Geometry,
+        manifest_extra: dict | None = None,
+        durable: bool = False,
+        verify_on_lookup: bool = True,
+    ):
         self.root = root
         self.geo = geometry
         self.verify_on_lookup = verify_on_lookup
@@ -64,16 +70,19 @@ class Catalog:
             os.makedirs(root, exist_ok=True)
             self._lock_fd = journal.lock_exclusive(os.path.join(root, ".lock"), "vLLM KV store")
         except OSError as e:
-            raise L.StoreUnavailable(f"vLLM KV store: cannot open {L.explain(e, root)}") \
-                from None
+            raise L.StoreUnavailable(f"vLLM KV store: cannot open {L.explain(e, root)}") from None
         try:
-            L.ensure_json(os.path.join(root, "store.json"),
-                          geometry.manifest(**(manifest_extra or {})), "vLLM KV store")
+            L.ensure_json(
+                os.path.join(root, "store.json"),
+                geometry.manifest(**(manifest_extra or {})),
+                "vLLM KV store",
+            )
             try:
                 self._log = journal.Appender(L.manager_log(root), durable)
             except OSError as e:
-                raise L.StoreUnavailable("vLLM KV store: cannot open "
-                                         + L.explain(e, L.manager_log(root))) from None
+                raise L.StoreUnavailable(
+                    "vLLM KV store: cannot open " + L.explain(e, L.manager_log(root))
+                ) from None
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -101,11 +110,16 @@ class Catalog:
             recs = reader.read_new()  # logs each damaged range it steps over
             if reader.failing is not None:  # its generations are unknown: cannot start
                 self.close()
-                raise L.StoreUnavailable("vLLM KV store: cannot read "
-                                         + L.explain(reader.failing, reader.path))
+                raise L.StoreUnavailable(
+                    "vLLM KV store: cannot read " + L.explain(reader.failing, reader.path)
+                )
             if reader.tail:
-                logger.warning("KV store: %s ends in %d byte(s) that are no whole record (a "
-                               "torn append); ignored", reader.path, reader.tail)
+                logger.warning(
+                    "KV store: %s ends in %d byte(s) that are no whole record (a "
+                    "torn append); ignored",
+                    reader.path,
+                    reader.tail,
+                )
             for rec in recs:
                 max_gen = max(max_gen, rec.gen)
                 if rec.type == journal.COMMIT:
@@ -121,8 +135,9 @@ class Catalog:
                 best[slot] = (gen, recs)
         by_key: dict[bytes, Entry] = {}
         for slot, (gen, recs) in best.items():
-            e = Entry(recs[0].key, slot, gen, ready=True,
-                      sums={r: rec.sums for r, rec in recs.items()})
+            e = Entry(
+                recs[0].key, slot, gen, ready=True, sums={r: rec.sums for r, rec in recs.items()}
+            )
             old = by_key.get(e.key)
             if old is None or old.gen < gen:
                 by_key[e.key] = e
@@ -132,9 +147,15 @@ class Catalog:
         used = {e.slot for e in self._ready.values()}
         self._free = [s for s in range(n - 1, -1, -1) if s not in used]
         self._next_gen = max_gen + 1
-        logger.info("KV store %s: %d committed block(s) found, %d of %d slots free (cut %d torn "
-                    "byte(s) off manager.log)", self.root, len(self._ready), len(self._free), n,
-                    self._log.cut)
+        logger.info(
+            "KV store %s: %d committed block(s) found, %d of %d slots free (cut %d torn "
+            "byte(s) off manager.log)",
+            self.root,
+            len(self._ready),
+            len(self._free),
+            n,
+            self._log.cut,
+        )
 
     # ---- scheduler operations ------------------------------------------------------------
     def lookup(self, key: bytes) -> bool:
@@ -144,8 +165,13 @@ class Catalog:
         if self.verify_on_lookup and not e.verified:
             problem = self._verify(e)
             if problem:
-                logger.warning("KV store: block in slot %d (gen %d) fails its check (%s); "
-                               "dropped, it is a miss", e.slot, e.gen, problem)
+                logger.warning(
+                    "KV store: block in slot %d (gen %d) fails its check (%s); "
+                    "dropped, it is a miss",
+                    e.slot,
+                    e.gen,
+                    problem,
+                )
                 self.stats["damaged"] += 1
                 self._drop(e)
                 self._tomb([e])
@@ -153,22 +179,25 @@ class Catalog:
             e.verified = True
         return True
 
-    def prepare_store(self, keys: Iterable[bytes]) -> tuple[list[tuple[bytes, int, int]],
-                                                            list[bytes]] | None:
+    def prepare_store(
+        self, keys: Iterable[bytes]
+    ) -> tuple[list[tuple[bytes, int, int]], list[bytes]] | None:
         """Slots for the keys not stored or being stored: [(key, slot, gen)], evicted keys.
         All or nothing, as vLLM's own CPU manager: None (nothing evicted) when the free slots
         and the evictable blocks do not hold them all, or when the eviction's TOMBs cannot be
         written; vLLM then offers them again next step."""
         keys = list(keys)
-        todo = list(dict.fromkeys(k for k in keys if k not in self._ready
-                                  and k not in self._storing))
+        todo = list(
+            dict.fromkeys(k for k in keys if k not in self._ready and k not in self._storing)
+        )
         short = len(todo) - len(self._free)
         victims: list[Entry] = []
         if short > 0:
             self._adopt_committed()  # more eviction candidates, before vLLM reports them
             protected = set(keys)  # the request's earlier blocks must stay
-            victims = [e for e in self._ready.values()
-                       if e.pins == 0 and e.key not in protected][:short]
+            victims = [e for e in self._ready.values() if e.pins == 0 and e.key not in protected][
+                :short
+            ]
             if len(victims) < short:
                 return None
         # The eviction is journaled before it takes effect: no TOMB on file, no eviction.
@@ -205,9 +234,14 @@ class Catalog:
                 self._make_ready(e, recs)
                 done.append(k)
             else:
-                logger.warning("KV store: store of slot %d (gen %d) was not committed by every "
-                               "rank (%d of %d); the block is not kept", e.slot, e.gen,
-                               len(recs), self.geo.world_size)
+                logger.warning(
+                    "KV store: store of slot %d (gen %d) was not committed by every "
+                    "rank (%d of %d); the block is not kept",
+                    e.slot,
+                    e.gen,
+                    len(recs),
+                    self.geo.world_size,
+                )
                 self.stats["store_failed"] += 1
                 del self._by_slot_gen[(e.slot, e.gen)]
                 e.dropped = True
@@ -300,8 +334,13 @@ class Catalog:
                 if rec.type == journal.COMMIT and not e.ready:
                     self._pending.setdefault((rec.slot, rec.gen), {})[rank] = rec
                 elif rec.type == journal.DAMAGED and e.ready:
-                    logger.warning("KV store: rank %d found the block in slot %d (gen %d) "
-                                   "damaged on load; dropped", rank, rec.slot, rec.gen)
+                    logger.warning(
+                        "KV store: rank %d found the block in slot %d (gen %d) "
+                        "damaged on load; dropped",
+                        rank,
+                        rec.slot,
+                        rec.gen,
+                    )
                     self.stats["damaged"] += 1
                     self._drop(e)
                     self._tomb([e])
@@ -326,15 +365,21 @@ class Catalog:
         except OSError as err:
             self.stats["journal_failed"] += 1
             if not self._log_failing:
-                logger.error("KV store: %s; stores that need an eviction are refused (vLLM "
-                             "offers them again) and dropped blocks keep their slots until it "
-                             "can be written", err)
+                logger.error(
+                    "KV store: %s; stores that need an eviction are refused (vLLM "
+                    "offers them again) and dropped blocks keep their slots until it "
+                    "can be written",
+                    err,
+                )
                 self._log_failing = True
             self._owed = [e for e in todo if e.dropped]  # an eviction not taken is not owed
             return False
         if self._log_failing:
-            logger.warning("KV store: %s can be written again (%d store call(s) were refused "
-                           "meanwhile)", self._log.path, self.stats["store_refused"])
+            logger.warning(
+                "KV store: %s can be written again (%d store call(s) were refused meanwhile)",
+                self._log.path,
+                self.stats["store_refused"],
+            )
             self._log_failing = False
         self._owed = []
         for e in todo:
@@ -360,8 +405,9 @@ class Catalog:
             if len(data) != n:
                 return f"rank {rank}: slot file ends inside the slot"
             bpc = self.geo.blocks_per_chunk
-            got = checksum.slot_checksums(np.frombuffer(data, dtype=np.uint8), pages,
-                                          L.page_runs(pages, bpc), bpc)
+            got = checksum.slot_checksums(
+                np.frombuffer(data, dtype=np.uint8), pages, L.page_runs(pages, bpc), bpc
+            )
             if tuple(got) != tuple(e.sums.get(rank, ())):
                 return f"rank {rank}: checksum differs"
         return ""
@@ -369,8 +415,9 @@ class Catalog:
     def _pages(self, rank: int) -> list[int] | None:
         pages = self._rank_pages.get(rank)
         if pages is None:
-            meta = L.read_json(os.path.join(L.rank_dir(self.root, rank, self.geo.world_size),
-                                            "layout.json"))
+            meta = L.read_json(
+                os.path.join(L.rank_dir(self.root, rank, self.geo.world_size), "layout.json")
+            )
             if meta is None:
                 return None
             pages = self._rank_pages[rank] = [int(p) for p in meta["pages"]]

@@ -26,8 +26,10 @@ _weights_np: dict[int, np.ndarray] = {}
 
 def check_page_bytes(page_bytes: int) -> None:
     if page_bytes <= 0 or page_bytes % 2 or page_bytes > MAX_PAGE_BYTES:
-        raise ValueError(f"a KV page of {page_bytes} bytes cannot be checksummed (it must be "
-                         f"even and at most {MAX_PAGE_BYTES} bytes)")
+        raise ValueError(
+            f"a KV page of {page_bytes} bytes cannot be checksummed (it must be "
+            f"even and at most {MAX_PAGE_BYTES} bytes)"
+        )
 
 
 def _weights(n: int) -> np.ndarray:
@@ -53,12 +55,15 @@ def fold(sums: Iterable[tuple[int, int]]) -> int:
     return h
 
 
-def slot_checksums(data: np.ndarray, pages: Sequence[int], runs: Sequence[int],
-                   count: int) -> list[int]:
+def slot_checksums(
+    data: np.ndarray, pages: Sequence[int], runs: Sequence[int], count: int
+) -> list[int]:
     """Checksums of the `count` sub-blocks in a slot's bytes (`data`, uint8): page p of
     sub-block j is at runs[p] + j * pages[p] (layout.page_runs)."""
-    return [fold([page_sums(data[r + j * p:r + (j + 1) * p]) for p, r in zip(pages, runs)])
-            for j in range(count)]
+    return [
+        fold([page_sums(data[r + j * p : r + (j + 1) * p]) for p, r in zip(pages, runs)])
+        for j in range(count)
+    ]
 
 
 def fold_columns(s1: np.ndarray, s2: np.ndarray) -> list[int]:
@@ -127,10 +132,10 @@ class TorchRows:
             w = self._w(page // 2, dev)
             step = max(1, self._max_bytes // (page * 2))  # int32 working copy per batch
             for i in range(0, n, step):
-                rows = tensor.index_select(0, ids[i:i + step])[:, :page].contiguous()
+                rows = tensor.index_select(0, ids[i : i + step])[:, :page].contiguous()
                 words = rows.view(t.int16)
-                t.sum(words, dim=1, dtype=t.int64, out=out[0, p, i:i + step])
-                t.sum(words.to(t.int32) * w, dim=1, dtype=t.int64, out=out[1, p, i:i + step])
+                t.sum(words, dim=1, dtype=t.int64, out=out[0, p, i : i + step])
+                t.sum(words.to(t.int32) * w, dim=1, dtype=t.int64, out=out[1, p, i : i + step])
         if dev.type != "cuda":
             return PendingSums(out, None)
         host = t.empty(out.shape, dtype=t.int64, pin_memory=True)
@@ -156,5 +161,6 @@ class TorchRows:
         got = rows.block_sums(np.array([2, 0, 1]))
         want = [fold(page_sums(host[p][b].view(np.uint8)) for p in range(2)) for b in (2, 0, 1)]
         if got != want:
-            raise RuntimeError(f"KV checksums on {dev} differ from the host algorithm "
-                               f"({got} != {want})")
+            raise RuntimeError(
+                f"KV checksums on {dev} differ from the host algorithm ({got} != {want})"
+            )

@@ -8,8 +8,17 @@ from collections.abc import Mapping
 from typing import Any
 
 # Keys of kv_connector_extra_config that vLLM itself reads (offloading/config.py, base.py).
-VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blocks_per_chunk",
-                       "canonical_layout", "self_describing_kv_events", "offload_prompt_only"})
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "canonical_layout",
+        "self_describing_kv_events",
+        "offload_prompt_only",
+    }
+)
 
 
 # IO_URING_DMABUF's parameters unless the config sets them: the engine's thread only posts
@@ -55,23 +64,40 @@ class StoreConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> StoreConfig:
-        ours = {"path", "capacity_gb", "capacity_bytes", "backend", "backend_params", "o_direct",
-                "durable", "verify_on_lookup", "max_file_gb", "preallocate", "slot_files"}
+        ours = {
+            "path",
+            "capacity_gb",
+            "capacity_bytes",
+            "backend",
+            "backend_params",
+            "o_direct",
+            "durable",
+            "verify_on_lookup",
+            "max_file_gb",
+            "preallocate",
+            "slot_files",
+        }
         unknown = sorted(k for k in extra if k not in ours and k not in VLLM_KEYS)
         if unknown:
-            raise ValueError(f"NixlStorageOffloadingSpec: unknown kv_connector_extra_config keys "
-                             f"{unknown} (known: {sorted(ours)})")
+            raise ValueError(
+                f"NixlStorageOffloadingSpec: unknown kv_connector_extra_config keys "
+                f"{unknown} (known: {sorted(ours)})"
+            )
         path = extra.get("path")
         if not path or not isinstance(path, str):
-            raise ValueError("NixlStorageOffloadingSpec: kv_connector_extra_config['path'] "
-                             "(the store's folder) is required")
+            raise ValueError(
+                "NixlStorageOffloadingSpec: kv_connector_extra_config['path'] "
+                "(the store's folder) is required"
+            )
         if "capacity_bytes" in extra:
             cap = int(extra["capacity_bytes"])
         elif "capacity_gb" in extra:
             cap = int(float(extra["capacity_gb"]) * (1 << 30))
         else:
-            raise ValueError("NixlStorageOffloadingSpec: kv_connector_extra_config['capacity_gb']"
-                             " (bytes of storage for KV blocks, all ranks) is required")
+            raise ValueError(
+                "NixlStorageOffloadingSpec: kv_connector_extra_config['capacity_gb']"
+                " (bytes of storage for KV blocks, all ranks) is required"
+            )
         if cap <= 0:
             raise ValueError(f"NixlStorageOffloadingSpec: capacity must be positive, not {cap}")
         params = extra.get("backend_params") or {}
@@ -82,18 +108,27 @@ class StoreConfig:
             raise ValueError("kv_connector_extra_config['max_file_gb'] must be positive")
         slot_files = extra.get("slot_files", 8)
         if isinstance(slot_files, bool) or not isinstance(slot_files, int) or slot_files < 1:
-            raise ValueError("kv_connector_extra_config['slot_files'] must be a positive "
-                             f"integer, not {slot_files!r}")
+            raise ValueError(
+                "kv_connector_extra_config['slot_files'] must be a positive "
+                f"integer, not {slot_files!r}"
+            )
         backend = str(extra.get("backend", "IO_URING_DMABUF"))
         # JSON true/false arrive as Python bools; str() would give "True", which NIXL's own
         # backends need not accept
-        given = {str(k): (str(v).lower() if isinstance(v, bool) else str(v))
-                 for k, v in params.items()}
+        given = {
+            str(k): (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in params.items()
+        }
         if backend == "IO_URING_DMABUF":
             given = {**IUD_DEFAULT_PARAMS, **given}
-        return cls(path=path, capacity_bytes=cap, backend=backend, backend_params=given,
-                   o_direct=_bool("o_direct", extra.get("o_direct", False)),
-                   durable=_bool("durable", extra.get("durable", False)),
-                   verify_on_lookup=_bool("verify_on_lookup", extra.get("verify_on_lookup", True)),
-                   max_file_bytes=max_file, slot_files=slot_files,
-                   preallocate=_bool("preallocate", extra.get("preallocate", True)))
+        return cls(
+            path=path,
+            capacity_bytes=cap,
+            backend=backend,
+            backend_params=given,
+            o_direct=_bool("o_direct", extra.get("o_direct", False)),
+            durable=_bool("durable", extra.get("durable", False)),
+            verify_on_lookup=_bool("verify_on_lookup", extra.get("verify_on_lookup", True)),
+            max_file_bytes=max_file,
+            slot_files=slot_files,
+            preallocate=_bool("preallocate", extra.get("preallocate", True)),
+        )

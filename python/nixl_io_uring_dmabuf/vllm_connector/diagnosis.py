@@ -21,8 +21,15 @@ def cause_of(e: BaseException) -> str:
     return errno.errorcode.get(n, f"errno {n}") if n else type(e).__name__
 
 
-def diagnose(root: str, geo: L.Geometry, rank: int, fds: Sequence[int], slots: Iterable[int],
-             store: bool, used: int) -> tuple[str, str]:
+def diagnose(
+    root: str,
+    geo: L.Geometry,
+    rank: int,
+    fds: Sequence[int],
+    slots: Iterable[int],
+    store: bool,
+    used: int,
+) -> tuple[str, str]:
     """(what was found, cause name) for a job NIXL failed: each of its slots' length in its
     file (`used` bytes of each slot), a read of the slot's bytes and, for a store, a write of the
     same bytes back (the slot belongs to this failed store: no commit names it), through a
@@ -35,26 +42,39 @@ def diagnose(root: str, geo: L.Geometry, rank: int, fds: Sequence[int], slots: I
         try:
             size = os.fstat(fds[fi]).st_size
             if size < off + used:
-                return (f"short file: {path} is {size} B, slot {slot} ends at byte "
-                        f"{off + used}", "short file")
+                return (
+                    f"short file: {path} is {size} B, slot {slot} ends at byte {off + used}",
+                    "short file",
+                )
             fd = os.open(f"/proc/self/fd/{fds[fi]}", os.O_RDWR if store else os.O_RDONLY)
             try:
                 data = b""
                 while len(data) < used:  # a short read, then the error (as the kernel does)
                     got = os.pread(fd, used - len(data), off + len(data))
                     if not got:
-                        return (f"short file: {path} ends at byte {off + len(data)}, "
-                                f"inside slot {slot} ({off} to {off + used})", "short file")
+                        return (
+                            f"short file: {path} ends at byte {off + len(data)}, "
+                            f"inside slot {slot} ({off} to {off + used})",
+                            "short file",
+                        )
                     data += got
                 if store:
                     n = os.pwrite(fd, data, off)
                     if n < used:
-                        return (f"short write: {path} took {n} of {used} B at byte {off} "
-                                f"(slot {slot}); {free}", "short write")
+                        return (
+                            f"short write: {path} took {n} of {used} B at byte {off} "
+                            f"(slot {slot}); {free}",
+                            "short write",
+                        )
             finally:
                 os.close(fd)
         except OSError as e:
-            return (f"{'writing' if store else 'reading'} slot {slot}: "
-                    f"{L.explain(e, path)}", cause_of(e))
-    return (f"not found: the job's slot files can be read{' and written' if store else ''}"
-            f" now ({free}); the backend's log has its own message", "unknown")
+            return (
+                f"{'writing' if store else 'reading'} slot {slot}: {L.explain(e, path)}",
+                cause_of(e),
+            )
+    return (
+        f"not found: the job's slot files can be read{' and written' if store else ''}"
+        f" now ({free}); the backend's log has its own message",
+        "unknown",
+    )

@@ -83,7 +83,7 @@ def _parse(rtype: int, body: bytes) -> Record | None:
         gen, slot, nbytes, n, klen = _COMMIT.unpack_from(body)
         if len(body) != _COMMIT.size + klen + 8 * n:
             return None
-        key = body[_COMMIT.size:_COMMIT.size + klen]
+        key = body[_COMMIT.size : _COMMIT.size + klen]
         sums = struct.unpack_from(f"<{n}Q", body, _COMMIT.size + klen)
         return Record(COMMIT, gen, slot, key, nbytes, tuple(sums))
     if rtype in (TOMB, DAMAGED) and len(body) == _SLOT.size:
@@ -103,7 +103,7 @@ def _at(buf: bytes, off: int) -> tuple[Record | None, int]:
     end = off + _HEAD.size + blen
     if end > len(buf):
         return None, -1
-    body = buf[off + _HEAD.size:end]
+    body = buf[off + _HEAD.size : end]
     if zlib.crc32(bytes([rtype]) + body) != crc:
         return None, 0
     rec = _parse(rtype, body)
@@ -177,9 +177,13 @@ class Reader:
         self.failing = None
         recs, used, skipped = parse(buf)
         for off, n in skipped:
-            logger.warning("KV store: %s: %d damaged byte(s) at byte %d skipped (the records "
-                           "there are lost; the records after them are read)", self.path, n,
-                           self.offset + off)
+            logger.warning(
+                "KV store: %s: %d damaged byte(s) at byte %d skipped (the records "
+                "there are lost; the records after them are read)",
+                self.path,
+                n,
+                self.offset + off,
+            )
         self.skipped += [(self.offset + off, n) for off, n in skipped]
         self.tail = len(buf) - used
         self.offset += used
@@ -187,8 +191,10 @@ class Reader:
 
     def _unreadable(self, e: OSError) -> list[Record]:
         if self.failing is None:
-            logger.error("KV store: cannot read %s; its new records wait until it can be read",
-                         L.explain(e, self.path))
+            logger.error(
+                "KV store: cannot read %s; its new records wait until it can be read",
+                L.explain(e, self.path),
+            )
         self.failing = e
         return []
 
@@ -237,8 +243,13 @@ class Appender:
             raise
         os.close(fd)
         for off, n in skipped:
-            logger.warning("KV store: %s: %d damaged byte(s) at byte %d skipped (the records "
-                           "there are lost; the records after them are kept)", path, n, off)
+            logger.warning(
+                "KV store: %s: %d damaged byte(s) at byte %d skipped (the records "
+                "there are lost; the records after them are kept)",
+                path,
+                n,
+                off,
+            )
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._size = used
         self.cut = size - used
@@ -263,8 +274,11 @@ class Appender:
             try:
                 os.ftruncate(self._fd, start)
             except OSError as e2:
-                logger.error("KV store: cannot cut the failed append off %s (%s); readers skip "
-                             "it as damage", self.path, L.explain(e2, self.path))
+                logger.error(
+                    "KV store: cannot cut the failed append off %s (%s); readers skip it as damage",
+                    self.path,
+                    L.explain(e2, self.path),
+                )
                 try:
                     self._size = os.fstat(self._fd).st_size
                 except OSError:
@@ -292,7 +306,9 @@ def lock_exclusive(path: str, what: str) -> int:
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise StoreBusy(f"{what}: {path} is locked by another live process (another vLLM "
-                            "engine uses this store; give each engine its own path)") from None
+            raise StoreBusy(
+                f"{what}: {path} is locked by another live process (another vLLM "
+                "engine uses this store; give each engine its own path)"
+            ) from None
         raise
     return fd

@@ -72,8 +72,10 @@ def free_space(path: str) -> str:
         st = os.statvfs(p)
     except OSError as e:
         return f"free space unknown ({e.strerror})"
-    return (f"{_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)} on "
-            "its file system")
+    return (
+        f"{_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)} on "
+        "its file system"
+    )
 
 
 def explain(err: OSError, path: str | None = None) -> str:
@@ -98,8 +100,10 @@ class Geometry:
 
     def __post_init__(self):
         if self.rank_block_bytes <= 0:
-            raise ValueError(f"no KV bytes per block ({self.rank_block_bytes}): the engine's KV "
-                             "cache is not sized yet")
+            raise ValueError(
+                f"no KV bytes per block ({self.rank_block_bytes}): the engine's KV "
+                "cache is not sized yet"
+            )
         if self.slot_files < 1:
             raise ValueError(f"slot_files must be at least 1, not {self.slot_files}")
         if self.num_slots < 1:
@@ -107,7 +111,8 @@ class Geometry:
                 f"capacity {self.capacity_bytes} B holds no slot: one slot takes "
                 f"{self.slot_bytes} B on each of {self.world_size} rank(s) "
                 f"({self.blocks_per_chunk} block(s) of {self.rank_block_bytes} B, rounded up to "
-                f"{SLOT_ALIGN})")
+                f"{SLOT_ALIGN})"
+            )
 
     @property
     def slot_bytes(self) -> int:
@@ -134,10 +139,16 @@ class Geometry:
         return slot % self.num_files, (slot // self.num_files) * self.slot_bytes
 
     def manifest(self, **extra) -> dict:
-        return {"format": FORMAT, "rank_block_bytes": self.rank_block_bytes,
-                "blocks_per_chunk": self.blocks_per_chunk, "world_size": self.world_size,
-                "slot_bytes": self.slot_bytes, "num_slots": self.num_slots,
-                "num_files": self.num_files, **extra}
+        return {
+            "format": FORMAT,
+            "rank_block_bytes": self.rank_block_bytes,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "world_size": self.world_size,
+            "slot_bytes": self.slot_bytes,
+            "num_slots": self.num_slots,
+            "num_files": self.num_files,
+            **extra,
+        }
 
 
 def rank_dir(root: str, rank: int, world_size: int) -> str:
@@ -180,13 +191,17 @@ def ensure_json(path: str, wanted: dict, what: str) -> None:
     except FileNotFoundError:
         _write_json(path, wanted, what)
         return
-    diff = {k: (have.get(k), wanted.get(k)) for k in set(have) | set(wanted)
-            if have.get(k) != wanted.get(k)}
+    diff = {
+        k: (have.get(k), wanted.get(k))
+        for k in set(have) | set(wanted)
+        if have.get(k) != wanted.get(k)
+    }
     if diff:
         raise StoreMismatch(
             f"{what} at {path} was made for another model or layout: "
             + ", ".join(f"{k} is {a!r} there, {b!r} here" for k, (a, b) in sorted(diff.items()))
-            + ". Give this engine another path, or delete that store.")
+            + ". Give this engine another path, or delete that store."
+        )
 
 
 def read_json(path: str) -> dict | None:

@@ -23,8 +23,7 @@ class NixlStoreSpec(LoadStoreSpec):
 class NixlLoadSpec(LoadStoreSpec):
     """Load chunk i from slots[i]; sums[rank][i][sub] is sub-block sub's checksum on rank."""
 
-    def __init__(self, slots: list[int], gens: list[int],
-                 sums: dict[int, list[tuple[int, ...]]]):
+    def __init__(self, slots: list[int], gens: list[int], sums: dict[int, list[tuple[int, ...]]]):
         self.slots = np.asarray(slots, dtype=np.int64)
         self.gens = np.asarray(gens, dtype=np.int64)
         self.sums = sums

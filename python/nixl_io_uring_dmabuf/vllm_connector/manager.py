@@ -18,7 +18,6 @@ from vllm.v1.kv_offload.base import (
 from .catalog import Catalog
 from .load_store_specs import NixlLoadSpec, NixlStoreSpec
 
-
 # vLLM 0.34 dropped OffloadingManager.touch(): offering a stored block again marks it used.
 _OFFER_IS_USE = not hasattr(OffloadingManager, "touch")
 
@@ -33,8 +32,11 @@ class NixlStorageManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> NixlLoadSpec:
         items = self.catalog.prepare_load([bytes(k) for k in keys])
         ranks = range(self.catalog.geo.world_size)
-        return NixlLoadSpec([it.slot for it in items], [it.gen for it in items],
-                            {r: [it.sums[r] for it in items] for r in ranks})
+        return NixlLoadSpec(
+            [it.slot for it in items],
+            [it.gen for it in items],
+            {r: [it.sums[r] for it in items] for r in ranks},
+        )
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext):
         self.catalog.touch([bytes(k) for k in keys])
@@ -42,8 +44,9 @@ class NixlStorageManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext):
         self.catalog.complete_load([bytes(k) for k in keys])
 
-    def prepare_store(self, keys: Collection[OffloadKey],
-                      req_context: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
         keys = [bytes(k) for k in keys]
         if _OFFER_IS_USE:
             self.catalog.touch(keys)
@@ -51,14 +54,18 @@ class NixlStorageManager(OffloadingManager):
         if out is None:
             return None
         accepted, evicted = out
-        spec = NixlStoreSpec([k for k, _, _ in accepted], [s for _, s, _ in accepted],
-                             [g for _, _, g in accepted])
-        return PrepareStoreOutput(keys_to_store=[OffloadKey(k) for k, _, _ in accepted],
-                                  store_spec=spec,
-                                  evicted_keys=[OffloadKey(k) for k in evicted])
+        spec = NixlStoreSpec(
+            [k for k, _, _ in accepted], [s for _, s, _ in accepted], [g for _, _, g in accepted]
+        )
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k, _, _ in accepted],
+            store_spec=spec,
+            evicted_keys=[OffloadKey(k) for k in evicted],
+        )
 
-    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
-                       success: bool = True):
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ):
         # Whether a block is kept is decided by the workers' commit records, not by `success`
         # (vLLM 0.32/0.33 always pass True; 0.34 passes False when a rank reported its store
         # failed, and that rank then wrote no commit): a block some rank did not commit is

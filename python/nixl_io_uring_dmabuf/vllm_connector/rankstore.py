@@ -48,6 +48,7 @@ LaunchSumsFn = Callable[[np.ndarray], object]
 @dataclasses.dataclass(frozen=True)
 class Region:
     """One KV tensor as rows: row b (block b) starts at addr + b * stride, page bytes long."""
+
     addr: int
     stride: int
     num_blocks: int
@@ -75,11 +76,12 @@ class HostRows:
 class Phase(enum.Enum):
     """Where a job is. RankStore._advance moves a job forward through these, never back, and
     returns at once where it would have to wait."""
-    WAIT = "wait"      # for the device work the job follows (its `ready` callable)
-    SUMS = "sums"      # store: the KV rows' checksums (checksum thread, or queued on the device)
-    POST = "post"      # make_prepped_xfer and transfer
-    XFER = "xfer"      # NIXL moves the bytes (check_xfer_state)
-    CHECK = "check"    # load: the checksums of what arrived
+
+    WAIT = "wait"  # for the device work the job follows (its `ready` callable)
+    SUMS = "sums"  # store: the KV rows' checksums (checksum thread, or queued on the device)
+    POST = "post"  # make_prepped_xfer and transfer
+    XFER = "xfer"  # NIXL moves the bytes (check_xfer_state)
+    CHECK = "check"  # load: the checksums of what arrived
     FINISH = "finish"  # store: COMMIT records; load: compare, DAMAGED records
 
 
@@ -87,6 +89,7 @@ class Phase(enum.Enum):
 class StoreOptions:
     """How a rank's files are written and which NIXL backend moves the bytes (the connector's
     parameters of the same names, docs/vllm-connector.md)."""
+
     backend: str = "IO_URING_DMABUF"
     backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
     o_direct: bool = False
@@ -132,30 +135,48 @@ class RankStore:
     `launch_sums`, where given, queues them on the device from the engine's thread instead.
     """
 
-    def __init__(self, root: str, geo: L.Geometry, rank: int, regions: Sequence[Region],
-                 mem_kind: str, options: StoreOptions | None = None, *,
-                 block_sums: BlockSumsFn | None = None,
-                 launch_sums: LaunchSumsFn | None = None):
+    def __init__(
+        self,
+        root: str,
+        geo: L.Geometry,
+        rank: int,
+        regions: Sequence[Region],
+        mem_kind: str,
+        options: StoreOptions | None = None,
+        *,
+        block_sums: BlockSumsFn | None = None,
+        launch_sums: LaunchSumsFn | None = None,
+    ):
         options = options or StoreOptions()
         self.geo, self.rank, self.backend = geo, rank, options.backend
         self.regions = list(regions)
         self.pages = [r.page for r in self.regions]
         self.durable = options.durable
         if sum(self.pages) > geo.rank_block_bytes:
-            raise ValueError(f"rank {rank}: the KV cache has {sum(self.pages)} B per block, more "
-                             f"than the {geo.rank_block_bytes} B vLLM announced to the scheduler")
+            raise ValueError(
+                f"rank {rank}: the KV cache has {sum(self.pages)} B per block, more "
+                f"than the {geo.rank_block_bytes} B vLLM announced to the scheduler"
+            )
         for p in self.pages:
             checksum.check_page_bytes(p)
         self._block_sums = block_sums or HostRows(self.regions).block_sums
         self._launch_sums = launch_sums
-        self._files = RankFiles(root, geo, rank, self.pages, options.o_direct, options.durable,
-                                options.preallocate)
+        self._files = RankFiles(
+            root, geo, rank, self.pages, options.o_direct, options.durable, options.preallocate
+        )
         self._root, self._fds, self._log = root, self._files.fds, self._files.log
         try:
             if options.o_direct:
                 self._files.check_direct(self.pages, self.regions, mem_kind)
-            self._nixl = RankTransfers(rank, options.backend, options.backend_params, mem_kind,
-                                       self.regions, geo, self._fds)
+            self._nixl = RankTransfers(
+                rank,
+                options.backend,
+                options.backend_params,
+                mem_kind,
+                self.regions,
+                geo,
+                self._fds,
+            )
             self._nb, self._npg = self._nixl.num_blocks, self._nixl.num_pages
         except BaseException:
             self._files.close()
@@ -168,16 +189,35 @@ class RankStore:
         # (the engine's thread: checksums, make_prepped_xfer, post, commit or check),
         # poll_seconds and poll_max (the engine's thread in check_xfer_state); loads also blocks
         # checked and blocks found damaged.
-        self.stats = {d: {"jobs": 0, "failed": 0, "bytes": 0, "seconds": 0.0, "post_seconds": 0.0,
-                          "poll_seconds": 0.0, "poll_max": 0.0, "blocks": 0, "bad_blocks": 0,
-                          "sum_seconds": 0.0}
-                      for d in ("store", "load")}
+        self.stats = {
+            d: {
+                "jobs": 0,
+                "failed": 0,
+                "bytes": 0,
+                "seconds": 0.0,
+                "post_seconds": 0.0,
+                "poll_seconds": 0.0,
+                "poll_max": 0.0,
+                "blocks": 0,
+                "bad_blocks": 0,
+                "sum_seconds": 0.0,
+            }
+            for d in ("store", "load")
+        }
         # Failed jobs by cause (ENOSPC, EIO, short file, ...), and jobs in flight now.
         self.stats["causes"] = collections.Counter()
         self.stats["in_flight"] = 0
-        logger.info("KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
-                    "backend %s%s", rank, geo.num_slots, geo.slot_bytes, len(self._fds),
-                    len(self.pages), options.backend, " O_DIRECT" if options.o_direct else "")
+        logger.info(
+            "KV store rank %d: %d slot(s) of %d B in %d file(s), %d page(s) per block, "
+            "backend %s%s",
+            rank,
+            geo.num_slots,
+            geo.slot_bytes,
+            len(self._fds),
+            len(self.pages),
+            options.backend,
+            " O_DIRECT" if options.o_direct else "",
+        )
 
     # ---- jobs ----------------------------------------------------------------------------
     def _indices(self, job: _Job) -> tuple[np.ndarray, np.ndarray]:
@@ -196,7 +236,7 @@ class RankStore:
         else:
             k = np.repeat(np.arange(len(blocks)), npg)
             p = np.tile(np.arange(npg, dtype=np.int64), len(blocks))
-            order = np.lexsort((subs[k], p, slots[k]))        # slot, then page, then sub-block
+            order = np.lexsort((subs[k], p, slots[k]))  # slot, then page, then sub-block
             k, p = k[order], p[order]
             local = blocks[k] * npg + p
             remote = (slots[k] * self.geo.blocks_per_chunk + subs[k]) * npg + p
@@ -206,28 +246,48 @@ class RankStore:
         blocks, slots, subs = (np.asarray(x, dtype=np.int64) for x in (blocks, slots, subs))
         if not (len(blocks) == len(slots) == len(subs)):
             raise ValueError("blocks, slots and sub-blocks differ in length")
-        if len(blocks) and (blocks.min() < 0 or blocks.max() >= self._nb or slots.min() < 0
-                            or slots.max() >= self.geo.num_slots or subs.min() < 0
-                            or subs.max() >= self.geo.blocks_per_chunk):
+        if len(blocks) and (
+            blocks.min() < 0
+            or blocks.max() >= self._nb
+            or slots.min() < 0
+            or slots.max() >= self.geo.num_slots
+            or subs.min() < 0
+            or subs.max() >= self.geo.blocks_per_chunk
+        ):
             raise ValueError("a block, slot or sub-block index is out of range")
         return blocks, slots, subs
 
-    def submit_store(self, job_id: int, blocks, slots, subs,
-                     commits: Sequence[tuple[bytes, int, int]],
-                     ready: Callable[[], bool] | None = None) -> None:
+    def submit_store(
+        self,
+        job_id: int,
+        blocks,
+        slots,
+        subs,
+        commits: Sequence[tuple[bytes, int, int]],
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
         """Store KV rows `blocks[i]` into (slots[i], subs[i]); commit (key, slot, gen) for each
         slot once the transfer is DONE (every sub-block of the slot must be in the job)."""
         blocks, slots, subs = self._check_pairs(blocks, slots, subs)
         job = _Job(job_id, True, blocks, slots, subs, ready, commits=list(commits))
         self._add(job)
 
-    def submit_load(self, job_id: int, blocks, slots, subs, expected: Sequence[int],
-                    gens: Sequence[int], ready: Callable[[], bool] | None = None) -> None:
+    def submit_load(
+        self,
+        job_id: int,
+        blocks,
+        slots,
+        subs,
+        expected: Sequence[int],
+        gens: Sequence[int],
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
         """Load (slots[i], subs[i]) into KV rows `blocks[i]`; `expected[i]` is that sub-block's
         checksum on this rank, `gens[i]` the store generation (for DAMAGED records)."""
         blocks, slots, subs = self._check_pairs(blocks, slots, subs)
-        job = _Job(job_id, False, blocks, slots, subs, ready, expected=list(expected),
-                   gens=list(gens))
+        job = _Job(
+            job_id, False, blocks, slots, subs, ready, expected=list(expected), gens=list(gens)
+        )
         self._add(job)
 
     def _add(self, job: _Job) -> None:
@@ -253,8 +313,7 @@ class RankStore:
         try:
             return self._block_sums(job.blocks)
         finally:
-            self.stats["store" if job.store else "load"]["sum_seconds"] += \
-                time.perf_counter() - t
+            self.stats["store" if job.store else "load"]["sum_seconds"] += time.perf_counter() - t
 
     def _post(self, job: _Job) -> None:
         t = time.perf_counter()
@@ -284,8 +343,7 @@ class RankStore:
             if job.phase is Phase.SUMS:
                 if not job.future.done():
                     return None
-                for s, sub, h in zip(job.slots.tolist(), job.subs.tolist(),
-                                     job.future.result()):
+                for s, sub, h in zip(job.slots.tolist(), job.subs.tolist(), job.future.result()):
                     job.sums.setdefault(s, {})[sub] = h
                 job.phase = Phase.POST
             if job.phase is Phase.POST:
@@ -318,12 +376,24 @@ class RankStore:
             error, cause = str(failure), cause_of(failure)
             if failed_in in (Phase.POST, Phase.XFER) and not isinstance(failure, OSError):
                 # NIXL says only that the backend failed: look at the files for the cause.
-                found, cause = diagnose(self._root, self.geo, self.rank, self._fds, job.slots,
-                                        job.store, self.geo.blocks_per_chunk * sum(self.pages))
+                found, cause = diagnose(
+                    self._root,
+                    self.geo,
+                    self.rank,
+                    self._fds,
+                    job.slots,
+                    job.store,
+                    self.geo.blocks_per_chunk * sum(self.pages),
+                )
                 error = f"{error}; cause: {found}"
             self.stats["causes"][cause] += 1
-            logger.error("KV store rank %d: %s job %d failed: %s", self.rank,
-                         "store" if job.store else "load", job.job_id, error)
+            logger.error(
+                "KV store rank %d: %s job %d failed: %s",
+                self.rank,
+                "store" if job.store else "load",
+                job.job_id,
+                error,
+            )
             res = Result(job.job_id, job.store, False, error=error)
         del self._jobs[job.job_id]
         self.stats["in_flight"] = len(self._jobs)
@@ -352,11 +422,19 @@ class RankStore:
             for key, slot, gen in job.commits:
                 subs = job.sums.get(slot, {})
                 if len(subs) != bpc:
-                    logger.warning("KV store rank %d: slot %d got %d of %d sub-blocks; not "
-                                   "committed", self.rank, slot, len(subs), bpc)
+                    logger.warning(
+                        "KV store rank %d: slot %d got %d of %d sub-blocks; not committed",
+                        self.rank,
+                        slot,
+                        len(subs),
+                        bpc,
+                    )
                     continue
-                recs.append(journal.commit(key, slot, gen, bpc * sum(self.pages),
-                                           [subs[j] for j in range(bpc)]))
+                recs.append(
+                    journal.commit(
+                        key, slot, gen, bpc * sum(self.pages), [subs[j] for j in range(bpc)]
+                    )
+                )
             if self.durable:
                 self._files.fdatasync(job.slots)
             self._log.append(recs)  # whole or not at all (journal.AppendFailed)
@@ -366,9 +444,13 @@ class RankStore:
         if bad:
             res.bad_blocks = [int(job.blocks[i]) for i in bad]
             slots = sorted({(int(job.slots[i]), int(job.gens[i])) for i in bad})
-            logger.warning("KV store rank %d: load job %d: %d block(s) do not match their "
-                           "checksum (slots %s)", self.rank, job.job_id, len(bad),
-                           [s for s, _ in slots])
+            logger.warning(
+                "KV store rank %d: load job %d: %d block(s) do not match their checksum (slots %s)",
+                self.rank,
+                job.job_id,
+                len(bad),
+                [s for s, _ in slots],
+            )
             try:
                 self._log.append([journal.damaged(s, g) for s, g in slots])
             except OSError as e:  # the blocks are still reported bad; only the record is lost

@@ -21,8 +21,16 @@ if TYPE_CHECKING:
 class RankFiles:
     """The open files of one rank (see the module doc); close() releases them and the lock."""
 
-    def __init__(self, root: str, geo: L.Geometry, rank: int, pages: list[int], o_direct: bool,
-                 durable: bool, preallocate: bool):
+    def __init__(
+        self,
+        root: str,
+        geo: L.Geometry,
+        rank: int,
+        pages: list[int],
+        o_direct: bool,
+        durable: bool,
+        preallocate: bool,
+    ):
         self.root, self.geo, self.rank = root, geo, rank
         self.fds: list[int] = []
         self.log: journal.Appender | None = None
@@ -35,15 +43,23 @@ class RankFiles:
         except OSError as e:
             raise L.StoreUnavailable(f"{what}: cannot open {L.explain(e, rdir)}") from None
         try:
-            L.ensure_json(os.path.join(rdir, "layout.json"),
-                          {"pages": pages, "blocks_per_chunk": geo.blocks_per_chunk,
-                           "slot_bytes": geo.slot_bytes, "rank": rank, "world_size": W},
-                          what)
+            L.ensure_json(
+                os.path.join(rdir, "layout.json"),
+                {
+                    "pages": pages,
+                    "blocks_per_chunk": geo.blocks_per_chunk,
+                    "slot_bytes": geo.slot_bytes,
+                    "rank": rank,
+                    "world_size": W,
+                },
+                what,
+            )
             try:
                 self.log = journal.Appender(L.commits_log(root, rank, W), durable)
             except OSError as e:
                 raise L.StoreUnavailable(
-                    f"{what}: cannot open {L.explain(e, L.commits_log(root, rank, W))}") from None
+                    f"{what}: cannot open {L.explain(e, L.commits_log(root, rank, W))}"
+                ) from None
             self._open_files(o_direct, preallocate)
         except BaseException:
             self.close()
@@ -75,7 +91,8 @@ class RankFiles:
                                 f"{what}: cannot preallocate {size} B for "
                                 f"{L.explain(e, path)}. Free space, lower capacity_gb, or set "
                                 "preallocate to false (sparse slot files: stores then fail "
-                                "while the file system is full)") from None
+                                "while the file system is full)"
+                            ) from None
                 os.ftruncate(fd, size)  # sparse: preallocate off or not supported here
             except OSError as e:
                 raise L.StoreUnavailable(f"{what}: cannot size {L.explain(e, path)}") from None
@@ -89,17 +106,23 @@ class RankFiles:
             problems.append(f"slot size {self.geo.slot_bytes} B is not a multiple of {off_align}")
         for p in list(pages) + [int(o) for o in offsets[1:]] + [sum(pages)]:
             if p % off_align:
-                problems.append(f"a KV page boundary ({p} B into a block) is not a multiple of "
-                                f"{off_align} B")
+                problems.append(
+                    f"a KV page boundary ({p} B into a block) is not a multiple of {off_align} B"
+                )
                 break
         if mem_kind == "DRAM":
             for i, r in enumerate(regions):
                 if r.addr % mem_align or r.stride % mem_align:
-                    problems.append(f"KV tensor {i} at 0x{r.addr:x} (row stride {r.stride} B) is "
-                                    f"not aligned to {mem_align} B")
+                    problems.append(
+                        f"KV tensor {i} at 0x{r.addr:x} (row stride {r.stride} B) is "
+                        f"not aligned to {mem_align} B"
+                    )
         if problems:
-            raise ValueError("o_direct cannot serve this KV cache layout: " + "; ".join(problems)
-                             + ". Set o_direct to false.")
+            raise ValueError(
+                "o_direct cannot serve this KV cache layout: "
+                + "; ".join(problems)
+                + ". Set o_direct to false."
+            )
 
     def fdatasync(self, slots) -> None:
         """fdatasync of every slot file that holds one of `slots`; an error names the file."""

@@ -41,7 +41,7 @@ def _note_failure_policy() -> None:
         logger.warning(
             "NixlStorageOffloadingSpec: kv_load_failure_policy is 'fail', so a request whose "
             "KV load fails (I/O error, damaged block) ends with an error; set "
-            "\"kv_load_failure_policy\": \"recompute\" to have vLLM recompute it instead"
+            '"kv_load_failure_policy": "recompute" to have vLLM recompute it instead'
         )
 
 
@@ -55,28 +55,37 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
         if len(config.groups) != 1:
             raise ValueError(
                 f"NixlStorageOffloadingSpec: the model has {len(config.groups)} offloaded KV cache "
-                "groups (a hybrid model); only models with one group are served")
+                "groups (a hybrid model); only models with one group are served"
+            )
         if config.canonical_layout:
-            raise ValueError("NixlStorageOffloadingSpec: canonical_layout is not served; leave it "
-                             "off (each rank stores its own blocks in its own files)")
+            raise ValueError(
+                "NixlStorageOffloadingSpec: canonical_layout is not served; leave it "
+                "off (each rank stores its own blocks in its own files)"
+            )
         self._manager = None
         self._worker = None
 
     @property
     def geometry(self) -> Geometry:
         c = self.store_config
-        return Geometry(rank_block_bytes=int(self.config.worker_kv_bytes_per_block),
-                        blocks_per_chunk=int(self.blocks_per_chunk),
-                        world_size=int(self.config.parallel.world_size),
-                        capacity_bytes=c.capacity_bytes, max_file_bytes=c.max_file_bytes,
-                        slot_files=c.slot_files)
+        return Geometry(
+            rank_block_bytes=int(self.config.worker_kv_bytes_per_block),
+            blocks_per_chunk=int(self.blocks_per_chunk),
+            world_size=int(self.config.parallel.world_size),
+            capacity_bytes=c.capacity_bytes,
+            max_file_bytes=c.max_file_bytes,
+            slot_files=c.slot_files,
+        )
 
     def manifest(self) -> dict:
         g = self.config.groups[0]
-        return {"model": str(self.config.model.name), "dtype": str(self.config.model.dtype),
-                "tokens_per_block": int(g.tokens_per_block),
-                "tokens_per_hash": int(self.tokens_per_hash),
-                "kv_cache_layout": str(self.config.kv_cache_layout)}
+        return {
+            "model": str(self.config.model.name),
+            "dtype": str(self.config.model.dtype),
+            "tokens_per_block": int(g.tokens_per_block),
+            "tokens_per_hash": int(self.tokens_per_hash),
+            "kv_cache_layout": str(self.config.kv_cache_layout),
+        }
 
     def get_manager(self):
         if self._manager is None:
@@ -85,9 +94,15 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
             c = self.store_config
             if self.worker_api is versions.WorkerApi.DEVICE_POINTERS:
                 _note_failure_policy()
-            self._manager = NixlStorageManager(Catalog(
-                c.path, self.geometry, self.manifest(), durable=c.durable,
-                verify_on_lookup=c.verify_on_lookup))
+            self._manager = NixlStorageManager(
+                Catalog(
+                    c.path,
+                    self.geometry,
+                    self.manifest(),
+                    durable=c.durable,
+                    verify_on_lookup=c.verify_on_lookup,
+                )
+            )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches):

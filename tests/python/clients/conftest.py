@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import clients_env as E
+import pytest
 
 
 @pytest.fixture(scope="session")
@@ -17,8 +16,9 @@ def clients(tmp_path_factory):
     pkgs = E.pip_target(E.build_wheel(str(tmp / "wheel")), str(tmp / "pkgs"))
     site = str(tmp / "site")
     E.copy_nixl(site, E.wheel_module_of(py))
-    p = E.run([py, "-m", "nixl_io_uring_dmabuf", "install", "--as", "POSIX"],
-              E.child_env([site, pkgs]))
+    p = E.run(
+        [py, "-m", "nixl_io_uring_dmabuf", "install", "--as", "POSIX"], E.child_env([site, pkgs])
+    )
     assert p.returncode == 0, p.stderr
     return {"py": py, "pkgs": pkgs, "site": site, "tmp": tmp}
 

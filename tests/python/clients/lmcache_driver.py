@@ -40,13 +40,21 @@ def main(spec: dict) -> dict:
     for d in shape:
         chunk_bytes *= d
     n = spec["chunks"]
-    extra = {"nixl_pool_size": spec["pool"], "nixl_path": spec["path"],
-             "use_direct_io": spec["direct"], "nixl_backend_params": spec.get("params", {})}
+    extra = {
+        "nixl_pool_size": spec["pool"],
+        "nixl_path": spec["path"],
+        "use_direct_io": spec["direct"],
+        "nixl_backend_params": spec.get("params", {}),
+    }
     device = spec.get("device", "cpu")
-    cfg = {"chunk_size": spec["tokens"], "local_cpu": False, "save_unfull_chunk": False,
-           # the pool holds one batch being put and all chunks being read back, with room
-           "max_local_cpu_size": (3 * n * chunk_bytes) / (1 << 30),
-           "nixl_buffer_device": device}
+    cfg = {
+        "chunk_size": spec["tokens"],
+        "local_cpu": False,
+        "save_unfull_chunk": False,
+        # the pool holds one batch being put and all chunks being read back, with room
+        "max_local_cpu_size": (3 * n * chunk_bytes) / (1 << 30),
+        "nixl_buffer_device": device,
+    }
     if device != "cpu":
         cfg["nixl_buffer_size"] = 2 * n * chunk_bytes
     if spec["route"] == "builtin":
@@ -54,28 +62,40 @@ def main(spec: dict) -> dict:
         location = "NixlStorageBackend"
     else:
         name = "IO_URING_DMABUF"
-        extra.update({f"storage_plugin.{name}.module_path": "nixl_io_uring_dmabuf.lmcache",
-                      f"storage_plugin.{name}.class_name": "IoUringDmabufBackend",
-                      "rust_raw_block.use_uring": True})
+        extra.update(
+            {
+                f"storage_plugin.{name}.module_path": "nixl_io_uring_dmabuf.lmcache",
+                f"storage_plugin.{name}.class_name": "IoUringDmabufBackend",
+                "rust_raw_block.use_uring": True,
+            }
+        )
         cfg["storage_plugins"] = [name]
         location = name
     cfg["extra_config"] = extra
     config = LMCacheEngineConfig.from_dict(cfg)
-    md = LMCacheMetadata(model_name="iud-test", world_size=1, local_world_size=1, worker_id=0,
-                         local_worker_id=0, kv_dtype=dtype, kv_shape=shape)
+    md = LMCacheMetadata(
+        model_name="iud-test",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=dtype,
+        kv_shape=shape,
+    )
     sm = StorageManager(config, md, EventManager())
     out = {"backends": list(sm.storage_backends), "chunk_bytes": chunk_bytes, "chunks": n}
     try:
         be = sm.storage_backends[location]
-        out["backend_class"] = type(be).__mro__[1].__name__ if spec["route"] == "plugin" \
-            else type(be).__name__
+        out["backend_class"] = (
+            type(be).__mro__[1].__name__ if spec["route"] == "plugin" else type(be).__name__
+        )
         out["nixl_backend"] = be.nixl_config.backend
         gen = torch.Generator().manual_seed(spec.get("seed", 1))
         keys = [CacheEngineKey("iud-test", 1, 0, 10_000 + i, dtype) for i in range(n)]
         expect = {}
         put_s = 0.0
         for start in range(0, n, spec["batch"]):
-            ks = keys[start:start + spec["batch"]]
+            ks = keys[start : start + spec["batch"]]
             objs = sm.batched_allocate(torch.Size(shape), dtype, len(ks))
             assert objs is not None, "the LMCache CPU pool is full"
             for k, o in zip(ks, objs):
@@ -86,13 +106,15 @@ def main(spec: dict) -> dict:
             sm.batched_put(ks, objs, location=location)
             deadline = time.monotonic() + 120
             while not all(be.contains(k) for k in ks):
-                assert time.monotonic() < deadline, "puts did not complete within 120 s (see the log)"
+                assert time.monotonic() < deadline, (
+                    "puts did not complete within 120 s (see the log)"
+                )
                 time.sleep(0.0005)
             put_s += time.perf_counter() - t0
         get_s = 0.0
         bad = []
         for start in range(0, n, spec["batch"]):
-            ks = keys[start:start + spec["batch"]]
+            ks = keys[start : start + spec["batch"]]
             t0 = time.perf_counter()
             got = sm.batched_get(ks, location=location)
             get_s += time.perf_counter() - t0
@@ -105,8 +127,13 @@ def main(spec: dict) -> dict:
                     diff = int((data != expect[k]).sum())
                     bad.append(f"{k.chunk_hash}: {diff} bytes differ")
                 g.ref_count_down()
-        out.update(put_s=put_s, get_s=get_s, bad=bad,
-                   put_gbps=n * chunk_bytes / put_s / 1e9, get_gbps=n * chunk_bytes / get_s / 1e9)
+        out.update(
+            put_s=put_s,
+            get_s=get_s,
+            bad=bad,
+            put_gbps=n * chunk_bytes / put_s / 1e9,
+            get_gbps=n * chunk_bytes / get_s / 1e9,
+        )
     finally:
         sm.close()
     return out

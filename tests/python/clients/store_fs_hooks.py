@@ -66,8 +66,11 @@ def main(argv):
         sys.exit(0 if commits(argv[2]) >= int(argv[3]) else 3)
     elif what == "has-failed":
         st = stats(argv[2])
-        sys.exit(0 if st.get("store", {}).get("failed", 0) >= int(argv[3])
-                 and st.get("in_flight", 0) == 0 else 3)
+        sys.exit(
+            0
+            if st.get("store", {}).get("failed", 0) >= int(argv[3]) and st.get("in_flight", 0) == 0
+            else 3
+        )
     elif what == "fill":
         fill(argv[2])
     elif what == "free":

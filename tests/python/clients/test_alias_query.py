@@ -10,9 +10,8 @@ import json
 import os
 import sys
 
-import pytest
-
 import clients_env as E
+import pytest
 
 CHILD = r"""
 import json, os, sys
@@ -30,8 +29,13 @@ for rep in range(2):  # two agents each: the "serving as" line must still appear
 print("RESULT " + json.dumps(out))
 """
 
-NIXLBENCH_POSIX = {"use_aio": "false", "use_uring": "true", "use_posix_aio": "false",
-                   "ios_pool_size": "65536", "kernel_queue_size": "256"}
+NIXLBENCH_POSIX = {
+    "use_aio": "false",
+    "use_uring": "true",
+    "use_posix_aio": "false",
+    "ios_pool_size": "65536",
+    "kernel_queue_size": "256",
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +44,31 @@ def env(tmp_path_factory):
     plugins = E.copy_nixl(str(tmp / "site"))
     pkgs = E.pip_target(E.build_wheel(str(tmp / "wheel")), str(tmp / "pkgs"))
     path = [str(tmp / "site"), pkgs]
-    p = E.run([sys.executable, "-m", "nixl_io_uring_dmabuf", "install", "--as", "POSIX,GDS_MT,GDS"],
-              E.child_env(path))
+    p = E.run(
+        [sys.executable, "-m", "nixl_io_uring_dmabuf", "install", "--as", "POSIX,GDS_MT,GDS"],
+        E.child_env(path),
+    )
     assert p.returncode == 0, p.stderr
     (tmp / "data").mkdir()
     return {"path": path, "data": str(tmp / "data"), "plugins": plugins}
 
 
 def child(env, names, params, **extra):
-    p = E.run([sys.executable, "-c", CHILD, json.dumps(names), json.dumps(params), env["data"]],
-              E.child_env(env["path"], **extra))
+    p = E.run(
+        [sys.executable, "-c", CHILD, json.dumps(names), json.dumps(params), env["data"]],
+        E.child_env(env["path"], **extra),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):]), p.stderr
+    return json.loads(line[len("RESULT ") :]), p.stderr
 
 
 def test_each_alias_serves_logs_once_and_reports_that_backends_kinds(env):
-    params = {"POSIX": NIXLBENCH_POSIX, "GDS_MT": {"thread_count": "8"},
-              "GDS": {"batch_pool_size": "32", "batch_limit": "128"}}
+    params = {
+        "POSIX": NIXLBENCH_POSIX,
+        "GDS_MT": {"thread_count": "8"},
+        "GDS": {"batch_pool_size": "32", "batch_limit": "128"},
+    }
     res, log = child(env, ["POSIX", "GDS_MT", "GDS", "IO_URING_DMABUF"], params)
     for n in ("POSIX", "GDS_MT", "GDS", "IO_URING_DMABUF"):
         assert res[n]["ok"], (n, res[n]["detail"])
@@ -76,8 +87,11 @@ def test_each_alias_serves_logs_once_and_reports_that_backends_kinds(env):
 
 
 def test_alias_parameters_are_mapped_or_ignored_with_one_debug_line(env):
-    params = {"POSIX": NIXLBENCH_POSIX, "GDS_MT": {"thread_count": "8"},
-              "GDS": {"batch_pool_size": "32", "batch_limit": "128", "max_request_size": "8388608"}}
+    params = {
+        "POSIX": NIXLBENCH_POSIX,
+        "GDS_MT": {"thread_count": "8"},
+        "GDS": {"batch_pool_size": "32", "batch_limit": "128", "max_request_size": "8388608"},
+    }
     res, log = child(env, ["POSIX", "GDS_MT", "GDS"], params, IO_URING_DMABUF_LOG="debug")
     assert all(res[n]["ok"] for n in res), res
     lines = [ln for ln in log.splitlines() if "without a meaning" in ln]
@@ -86,8 +100,12 @@ def test_alias_parameters_are_mapped_or_ignored_with_one_debug_line(env):
     posix = [ln.split("ignored: ", 1)[1] for ln in lines if "POSIX parameters" in ln]
     assert len(posix) == 2
     for ln in posix:  # the caller's map is unordered
-        assert set(ln.split(", ")) == {"use_aio=false", "use_uring=true", "use_posix_aio=false",
-                                       "ios_pool_size=65536"}, ln
+        assert set(ln.split(", ")) == {
+            "use_aio=false",
+            "use_uring=true",
+            "use_posix_aio=false",
+            "ios_pool_size=65536",
+        }, ln
     assert "POSIX parameters mapped: kernel_queue_size=256 -> ring_entries=256" in log
     assert "GDS_MT parameters mapped: thread_count=8 -> cufile_threads=8" in log
     assert "GDS parameters mapped: max_request_size=8388608 -> max_io_size=8388608" in log
@@ -116,11 +134,12 @@ print("RESULT " + json.dumps(out))
 
 def test_query_mem_answers_as_nixl_posix_does(tmp_path):
     # In the suite's own plugin folder (our plugin beside the wheel's POSIX): the same list to both.
-    p = E.run([sys.executable, "-c", QUERY, str(tmp_path), "IO_URING_DMABUF", "POSIX"],
-              dict(os.environ))
+    p = E.run(
+        [sys.executable, "-c", QUERY, str(tmp_path), "IO_URING_DMABUF", "POSIX"], dict(os.environ)
+    )
     assert p.returncode == 0, p.stderr
     (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT "):])
+    res = json.loads(line[len("RESULT ") :])
     ours, posix = res["IO_URING_DMABUF"], res["POSIX"]
     assert ours[0] == res["stat"] and ours[0]["size"] == "12345"
     assert ours[1] is None and ours[3] is None
@@ -166,7 +185,7 @@ def test_agent_telemetry_records_the_plugins_transfers(tmp_path):
     p = E.run([sys.executable, "-c", TELEMETRY, str(tmp_path)], env)
     assert p.returncode == 0, p.stderr
     (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT "):])
+    res = json.loads(line[len("RESULT ") :])
     for op in ("WRITE", "READ"):
         assert res[op]["state"] == "DONE"
         assert res[op]["bytes"] == 8 * 64 * 1024 and res[op]["descs"] == 8, res[op]

@@ -10,16 +10,19 @@ import re
 
 import clients_env as E
 
-PATCH = os.path.join(E.REPO, "contrib", "nixlbench",
-                     "0001-nixlbench-add-IO_URING_DMABUF-storage-backend.patch")
+PATCH = os.path.join(
+    E.REPO, "contrib", "nixlbench", "0001-nixlbench-add-IO_URING_DMABUF-storage-backend.patch"
+)
 
 
 def test_nixlbench_patch_adds_the_name_where_nixlbench_checks_names():
     text = open(PATCH, encoding="utf-8").read()
     files = re.findall(r"^diff --git a/(\S+) b/\1$", text, re.M)
-    assert files == ["benchmark/nixlbench/src/utils/utils.cpp",
-                     "benchmark/nixlbench/src/utils/utils.h",
-                     "benchmark/nixlbench/src/worker/nixl/nixl_worker.cpp"]
+    assert files == [
+        "benchmark/nixlbench/src/utils/utils.cpp",
+        "benchmark/nixlbench/src/utils/utils.h",
+        "benchmark/nixlbench/src/worker/nixl/nixl_worker.cpp",
+    ]
     added = [ln[1:] for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
     assert '#define XFERBENCH_BACKEND_IO_URING_DMABUF "IO_URING_DMABUF"' in added
     assert any("XFERBENCH_BACKEND_IO_URING_DMABUF == xferBenchConfig::backend" in a for a in added)

@@ -13,16 +13,20 @@ import os
 import sys
 import zipfile
 
-import pytest
-
 import clients_env as E
+import pytest
 
 # The parameters each name's real callers pass (nixlbench nixl_worker.cpp; the Python agent's
 # num_threads mapping for GDS_MT; LMCache passes nixl_backend_params verbatim, often {}).
 CLIENT_PARAMS = {
     "IO_URING_DMABUF": {},
-    "POSIX": {"use_aio": "false", "use_uring": "true", "use_posix_aio": "false",
-              "ios_pool_size": "65536", "kernel_queue_size": "256"},
+    "POSIX": {
+        "use_aio": "false",
+        "use_uring": "true",
+        "use_posix_aio": "false",
+        "ios_pool_size": "65536",
+        "kernel_queue_size": "256",
+    },
     "GDS_MT": {"thread_count": "8"},
     "GDS": {"batch_pool_size": "32", "batch_limit": "128", "max_request_size": "16777216"},
 }
@@ -52,23 +56,32 @@ def env(tmp_path, wheel):
     """A NIXL copy and the project's wheel installed next to it (pip --target)."""
     plugins = E.copy_nixl(str(tmp_path / "site"))
     pkgs = E.pip_target(wheel, str(tmp_path / "pkgs"))
-    return {"plugins": plugins, "libs": os.path.dirname(plugins),
-            "path": [str(tmp_path / "site"), pkgs], "tmp": tmp_path}
+    return {
+        "plugins": plugins,
+        "libs": os.path.dirname(plugins),
+        "path": [str(tmp_path / "site"), pkgs],
+        "tmp": tmp_path,
+    }
 
 
 def cli(env, *args, **extra):
-    return E.run([sys.executable, "-m", "nixl_io_uring_dmabuf", *args],
-                 E.child_env(env["path"], **extra), cwd=str(env["tmp"]))
+    return E.run(
+        [sys.executable, "-m", "nixl_io_uring_dmabuf", *args],
+        E.child_env(env["path"], **extra),
+        cwd=str(env["tmp"]),
+    )
 
 
 def round_trip(env, names, **extra):
     data = env["tmp"] / "data"
     data.mkdir(exist_ok=True)
-    p = E.run([sys.executable, "-c", ROUND_TRIP, json.dumps(names), json.dumps(CLIENT_PARAMS),
-               str(data)], E.child_env(env["path"], **extra))
+    p = E.run(
+        [sys.executable, "-c", ROUND_TRIP, json.dumps(names), json.dumps(CLIENT_PARAMS), str(data)],
+        E.child_env(env["path"], **extra),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):]), p.stderr
+    return json.loads(line[len("RESULT ") :]), p.stderr
 
 
 def test_wheel_carries_the_built_plugin(wheel):
@@ -151,8 +164,9 @@ def test_private_folder_inside_the_wheel_links_its_plugins(env):
     assert os.path.islink(os.path.join(private, "libplugin_UCX.so"))
     assert not os.path.islink(os.path.join(private, "libplugin_POSIX.so"))
     # The wheel's default folder is untouched: only the private folder serves POSIX.
-    assert E.snapshot(env["plugins"]) == {k[len("plugins/"):]: v for k, v in before.items()
-                                          if k.startswith("plugins/")}
+    assert E.snapshot(env["plugins"]) == {
+        k[len("plugins/") :]: v for k, v in before.items() if k.startswith("plugins/")
+    }
     res, _ = round_trip(env, ["POSIX", "UCX"], NIXL_PLUGIN_DIR=private)
     assert res["POSIX"]["ok"], res["POSIX"]["detail"]
     # UCX (a linked wheel plugin) loaded through the link: its RPATH $ORIGIN/.. resolved.
@@ -168,7 +182,9 @@ def test_private_folder_elsewhere_gets_the_plugin_only(env):
     assert p.returncode == 0, p.stderr
     assert "RPATH $ORIGIN/.." in p.stdout
     assert sorted(n for n in os.listdir(private) if n.endswith(".so")) == [
-        "libplugin_IO_URING_DMABUF.so", "libplugin_POSIX.so"]
+        "libplugin_IO_URING_DMABUF.so",
+        "libplugin_POSIX.so",
+    ]
     res, _ = round_trip(env, ["POSIX"], NIXL_PLUGIN_DIR=private)
     assert res["POSIX"]["ok"], res["POSIX"]["detail"]
     assert sorted(res["POSIX"]["plugins"]) == ["IO_URING_DMABUF", "POSIX"]
@@ -180,15 +196,22 @@ def test_refusals_name_the_cause(env):
     p = cli(env, "install", "--as", "UCX")
     assert p.returncode == 1 and "--as UCX: must be one of POSIX, GDS_MT, GDS" in p.stderr
     # -S: no site-packages, so the project venv's own NIXL wheel is out of sight too.
-    p = E.run([sys.executable, "-S", "-m", "nixl_io_uring_dmabuf", "install"],
-              E.child_env(env["path"][1:]))
+    p = E.run(
+        [sys.executable, "-S", "-m", "nixl_io_uring_dmabuf", "install"],
+        E.child_env(env["path"][1:]),
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-    assert "error: `import nixl` fails in this Python environment (ModuleNotFoundError: No module " \
-           "named 'nixl')" in p.stderr, p.stderr
-    assert f"\nfix: {sys.executable} -m pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy\n" \
-        in p.stderr, p.stderr
+    assert (
+        "error: `import nixl` fails in this Python environment (ModuleNotFoundError: No module "
+        "named 'nixl')" in p.stderr
+    ), p.stderr
+    assert (
+        f"\nfix: {sys.executable} -m pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy\n"
+        in p.stderr
+    ), p.stderr
     assert not os.listdir(env["plugins"]) or "libplugin_IO_URING_DMABUF.so" not in os.listdir(
-        env["plugins"]), "a refused install left the plugin behind"
+        env["plugins"]
+    ), "a refused install left the plugin behind"
 
 
 def test_dynamo_recipe_install_as_gds_mt_and_posix(env):
@@ -200,8 +223,17 @@ def test_dynamo_recipe_install_as_gds_mt_and_posix(env):
     replay = os.path.join(E.REPO, "tests", "python", "replay")
     work = env["tmp"] / "dynamo"
     work.mkdir()
-    p = E.run([sys.executable, "-c", DYNAMO_CHILD, str(work), replay,
-               os.path.join(E.REPO, "tests", "python")], E.child_env(env["path"]))
+    p = E.run(
+        [
+            sys.executable,
+            "-c",
+            DYNAMO_CHILD,
+            str(work),
+            replay,
+            os.path.join(E.REPO, "tests", "python"),
+        ],
+        E.child_env(env["path"]),
+    )
     assert p.returncode == 0 and "CHILD OK" in p.stdout, p.stderr[-3000:]
     assert p.stderr.count("IO_URING_DMABUF serving as GDS_MT ") == 1
     assert p.stderr.count("IO_URING_DMABUF serving as POSIX ") == 1
@@ -220,8 +252,20 @@ print("CHILD OK")
 
 def test_bench_command_round_trips(env):
     assert cli(env, "install").returncode == 0
-    p = cli(env, "bench", "--size", "4M", "--block", "1M", "--iters", "1", "--dir", str(env["tmp"]),
-            "--backends", "IO_URING_DMABUF,POSIX")
+    p = cli(
+        env,
+        "bench",
+        "--size",
+        "4M",
+        "--block",
+        "1M",
+        "--iters",
+        "1",
+        "--dir",
+        str(env["tmp"]),
+        "--backends",
+        "IO_URING_DMABUF,POSIX",
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [ln for ln in p.stdout.splitlines() if ln.startswith(("IO_URING_DMABUF ", "POSIX "))]
     assert len(rows) == 2 and all(r.endswith("OK") for r in rows), p.stdout

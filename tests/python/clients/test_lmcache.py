@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-
-import pytest
 
 import clients_env as E
 
@@ -33,13 +30,16 @@ def drive(clients, route_env, spec, root):
     take seconds to import."""
     specs = []
     for pool, direct in COMBOS:
-        path = os.path.join(root, f"{'static' if pool else 'dynamic'}-{'direct' if direct else 'buffered'}")
+        path = os.path.join(
+            root, f"{'static' if pool else 'dynamic'}-{'direct' if direct else 'buffered'}"
+        )
         os.makedirs(path)  # dynamic mode expects nixl_path to exist
         specs.append(dict(GEOMETRY, **spec, chunks=8, batch=4, path=path, pool=pool, direct=direct))
     p = E.run([clients["py"], DRIVER, json.dumps(specs)], route_env, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
-    results = [json.loads(ln[len("RESULT "):]) for ln in p.stdout.splitlines()
-               if ln.startswith("RESULT ")]
+    results = [
+        json.loads(ln[len("RESULT ") :]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")
+    ]
     assert len(results) == len(specs)
     for r in results:
         assert r["bad"] == [], (r["spec"], r["bad"])
@@ -50,37 +50,46 @@ def drive(clients, route_env, spec, root):
 def show(name, results):
     for r in results:
         s = r["spec"]
-        print(f"{name:32s} {'static' if s['pool'] else 'dynamic':8s} "
-              f"{'direct' if s['direct'] else 'buffered':9s} put {r['put_gbps']:.3f} GB/s "
-              f"get {r['get_gbps']:.3f} GB/s ({r['chunks']} x {r['chunk_bytes']} B)")
+        print(
+            f"{name:32s} {'static' if s['pool'] else 'dynamic':8s} "
+            f"{'direct' if s['direct'] else 'buffered':9s} put {r['put_gbps']:.3f} GB/s "
+            f"get {r['get_gbps']:.3f} GB/s ({r['chunks']} x {r['chunk_bytes']} B)"
+        )
 
 
 def test_nixl_posix_baseline(clients, tmp_path):
     """NIXL's own POSIX: the clients venv's untouched wheel."""
-    res, log = drive(clients, E.child_env([clients["pkgs"]]), {"route": "builtin", "name": "POSIX"},
-                     tmp_path)
+    res, log = drive(
+        clients, E.child_env([clients["pkgs"]]), {"route": "builtin", "name": "POSIX"}, tmp_path
+    )
     assert "serving as" not in log and all(r["nixl_backend"] == "POSIX" for r in res)
     show("NIXL POSIX", res)
 
 
 def test_plugin_installed_as_posix(clients, tmp_path):
     """The same LMCache config; NIXL's default plugin folder holds the plugin as POSIX."""
-    res, log = drive(clients, E.child_env([clients["site"], clients["pkgs"]]),
-                     {"route": "builtin", "name": "POSIX"}, tmp_path)
+    res, log = drive(
+        clients,
+        E.child_env([clients["site"], clients["pkgs"]]),
+        {"route": "builtin", "name": "POSIX"},
+        tmp_path,
+    )
     assert log.count("IO_URING_DMABUF serving as POSIX ") == 1, log[-3000:]
     show("IO_URING_DMABUF --as POSIX", res)
 
 
 def test_storage_plugin_by_its_own_name(clients, tmp_path):
     """The storage plugin: LMCache's own backend classes, NIXL backend IO_URING_DMABUF."""
-    res, log = drive(clients, E.child_env([clients["site"], clients["pkgs"]]), {"route": "plugin"},
-                     tmp_path)
+    res, log = drive(
+        clients, E.child_env([clients["site"], clients["pkgs"]]), {"route": "plugin"}, tmp_path
+    )
     assert "serving as" not in log
     for r in res:
         assert "NixlStorageBackend" not in r["backends"] and "IO_URING_DMABUF" in r["backends"]
         assert r["nixl_backend"] == "IO_URING_DMABUF"
-        assert r["backend_class"] == ("NixlStaticStorageBackend" if r["spec"]["pool"]
-                                      else "NixlDynamicStorageBackend")
+        assert r["backend_class"] == (
+            "NixlStaticStorageBackend" if r["spec"]["pool"] else "NixlDynamicStorageBackend"
+        )
     show("IO_URING_DMABUF storage plugin", res)
 
 

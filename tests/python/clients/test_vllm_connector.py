@@ -15,11 +15,12 @@ import signal
 import subprocess
 
 import pytest
-
 import vllm_engine as VE
 
-SPEC = {"spec_name": "NixlStorageOffloadingSpec",
-        "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector"}
+SPEC = {
+    "spec_name": "NixlStorageOffloadingSpec",
+    "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
+}
 HEAD = VE.MODEL["hidden_size"] // VE.MODEL["num_attention_heads"]
 PAGE = VE.MODEL["num_key_value_heads"] * VE.BLOCK_SIZE * 2 * HEAD * 4  # K and V, float32
 BLOCK_BYTES = PAGE * VE.MODEL["num_hidden_layers"]
@@ -30,11 +31,20 @@ def prompt(seed=7, words=600) -> str:
     return VE.prompt_text(words, seed=seed)  # 601 tokens with <s>: 18 full blocks of 32
 
 
-def kv_config(path, backend="IO_URING_DMABUF", slots=64, connector="OffloadingConnector",
-              **extra) -> dict:
-    cfg = {"kv_connector": connector, "kv_role": "kv_both",
-           "kv_connector_extra_config": {**SPEC, "path": str(path), "backend": backend,
-                                         "capacity_bytes": slots * SLOT, **extra}}
+def kv_config(
+    path, backend="IO_URING_DMABUF", slots=64, connector="OffloadingConnector", **extra
+) -> dict:
+    cfg = {
+        "kv_connector": connector,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            **SPEC,
+            "path": str(path),
+            "backend": backend,
+            "capacity_bytes": slots * SLOT,
+            **extra,
+        },
+    }
     if connector != "OffloadingConnector":
         cfg["kv_connector_module_path"] = "nixl_io_uring_dmabuf.vllm_connector"
         cfg["kv_load_failure_policy"] = "recompute"
@@ -49,8 +59,10 @@ def child_path(clients, backend) -> list[str]:
 def run(clients, model, prompts, backend="IO_URING_DMABUF", **kw) -> dict:
     res = VE.run_engine(model, prompts, path=child_path(clients, backend), **kw)
     for o in res["outputs"]:
-        print(f"  prompt {o['prompt_len']} tokens, cached {o['num_cached_tokens']}, "
-              f"tokens {o['token_ids']}")
+        print(
+            f"  prompt {o['prompt_len']} tokens, cached {o['num_cached_tokens']}, "
+            f"tokens {o['token_ids']}"
+        )
     return res
 
 
@@ -75,8 +87,9 @@ def committed(path) -> int:
 
 
 @pytest.mark.parametrize("backend", ["IO_URING_DMABUF", "POSIX"])
-def test_a_new_engine_loads_what_an_earlier_one_stored(clients, vllm_model, plain, tmp_path,
-                                                       backend):
+def test_a_new_engine_loads_what_an_earlier_one_stored(
+    clients, vllm_model, plain, tmp_path, backend
+):
     store = tmp_path / "kv"
     a = run(clients, vllm_model, [prompt()], backend, kv_transfer_config=kv_config(store, backend))
     (oa,) = a["outputs"]
@@ -139,8 +152,9 @@ def zero_slot_data(path) -> int:
     return n
 
 
-def test_zeroed_data_is_a_miss_and_the_tokens_stay_right(clients, vllm_model, plain, stored,
-                                                          tmp_path):
+def test_zeroed_data_is_a_miss_and_the_tokens_stay_right(
+    clients, vllm_model, plain, stored, tmp_path
+):
     store = copy_store(stored, tmp_path / "kv")
     assert zero_slot_data(store) >= stored["blocks"]
     b = run(clients, vllm_model, [prompt()], kv_transfer_config=kv_config(store))
@@ -151,7 +165,8 @@ def test_zeroed_data_is_a_miss_and_the_tokens_stay_right(clients, vllm_model, pl
 
 
 def test_zeroed_data_found_after_the_load_is_recomputed_under_the_connector_subclass(
-        clients, vllm_model, plain, stored, tmp_path):
+    clients, vllm_model, plain, stored, tmp_path
+):
     """No check on lookup: the worker's check after the load finds the damage and vLLM's
     load-error path (kv_load_failure_policy recompute) recomputes the blocks."""
     store = copy_store(stored, tmp_path / "kv")
@@ -163,13 +178,18 @@ def test_zeroed_data_found_after_the_load_is_recomputed_under_the_connector_subc
     assert "failed their checksum; vLLM recomputes them" in b["stdout_tail"] + b["stderr_tail"]
 
 
-def test_zeroed_data_found_after_the_load_stops_the_plain_connector(clients, vllm_model, stored,
-                                                                     tmp_path):
+def test_zeroed_data_found_after_the_load_stops_the_plain_connector(
+    clients, vllm_model, stored, tmp_path
+):
     store = copy_store(stored, tmp_path / "kv")
     zero_slot_data(store)
     with pytest.raises(RuntimeError, match="failed their checksum") as e:
-        run(clients, vllm_model, [prompt()],
-            kv_transfer_config=kv_config(store, verify_on_lookup=False))
+        run(
+            clients,
+            vllm_model,
+            [prompt()],
+            kv_transfer_config=kv_config(store, verify_on_lookup=False),
+        )
     assert "NixlStorageOffloadingConnector" in str(e.value)
 
 
@@ -190,20 +210,26 @@ def test_o_direct_store_and_load(clients, vllm_model, plain, tmp_path):
 
 def test_o_direct_on_unaligned_kv_tensors_is_refused_at_start_up(clients, vllm_model, tmp_path):
     with pytest.raises(RuntimeError, match="o_direct cannot serve this KV cache layout"):
-        run(clients, vllm_model, [prompt(8)],
+        run(
+            clients,
+            vllm_model,
+            [prompt(8)],
             kv_transfer_config=kv_config(tmp_path / "kv", o_direct=True),
-            env={"THP_MEM_ALLOC_ENABLE": "0"})
+            env={"THP_MEM_ALLOC_ENABLE": "0"},
+        )
 
 
 def test_multiprocess_engines(clients, vllm_model, plain, tmp_path):
     """Scheduler in EngineCore, worker in its own process; vLLM tears EngineCore down with
     SIGTERM: the commit records must already be there."""
     store = tmp_path / "kv"
-    a = run(clients, vllm_model, [prompt(9)], kv_transfer_config=kv_config(store),
-            multiprocess=True)
+    a = run(
+        clients, vllm_model, [prompt(9)], kv_transfer_config=kv_config(store), multiprocess=True
+    )
     assert a["outputs"][0]["token_ids"] == plain[9]
-    b = run(clients, vllm_model, [prompt(9)], kv_transfer_config=kv_config(store),
-            multiprocess=True)
+    b = run(
+        clients, vllm_model, [prompt(9)], kv_transfer_config=kv_config(store), multiprocess=True
+    )
     (ob,) = b["outputs"]
     assert ob["num_cached_tokens"] > 0 and ob["token_ids"] == plain[9]
 
@@ -227,18 +253,32 @@ def test_capacity_evicts_the_older_prompt(clients, vllm_model, plain, tmp_path):
 
 def start_engine(clients, model, prompts, kv_transfer_config, tmp) -> subprocess.Popen:
     """run_engine's child, started without waiting (same environment as run_engine)."""
-    spec = {"model": model, "prompts": prompts, "kv_transfer_config": kv_transfer_config,
-            "engine_args": {}, "max_tokens": 8, "sequential": True}
+    spec = {
+        "model": model,
+        "prompts": prompts,
+        "kv_transfer_config": kv_transfer_config,
+        "engine_args": {},
+        "max_tokens": 8,
+        "sequential": True,
+    }
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = VE._base_env({"PYTHONPATH": os.pathsep.join([*child_path(clients, "IO_URING_DMABUF"),
-                                                       VE.HERE]),
-                        "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONHASHSEED": "0",
-                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    return subprocess.Popen([clients["py"], VE.THIS, "run", spec_path,
-                             os.path.join(tmp, "out.json")], env=env, cwd=tmp,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = VE._base_env(
+        {
+            "PYTHONPATH": os.pathsep.join([*child_path(clients, "IO_URING_DMABUF"), VE.HERE]),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYTHONHASHSEED": "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
+    )
+    return subprocess.Popen(
+        [clients["py"], VE.THIS, "run", spec_path, os.path.join(tmp, "out.json")],
+        env=env,
+        cwd=tmp,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, tmp_path):
@@ -265,24 +305,32 @@ def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, 
     with open(os.path.join(store, "store.json")) as f:
         m = json.load(f)
     per_file = -(-m["num_slots"] // m["num_files"])  # the manifest's layout, file for file
-    geo = L.Geometry(m["rank_block_bytes"], m["blocks_per_chunk"], m["world_size"],
-                     m["num_slots"] * m["slot_bytes"], per_file * m["slot_bytes"],
-                     slot_files=m["num_files"])
+    geo = L.Geometry(
+        m["rank_block_bytes"],
+        m["blocks_per_chunk"],
+        m["world_size"],
+        m["num_slots"] * m["slot_bytes"],
+        per_file * m["slot_bytes"],
+        slot_files=m["num_files"],
+    )
     cat = C.Catalog(str(store), geo, {k: m[k] for k in m if k not in geo.manifest()})
     found = cat.committed()
     bad = [k for k in found if not cat.lookup(k)]
     cat.close()
     print(f"engine A was killed after committing {len(found)} block(s)")
     assert len(found) >= 60 and not bad
-    b = run(clients, vllm_model, [prompts[0], prompt(7)], kv_transfer_config=kv_config(
-        store, slots=1000))
+    b = run(
+        clients,
+        vllm_model,
+        [prompts[0], prompt(7)],
+        kv_transfer_config=kv_config(store, slots=1000),
+    )
     assert b["outputs"][0]["num_cached_tokens"] > 0
     assert b["outputs"][1]["token_ids"] == plain[7]
 
 
 @pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
-def test_the_same_spec_serves_the_offloading_apis_of_vllm_0_32_to_0_34(clients, tmp_path,
-                                                                        release):
+def test_the_same_spec_serves_the_offloading_apis_of_vllm_0_32_to_0_34(clients, tmp_path, release):
     """vLLM's own offloading classes of each release drive spec, manager and worker (no engine:
     vllm-cpu stops at 0.32, and the 0.33/0.34 engines need a GPU). On 0.34 the device side of
     each job is DevicePointers from vLLM's pointer_utils, and every failure the worker detects
@@ -294,21 +342,26 @@ def test_the_same_spec_serves_the_offloading_apis_of_vllm_0_32_to_0_34(clients, 
     if release != "0.32":
         path = [E.vllm_path(release), *path]
     driver = os.path.join(os.path.dirname(__file__), "vllm_connector_api_driver.py")
-    p = E.run([clients["py"], driver, str(tmp_path / "kv"), "IO_URING_DMABUF"],
-              E.child_env(path))
+    p = E.run([clients["py"], driver, str(tmp_path / "kv"), "IO_URING_DMABUF"], E.child_env(path))
     assert p.returncode == 0, p.stderr[-4000:]
     (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT "):])
+    res = json.loads(line[len("RESULT ") :])
     print(json.dumps(res, indent=1))
     assert res["vllm"].startswith(release) and res["problems"] == []
     assert res["api"] == ("device pointers" if release == "0.34" else "block ids")
     if release == "0.34":
-        assert set(res["failures"]) == {"checksum", "slot reused under the load",
-                                        "sync load, subclass", "short file",
-                                        "foreign pointers", "full file system"}
+        assert set(res["failures"]) == {
+            "checksum",
+            "slot reused under the load",
+            "sync load, subclass",
+            "short file",
+            "foreign pointers",
+            "full file system",
+        }
         if isinstance(res["failures"]["full file system"], str):
             pytest.skip(f"ENOSPC case {res['failures']['full file system']}; the rest passed")
     assert "2 offloaded KV cache groups" in res["refusals"]["groups"]
     assert "unknown kv_connector_extra_config keys ['pth']" in res["refusals"]["unknown key"]
-    assert ("supports vLLM 0.32.0, 0.33.0 and 0.34.0; this is vLLM 0.31.0"
-            in res["refusals"]["version"])
+    assert (
+        "supports vLLM 0.32.0, 0.33.0 and 0.34.0; this is vLLM 0.31.0" in res["refusals"]["version"]
+    )

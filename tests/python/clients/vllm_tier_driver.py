@@ -26,14 +26,27 @@ def main(spec: dict) -> dict:
     from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
 
     n, cb = spec["chunks"], spec["chunk_bytes"]
-    region = SharedOffloadRegion(engine_id=f"iud-{uuid.uuid4().hex[:8]}", num_chunks=2 * n + 1,
-                                 rank=None, kv_bytes_per_chunk=cb, cpu_page_size=cb)
+    region = SharedOffloadRegion(
+        engine_id=f"iud-{uuid.uuid4().hex[:8]}",
+        num_chunks=2 * n + 1,
+        rank=None,
+        kv_bytes_per_chunk=cb,
+        cpu_page_size=cb,
+    )
     primary = CPUPrimaryTierOffloadingManager(num_chunks=2 * n + 1, mmap_region=region)
     view = primary.get_kv_memoryview()
     tier = SecondaryTierFactory.create_secondary_tier(
-        {"type": "NixlFileTier", "module_path": "nixl_io_uring_dmabuf.vllm_tier",
-         "path": spec["path"], "backend": spec["backend"], "direct_io": spec["direct"],
-         "backend_params": spec.get("params", {})}, view, None)
+        {
+            "type": "NixlFileTier",
+            "module_path": "nixl_io_uring_dmabuf.vllm_tier",
+            "path": spec["path"],
+            "backend": spec["backend"],
+            "direct_io": spec["direct"],
+            "backend_params": spec.get("params", {}),
+        },
+        view,
+        None,
+    )
     arr = np.asarray(view).view(np.uint8)  # the view is signed bytes
     rng = np.random.default_rng(spec.get("seed", 3))
     arr[:n] = rng.integers(0, 256, size=(n, cb), dtype=np.uint8)
@@ -47,7 +60,7 @@ def main(spec: dict) -> dict:
     def wait(ids):
         results, deadline = {}, time.monotonic() + 120
         while len(results) < len(ids):
-            for r in tier.get_finished_jobs():
+            for r in tier.get_finished_jobs():  # noqa: F821 - bound above; `del` only at the end
                 results[r.job_id] = r
             assert time.monotonic() < deadline, f"jobs {ids} not finished in 120 s"
             time.sleep(0.0005)
@@ -69,7 +82,7 @@ def main(spec: dict) -> dict:
         with open(os.path.join(spec["path"], bytes(k).hex() + ".kv"), "rb") as f:
             if f.read() != original[i].tobytes():
                 out["problems"].append(f"file of chunk {i} differs")
-    arr[n:2 * n] = 0xA5  # poison the slots the load fills
+    arr[n : 2 * n] = 0xA5  # poison the slots the load fills
     t0 = time.perf_counter()
     tier.submit_load(TransferJob(3, keys, np.arange(n, 2 * n), True, ctx))
     res = wait([3])
@@ -78,8 +91,12 @@ def main(spec: dict) -> dict:
         out["problems"].append("load failed")
     for i in range(n):
         if not np.array_equal(arr[n + i], original[i]):
-            out["problems"].append(f"chunk {i} loaded wrong: {int((arr[n + i] != original[i]).sum())} bytes differ")
-    tier.submit_load(TransferJob(4, [make_offload_key(b"\2" * 32, 0)], np.array([2 * n]), True, ctx))
+            out["problems"].append(
+                f"chunk {i} loaded wrong: {int((arr[n + i] != original[i]).sum())} bytes differ"
+            )
+    tier.submit_load(
+        TransferJob(4, [make_offload_key(b"\2" * 32, 0)], np.array([2 * n]), True, ctx)
+    )
     if wait([4])[4].success:
         out["problems"].append("a load of a key never stored succeeded")
     tier.submit_store(TransferJob(5, keys[:2], np.arange(2), False, ctx))  # already present

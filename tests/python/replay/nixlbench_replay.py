@@ -31,7 +31,6 @@ import threading
 import time
 
 import numpy as np
-
 import replay_lib as R
 
 LARGE_BLOCK_SIZE = 1 << 20
@@ -41,22 +40,48 @@ PAGE = os.sysconf("SC_PAGESIZE")
 def posix_params(params: dict) -> dict:
     """What nixlbench adds for --backend POSIX with the default --posix_api_type AIO."""
     out = dict(params)
-    out.update({"use_aio": "true", "use_uring": "false", "use_posix_aio": "false",
-                "ios_pool_size": "65536", "kernel_queue_size": "256"})
+    out.update(
+        {
+            "use_aio": "true",
+            "use_uring": "false",
+            "use_posix_aio": "false",
+            "ios_pool_size": "65536",
+            "kernel_queue_size": "256",
+        }
+    )
     return out
 
 
-def run(backend: str, *, kind="DRAM", op="WRITE", num_threads=1, num_files=1, direct=False,
-        filepath: str, total_buffer_size: int, block_sizes, batch_sizes, num_iter=16,
-        warmup_iter=16, large_blk_iter_ftr=16, ledger: R.Ledger, max_batch_bytes=None,
-        log=print):
+def run(
+    backend: str,
+    *,
+    kind="DRAM",
+    op="WRITE",
+    num_threads=1,
+    num_files=1,
+    direct=False,
+    filepath: str,
+    total_buffer_size: int,
+    block_sizes,
+    batch_sizes,
+    num_iter=16,
+    warmup_iter=16,
+    large_blk_iter_ftr=16,
+    ledger: R.Ledger,
+    max_batch_bytes=None,
+    log=print,
+):
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    sync = (nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if num_threads > 1
-            else nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT)
+    sync = (
+        nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+        if num_threads > 1
+        else nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT
+    )
     name = "initiator"
-    agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=False,
-                                               sync_mode=sync))
+    agent = nixl_agent(
+        name, nixl_agent_config(backends=[], enable_prog_thread=False, sync_mode=sync)
+    )
     params = agent.get_plugin_params(backend)
     if backend == "POSIX":
         params = posix_params(params)
@@ -69,16 +94,17 @@ def run(backend: str, *, kind="DRAM", op="WRITE", num_threads=1, num_files=1, di
     if direct:
         buffer_size = (buffer_size + PAGE - 1) // PAGE * PAGE
     num_buffers = num_threads * num_devices
-    assert num_files <= num_buffers and num_buffers % num_files == 0, \
+    assert num_files <= num_buffers and num_buffers % num_files == 0, (
         "nixlbench refuses this num_files / num_threads combination"
+    )
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_LARGEFILE", 0) | (os.O_DIRECT if direct else 0)
-    files = []                                     # [fd, file_size, next offset]
+    files = []  # [fd, file_size, next offset]
     for i in range(num_files):
         path = os.path.join(filepath, f"nixlbench_{backend.lower()}_test_file_{name}_{i}")
         size = os.stat(path).st_size if op == "READ" and os.path.exists(path) else 0
         files.append([os.open(path, flags, 0o744), size, 0])
     file_regs, file_iovs, fidx = [], [], 0
-    for t in range(num_threads):
+    for _t in range(num_threads):
         f = files[fidx]
         off = f[2]
         f[2] += buffer_size
@@ -86,15 +112,17 @@ def run(backend: str, *, kind="DRAM", op="WRITE", num_threads=1, num_files=1, di
             R.pwrite_all(f[0], ledger.make(f"init/file{fidx}", f[2])[off:], off)
             f[1] = max(f[1], f[2])
         file_iovs.append((off, buffer_size, f[0]))
-        file_regs.append(agent.register_memory([(off, buffer_size, f[0], "")], "FILE",
-                                               backends=only))
+        file_regs.append(
+            agent.register_memory([(off, buffer_size, f[0], "")], "FILE", backends=only)
+        )
         fidx = (fidx + 1) % num_files
     mems, mem_regs = [], []
-    for t in range(num_threads):
+    for _t in range(num_threads):
         m = R.Mem(kind, buffer_size)
         mems.append(m)
-        mem_regs.append(agent.register_memory([(m.addr, buffer_size, m.dev, "")], kind,
-                                              backends=only))
+        mem_regs.append(
+            agent.register_memory([(m.addr, buffer_size, m.dev, "")], kind, backends=only)
+        )
 
     points = []
     try:
@@ -103,14 +131,31 @@ def run(backend: str, *, kind="DRAM", op="WRITE", num_threads=1, num_files=1, di
                 if bs * batch > buffer_size:
                     continue
                 if batch > 1 and max_batch_bytes and bs * batch > max_batch_bytes:
-                    continue        # the replay's own cap, to keep CI short
-                points.append(_point(agent, backend, kind, op, mems, files, num_threads,
-                                     buffer_size, bs, batch, num_iter, warmup_iter,
-                                     large_blk_iter_ftr, ledger))
+                    continue  # the replay's own cap, to keep CI short
+                points.append(
+                    _point(
+                        agent,
+                        backend,
+                        kind,
+                        op,
+                        mems,
+                        files,
+                        num_threads,
+                        buffer_size,
+                        bs,
+                        batch,
+                        num_iter,
+                        warmup_iter,
+                        large_blk_iter_ftr,
+                        ledger,
+                    )
+                )
                 p = points[-1]
-                log(f"{op:5s} block {bs:>9d} batch {batch:>3d} threads {num_threads} "
+                log(
+                    f"{op:5s} block {bs:>9d} batch {batch:>3d} threads {num_threads} "
                     f"files {num_files}: {p['iters']:>3d} iter/thread, {p['gbps']:.2f} GB/s "
-                    f"(consistency checked)")
+                    f"(consistency checked)"
+                )
     finally:
         # ---- deallocateMemory
         for r in file_regs:
@@ -123,8 +168,22 @@ def run(backend: str, *, kind="DRAM", op="WRITE", num_threads=1, num_files=1, di
     return points
 
 
-def _point(agent, backend, kind, op, mems, files, num_threads, buffer_size, bs, batch,
-           num_iter, warmup_iter, ftr, ledger):
+def _point(
+    agent,
+    backend,
+    kind,
+    op,
+    mems,
+    files,
+    num_threads,
+    buffer_size,
+    bs,
+    batch,
+    num_iter,
+    warmup_iter,
+    ftr,
+    ledger,
+):
     # createTransferDescLists
     local = []
     for m in mems:
@@ -137,7 +196,7 @@ def _point(agent, backend, kind, op, mems, files, num_threads, buffer_size, bs, 
         local.append(lst)
     # exchangeIOV (storage): file k % num_files, offset advancing when the files wrap
     remote, fd_idx, file_off = [], 0, 0
-    for t in range(num_threads):
+    for _t in range(num_threads):
         lst = []
         for _ in range(batch):
             lst.append((file_off, bs, files[fd_idx][0]))
@@ -156,7 +215,7 @@ def _point(agent, backend, kind, op, mems, files, num_threads, buffer_size, bs, 
             else:
                 R.pwrite_all(fd, chunk, foff)
                 off = addr - mems[t].addr
-                mems[t].write(off, _poison(ledger, t, buffer_size)[off:off + n])
+                mems[t].write(off, _poison(ledger, t, buffer_size)[off : off + n])
 
     iters = num_iter // num_threads
     skip = warmup_iter // num_threads
@@ -179,7 +238,7 @@ def _point(agent, backend, kind, op, mems, files, num_threads, buffer_size, bs, 
             else:
                 got, what = mems[t].read(addr - mems[t].addr, n), f"{what}: memory"
             if not np.array_equal(got, chunks[t, j]):
-                ledger.check(got, f"{tag}/t{t}/j{j}", what)    # raises, saying what is wrong
+                ledger.check(got, f"{tag}/t{t}/j{j}", what)  # raises, saying what is wrong
     total = num_threads * iters * batch * bs
     return {"block": bs, "batch": batch, "iters": iters, "gbps": total / max(wall, 1e-9) / 1e9}
 
@@ -215,7 +274,7 @@ def _exec(agent, backend, kind, op, local, remote, num_iter):
                         raise AssertionError(f"thread {t}: transfer ended {state}")
             finally:
                 agent.release_xfer_handle(req)
-        except BaseException as e:     # reported from the main thread
+        except BaseException as e:  # reported from the main thread
             errors.append(e)
 
     if len(local) == 1:

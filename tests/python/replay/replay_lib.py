@@ -19,10 +19,9 @@ import hashlib
 import os
 import time
 
+import iud_helpers as H
 import numpy as np
 import pytest
-
-import iud_helpers as H
 
 PLUGIN = H.PLUGIN
 # The backend the replays drive: the plugin, or NIXL's POSIX with IUD_TEST_BACKEND=POSIX (which
@@ -36,8 +35,9 @@ _ONES = np.uint64(0x0101010101010101)
 
 
 def _seed(key: str) -> np.uint64:
-    return np.uint64(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(),
-                                    "little"))
+    return np.uint64(
+        int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    )
 
 
 def pattern(key: str, n: int, offset: int = 0) -> np.ndarray:
@@ -54,7 +54,7 @@ def pattern(key: str, n: int, offset: int = 0) -> np.ndarray:
         x ^= x >> np.uint64(29)
         x *= _M2
         x |= _ONES
-    return x.view(np.uint8)[offset - w0 * 8: offset - w0 * 8 + n]
+    return x.view(np.uint8)[offset - w0 * 8 : offset - w0 * 8 + n]
 
 
 class Ledger:
@@ -92,22 +92,27 @@ class Ledger:
             bad = np.flatnonzero(got != want)
             raise AssertionError(
                 f"{what}: {bad.size} bytes outside every descriptor were overwritten, first at "
-                f"{int(bad[0])}: " + self._classify(got, int(bad[0]), offset, None))
+                f"{int(bad[0])}: " + self._classify(got, int(bad[0]), offset, None)
+            )
 
     def explain(self, got: np.ndarray, key: str, want: np.ndarray, offset: int) -> str:
         bad = np.flatnonzero(got != want)
         if bad.size == 0:
-            return "no difference on re-check (bytes changed while being compared: I/O still " \
-                   "landing after DONE/release)"
+            return (
+                "no difference on re-check (bytes changed while being compared: I/O still "
+                "landing after DONE/release)"
+            )
         i = int(bad[0])
-        return (f"{bad.size} of {got.size} bytes differ from chunk {key} (first at byte {i}, "
-                f"last at {int(bad[-1])}; got 0x{int(got[i]):02x}, expected "
-                f"0x{int(want[i]):02x}); at the first difference: "
-                + self._classify(got, i, offset, key))
+        return (
+            f"{bad.size} of {got.size} bytes differ from chunk {key} (first at byte {i}, "
+            f"last at {int(bad[-1])}; got 0x{int(got[i]):02x}, expected "
+            f"0x{int(want[i]):02x}); at the first difference: "
+            + self._classify(got, i, offset, key)
+        )
 
     def _classify(self, got: np.ndarray, i: int, offset: int, own: str | None) -> str:
         w = min(64, got.size - i)
-        win = got[i:i + w]
+        win = got[i : i + w]
         if not win.any():
             return "zeros (never written, or a hole in the file)"
         for k in sorted(self.sizes):
@@ -127,18 +132,21 @@ class Ledger:
                     continue
                 budget -= size
                 full = pattern(k, size)
-                cand = np.flatnonzero(full[:size - w + 1] == win[0])
+                cand = np.flatnonzero(full[: size - w + 1] == win[0])
                 for j in range(1, 8):
                     cand = cand[full[cand + j] == win[j]]
                 for h in cand[:64]:
                     h = int(h)
-                    if np.array_equal(full[h:h + w], win):
-                        return (f"bytes of chunk {k} from its offset {h} (expected offset "
-                                f"{offset + i}): misplaced or shifted data")
+                    if np.array_equal(full[h : h + w], win):
+                        return (
+                            f"bytes of chunk {k} from its offset {h} (expected offset "
+                            f"{offset + i}): misplaced or shifted data"
+                        )
         return "garbage (matches no chunk, poison or zeros)"
 
 
 # ---- memory regions ------------------------------------------------------------------------
+
 
 def torch_cuda():
     """torch with a CUDA device, or skip with one line saying why."""
@@ -171,17 +179,19 @@ class Mem:
 
     def write(self, off: int, data: np.ndarray) -> None:
         if self.kind == "DRAM":
-            self._buf.arr[off:off + data.size] = data
+            self._buf.arr[off : off + data.size] = data
         else:
             import torch
-            self._t[off:off + data.size].copy_(torch.from_numpy(data))
+
+            self._t[off : off + data.size].copy_(torch.from_numpy(data))
 
     def read(self, off: int, n: int) -> np.ndarray:
         if self.kind == "DRAM":
-            return self._buf.arr[off:off + n].copy()
+            return self._buf.arr[off : off + n].copy()
         import torch
+
         torch.cuda.synchronize()
-        return self._t[off:off + n].cpu().numpy()
+        return self._t[off : off + n].cpu().numpy()
 
 
 def mem_kinds():
@@ -190,6 +200,7 @@ def mem_kinds():
 
 
 # ---- files -----------------------------------------------------------------------------------
+
 
 def file_bytes(path_or_fd, off: int, n: int) -> np.ndarray:
     """Buffered read of [off, off + n) (an fd is reopened through /proc, so O_DIRECT fds work)."""
@@ -203,8 +214,8 @@ def file_bytes(path_or_fd, off: int, n: int) -> np.ndarray:
 def pwrite_all(fd: int, data: np.ndarray, off: int) -> None:
     """Write through a page-aligned bounce buffer (works for O_DIRECT fds when off/len align)."""
     buf = H.Buf(max(data.size, 1))
-    buf.arr[:data.size] = data
-    view = memoryview(buf.arr)[:data.size]
+    buf.arr[: data.size] = data
+    view = memoryview(buf.arr)[: data.size]
     done = 0
     while done < data.size:
         done += os.pwrite(fd, view[done:], off + done)
@@ -212,8 +223,9 @@ def pwrite_all(fd: int, data: np.ndarray, off: int) -> None:
 
 def direct_supported(directory: str) -> bool:
     try:
-        fd = os.open(os.path.join(directory, ".odirect-probe"),
-                     os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+        fd = os.open(
+            os.path.join(directory, ".odirect-probe"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644
+        )
     except OSError:
         return False
     os.close(fd)
@@ -222,6 +234,7 @@ def direct_supported(directory: str) -> bool:
 
 
 # ---- completion ------------------------------------------------------------------------------
+
 
 def wait(agent, handle, state: str, sleep_s: float, timeout: float = 120.0) -> str:
     """A client's completion loop: check_xfer_state until DONE or ERR, sleeping sleep_s between

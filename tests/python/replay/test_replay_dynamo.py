@@ -28,11 +28,9 @@ import os
 import tempfile
 import time
 
-import numpy as np
 import pytest
-
 import replay_lib as R
-from replay_lib import KiB, MiB, PLUGIN
+from replay_lib import PLUGIN, KiB
 
 POLL_S = 0.005
 MAX_TRANSFER_BATCH_SIZE = 8
@@ -42,7 +40,7 @@ MAX_CONCURRENT_TRANSFERS = 4
 class Layout:
     def __init__(self, layers, piece):
         self.layers, self.piece = layers, piece
-        self.block_bytes = layers * 2 * piece          # fully contiguous block
+        self.block_bytes = layers * 2 * piece  # fully contiguous block
 
     def in_block(self, layer, kv):
         return (layer * 2 + kv) * self.piece
@@ -60,8 +58,12 @@ def _in_flight(agent, items, chosen: set):
     while queue or pending:
         while queue and len(pending) < MAX_CONCURRENT_TRANSFERS:
             op, kind, local, remote = queue.pop(0)
-            h = agent.initialize_xfer(op, agent.get_xfer_descs(local, kind),
-                                      agent.get_xfer_descs(remote, "FILE"), agent.name)
+            h = agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs(local, kind),
+                agent.get_xfer_descs(remote, "FILE"),
+                agent.name,
+            )
             chosen.add((kind, agent.query_xfer_backend(h)))
             pending.append([h, agent.transfer(h), op])
         time.sleep(POLL_S)
@@ -108,10 +110,10 @@ def replay(created, kind, direct, workdir, rng) -> set:
     from nixl._api import nixl_agent, nixl_agent_config
 
     if kind == "VRAM":
-        lay = Layout(layers=32, piece=32 * KiB)       # Llama-3.1-8B: 2 MiB blocks
+        lay = Layout(layers=32, piece=32 * KiB)  # Llama-3.1-8B: 2 MiB blocks
         n_host, n_dev, n_disk = 64, 128, 256
     else:
-        lay = Layout(layers=8, piece=32 * KiB)        # 512 KiB blocks
+        lay = Layout(layers=8, piece=32 * KiB)  # 512 KiB blocks
         n_host, n_dev, n_disk = 32, 32, 64
     ledger = R.Ledger(f"dynamo-{kind}-{direct}")
 
@@ -125,7 +127,7 @@ def replay(created, kind, direct, workdir, rng) -> set:
     dev_layers = [R.Mem(kind, 2 * n_dev * lay.piece) for _ in range(lay.layers)]
     dev_reg = agent.register_memory([(m.addr, m.size, m.dev, "") for m in dev_layers], kind)
 
-    def dev_piece(layer, kv, block):      # layer-separate, outer dim K/V
+    def dev_piece(layer, kv, block):  # layer-separate, outer dim K/V
         return (kv * n_dev + block) * lay.piece
 
     # G3 disk file.
@@ -142,30 +144,34 @@ def replay(created, kind, direct, workdir, rng) -> set:
         host.write(b * lay.block_bytes, ledger.make(f"host{b}", lay.block_bytes))
     for layer, m in enumerate(dev_layers):
         for kv in range(2):
-            m.write(kv * n_dev * lay.piece,
-                    ledger.make(f"dev-l{layer}-kv{kv}", n_dev * lay.piece))
-    disk_has: dict[int, tuple] = {}   # disk block -> ("host", chunk name) or ("dev", block)
+            m.write(kv * n_dev * lay.piece, ledger.make(f"dev-l{layer}-kv{kv}", n_dev * lay.piece))
+    disk_has: dict[int, tuple] = {}  # disk block -> ("host", chunk name) or ("dev", block)
 
     def batches(pairs, make):
         pairs = list(pairs)
-        return [make(pairs[i:i + MAX_TRANSFER_BATCH_SIZE])
-                for i in range(0, len(pairs), MAX_TRANSFER_BATCH_SIZE)]
+        return [
+            make(pairs[i : i + MAX_TRANSFER_BATCH_SIZE])
+            for i in range(0, len(pairs), MAX_TRANSFER_BATCH_SIZE)
+        ]
 
     # 1. Offload G2 -> G3: per-block descriptors, half of the disk.
     disk_perm = [int(x) for x in rng.permutation(n_disk)]
     off_pairs = list(zip(range(n_host), disk_perm[:n_host]))
 
     def per_block(pairs):
-        return ([(host.addr + h * lay.block_bytes, lay.block_bytes, 0) for h, _ in pairs],
-                [(d * lay.block_bytes, lay.block_bytes, fd) for _, d in pairs])
+        return (
+            [(host.addr + h * lay.block_bytes, lay.block_bytes, 0) for h, _ in pairs],
+            [(d * lay.block_bytes, lay.block_bytes, fd) for _, d in pairs],
+        )
 
     _transfers(agent, "WRITE", "DRAM", batches(off_pairs, per_block), chosen)
     for h, d in off_pairs:
         disk_has[d] = ("host", f"host{h}")
 
     # 2. G1 -> G3 direct: per-(layer, K/V) descriptors, into other disk blocks.
-    g1_pairs = list(zip([int(x) for x in rng.permutation(n_dev)],
-                        disk_perm[n_host:n_host + n_dev]))
+    g1_pairs = list(
+        zip([int(x) for x in rng.permutation(n_dev)], disk_perm[n_host : n_host + n_dev])
+    )
 
     def per_piece(pairs):
         local, remote = [], []
@@ -187,8 +193,11 @@ def replay(created, kind, direct, workdir, rng) -> set:
             return [(b, 0, lay.block_bytes)]
         # chunk "dev-l<layer>-kv<kv>" is the K (or V) half of a layer region: block b of it
         # starts at b * piece in its stream
-        return [(f"dev-l{layer}-kv{kv}", b * lay.piece, lay.piece)
-                for layer in range(lay.layers) for kv in range(2)]
+        return [
+            (f"dev-l{layer}-kv{kv}", b * lay.piece, lay.piece)
+            for layer in range(lay.layers)
+            for kv in range(2)
+        ]
 
     def check_block(get, d, what):
         pos = 0
@@ -197,8 +206,11 @@ def replay(created, kind, direct, workdir, rng) -> set:
             pos += n
 
     for d in disk_has:
-        check_block(lambda pos, n, d=d: R.file_bytes(fd, d * lay.block_bytes + pos, n), d,
-                    "file after offload")
+        check_block(
+            lambda pos, n, d=d: R.file_bytes(fd, d * lay.block_bytes + pos, n),
+            d,
+            "file after offload",
+        )
 
     def poison_dev(blocks):
         for b in blocks:
@@ -209,11 +221,16 @@ def replay(created, kind, direct, workdir, rng) -> set:
     def check_dev(pairs):
         """Device block b must hold disk block d, piece by piece."""
         for b, d in pairs:
-            for (name, off, n), (layer, kv) in zip(
-                    expect_pieces(d), [(x, y) for x in range(lay.layers) for y in range(2)]):
+            for (name, off, _n), (layer, kv) in zip(
+                expect_pieces(d), [(x, y) for x in range(lay.layers) for y in range(2)]
+            ):
                 got = dev_layers[layer].read(dev_piece(layer, kv, b), lay.piece)
-                ledger.check(got, name, f"device block {b} layer {layer} kv {kv} after READ "
-                             f"of disk block {d}", offset=off)
+                ledger.check(
+                    got,
+                    name,
+                    f"device block {b} layer {layer} kv {kv} after READ of disk block {d}",
+                    offset=off,
+                )
 
     def expect_pieces(d):
         """expect_block(d) cut into (layer, K/V) pieces."""
@@ -227,19 +244,22 @@ def replay(created, kind, direct, workdir, rng) -> set:
     #    into poisoned host blocks.
     written = [d for d in disk_perm if d in disk_has]
     for start in range(0, len(written), n_host):
-        chunk = written[start:start + n_host]
-        targets = [int(x) for x in rng.permutation(n_host)[:len(chunk)]]
+        chunk = written[start : start + n_host]
+        targets = [int(x) for x in rng.permutation(n_host)[: len(chunk)]]
         for h in targets:
             host.write(h * lay.block_bytes, ledger.poison(f"host{h}", lay.block_bytes))
         pairs = list(zip(targets, chunk))
         _transfers(agent, "READ", "DRAM", batches(pairs, per_block), chosen)
         for h, d in pairs:
-            check_block(lambda pos, n, h=h: host.read(h * lay.block_bytes + pos, n), d,
-                        f"host block {h} after onboard")
+            check_block(
+                lambda pos, n, h=h: host.read(h * lay.block_bytes + pos, n),
+                d,
+                f"host block {h} after onboard",
+            )
 
     # 4. G3 -> G1 direct READ: disk blocks written from the host, into poisoned device blocks.
     from_host = [d for d in written if disk_has[d][0] == "host"][:n_dev]
-    dev_targets = [int(x) for x in rng.permutation(n_dev)[:len(from_host)]]
+    dev_targets = [int(x) for x in rng.permutation(n_dev)[: len(from_host)]]
     poison_dev(dev_targets)
     pairs = list(zip(dev_targets, from_host))
     _transfers(agent, "READ", kind, batches(pairs, per_piece), chosen)
@@ -252,7 +272,7 @@ def replay(created, kind, direct, workdir, rng) -> set:
         host.write(h * lay.block_bytes, ledger.make(f"host-gen2-{h}", lay.block_bytes))
     over = list(zip(range(n_host), from_host))
     from_dev = [d for d in written if disk_has[d][0] == "dev"][:n_dev]
-    dev_targets = [int(x) for x in rng.permutation(n_dev)[:len(from_dev)]]
+    dev_targets = [int(x) for x in rng.permutation(n_dev)[: len(from_dev)]]
     poison_dev(dev_targets)
     back = list(zip(dev_targets, from_dev))
     items = []
@@ -263,8 +283,11 @@ def replay(created, kind, direct, workdir, rng) -> set:
     check_dev(back)
     for h, d in over:
         disk_has[d] = ("host", f"host-gen2-{h}")
-        check_block(lambda pos, n, d=d: R.file_bytes(fd, d * lay.block_bytes + pos, n), d,
-                    "file after the mixed phase")
+        check_block(
+            lambda pos, n, d=d: R.file_bytes(fd, d * lay.block_bytes + pos, n),
+            d,
+            "file after the mixed phase",
+        )
 
     # Drop: deregister, close; the temp file is removed by the test.
     agent.deregister_memory(disk_reg)
@@ -315,10 +338,24 @@ def test_unpatched_dynamo_via_private_plugin_dir(direct, plugin_so, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     env = dict(os.environ, NIXL_PLUGIN_DIR=str(pdir))
-    p = subprocess.run([sys.executable, "-c", _PRIVATE_DIR_CHILD, str(work), "1" if direct else "0",
-                        os.path.dirname(R.__file__), os.path.dirname(H.__file__)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PRIVATE_DIR_CHILD,
+            str(work),
+            "1" if direct else "0",
+            os.path.dirname(R.__file__),
+            os.path.dirname(H.__file__),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     out = p.stdout + p.stderr
-    assert p.returncode == 0 and "CHILD OK" in p.stdout, f"child exited {p.returncode}:\n{out[-4000:]}"
+    assert p.returncode == 0 and "CHILD OK" in p.stdout, (
+        f"child exited {p.returncode}:\n{out[-4000:]}"
+    )
     assert not H.plugin_error_lines(p.stderr), f"plugin errors:\n{p.stderr[-3000:]}"
     print([ln for ln in p.stdout.splitlines() if ln.startswith("CHOSEN")])

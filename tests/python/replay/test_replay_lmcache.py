@@ -40,25 +40,24 @@ import time
 import uuid
 from urllib.parse import quote as url_quote
 
-import numpy as np
-import pytest
-
 import iud_helpers as H
+import pytest
 import replay_lib as R
-from replay_lib import KiB, MiB, PLUGIN
+from replay_lib import PLUGIN, KiB
 
 
 def _nixl():
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     import nixl._bindings as nixlBind
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
     return nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixlBind
 
 
 def _chunk_bytes(kind: str) -> int:
     # One LMCache chunk = 256 tokens x layers x 2 x kv_heads x head_dim x bf16.
     if kind == "VRAM":
-        return 256 * 16 * 2 * 8 * 64 * 2     # Llama-3.2-1B: 8 MiB
-    return 256 * 4 * 2 * 2 * 64 * 2          # a 4-layer toy model: 512 KiB
+        return 256 * 16 * 2 * 8 * 64 * 2  # Llama-3.2-1B: 8 MiB
+    return 256 * 4 * 2 * 2 * 64 * 2  # a 4-layer toy model: 512 KiB
 
 
 class InProcessAgent:
@@ -68,14 +67,16 @@ class InProcessAgent:
         nixl_agent, nixl_agent_config, sync_t, _ = _nixl()
         self.kind, self.page = kind, page
         self.agent_name = "NixlAgent_" + str(uuid.uuid4())
-        conf = nixl_agent_config(backends=[], enable_prog_thread=True,
-                                 sync_mode=sync_t.NIXL_THREAD_SYNC_STRICT)
+        conf = nixl_agent_config(
+            backends=[], enable_prog_thread=True, sync_mode=sync_t.NIXL_THREAD_SYNC_STRICT
+        )
         self.agent = nixl_agent(self.agent_name, conf)
         self.agent.create_backend(R.BACKEND, backend_params)
         dev = buffer.dev
         addrs = range(buffer.addr, buffer.addr + buffer.size, page)
-        self.mem_reg = self.agent.register_memory([(a, page, dev, "") for a in addrs],
-                                                  mem_type=kind)
+        self.mem_reg = self.agent.register_memory(
+            [(a, page, dev, "") for a in addrs], mem_type=kind
+        )
         xfer = self.agent.get_xfer_descs([(a, page, dev) for a in addrs], mem_type=kind)
         self.mem_handle = self.agent.prep_xfer_dlist("", xfer, mem_type=kind)
 
@@ -138,15 +139,17 @@ def test_static_pool(kind, direct, plugin_so, tmp_path, rng, stderr_log):
     flags = os.O_CREAT | os.O_RDWR | (os.O_DIRECT if direct else 0)
     fds = []
     for i in reversed(range(pool_size)):
-        fds.append(os.open(os.path.join(path, f"obj_{i}_{uuid.uuid4().hex[0:4]}.bin"), flags,
-                           0o644))
-    free_slots = list(reversed(range(pool_size)))   # pop() hands out 0, 1, 2, ...
+        fds.append(
+            os.open(os.path.join(path, f"obj_{i}_{uuid.uuid4().hex[0:4]}.bin"), flags, 0o644)
+        )
+    free_slots = list(reversed(range(pool_size)))  # pop() hands out 0, 1, 2, ...
     # init_storage_handlers_file: the files are empty; each is registered for one chunk.
     storage_reg = lm.agent.register_memory([(0, page, fd, "") for fd in fds], mem_type="FILE")
     lm.agent.get_xfer_descs([(0, page, fd) for fd in fds], mem_type="FILE")
-    storage_handle = lm.agent.prep_xfer_dlist(lm.agent_name, [(0, page, fd) for fd in fds],
-                                              mem_type="FILE")
-    where: dict[str, int] = {}      # key -> pool slot
+    storage_handle = lm.agent.prep_xfer_dlist(
+        lm.agent_name, [(0, page, fd) for fd in fds], mem_type="FILE"
+    )
+    where: dict[str, int] = {}  # key -> pool slot
 
     def put(keys):
         mem = pages.alloc(len(keys))
@@ -163,8 +166,9 @@ def test_static_pool(kind, direct, plugin_so, tmp_path, rng, stderr_log):
         mem = pages.alloc(len(keys))
         for p in mem:
             pages.write(p, ledger.poison(f"page{p}", page))
-        h = lm.agent.make_prepped_xfer("READ", lm.mem_handle, mem, storage_handle,
-                                       [where[k] for k in keys])
+        h = lm.agent.make_prepped_xfer(
+            "READ", lm.mem_handle, mem, storage_handle, [where[k] for k in keys]
+        )
         lm.post_blocking(h)
         lm.agent.release_xfer_handle(h)
         for k, p in zip(keys, mem):
@@ -173,7 +177,7 @@ def test_static_pool(kind, direct, plugin_so, tmp_path, rng, stderr_log):
 
     def evict(keys):
         for k in keys:
-            free_slots.append(where.pop(k))     # no file I/O: the slot is just reused
+            free_slots.append(where.pop(k))  # no file I/O: the slot is just reused
 
     serial = 0
     for rnd in range(3):
@@ -181,12 +185,12 @@ def test_static_pool(kind, direct, plugin_so, tmp_path, rng, stderr_log):
         n_new = len(free_slots)
         new = [_key(serial + i, rng) for i in range(n_new)]
         serial += n_new
-        for i in range(0, n_new, 8):            # batches of up to 8 chunks
-            put(new[i:i + 8])
+        for i in range(0, n_new, 8):  # batches of up to 8 chunks
+            put(new[i : i + 8])
         live += new
         order = [live[int(i)] for i in rng.permutation(len(live))]
         for i in range(0, len(order), 6):
-            get(order[i:i + 6])
+            get(order[i : i + 6])
         evict(order[: pool_size // 2 + rnd])
 
     # Every slot file holds exactly the chunk of the key that owns it.
@@ -206,6 +210,7 @@ def test_static_pool(kind, direct, plugin_so, tmp_path, rng, stderr_log):
 
 
 # ---- in-process dynamic mode -----------------------------------------------------------------
+
 
 class DynamicBackend:
     """NixlDynamicStorageBackend (FILE) put/get, with NixlDynamicStorageAgent's handlers."""
@@ -241,8 +246,9 @@ class DynamicBackend:
         reg = a.register_memory([(0, page, fd, "") for fd in fds], "FILE")
         xfer_descs = a.get_xfer_descs([(0, page, fd) for fd in fds], "FILE")
         handler = a.prep_xfer_dlist(self.lm.agent_name, xfer_descs, mem_type="FILE")
-        h = a.make_prepped_xfer("WRITE" if write else "READ", self.lm.mem_handle, mem, handler,
-                                list(range(len(keys))))
+        h = a.make_prepped_xfer(
+            "WRITE" if write else "READ", self.lm.mem_handle, mem, handler, list(range(len(keys)))
+        )
         return fds, paths, reg, handler, h
 
     def release_storage(self, reg, handler, fds):
@@ -305,7 +311,7 @@ class DynamicBackend:
                 self.lm.post_blocking(h)
                 ok = True
             except nixlBind.nixlBackendError:
-                ok = False               # "Batch Transfer failed": treated as a miss
+                ok = False  # "Batch Transfer failed": treated as a miss
             finally:
                 self.lm.agent.release_xfer_handle(h)
                 self.release_storage(reg, handler, fds)
@@ -340,7 +346,7 @@ def test_dynamic_mode(direct, plugin_so, tmp_path, rng, stderr_log):
     keys = [_key(i, rng) for i in range(40)]
     # Synchronous puts in batches of 4, then async puts overlapping with gets (fd reuse).
     for i in range(0, 16, 4):
-        be.put_sync(keys[i:i + 4])
+        be.put_sync(keys[i : i + 4])
 
     # The async puts run as tasks of LMCache's event loop thread; the gets come from the
     # caller's thread at the same time (NIXL sync mode STRICT serializes the agent calls).
@@ -348,13 +354,15 @@ def test_dynamic_mode(direct, plugin_so, tmp_path, rng, stderr_log):
     loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
     loop_thread.start()
     try:
-        futs = [asyncio.run_coroutine_threadsafe(be.put_async(keys[i:i + 3]), loop)
-                for i in range(16, 40, 3)]
+        futs = [
+            asyncio.run_coroutine_threadsafe(be.put_async(keys[i : i + 3]), loop)
+            for i in range(16, 40, 3)
+        ]
         got = []
-        for i in range(0, 16, 4):          # gets of stored keys while the puts are in flight
-            mem = be.get(keys[i:i + 4])
-            assert mem is not None, f"get of stored keys {keys[i:i + 4]} missed"
-            got.append((keys[i:i + 4], mem))
+        for i in range(0, 16, 4):  # gets of stored keys while the puts are in flight
+            mem = be.get(keys[i : i + 4])
+            assert mem is not None, f"get of stored keys {keys[i : i + 4]} missed"
+            got.append((keys[i : i + 4], mem))
         for f in futs:
             f.result(timeout=120)
     finally:
@@ -385,8 +393,9 @@ def test_dynamic_mode(direct, plugin_so, tmp_path, rng, stderr_log):
     assert be.get([keys[1], short]) is None, "a READ past the end of a file succeeded"
     errs = H.plugin_error_lines(stderr_log())
     if R.BACKEND == PLUGIN:
-        assert len(errs) == 1 and "end of file" in errs[0], \
+        assert len(errs) == 1 and "end of file" in errs[0], (
             f"the failed READ should log one plugin error naming end of file, got {errs}"
+        )
     assert be.misses == 2
     # The agent is still usable afterwards.
     mem = be.get(keys[2:6])
@@ -467,26 +476,44 @@ def test_dynamic_put_write_failure_is_clean(direct, plugin_so, tmp_path):
     if direct and not R.direct_supported(str(tmp_path)):
         pytest.skip("the test directory's filesystem does not support O_DIRECT")
     page = _chunk_bytes("DRAM")
-    p = subprocess.run([sys.executable, "-c", _WRITE_FAILURE_CHILD, R.BACKEND, str(tmp_path),
-                        str(page), "1" if direct else "0", os.path.dirname(R.__file__),
-                        os.path.dirname(H.__file__)],
-                       capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _WRITE_FAILURE_CHILD,
+            R.BACKEND,
+            str(tmp_path),
+            str(page),
+            "1" if direct else "0",
+            os.path.dirname(R.__file__),
+            os.path.dirname(H.__file__),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+    )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, \
+    assert p.returncode == 0 and lines, (
         f"child exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
+    )
     res = json.loads(lines[-1][7:])
-    assert res["err"] and "nixlBackendError" in res["err"], \
+    assert res["err"] and "nixlBackendError" in res["err"], (
         f"a put that hits EFBIG must fail with nixlBackendError, got {res['err']!r}"
+    )
     assert res["left"] == [], f"client unlink left files behind: {res['left']}"
     errs = H.plugin_error_lines(p.stderr)
     if R.BACKEND == PLUGIN:
-        assert any("EFBIG" in e for e in errs), \
+        assert any("EFBIG" in e for e in errs), (
             f"the failed write should be logged naming EFBIG, got {errs}\n{p.stderr[-2000:]}"
-    assert res["err2"] is None and res["ok"] and res["sizes"] == [page, page], \
+        )
+    assert res["err2"] is None and res["ok"] and res["sizes"] == [page, page], (
         f"the next put after the failure did not work: {res}"
+    )
 
 
 # ---- multi-process L2 adapters ---------------------------------------------------------------
+
 
 class MPAgent:
     """NixlStorageAgent / DynamicNixlStorageAgent of the MP L2 adapters: backend params carry
@@ -497,15 +524,18 @@ class MPAgent:
         self.agent_name = prefix + str(uuid.uuid4())
         # capture_telemetry is the one addition to LMCache's config: it lets the test see the
         # descriptor count after NIXL's merging (descCount).
-        self.agent = nixl_agent(self.agent_name,
-                                nixl_agent_config(backends=[], capture_telemetry=telemetry))
+        self.agent = nixl_agent(
+            self.agent_name, nixl_agent_config(backends=[], capture_telemetry=telemetry)
+        )
         self.agent.create_backend(R.BACKEND, params)
         self.page = page
         self.arena = arena
-        self.mem_reg = self.agent.register_memory([(arena.addr, arena.size, 0, "")],
-                                                  mem_type="DRAM")
+        self.mem_reg = self.agent.register_memory(
+            [(arena.addr, arena.size, 0, "")], mem_type="DRAM"
+        )
         xfer = self.agent.get_xfer_descs(
-            [(a, page, 0) for a in range(arena.addr, arena.addr + arena.size, page)], "DRAM")
+            [(a, page, 0) for a in range(arena.addr, arena.addr + arena.size, page)], "DRAM"
+        )
         self.mem_handle = self.agent.prep_xfer_dlist("", xfer, mem_type="DRAM")
 
     async def post_non_blocking(self, handle) -> None:
@@ -523,8 +553,10 @@ class MPAgent:
 
 
 def _objects(rng, n, max_pages):
-    return [(f"obj-{i}-{int(rng.integers(1 << 40)):x}", int(rng.integers(1, max_pages + 1)))
-            for i in range(n)]
+    return [
+        (f"obj-{i}-{int(rng.integers(1 << 40)):x}", int(rng.integers(1, max_pages + 1)))
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
@@ -535,21 +567,30 @@ def test_mp_nixl_store(direct, plugin_so, tmp_path, rng, stderr_log):
     file_size = page * pages_per_file
     ledger = R.Ledger(f"lmcache-mp-store-{direct}")
     arena = R.Mem("DRAM", 96 * page)
-    params = {"file_path": str(tmp_path / "l2"), "use_direct_io": "true" if direct else "false",
-              "file_size": str(file_size), "max_capacity_gb": "1"}
+    params = {
+        "file_path": str(tmp_path / "l2"),
+        "use_direct_io": "true" if direct else "false",
+        "file_size": str(file_size),
+        "max_capacity_gb": "1",
+    }
     mp = MPAgent("NixlAgent_", arena, page, params, telemetry=True)
     a = mp.agent
 
     os.makedirs(params["file_path"], exist_ok=True)
     flags = os.O_CREAT | os.O_RDWR | (os.O_DIRECT if direct else 0)
-    fds = [os.open(os.path.join(params["file_path"], f"obj_{i}_{uuid.uuid4().hex[0:4]}.bin"),
-                   flags) for i in range(pool_size)]
+    fds = [
+        os.open(os.path.join(params["file_path"], f"obj_{i}_{uuid.uuid4().hex[0:4]}.bin"), flags)
+        for i in range(pool_size)
+    ]
     storage_reg = a.register_memory([(0, file_size, fd, "") for fd in fds], mem_type="FILE")
-    slots_descs = [((i % pages_per_file) * page, page, fds[i // pages_per_file])
-                   for i in range(pool_size * pages_per_file)]
-    storage_handle = a.prep_xfer_dlist(mp.agent_name, a.get_xfer_descs(slots_descs, "FILE"),
-                                       mem_type="FILE")
-    pool = list(range(pool_size * pages_per_file))        # NixlObjPool
+    slots_descs = [
+        ((i % pages_per_file) * page, page, fds[i // pages_per_file])
+        for i in range(pool_size * pages_per_file)
+    ]
+    storage_handle = a.prep_xfer_dlist(
+        mp.agent_name, a.get_xfer_descs(slots_descs, "FILE"), mem_type="FILE"
+    )
+    pool = list(range(pool_size * pages_per_file))  # NixlObjPool
     l1_free = list(range(arena.size // page))
     stored: dict[str, list[int]] = {}
     merged_seen = []
@@ -557,9 +598,9 @@ def test_mp_nixl_store(direct, plugin_so, tmp_path, rng, stderr_log):
     def l1_alloc(n):
         # L1 objects are contiguous page runs (MemoryObj address/phy_size).
         for s in range(len(l1_free)):
-            run = l1_free[s:s + n]
+            run = l1_free[s : s + n]
             if len(run) == n and run[-1] - run[0] == n - 1:
-                del l1_free[s:s + n]
+                del l1_free[s : s + n]
                 return run
         raise AssertionError("L1 arena exhausted")
 
@@ -599,33 +640,37 @@ def test_mp_nixl_store(direct, plugin_so, tmp_path, rng, stderr_log):
         a.release_xfer_handle(h)
         for key, mem in plan:
             for j, p in enumerate(mem):
-                ledger.check(arena.read(p * page, page), f"{key}/p{j}",
-                             f"load of {key} page {j} (slot {stored[key][j]}) into L1 page {p}")
+                ledger.check(
+                    arena.read(p * page, page),
+                    f"{key}/p{j}",
+                    f"load of {key} page {j} (slot {stored[key][j]}) into L1 page {p}",
+                )
             l1_free.extend(mem)
 
     def delete(keys):
         for k in keys:
-            pool.extend(stored.pop(k))          # batched_free: slots go to the end of the list
+            pool.extend(stored.pop(k))  # batched_free: slots go to the end of the list
 
     async def scenario():
-        for rnd in range(3):
+        for _rnd in range(3):
             objs = _objects(rng, 14, 4)
-            batches = [objs[i:i + 4] for i in range(0, len(objs), 4)]
+            batches = [objs[i : i + 4] for i in range(0, len(objs), 4)]
             fit, used = [], 0
             for b in batches:
                 need = sum(n for _, n in b)
                 if used + need <= len(pool):
                     fit.append(b)
                     used += need
-            await asyncio.gather(*(store(b) for b in fit))    # concurrent store tasks
+            await asyncio.gather(*(store(b) for b in fit))  # concurrent store tasks
             keys = list(stored)
             order = [keys[int(i)] for i in rng.permutation(len(keys))]
-            await asyncio.gather(*(load(order[i:i + 3]) for i in range(0, len(order), 3)))
+            await asyncio.gather(*(load(order[i : i + 3]) for i in range(0, len(order), 3)))
             delete(order[: len(order) // 2])
 
     asyncio.run(scenario())
-    assert any(d < n for n, d in merged_seen), \
+    assert any(d < n for n, d in merged_seen), (
         f"NIXL never merged consecutive pages (indices, descCount): {merged_seen}"
+    )
     for key, slots in stored.items():
         for j, s in enumerate(slots):
             off, _, fd = slots_descs[s]
@@ -648,8 +693,12 @@ def test_mp_nixl_store_dynamic(direct, shard_dirs, plugin_so, tmp_path, rng, std
     ledger = R.Ledger(f"lmcache-mp-dyn-{direct}-{shard_dirs}")
     arena = R.Mem("DRAM", 128 * page)
     base = str(tmp_path / "l2dyn")
-    params = {"file_path": base, "use_direct_io": "true" if direct else "false",
-              "shard_dirs": "true" if shard_dirs else "false", "max_capacity_gb": "0.5"}
+    params = {
+        "file_path": base,
+        "use_direct_io": "true" if direct else "false",
+        "shard_dirs": "true" if shard_dirs else "false",
+        "max_capacity_gb": "0.5",
+    }
     mp = MPAgent("DynNixlAgent_", arena, page, params)
     a = mp.agent
     os.makedirs(base, exist_ok=True)
@@ -713,9 +762,9 @@ def test_mp_nixl_store_dynamic(direct, shard_dirs, plugin_so, tmp_path, rng, std
 
     def alloc(n):
         for s in range(len(free)):
-            run = free[s:s + n]
+            run = free[s : s + n]
             if len(run) == n and run[-1] - run[0] == n - 1:
-                del free[s:s + n]
+                del free[s : s + n]
                 return run
         raise AssertionError("L1 arena exhausted")
 
@@ -730,7 +779,7 @@ def test_mp_nixl_store_dynamic(direct, shard_dirs, plugin_so, tmp_path, rng, std
         for _, mem in placed:
             free.extend(mem)
         for h, n in objs:
-            assert os.path.getsize(file_path(h)) == n * page     # get_stored_size
+            assert os.path.getsize(file_path(h)) == n * page  # get_stored_size
         loads = []
         for h, n in objs:
             mem = alloc(n)
@@ -754,6 +803,7 @@ def test_mp_nixl_store_dynamic(direct, shard_dirs, plugin_so, tmp_path, rng, std
 
 # ---- the whitelist, bypassed without patching LMCache --------------------------------------
 
+
 def test_whitelist_bypass_private_plugin_dir(plugin_so, tmp_path):
     """LMCache accepts only GDS/GDS_MT/POSIX/HF3FS (files). Without patching it, the plugin can
     be installed as libplugin_POSIX.so in a private NIXL_PLUGIN_DIR and LMCache configured with
@@ -767,15 +817,32 @@ def test_whitelist_bypass_private_plugin_dir(plugin_so, tmp_path):
     pdir = tmp_path / "private-plugins"
     pdir.mkdir()
     shutil.copy(plugin_so, pdir / "libplugin_POSIX.so")
-    shutil.copy(plugin_so, pdir / f"libplugin_{PLUGIN}.so")    # for the plugin_so fixture
-    env = dict(os.environ, IUD_TEST_BACKEND="POSIX", IUD_PLUGIN_DIR=str(pdir),
-               IO_URING_DMABUF_LOG="debug")
+    shutil.copy(plugin_so, pdir / f"libplugin_{PLUGIN}.so")  # for the plugin_so fixture
+    env = dict(
+        os.environ, IUD_TEST_BACKEND="POSIX", IUD_PLUGIN_DIR=str(pdir), IO_URING_DMABUF_LOG="debug"
+    )
     env.pop("NIXL_PLUGIN_DIR", None)
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", __file__,
-         "-k", "dram or dynamic_mode or mp_nixl_store", "--basetemp", str(tmp_path / "child")],
-        capture_output=True, text=True, timeout=300, env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "dram or dynamic_mode or mp_nixl_store",
+            "--basetemp",
+            str(tmp_path / "child"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"child pytest exited {p.returncode}:\n{out[-5000:]}"
     created = [ln for ln in out.splitlines() if "IO_URING_DMABUF engine created" in ln]

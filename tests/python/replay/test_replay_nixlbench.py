@@ -21,37 +21,49 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 import iud_helpers as H
 import nixlbench_replay as NB
+import pytest
 import replay_lib as R
 from replay_lib import KiB, MiB
 
-ALL_BLOCKS = [4 * KiB << i for i in range(15)]          # 4 KiB .. 64 MiB
+ALL_BLOCKS = [4 * KiB << i for i in range(15)]  # 4 KiB .. 64 MiB
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
-@pytest.mark.parametrize("direct,num_threads,num_files", [
-    pytest.param(False, 1, 1, id="buffered-1thread-1file"),
-    pytest.param(False, 2, 2, id="buffered-2threads-2files"),
-    pytest.param(False, 2, 1, id="buffered-2threads-1file"),
-    pytest.param(True, 2, 2, id="odirect-2threads-2files"),
-])
+@pytest.mark.parametrize(
+    "direct,num_threads,num_files",
+    [
+        pytest.param(False, 1, 1, id="buffered-1thread-1file"),
+        pytest.param(False, 2, 2, id="buffered-2threads-2files"),
+        pytest.param(False, 2, 1, id="buffered-2threads-1file"),
+        pytest.param(True, 2, 2, id="odirect-2threads-2files"),
+    ],
+)
 @pytest.mark.parametrize("kind", R.mem_kinds())
-def test_storage_sweep(kind, direct, num_threads, num_files, op, plugin_so, tmp_path,
-                       stderr_log):
+def test_storage_sweep(kind, direct, num_threads, num_files, op, plugin_so, tmp_path, stderr_log):
     if kind == "VRAM":
         R.torch_cuda()
     if direct and not R.direct_supported(str(tmp_path)):
         pytest.skip("the test directory's filesystem does not support O_DIRECT")
     ledger = R.Ledger(f"nixlbench-{kind}-{op}-{direct}-{num_threads}-{num_files}")
-    points = NB.run(R.BACKEND, kind=kind, op=op, num_threads=num_threads, num_files=num_files,
-                    direct=direct, filepath=str(tmp_path),
-                    total_buffer_size=num_threads * 64 * MiB, block_sizes=ALL_BLOCKS,
-                    batch_sizes=[1, 4, 16], num_iter=4 * num_threads,
-                    warmup_iter=2 * num_threads, large_blk_iter_ftr=4, ledger=ledger,
-                    max_batch_bytes=16 * MiB)
+    points = NB.run(
+        R.BACKEND,
+        kind=kind,
+        op=op,
+        num_threads=num_threads,
+        num_files=num_files,
+        direct=direct,
+        filepath=str(tmp_path),
+        total_buffer_size=num_threads * 64 * MiB,
+        block_sizes=ALL_BLOCKS,
+        batch_sizes=[1, 4, 16],
+        num_iter=4 * num_threads,
+        warmup_iter=2 * num_threads,
+        large_blk_iter_ftr=4,
+        ledger=ledger,
+        max_batch_bytes=16 * MiB,
+    )
     assert {p["block"] for p in points} == set(ALL_BLOCKS)
     R.no_plugin_errors(stderr_log, f"nixlbench {op} sweep")
 
@@ -95,11 +107,25 @@ def test_unpatched_nixlbench_via_private_plugin_dir(direct, plugin_so, tmp_path)
     data = tmp_path / "data"
     data.mkdir()
     env = dict(os.environ, NIXL_PLUGIN_DIR=str(pdir))
-    p = subprocess.run([sys.executable, "-c", _PRIVATE_DIR_CHILD, str(data), "1" if direct else "0",
-                        os.path.dirname(R.__file__), os.path.dirname(H.__file__)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PRIVATE_DIR_CHILD,
+            str(data),
+            "1" if direct else "0",
+            os.path.dirname(R.__file__),
+            os.path.dirname(H.__file__),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     out = p.stdout + p.stderr
-    assert p.returncode == 0 and "CHILD OK" in p.stdout, f"child exited {p.returncode}:\n{out[-4000:]}"
+    assert p.returncode == 0 and "CHILD OK" in p.stdout, (
+        f"child exited {p.returncode}:\n{out[-4000:]}"
+    )
     assert not H.plugin_error_lines(p.stderr), f"plugin errors:\n{p.stderr[-3000:]}"
     names = sorted(os.listdir(data))
     assert names == [f"nixlbench_posix_test_file_initiator_{i}" for i in range(2)], names

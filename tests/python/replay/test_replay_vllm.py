@@ -29,15 +29,13 @@ import uuid
 
 import numpy as np
 import pytest
-
-import iud_helpers as H
 import replay_lib as R
-from replay_lib import GiB, KiB, PLUGIN
+from replay_lib import GiB
 
 # Llama-3.1-8B-like geometry: block 16 tokens, 8 KV heads, head dim 128, bf16.
 PAGE, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, 2
-KV_BLOCK = PAGE * KV_HEADS * HEAD_DIM * DTYPE          # 32 KiB per (layer, K or V, block)
-MLA_BLOCK = PAGE * 576 * DTYPE                          # 18 KiB, 512 B aligned only
+KV_BLOCK = PAGE * KV_HEADS * HEAD_DIM * DTYPE  # 32 KiB per (layer, K or V, block)
+MLA_BLOCK = PAGE * 576 * DTYPE  # 18 KiB, 512 B aligned only
 
 
 class KVCache:
@@ -50,9 +48,9 @@ class KVCache:
     def __init__(self, kind: str, layout: str, layers: int, num_blocks: int, tag: str):
         self.kind, self.layout, self.tag = kind, layout, tag
         self.num_blocks = num_blocks
-        if layout == "flash_attn":      # split_k_and_v: 2 regions per layer
+        if layout == "flash_attn":  # split_k_and_v: 2 regions per layer
             self.n_regions, self.block_len, self.halves = 2 * layers, KV_BLOCK, 1
-        elif layout == "flashinfer":    # blocks-first, K and V share a region
+        elif layout == "flashinfer":  # blocks-first, K and V share a region
             self.n_regions, self.block_len, self.halves = layers, 2 * KV_BLOCK, 2
         elif layout == "mla":
             self.n_regions, self.block_len, self.halves = layers, MLA_BLOCK, 1
@@ -75,8 +73,13 @@ class KVCache:
         for half in range(self.halves):
             for m in self.regions:
                 for b in range(self.num_blocks):
-                    out.append((m.addr + b * self.block_len + half * self.desc_len,
-                                self.desc_len, max(m.dev, 0)))
+                    out.append(
+                        (
+                            m.addr + b * self.block_len + half * self.desc_len,
+                            self.desc_len,
+                            max(m.dev, 0),
+                        )
+                    )
         return out
 
     def desc_ids(self, blocks) -> np.ndarray:
@@ -99,8 +102,9 @@ def _worker(backends, kv: KVCache):
 
     # Any non-UCX backend listed: nixl_agent_config(backends=..., capture_telemetry=True); the
     # wrapper then calls create_backend(name, {}) for each (num_threads is 0 in this branch).
-    agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=backends,
-                                                            capture_telemetry=True))
+    agent = nixl_agent(
+        str(uuid.uuid4()), nixl_agent_config(backends=backends, capture_telemetry=True)
+    )
     descs = agent.get_reg_descs(kv.caches_data(), kv.kind)
     agent.register_memory(descs, backends=backends)
     xfer_descs = agent.get_xfer_descs(kv.blocks_data(), kv.kind)
@@ -131,7 +135,7 @@ def test_nixl_connector_with_plugin_listed(kind, layout, plugin_so, rng, stderr_
     t0 = time.monotonic()
     prefill_kv = KVCache(kind, layout, layers, num_blocks, "prefill")
     decode_kv = KVCache(kind, layout, layers, num_blocks, "decode")
-    if have_ucx:      # contents only matter for the P/D transfer
+    if have_ucx:  # contents only matter for the P/D transfer
         prefill_kv.fill(ledger, "prefill")
         for r, m in enumerate(decode_kv.regions):
             m.write(0, ledger.poison(f"decode/region{r}", decode_kv.region_len))
@@ -140,8 +144,10 @@ def test_nixl_connector_with_plugin_listed(kind, layout, plugin_so, rng, stderr_
     decode, d_descs, d_local = _worker(backends, decode_kv)
     assert R.BACKEND in prefill.backends and R.BACKEND in decode.backends
     startup = time.monotonic() - t0
-    print(f"{layout} {kind}: {kv_desc(prefill_kv)}; start-up (alloc, fill, register, prep; "
-          f"2 workers) {startup:.2f} s")
+    print(
+        f"{layout} {kind}: {kv_desc(prefill_kv)}; start-up (alloc, fill, register, prep; "
+        f"2 workers) {startup:.2f} s"
+    )
 
     if have_ucx:
         # Handshake: the decode worker loads the prefill worker's metadata and preps its blocks.
@@ -154,8 +160,9 @@ def test_nixl_connector_with_plugin_listed(kind, layout, plugin_so, rng, stderr_
         r_ids, l_ids = prefill_kv.desc_ids(remote_blocks), decode_kv.desc_ids(local_blocks)
         notif = b"req-0:1"
         h = decode.make_prepped_xfer("READ", d_local, l_ids, r_handle, r_ids, notif_msg=notif)
-        assert decode.query_xfer_backend(h) == "UCX", \
+        assert decode.query_xfer_backend(h) == "UCX", (
             "the P/D transfer must go to UCX; the storage plugin cannot reach a remote agent"
+        )
         state = R.wait(decode, h, decode.transfer(h), 0.0)  # polled once per engine step
         assert state == "DONE", f"P/D READ ended {state}"
         tel = decode.get_xfer_telemetry(h)
@@ -175,16 +182,27 @@ def test_nixl_connector_with_plugin_listed(kind, layout, plugin_so, rng, stderr_
         for li, ri in moved.items():
             r, off, n = decode_kv.piece(li)
             pr, poff, _ = prefill_kv.piece(ri)
-            ledger.check(decode_kv.regions[r].read(off, n), f"prefill/region{pr}",
-                         f"decode desc {li} <- prefill desc {ri}", offset=poff)
-        untouched = [i for i in range(prefill_kv.n_regions * num_blocks * prefill_kv.halves)
-                     if i not in moved]
+            ledger.check(
+                decode_kv.regions[r].read(off, n),
+                f"prefill/region{pr}",
+                f"decode desc {li} <- prefill desc {ri}",
+                offset=poff,
+            )
+        untouched = [
+            i
+            for i in range(prefill_kv.n_regions * num_blocks * prefill_kv.halves)
+            if i not in moved
+        ]
         if kind == "VRAM":
             untouched = [untouched[int(k)] for k in rng.choice(len(untouched), 256, replace=False)]
         for li in untouched:
             r, off, n = decode_kv.piece(li)
-            ledger.check_untouched(decode_kv.regions[r].read(off, n), f"decode/region{r}", off,
-                                   f"decode desc {li} (not requested)")
+            ledger.check_untouched(
+                decode_kv.regions[r].read(off, n),
+                f"decode/region{r}",
+                off,
+                f"decode desc {li} (not requested)",
+            )
         decode.release_dlist_handle(r_handle)
         decode.remove_remote_agent(remote_name)
 
@@ -198,11 +216,14 @@ def test_nixl_connector_with_plugin_listed(kind, layout, plugin_so, rng, stderr_
 
 
 def kv_desc(kv: KVCache) -> str:
-    return (f"{kv.n_regions} regions x {kv.region_len / GiB:.3f} GiB, "
-            f"{kv.n_regions * kv.num_blocks * kv.halves} descriptors of {kv.desc_len} B")
+    return (
+        f"{kv.n_regions} regions x {kv.region_len / GiB:.3f} GiB, "
+        f"{kv.n_regions * kv.num_blocks * kv.halves} descriptors of {kv.desc_len} B"
+    )
 
 
 # ---- the proposed file-offload shape ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "odirect"])
 @pytest.mark.parametrize("shape", ["obj", "gds", "gds-mla"])
@@ -225,7 +246,7 @@ def test_file_offload_jobs(kind, shape, direct, plugin_so, tmp_path, rng, stderr
         mem_reg = agent.register_memory([(primary.addr, primary.size, primary.dev, "")], kind)
         file_len = stride
 
-        def mem_pieces(bid):             # (region, offset, len, file offset)
+        def mem_pieces(bid):  # (region, offset, len, file offset)
             return [(0, bid * stride, stride, 0)]
     else:
         # The KV cache: 2 x layers regions (K, V) of 32 KiB blocks, or for MLA one region per
@@ -233,7 +254,8 @@ def test_file_offload_jobs(kind, shape, direct, plugin_so, tmp_path, rng, stderr
         n_reg, piece = (layers, MLA_BLOCK) if shape == "gds-mla" else (2 * layers, KV_BLOCK)
         regions = [R.Mem(kind, num_blocks * piece) for _ in range(n_reg)]
         mem_reg = agent.register_memory(
-            agent.get_reg_descs([(m.addr, m.size, m.dev, "") for m in regions], kind))
+            agent.get_reg_descs([(m.addr, m.size, m.dev, "") for m in regions], kind)
+        )
         file_len = n_reg * piece
 
         def mem_pieces(bid):
@@ -241,7 +263,7 @@ def test_file_offload_jobs(kind, shape, direct, plugin_so, tmp_path, rng, stderr
 
     def fill_block(bid, name):
         for r, off, n, foff in mem_pieces(bid):
-            regions[r].write(off, ledger.make(name, file_len)[foff:foff + n])
+            regions[r].write(off, ledger.make(name, file_len)[foff : foff + n])
 
     def poison_block(bid):
         for r, off, n, _ in mem_pieces(bid):
@@ -266,12 +288,20 @@ def test_file_offload_jobs(kind, shape, direct, plugin_so, tmp_path, rng, stderr
                 remote.append((foff, n, fd))
         xfer = agent.get_xfer_descs(local, kind)
         if shape == "obj":
-            remote_descs = files.trim()       # the OBJ engine / llm-d pass the trimmed reg list
+            remote_descs = files.trim()  # the OBJ engine / llm-d pass the trimmed reg list
         else:
             remote_descs = agent.get_xfer_descs(remote, "FILE")
         h = agent.initialize_xfer(op, xfer, remote_descs, agent.name)
-        return {"op": op, "h": h, "state": agent.transfer(h), "files": files, "fds": fds,
-                "paths": paths, "keys": keys, "blocks": blocks}
+        return {
+            "op": op,
+            "h": h,
+            "state": agent.transfer(h),
+            "files": files,
+            "fds": fds,
+            "paths": paths,
+            "keys": keys,
+            "blocks": blocks,
+        }
 
     def finish(job):
         state = R.wait(agent, job["h"], job["state"], 0.001)
@@ -282,16 +312,16 @@ def test_file_offload_jobs(kind, shape, direct, plugin_so, tmp_path, rng, stderr
         for fd in job["fds"]:
             os.close(fd)
         assert state == "DONE", f"{job['op']} job ended {state}"
-        if job["op"] == "WRITE":   # temp file + rename, like the fs tier
+        if job["op"] == "WRITE":  # temp file + rename, like the fs tier
             for p, k in zip(job["paths"], job["keys"]):
                 os.rename(p, str(tmp_path / f"{k}.bin"))
 
     # Store 4 jobs of 8 blocks, two in flight at a time.
-    order = rng.permutation(num_blocks)[:4 * job_blocks]
+    order = rng.permutation(num_blocks)[: 4 * job_blocks]
     keys = {int(b): f"{rng.integers(1 << 62):016x}" for b in order}
     for b in order:
         fill_block(int(b), keys[int(b)])
-    jobs = [[int(b) for b in order[i:i + job_blocks]] for i in range(0, len(order), job_blocks)]
+    jobs = [[int(b) for b in order[i : i + job_blocks]] for i in range(0, len(order), job_blocks)]
     for a, b in zip(jobs[0::2], jobs[1::2]):
         ja = submit("WRITE", a, [keys[x] for x in a])
         jb = submit("WRITE", b, [keys[x] for x in b])
@@ -303,12 +333,14 @@ def test_file_offload_jobs(kind, shape, direct, plugin_so, tmp_path, rng, stderr
         ledger.check(R.file_bytes(path, 0, file_len), k, f"file of block {b} after the store job")
 
     # Load every stored key into other (poisoned) block ids, two jobs in flight.
-    targets = [int(b) for b in rng.permutation(num_blocks)[:len(order)]]
+    targets = [int(b) for b in rng.permutation(num_blocks)[: len(order)]]
     for t in targets:
         poison_block(t)
     src = list(keys.values())
-    rjobs = [(targets[i:i + job_blocks], src[i:i + job_blocks])
-             for i in range(0, len(src), job_blocks)]
+    rjobs = [
+        (targets[i : i + job_blocks], src[i : i + job_blocks])
+        for i in range(0, len(src), job_blocks)
+    ]
     for (ta, ka), (tb, kb) in zip(rjobs[0::2], rjobs[1::2]):
         ja = submit("READ", ta, ka)
         jb = submit("READ", tb, kb)
@@ -316,8 +348,9 @@ def test_file_offload_jobs(kind, shape, direct, plugin_so, tmp_path, rng, stderr
         finish(jb)
     for t, k in zip(targets, src):
         for r, off, n, foff in mem_pieces(t):
-            ledger.check(regions[r].read(off, n), k, f"block {t} piece (region {r}) after load",
-                         offset=foff)
+            ledger.check(
+                regions[r].read(off, n), k, f"block {t} piece (region {r}) after load", offset=foff
+            )
 
     # A load of a key that was never stored: the client's open() fails; nothing reaches NIXL.
     with pytest.raises(FileNotFoundError):
