@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reliability checks of the IO_URING_DMABUF plugin (RELIABILITY.md): fault injection, integrity at
+# Reliability checks of the IO_URING_DMABUF plugin (docs/reliability.md): fault injection, integrity at
 # volume, concurrency, leaks, sanitizers and fuzzing.
 #
 #   bash ci/reliability.sh            # short versions (CI size, a few minutes)

@@ -99,7 +99,7 @@ else
     fi
 fi
 
-# Reliability, CI size (RELIABILITY.md): fault matrix, leaks, stress, a 2 GiB soak, the C++ driver
+# Reliability, CI size (docs/reliability.md): fault matrix, leaks, stress, a 2 GiB soak, the C++ driver
 # under ASan and valgrind, and (where nightly Rust and cargo-fuzz are installed, else SKIP) the
 # engine under ThreadSanitizer and 60 s per fuzz target. About 5 minutes with all stages.
 rel_fail=0

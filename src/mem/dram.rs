@@ -7,7 +7,7 @@
 //! The slots are taken when a request first plans I/O on the region, not in registerMem:
 //! pinning costs milliseconds (7 ms for 8 MiB on the 2-CPU VM), and in sync mode NONE NIXL
 //! runs its unlocked registration lists around registerMem, so every millisecond spent there
-//! widens a race that corrupts NIXL's heap (RELIABILITY.md, "Sync mode NONE", issue 48).
+//! widens a race that corrupts NIXL's heap (docs/reliability.md, "Sync mode NONE", issue 48).
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -6,7 +6,7 @@
 //! Why: with an agent in sync mode NONE (the Python default without a listen thread) NIXL's
 //! registration lists are not locked (nixl src/core/sync.h), so threads that register,
 //! deregister and prepare at once get MDs that are stale (already deregistered) or belong to
-//! another registration (RELIABILITY.md, "Sync mode NONE"). NIXL's POSIX backend survives this
+//! another registration (docs/reliability.md, "Sync mode NONE"). NIXL's POSIX backend survives this
 //! because it acts on the descriptors, not the MDs; so does this index. Tokens are never
 //! reused, so a stale one can never name a newer registration.
 

@@ -10,7 +10,7 @@ its whole file with what it wrote, so a byte moved to or from another thread's f
 In sync mode NONE NIXL 1.5.1 takes no locks, and its registration lists race with any backend:
 nixlLocalSection::addDescList looks up its list, calls the backend's registerMem and only then
 appends to the list, which another thread's remDescList may meanwhile have emptied and deleted
-(RELIABILITY.md, "Sync mode NONE"). The longer registerMem takes, the wider that window; the
+(docs/reliability.md, "Sync mode NONE"). The longer registerMem takes, the wider that window; the
 plugin therefore does nothing slow there (no fixed-buffer pinning, no fixed-file slot): the
 first test checks that through the ring's own tables.
 

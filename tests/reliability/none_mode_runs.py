@@ -1,4 +1,4 @@
-"""Sync mode NONE, many runs: the plugin against NIXL's POSIX backend (RELIABILITY.md, "Sync mode
+"""Sync mode NONE, many runs: the plugin against NIXL's POSIX backend (docs/reliability.md, "Sync mode
 NONE"). Each run is one process of tests/python/concurrent_reg_child.py: one agent in sync mode
 NONE (nixl_agent_config(backends=[]) without a listen thread), 4 threads, each registering its
 own 16 MiB DRAM buffer and file, 3 verified WRITE/READ round trips of 64 x 64 KiB, then

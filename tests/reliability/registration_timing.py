@@ -1,6 +1,6 @@
 """Time per NIXL call of a register -> transfer -> deregister cycle, single-threaded (issue 48):
 how long each backend keeps the caller inside registerMem/deregisterMem, where NIXL's own
-registration lists sit unlocked in sync mode NONE (RELIABILITY.md section 8).
+registration lists sit unlocked in sync mode NONE (docs/reliability.md section 8).
 
     .venv/bin/python tests/reliability/registration_timing.py BACKEND [key=value ...] [--cycles 200]
 

@@ -317,7 +317,7 @@ def test_delayed_io_completes_and_others_progress(scene_factory, rng, params):
     Before 2026-12-01 evening the defaults on a 2-CPU machine kept buffered reads in the ring
     (punt_buffered_min=0), and the kernel performed a buffered FUSE read inside io_uring_enter,
     so postXfer itself took the whole 1.3 s (NIXL's POSIX backend with io_uring does the same;
-    see RELIABILITY.md). Now the defaults hand them to the page-cache workers, and the posting
+    see docs/reliability.md). Now the defaults hand them to the page-cache workers, and the posting
     thread reads only what is cached (RWF_NOWAIT): both variants must return from the post
     with the request in progress."""
     scene = scene_factory(params)
@@ -361,7 +361,7 @@ def test_delayed_io_completes_and_others_progress(scene_factory, rng, params):
         extra=verify,
     )
     assert m.stop()["delayed"] > 0
-    # Not a threshold, a record: how long the post itself took (RELIABILITY.md, finding 2).
+    # Not a threshold, a record: how long the post itself took (docs/reliability.md, finding 2).
     print(
         f"delayed READ ({params or 'defaults'}): postXfer returned {seen['first']} after {seen['post_s'] * 1e3:.1f} ms; "
         f"bystander done {seen['bystander_s'] * 1e3:.1f} ms later"
@@ -969,7 +969,7 @@ def test_blk_misaligned(scene, rng):
 KERNEL_SHORT_READ = (
     "kernel: io_uring retries a short read of a FUSE direct_io file itself, at the "
     "stale offset 0 (the FUSE daemon sees every retry at offset 0); NIXL's POSIX "
-    "backend gets the same misplaced bytes (RELIABILITY.md)"
+    "backend gets the same misplaced bytes (docs/reliability.md)"
 )
 
 
