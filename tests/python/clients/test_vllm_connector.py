@@ -86,6 +86,29 @@ def committed(path) -> int:
     return sum(r.type == journal.COMMIT for r in recs)
 
 
+def store_catalog(store):
+    """The connector's own scheduler index over a store an engine wrote (its replay of the
+    journals), with the geometry the store's store.json names; the caller closes it."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "python"))
+    from nixl_io_uring_dmabuf.vllm_connector import catalog as C
+    from nixl_io_uring_dmabuf.vllm_connector import layout as L
+
+    with open(os.path.join(store, "store.json")) as f:
+        m = json.load(f)
+    per_file = -(-m["num_slots"] // m["num_files"])  # the manifest's layout, file for file
+    geo = L.Geometry(
+        m["rank_block_bytes"],
+        m["blocks_per_chunk"],
+        m["world_size"],
+        m["num_slots"] * m["slot_bytes"],
+        per_file * m["slot_bytes"],
+        slot_files=m["num_files"],
+    )
+    return C.Catalog(str(store), geo, {k: m[k] for k in m if k not in geo.manifest()})
+
+
 @pytest.mark.parametrize("backend", ["IO_URING_DMABUF", "POSIX"])
 def test_a_new_engine_loads_what_an_earlier_one_stored(
     clients, vllm_model, plain, tmp_path, backend
@@ -284,7 +307,6 @@ def start_engine(clients, model, prompts, kv_transfer_config, tmp) -> subprocess
 def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, tmp_path):
     """Engine A is SIGKILLed while it stores many prompts (once 60 blocks are committed); every
     block a new engine finds must pass its check from storage, and the tokens stay right."""
-    import sys
     import time
 
     store = tmp_path / "kv"
@@ -298,22 +320,7 @@ def test_sigkill_during_stores_serves_no_torn_block(clients, vllm_model, plain, 
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "python"))
-    from nixl_io_uring_dmabuf.vllm_connector import catalog as C
-    from nixl_io_uring_dmabuf.vllm_connector import layout as L
-
-    with open(os.path.join(store, "store.json")) as f:
-        m = json.load(f)
-    per_file = -(-m["num_slots"] // m["num_files"])  # the manifest's layout, file for file
-    geo = L.Geometry(
-        m["rank_block_bytes"],
-        m["blocks_per_chunk"],
-        m["world_size"],
-        m["num_slots"] * m["slot_bytes"],
-        per_file * m["slot_bytes"],
-        slot_files=m["num_files"],
-    )
-    cat = C.Catalog(str(store), geo, {k: m[k] for k in m if k not in geo.manifest()})
+    cat = store_catalog(store)
     found = cat.committed()
     bad = [k for k in found if not cat.lookup(k)]
     cat.close()

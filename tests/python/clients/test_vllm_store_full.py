@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import vllm_engine as VE
 from support.mounts import TmpfsMounts
-from test_vllm_connector import kv_config, plain, prompt, run  # noqa: F401 (plain: fixture)
+from test_vllm_connector import (  # noqa: F401 (plain: fixture)
+    kv_config,
+    plain,
+    prompt,
+    run,
+    store_catalog,
+)
 
 pytestmark = pytest.mark.privileged  # a tmpfs mount
 
@@ -29,22 +34,7 @@ def tmpfs(tmp_path):
 
 def committed_keys(store) -> int:
     """Blocks a new engine's scheduler finds committed (the connector's own replay)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "python"))
-    from nixl_io_uring_dmabuf.vllm_connector import catalog as C
-    from nixl_io_uring_dmabuf.vllm_connector import layout as L
-
-    with open(os.path.join(store, "store.json")) as f:
-        m = json.load(f)
-    per_file = -(-m["num_slots"] // m["num_files"])
-    geo = L.Geometry(
-        m["rank_block_bytes"],
-        m["blocks_per_chunk"],
-        m["world_size"],
-        m["num_slots"] * m["slot_bytes"],
-        per_file * m["slot_bytes"],
-        slot_files=m["num_files"],
-    )
-    cat = C.Catalog(str(store), geo, {k: m[k] for k in m if k not in geo.manifest()})
+    cat = store_catalog(store)
     try:
         return len(cat.committed())
     finally:
