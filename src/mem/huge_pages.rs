@@ -8,7 +8,7 @@
 //! (pwrite 256 KiB: 3.49 against 3.23 GB/s; pread 2 MiB: 7.74 against 7.25), and level within
 //! an 8 MiB window (bench/results/2026-12-05-staging-huge-pages-cpu.md). Where THP is off
 //! (`/sys/kernel/mm/transparent_hugepage/enabled` = never) the advice does nothing and the
-//! mapping is plain 4 KiB pages, as before.
+//! mapping is plain 4 KiB pages.
 
 use std::io;
 

@@ -159,8 +159,8 @@ const READERS: &[(&str, Reader)] = &[
         let n = match v {
             // Two: a file's buffered writes serialize on its inode lock, so more writers only
             // spin on it (io_uring's io-wq serializes buffered writes per inode the same way);
-            // two beat one (one is ready when the other lets go) in the same H200 run,
-            // 1.03-1.19x, and unlimited spent 2-4x the CPU for less
+            // two beat one (one is ready when the other lets go) on the H200, 1.03-1.19x,
+            // and no limit spends 2-4x the CPU for less
             // (bench/results/2026-12-01-gpu-h200-issue13.md).
             "auto" => 2,
             v => parse_u64("page_cache_file_writers", v)?,

@@ -4,7 +4,7 @@
 /// a cached file faster than the host-to-GPU copy takes it; `page_cache_threads` sets another).
 const PAGE_CACHE_WORKERS_DEFAULT_MAX: usize = 16;
 
-/// Writers among them by default: at most this many (the workers' default before 2026-12-04).
+/// Writers among them by default: at most this many (see `default_page_cache_writers`).
 const PAGE_CACHE_WRITERS_DEFAULT_MAX: usize = 8;
 
 /// How many page-cache worker threads an engine starts by default: the CPUs less two (one for
@@ -20,8 +20,8 @@ pub fn default_page_cache_threads() -> usize {
 }
 
 /// How many page-cache workers may write at once by default, all files together: half the CPUs,
-/// 1 to 8, the worker count before the default grew for reads, so that stores spread over many
-/// files take no more cores than they did.
+/// 1 to 8, so that a burst of stores spread over many files leaves the other workers, and their
+/// cores, to reads.
 pub fn default_page_cache_writers() -> usize {
     (usable_cpus() / 2).clamp(1, PAGE_CACHE_WRITERS_DEFAULT_MAX)
 }

@@ -4,10 +4,10 @@
 //! submitting thread (one core) or, with IOSQE_ASYNC, on an io-wq worker. io-wq wakes the first
 //! idle worker for each queued item, and a worker that was woken but has not yet started is still
 //! "idle", so a burst of items submitted together (one request's pieces) lands on one or two
-//! workers and runs serially. Measured on the H200 machine (bench/results): 32 x 1 MiB
-//! page-cache reads into staging buffers reached 6.9 GB/s through io-wq, while NIXL's GDS_MT
-//! threads reached 15.8 GB/s. These workers take each queued item on a free thread,
-//! so one request's copies really run on several cores.
+//! workers and runs serially: on the H200 machine, 32 x 1 MiB page-cache reads into staging
+//! buffers reach 6.9 GB/s through io-wq against 15.8 on NIXL's GDS_MT threads
+//! (bench/results/2026-11-29-gpu-h200-session4.md). These workers take each queued item on a
+//! free thread, so one request's copies really run on several cores.
 //!
 //! Completions are collected by the core under its lock (`take_done`), exactly like CQEs.
 //!

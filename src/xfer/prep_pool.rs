@@ -3,7 +3,7 @@
 //! A client prepares a request per job, and NIXL calls prepXfer on the client's thread each
 //! time: 8192 scattered KV blocks cost the plugin about 0.3 ms on the H200, spent evenly over
 //! validating and cutting the descriptors. The parts are independent, so a few threads kept for
-//! it cut that time: four planned them in 242-250 us against 298-311 us for one
+//! it cut that time: four plan them in 242-250 us against 298-311 us for one
 //! (bench/results/2026-12-05-per-request-h200-midday.md). Waking the helpers and joining their
 //! ops is most of what is left (bench/results/2026-12-05-prep-parts-cpu.md).
 //!

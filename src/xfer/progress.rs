@@ -2,8 +2,9 @@
 //!
 //! The staging pipeline (storage read -> device copy -> buffer reused for the next group) and a
 //! request larger than the ring advance only inside `Driver::post` / `check`. A client that
-//! sleeps between checkXfer calls (LMCache sleeps 1 ms) left the pipeline idle in between: the
-//! H200's staged KV READs ran 0-41 % slower (bench/results/2026-12-01-gpu-h200-session20.md).
+//! sleeps between checkXfer calls (LMCache sleeps 1 ms) would leave the pipeline idle in
+//! between: staged KV READs run 0-41 % slower on the H200 without this thread
+//! (bench/results/2026-12-01-gpu-h200-session20.md).
 //! This thread runs the same `progress` while requests are running and no caller has been in
 //! the driver for a while; it never waits for the driver's lock (a busy caller is driving).
 

@@ -1,9 +1,9 @@
 //! A device's copy streams: one device -> host stream, and `KERNEL_LANES` host -> device ones,
 //! so that the scatter kernels of a request's staging buffers (`staging_kernel_streams`) may
 //! overlap on the device instead of waiting for each other on one stream. DMA copies (dma-kernel's
-//! too) keep lane 0: on the H100, 2 MiB host -> device DMAs on two or four streams ran 11-16 %
+//! too) keep lane 0: on the H100, 2 MiB host -> device DMAs on two or four streams run 11-16 %
 //! slower than on one (bench/results/2026-12-05-copy-streams-gpu.md). Scatter kernels on four
-//! made 32 KiB scattered READs 1.03-1.06x faster per request than on one, on H100s and an H200
+//! make 32 KiB scattered READs 1.03-1.06x faster per request than on one, on H100 and H200
 //! (bench/results/2026-12-05-evening-read-probe-gpu.md).
 //!
 //! Lane 0 is the DMA stream and exists from the start; the other lanes are created on first use.

@@ -3,7 +3,7 @@
 //!
 //! Why: on the H200 cuMemcpyBatchAsync_v2 costs the submitting thread 0.9 us per piece in
 //! isolation and 1.4-1.9 us inside the plugin (bench/results/2026-12-02-gpu-h200-session21.md):
-//! a 16 KiB KV READ request of 8192 blocks spent 11-16 ms of its 14-19 ms queueing copies. A
+//! a 16 KiB KV READ request of 8192 blocks spends 11-16 ms of its 14-19 ms queueing copies. A
 //! launch costs the same for 1 or `PIECES_PER_LAUNCH` pieces.
 //!
 //! The kernel is hand-written PTX (the build has no CUDA toolkit; the driver JIT-compiles PTX
@@ -103,7 +103,7 @@ pub fn fits(dst: u64, src_offset: u64, len: u64) -> bool {
 }
 
 /// Buffers of pieces up to this size (on average) take the kernel under `staging_copy=auto`: on
-/// the H200 it moved 8192 scattered 16 KiB blocks at 28.6 GB/s against 8.4 with
+/// the H200 it moves 8192 scattered 16 KiB blocks at 28.6 GB/s against 8.4 with
 /// cuMemcpyBatchAsync, 64 KiB at 33.5 against 28.6, and 256 KiB at 38.1 against 40.1 (the batched
 /// copy wins there: few pieces per call, and the copy engine reads the bus better than the kernel).
 const AUTO_PIECE_MAX: u64 = 64 << 10;

@@ -202,7 +202,7 @@ impl Queues {
 
     /// `worker`'s batch ended, and it takes its next one now, under the same lock: after a
     /// write, often the write that this one's end let run. Waking every sleeping worker per
-    /// write's end instead (13 per process on 16 CPUs, nearly all to find nothing) cost four
+    /// write's end instead (13 per process on 16 CPUs, nearly all to find nothing) costs four
     /// processes writing staged 256 KiB pieces a fifth of their rate
     /// (bench/results/2026-12-05-per-request-h200.md).
     /// True when one sleeping worker is to be woken: the place a write freed let a batch run
