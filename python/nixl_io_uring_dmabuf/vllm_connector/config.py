@@ -22,7 +22,7 @@ VLLM_KEYS = frozenset(
 
 
 # IO_URING_DMABUF's parameters unless the config sets them: the engine's thread only posts
-# (buffered writes and cached reads go to the plugin's workers). On the H200 this gave the
+# (buffered writes and cached reads go to the plugin's workers). On the H200 this gives the
 # fastest prefix hits from storage and the least decode slowdown while stores run; on CPU the
 # same hits and less engine-thread time per store job (bench/results/2026-12-02-vllm-gpu-h200.md,
 # 2026-12-02-vllm-connector-cpu.md). Other backends get exactly what the config gives.

@@ -225,8 +225,8 @@ class RankStore:
         # A slot is then one range of its file that the backend reads or writes in few large
         # I/Os (IO_URING_DMABUF's staged runs; buffered I/O of one file batches on its page-cache
         # workers), and consecutive GPU blocks of one page, neighbours in the request, merge.
-        # Listing page 0 of every block first (this connector until 2026-12-03) scattered a
-        # job's consecutive descriptors over all slot files, one page-cache hand-off per page.
+        # Listing page 0 of every block first would scatter a job's consecutive descriptors
+        # over all slot files, one page-cache hand-off per page.
         npg = self._npg
         blocks, slots, subs = (x.astype(np.int64) for x in (job.blocks, job.slots, job.subs))
         if self.geo.blocks_per_chunk == 1:

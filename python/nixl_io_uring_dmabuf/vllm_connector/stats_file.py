@@ -1,8 +1,8 @@
 """The worker's job counters in a JSON file, for benchmarks (IUD_KV_STATS_FILE), written by a
 thread of its own: the engine's thread only hands over a copy. Written from the engine's thread,
-the file's rename waited on the file system's journal while O_DIRECT stores kept the same disk
-busy: decode steps of 28-53 ms against 5.4 (vLLM on the H200, bench/results/
-2026-12-03-vllm-gpu-h200.md, run 3 against run 4)."""
+the file's rename waits on the file system's journal while O_DIRECT stores keep the same disk
+busy, and decode steps take 28-53 ms instead of 5.4 (vLLM on the H200,
+bench/results/2026-12-03-vllm-gpu-h200.md)."""
 
 from __future__ import annotations
 
