@@ -208,7 +208,8 @@ def kv_config(variant: str, work: str) -> dict | None:
     extra = dict(extra)
     if kind is None:
         return None
-    store = os.path.join(work, f"store-{extra.pop(REUSES, variant)}")
+    extra.pop(REUSES, None)  # the benchmark's key, not the connector's
+    store = store_of(variant, work)
     if kind == "fs":
         return {
             "kv_connector": "OffloadingConnector",
