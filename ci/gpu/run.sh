@@ -85,3 +85,8 @@ if [ "$step" = all ] || [ "$step" = bench ] || [ "$step" = fio ]; then
     # What fio reaches on the same disk, for the O_DIRECT ">= 95 % of fio" target.
     timeout 300 python3 bench/fio_reference.py --fio "$G/fio/fio" --dir /root 2>&1 | tee "$OUT/fio-reference.md"
 fi
+if [ "$step" = load-probe ]; then
+    # Where the vLLM connector's load job spends its time, and the bounds of the same machine
+    # (bench/vllm_load_probe.py; its arguments follow the step's name).
+    timeout 500 python3 bench/vllm_load_probe.py --dir /tmp/iud-probe "${@:2}" 2>"$OUT/load-probe.log" | tee "$OUT/load-probe.txt"
+fi

@@ -106,6 +106,9 @@ class Result:
     seconds: float = 0.0
     bad_blocks: list[int] = dataclasses.field(default_factory=list)  # loads: damaged blocks
     error: str = ""
+    # wall seconds the job spent in each phase it went through (Phase values), from the
+    # moment `ready` said yes to its end: where a job's time goes
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -124,8 +127,19 @@ class _Job:
     t0: float = 0.0
     post_s: float = 0.0  # time the engine's thread spent starting and finishing it
     phase: Phase = Phase.WAIT
+    entered: float = 0.0  # when the job entered its phase
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
     future: object = None
     got: list[int] = dataclasses.field(default_factory=list)
+
+    def enter(self, phase: Phase, now: float | None = None) -> None:
+        """Moves to `phase`, adding the time spent in the one it leaves (WAIT not counted:
+        the device work the job follows is the engine's, not the store's)."""
+        now = time.perf_counter() if now is None else now
+        if self.phase is not Phase.WAIT:
+            k = self.phase.value
+            self.phases[k] = self.phases.get(k, 0.0) + now - self.entered
+        self.phase, self.entered = phase, now
 
 
 class RankStore:
@@ -188,7 +202,7 @@ class RankStore:
         # Per direction: jobs, bytes, seconds (post to the poll that saw DONE), post_seconds
         # (the engine's thread: checksums, make_prepped_xfer, post, commit or check),
         # poll_seconds and poll_max (the engine's thread in check_xfer_state); loads also blocks
-        # checked and blocks found damaged.
+        # checked and blocks found damaged; phase_<phase>_s the jobs' wall time per phase.
         self.stats = {
             d: {
                 "jobs": 0,
@@ -201,6 +215,8 @@ class RankStore:
                 "blocks": 0,
                 "bad_blocks": 0,
                 "sum_seconds": 0.0,
+                # wall seconds of the jobs' phases (Result.phases), summed
+                **{f"phase_{ph.value}_s": 0.0 for ph in Phase if ph is not Phase.WAIT},
             }
             for d in ("store", "load")
         }
@@ -334,21 +350,21 @@ class RankStore:
                     return None
                 job.t0 = time.perf_counter()
                 if not len(job.blocks):
-                    job.phase = Phase.FINISH
+                    job.enter(Phase.FINISH, job.t0)
                 elif job.store:
-                    job.phase = Phase.SUMS
+                    job.enter(Phase.SUMS, job.t0)
                     job.future = self._start_sums(job)
                 else:
-                    job.phase = Phase.POST
+                    job.enter(Phase.POST, job.t0)
             if job.phase is Phase.SUMS:
                 if not job.future.done():
                     return None
                 for s, sub, h in zip(job.slots.tolist(), job.subs.tolist(), job.future.result()):
                     job.sums.setdefault(s, {})[sub] = h
-                job.phase = Phase.POST
+                job.enter(Phase.POST)
             if job.phase is Phase.POST:
                 self._post(job)
-                job.phase = Phase.XFER
+                job.enter(Phase.XFER)
             if job.phase is Phase.XFER:
                 t = time.perf_counter()
                 state = self._nixl.state(job.handle)
@@ -357,17 +373,21 @@ class RankStore:
                     return None
                 if state != "DONE":
                     raise RuntimeError(f"NIXL transfer state {state}")
-                job.phase = Phase.FINISH
-                if not job.store:
-                    job.phase = Phase.CHECK
+                if job.store:
+                    job.enter(Phase.FINISH)
+                else:
+                    job.enter(Phase.CHECK)
                     job.future = self._start_sums(job)
             if job.phase is Phase.CHECK:
                 if not job.future.done():
                     return None
                 job.got = job.future.result()
+                job.enter(Phase.FINISH)
             t = time.perf_counter()
             res = self._finish(job)
             job.post_s += time.perf_counter() - t
+            job.enter(Phase.WAIT)  # over: closes the FINISH phase's time
+            res.phases = job.phases
             failure = None
         except Exception as e:  # noqa: BLE001 - the job is over, reported failed
             failure, failed_in = e, job.phase
@@ -406,6 +426,8 @@ class RankStore:
         st["post_seconds"] += job.post_s
         st["blocks"] += len(job.blocks) if res.ok else 0
         st["bad_blocks"] += len(res.bad_blocks)
+        for k, v in res.phases.items():
+            st[f"phase_{k}_s"] += v
         return res
 
     def _timed_poll(self, job: _Job, dt: float) -> None:
