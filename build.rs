@@ -17,8 +17,8 @@ fn main() {
 
 fn compile_shim() {
     for f in [
-        "src/shim/engine.cpp",
-        "src/shim/bridge.h",
+        "src/ffi/shim/engine.cpp",
+        "src/ffi/shim/bridge.h",
         "nixl-headers/nixl_abi.h",
     ] {
         println!("cargo:rerun-if-changed={f}");
@@ -28,9 +28,9 @@ fn compile_shim() {
     // instantiation of ours can interpose libnixl's or be interposed.
     cc::Build::new()
         .cpp(true)
-        .file("src/shim/engine.cpp")
+        .file("src/ffi/shim/engine.cpp")
         .include("nixl-headers")
-        .include("src/shim")
+        .include("src/ffi/shim")
         .std("c++20")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .flag("-fvisibility=hidden")
@@ -43,13 +43,13 @@ fn compile_shim() {
 
 fn generate_bridge(out: &Path) {
     let bindings = bindgen::Builder::default()
-        .header("src/shim/bridge.h")
+        .header("src/ffi/shim/bridge.h")
         .allowlist_type("iud_.*")
         .allowlist_function("iud_shim_plugin")
         .derive_default(true)
         .layout_tests(true)
         .generate()
-        .expect("bindgen over src/shim/bridge.h");
+        .expect("bindgen over src/ffi/shim/bridge.h");
     bindings
         .write_to_file(out.join("bridge.rs"))
         .expect("write bridge.rs");

@@ -5,7 +5,7 @@
 #      workspaces, which need nightly or extra dependencies to resolve, so cargo fmt is not
 #      pointed at them).
 #   2. clippy: `cargo clippy --workspace --all-targets --release -- -D warnings`. The lints the
-#      project allows, each with its reason, are in the crate roots (src/lib.rs, src/bridge.rs).
+#      project allows, each with its reason, are in the crate roots (src/lib.rs, src/ffi/bridge.rs).
 #   3. ruff (Python): `ruff format --check` and `ruff check`, rules in ruff.toml.
 # Every stage runs even if an earlier one failed; the exit status is non-zero if any did.
 # rustfmt and clippy are rustup components; a toolchain without them gets them here.

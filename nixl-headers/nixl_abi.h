@@ -190,7 +190,7 @@ struct nixlTelemetryEvent {
 // The 27 vtable slots, in declaration order [src]; [probe] reads the same 27 signatures in the
 // same order from every wheel's POSIX and GDS_MT vtables and from this plugin's ShimEngine vtable.
 // (0.10.1 has 31: four GPU-transfer slots after releaseReqH; that is what the load-time release
-// check in src/nixl_release.rs guards against.) Slot numbers are in the comments.
+// check in src/ffi/nixl_release.rs guards against.) Slot numbers are in the comments.
 
 class nixlBackendEngine {
 private:

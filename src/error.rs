@@ -11,14 +11,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use once_cell::sync::OnceCell;
 
 /// NIXL status numbers (`nixl_status_t`), taken from the bridge's `iud_status` (bindgen), which
-/// `src/shim/engine.cpp` static_asserts against nixl-headers/nixl_abi.h: a drift fails the build.
+/// `src/ffi/shim/engine.cpp` static_asserts against nixl-headers/nixl_abi.h: a drift fails the build.
 #[allow(
     clippy::unnecessary_cast,
     reason = "bindgen gives the C enum's constants the integer type it picks for the enum (i32 or \
               u32, by platform and values); the cast pins nixl_status_t's i32 either way"
 )]
 pub mod status {
-    use crate::bridge as b;
+    use crate::ffi::bridge as b;
     pub const IN_PROG: i32 = b::iud_status_IUD_IN_PROG as i32;
     pub const SUCCESS: i32 = b::iud_status_IUD_SUCCESS as i32;
     pub const ERR_INVALID_PARAM: i32 = b::iud_status_IUD_ERR_INVALID_PARAM as i32;

@@ -7,9 +7,9 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::process::Command;
 
-use io_uring_dmabuf::bridge::iud_desc;
 use io_uring_dmabuf::engine::Engine;
 use io_uring_dmabuf::error::{Error, ErrorKind};
+use io_uring_dmabuf::ffi::bridge::iud_desc;
 use io_uring_dmabuf::test_support::skip;
 
 mod common;

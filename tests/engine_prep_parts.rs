@@ -6,8 +6,8 @@
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
-use io_uring_dmabuf::bridge::iud_desc;
 use io_uring_dmabuf::engine::Engine;
+use io_uring_dmabuf::ffi::bridge::iud_desc;
 
 mod common;
 use common::*;

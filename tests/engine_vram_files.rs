@@ -21,8 +21,8 @@ const MIB: u64 = 1 << 20;
 fn transfer(
     e: &Engine,
     op: i32,
-    local: &[io_uring_dmabuf::bridge::iud_desc],
-    remote: &[io_uring_dmabuf::bridge::iud_desc],
+    local: &[io_uring_dmabuf::ffi::bridge::iud_desc],
+    remote: &[io_uring_dmabuf::ffi::bridge::iud_desc],
 ) {
     let req = e
         .prep(op, VRAM, local, FILE, remote, AGENT)

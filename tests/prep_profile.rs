@@ -26,8 +26,8 @@ fn time_prep(
     e: &Engine,
     op: i32,
     kind: i32,
-    local: &[io_uring_dmabuf::bridge::iud_desc],
-    remote: &[io_uring_dmabuf::bridge::iud_desc],
+    local: &[io_uring_dmabuf::ffi::bridge::iud_desc],
+    remote: &[io_uring_dmabuf::ffi::bridge::iud_desc],
     reps: usize,
 ) -> (f64, f64) {
     let (mut prep, mut rel) = (Vec::new(), Vec::new());
@@ -68,8 +68,8 @@ fn lists(
     fd: u64,
     m_file: *const std::ffi::c_void,
 ) -> (
-    Vec<io_uring_dmabuf::bridge::iud_desc>,
-    Vec<io_uring_dmabuf::bridge::iud_desc>,
+    Vec<io_uring_dmabuf::ffi::bridge::iud_desc>,
+    Vec<io_uring_dmabuf::ffi::bridge::iud_desc>,
 ) {
     let local = (0..n)
         .map(|j| {

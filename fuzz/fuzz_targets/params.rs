@@ -3,7 +3,7 @@
 //! names a declared parameter; keys the manifest does not declare are ignored, never refused.
 #![no_main]
 
-use io_uring_dmabuf::manifest;
+use io_uring_dmabuf::ffi::manifest;
 use io_uring_dmabuf::params::EngineParams;
 use libfuzzer_sys::fuzz_target;
 

@@ -23,9 +23,9 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::OnceLock;
 
-use io_uring_dmabuf::bridge::iud_desc;
 use io_uring_dmabuf::engine::Engine;
 use io_uring_dmabuf::error::ErrorKind;
+use io_uring_dmabuf::ffi::bridge::iud_desc;
 use io_uring_dmabuf::uring::Progress;
 use libfuzzer_sys::fuzz_target;
 

@@ -11,7 +11,7 @@ use io_uring_dmabuf::uring::dmabuf_uapi::DmabufSupport;
 fn main() {
     println!(
         "IO_URING_DMABUF doctor ({} {})",
-        io_uring_dmabuf::manifest::PLUGIN_NAME,
+        io_uring_dmabuf::ffi::manifest::PLUGIN_NAME,
         env!("CARGO_PKG_VERSION")
     );
     println!(

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use once_cell::sync::OnceCell;
 
-use crate::bridge::iud_desc;
 use crate::error::{Error, ErrorKind, Failure, Result};
+use crate::ffi::bridge::iud_desc;
 use crate::gpu::GpuProvider;
 use crate::mem::live::Registry;
 use crate::mem::Registration;
@@ -20,7 +20,6 @@ use crate::path::cufile_exec::{CufileExecutor, CufileProgress};
 use crate::path::routes::RouteCache;
 use crate::path::select::Selector;
 use crate::path::staging::StagingShape;
-use crate::record::Recorder;
 use crate::uring::dmabuf_uapi::{self, DmabufSupport};
 use crate::uring::{Progress, Ring, WorkerConfig, WriterLimits};
 use crate::xfer::bind::{self, Binder};
@@ -30,7 +29,9 @@ use crate::xfer::prep_pool::PrepPool;
 use crate::xfer::progress::ProgressThread;
 use crate::xfer::recycle::OpLists;
 use crate::xfer::{profile, Plan, Planner, XferOp};
+use record::Recorder;
 
+mod record;
 mod register;
 
 /// One backend instance.

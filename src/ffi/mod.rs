@@ -1,10 +1,19 @@
-//! The only `extern "C"` code of the plugin: NIXL's two entry points and the function table the
-//! C++ shim calls (`iud_rust_api`, see src/shim/bridge.h), and the Vulkan allocator's C API
-//! (`vulkan_alloc`).
+//! The NIXL-facing layer: everything NIXL loads, calls or reads, and the plugin's only
+//! `extern "C"` code.
 //!
-//! Ownership across the boundary is in [`handle`]: every engine and request pointer, config,
-//! list and out-pointer the shim hands in goes through it (null-checked, typed); MDs stay opaque
-//! here.
+//! - here: NIXL's two entry points and the function table the C++ shim calls (`iud_rust_api`),
+//!   each body behind [`boundary`];
+//! - `shim/` (C++, built by build.rs): the class NIXL instantiates, forwarding every call through
+//!   the flat C bridge `shim/bridge.h`, seen from Rust as [`bridge`];
+//! - [`handle`]: ownership across the boundary: every engine and request pointer, config, list
+//!   and out-pointer the shim hands in goes through it (null-checked, typed); MDs stay opaque;
+//! - [`manifest`]: the plugin's name, version, memory kinds and parameters, generated from
+//!   plugin-manifest/; [`alias`]: serving under another backend's name; [`nixl_release`]: which
+//!   NIXL release loaded the plugin, and whether it serves it;
+//! - [`vulkan_alloc`]: the Vulkan allocator's C API, the plugin's other exported symbols.
+//!
+//! [`bridge`] and [`manifest`] are declarations every layer reads (the descriptor type, the
+//! parameter table); they import nothing (tests/architecture.rs, `SHARED`).
 //!
 //! Every function body runs inside [`boundary`]: an error is logged once and mapped to its
 //! status; a panic is caught, logged, and becomes NIXL_ERR_BACKEND.
@@ -15,17 +24,21 @@ use std::ptr;
 
 use once_cell::sync::Lazy;
 
-use crate::bridge::{
+use crate::engine::{Engine, Request};
+use crate::error::{panic_message, status, Result};
+use crate::log;
+use crate::uring::Progress;
+use bridge::{
     iud_desc_list, iud_engine_config, iud_file_info, iud_param_default, iud_reg_desc, iud_rust_api,
     iud_shim_plugin, iud_str,
 };
-use crate::engine::{Engine, Request};
-use crate::error::{panic_message, status, Result};
-use crate::uring::Progress;
-use crate::{alias, log, manifest, nixl_release};
 use handle::{arg, check_out, write_out, Handle};
 
+pub mod alias;
+pub mod bridge;
 pub mod handle;
+pub mod manifest;
+pub mod nixl_release;
 pub mod vulkan_alloc;
 
 /// Runs `body`, turning errors and panics into a status and one log line.
@@ -287,7 +300,7 @@ static API: Lazy<ApiTable> = Lazy::new(|| {
         plugin_name: manifest::PLUGIN_NAME_C.as_ptr(),
         plugin_version: manifest::PLUGIN_VERSION_C.as_ptr(),
         // Before any engine exists, NIXL asks the library (get_plugin_mems): answer for the name
-        // its file has (src/alias.rs).
+        // its file has (alias.rs).
         mems: alias::mems_for(alias::library_name()).as_ptr(),
         mem_count: alias::mems_for(alias::library_name()).len() as u32,
         params: params.as_ptr(),
@@ -317,7 +330,7 @@ pub extern "C" fn nixl_plugin_init() -> *mut c_void {
     catch_unwind(|| {
         log::init();
         // A NIXL release line whose plugin ABI is not the one nixl-headers/ declares gets no
-        // plugin struct (one error line says why): src/nixl_release.rs.
+        // plugin struct (one error line says why): nixl_release.rs.
         if !nixl_release::admit() {
             return ptr::null_mut();
         }

@@ -15,7 +15,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{MemKind, Registration};
-use crate::bridge::iud_desc;
+use crate::ffi::bridge::iud_desc;
 
 /// First token handed out; tokens grow by 16 so that they look like (and are as distinct as)
 /// aligned pointers in NIXL's logs, and are never null.

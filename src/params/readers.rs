@@ -4,8 +4,8 @@
 
 use super::{CallerReads, CufileApiChoice, DramDmabuf, EngineParams, FixedBuffers, VramPath};
 use crate::error::{Error, Result};
+use crate::ffi::manifest;
 use crate::gpu::{PackedCopy, ProviderChoice};
-use crate::manifest;
 use crate::uring::{
     default_page_cache_threads, default_page_cache_writers, usable_cpus, MAX_FIXED_BUFFER,
 };

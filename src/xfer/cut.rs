@@ -3,8 +3,8 @@
 //! slot and slab ends, neighbours that continue each other in memory and file merged.
 
 use super::direction::XferOp;
-use crate::bridge::iud_desc;
 use crate::error::{Error, Result};
+use crate::ffi::bridge::iud_desc;
 use crate::mem::{FileRegion, Registration};
 use crate::path::{direct, dmabuf, staging, Route};
 use crate::uring::IoOp;

@@ -5,9 +5,9 @@
 
 use std::ffi::c_void;
 
-use io_uring_dmabuf::bridge::iud_desc;
 use io_uring_dmabuf::engine::Engine;
 use io_uring_dmabuf::error::Error;
+use io_uring_dmabuf::ffi::bridge::iud_desc;
 use io_uring_dmabuf::uring::Progress;
 
 pub const DRAM: i32 = 0;

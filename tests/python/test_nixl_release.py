@@ -1,5 +1,5 @@
 """The plugin knows which NIXL release loaded it, and refuses a release line whose plugin ABI it
-was not verified for (src/nixl_release.rs, docs/nixl-releases.md).
+was not verified for (src/ffi/nixl_release.rs, docs/nixl-releases.md).
 
 Three sources must agree on the release: the installed wheel's metadata, NIXL's own start-up
 line ("NIXL version: X", logged by libnixl_common at INFO) and the plugin's reading of it. The

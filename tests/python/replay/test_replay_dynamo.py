@@ -305,7 +305,7 @@ sys.path[:0] = sys.argv[3:]
 import test_replay_dynamo as D
 from nixl._api import nixl_agent, nixl_agent_config
 probe = nixl_agent("probe", nixl_agent_config(backends=[]))
-# Each name reports the kinds of NIXL's own backend of that name (src/alias.rs) and our params.
+# Each name reports the kinds of NIXL's own backend of that name (src/ffi/alias.rs) and our params.
 for name, mems in (("GDS_MT", ["DRAM_SEG", "VRAM_SEG", "FILE_SEG"]), ("POSIX", ["DRAM_SEG", "FILE_SEG"])):
     assert probe.get_plugin_mem_types(name) == mems and \
         "ring_entries" in probe.get_plugin_params(name), name + " is not IO_URING_DMABUF"

@@ -79,7 +79,7 @@ mems = probe.get_plugin_mem_types("POSIX")
 params = probe.get_plugin_params("POSIX")
 print("PLUGINS", plugins, "MEMS", mems, "PARAMS", sorted(params))
 assert plugins == ["POSIX"], plugins
-# Serving as POSIX the plugin reports POSIX's kinds (DRAM, FILE; src/alias.rs) but its own
+# Serving as POSIX the plugin reports POSIX's kinds (DRAM, FILE; src/ffi/alias.rs) but its own
 # parameters.
 assert "ring_entries" in params and mems == ["DRAM_SEG", "FILE_SEG"], "POSIX here is not IO_URING_DMABUF"
 for op in ("WRITE", "READ"):

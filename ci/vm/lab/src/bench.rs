@@ -28,8 +28,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use io_uring_dmabuf::bridge::iud_desc;
 use io_uring_dmabuf::engine::Engine;
+use io_uring_dmabuf::ffi::bridge::iud_desc;
 use io_uring_dmabuf::uring::Progress;
 
 use crate::util::{read_buffered, MmapBuf, Rng};

@@ -7,9 +7,9 @@ use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 
-use io_uring_dmabuf::bridge::iud_desc;
 use io_uring_dmabuf::engine::Engine;
 use io_uring_dmabuf::error::{Error, ErrorKind};
+use io_uring_dmabuf::ffi::bridge::iud_desc;
 use io_uring_dmabuf::uring::Progress;
 
 use crate::report::{Outcome, TestResult};

@@ -16,8 +16,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use io_uring_dmabuf::bridge::iud_desc;
 use io_uring_dmabuf::engine::Engine;
+use io_uring_dmabuf::ffi::bridge::iud_desc;
 use io_uring_dmabuf::uring::Progress;
 
 const DRAM: i32 = 0;

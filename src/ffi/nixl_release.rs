@@ -18,7 +18,7 @@ use std::ffi::{c_int, c_void, CStr};
 
 use once_cell::sync::Lazy;
 
-use crate::manifest::{NIXL_ABI_LINES, NIXL_VERSIONS_TESTED, PLUGIN_NAME};
+use super::manifest::{NIXL_ABI_LINES, NIXL_VERSIONS_TESTED, PLUGIN_NAME};
 
 /// The environment variable that loads the plugin under a release line it was not verified for.
 pub const ALLOW_UNTESTED: &str = "IO_URING_DMABUF_ALLOW_UNTESTED_NIXL";

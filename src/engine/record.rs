@@ -10,8 +10,8 @@ use std::io::{BufWriter, Write};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::bridge::iud_desc;
 use crate::error::{Error, Result};
+use crate::ffi::bridge::iud_desc;
 use crate::mem::MemKind;
 
 /// Appends JSON lines to a file.

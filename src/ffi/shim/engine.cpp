@@ -117,7 +117,7 @@ public:
     bool supportsLocal() const override { return true; }
     bool supportsNotif() const override { return false; }
 
-    // The kinds of the name this engine serves (src/alias.rs), not necessarily all of ours.
+    // The kinds of the name this engine serves (src/ffi/alias.rs), not necessarily all of ours.
     // (An empty list on failure: NIXL then routes nothing to this engine.)
     nixl_mem_list_t getSupportedMems() const override {
         return guardedOr("getSupportedMems", nixl_mem_list_t{}, [&] { return mems_; });

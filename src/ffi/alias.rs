@@ -19,7 +19,7 @@ use std::sync::Mutex;
 
 use once_cell::sync::Lazy;
 
-use crate::manifest;
+use super::manifest;
 
 /// nixl_mem_t numbers (nixl-headers/nixl_abi.h).
 const DRAM: i32 = 0;

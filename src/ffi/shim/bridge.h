@@ -72,7 +72,7 @@ typedef struct iud_reg_desc {
 
 typedef struct iud_engine_config {
     iud_str local_agent;
-    iud_str backend_type; /* the name create_backend used (the plugin file's name); src/alias.rs */
+    iud_str backend_type; /* the name create_backend used (the plugin file's name); src/ffi/alias.rs */
     const iud_kv *params;
     uint32_t param_count;
     int32_t sync_mode; /* nixl_thread_sync_t */
