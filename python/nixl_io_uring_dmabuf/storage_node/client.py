@@ -95,7 +95,7 @@ class StorageClient:
         self.node, self.node_addr = node, node_addr
         if node_addr is None and not nixl_runtime.etcd_configured():
             raise ValueError("give node_addr=(ip, port) or set NIXL_ETCD_ENDPOINTS")
-        self.md = "p2p" if node_addr else "etcd"
+        self.md = P.MdExchange.SOCKET if node_addr else P.MdExchange.ETCD
         self.timeout, self.connect_timeout, self.ping_interval = (
             timeout,
             connect_timeout,
@@ -269,7 +269,9 @@ class StorageClient:
             self._connect()
         with self._lock:
             rid = next(self._ids)
-            req = P.Request(rid, op, mem, files, arr, net_only, self.instance, {"md": self.md})
+            req = P.Request(
+                rid, op, mem, files, arr, net_only, self.instance, {"md": self.md.value}
+            )
             msg = P.encode_request(req)
             p = Pending(rid, req.nbytes, deadline)
             self._pending[rid] = p
@@ -303,7 +305,7 @@ class StorageClient:
             ev, box = threading.Event(), []
             self._stats[sid] = (ev, box)
             try:
-                self._send(P.encode(P.STAT, {"id": sid, "md": self.md}))
+                self._send(P.encode(P.STAT, {"id": sid, "md": self.md.value}))
             except NodeUnreachable:
                 self._stats.pop(sid, None)
                 raise

@@ -12,6 +12,7 @@ A block is the unit the client asks for; the node may cut it into pieces interna
 
 from __future__ import annotations
 
+import enum
 import json
 import struct
 from dataclasses import dataclass, field
@@ -81,6 +82,18 @@ def decode(msg: bytes) -> Message:
             f"unsupported header version {header.get('v') if isinstance(header, dict) else header!r}"
         )
     return Message(kind, header, bytes(msg[end:]))
+
+
+class MdExchange(enum.Enum):
+    """How a client publishes its metadata: the "md" field of its REQ and STAT headers."""
+
+    ETCD = "etcd"  # NIXL's etcd support (NIXL_ETCD_ENDPOINTS)
+    SOCKET = "p2p"  # NIXL's socket listener, peer to peer
+
+    @classmethod
+    def of(cls, header: dict) -> MdExchange:
+        """The exchange a header names; etcd where it names none."""
+        return cls.ETCD if header.get("md", cls.ETCD.value) == cls.ETCD.value else cls.SOCKET
 
 
 @dataclass
