@@ -248,33 +248,37 @@ mod tests {
         Registration::Dram(unsafe { crate::mem::DramRegion::register(ring, addr, len, 0, false) })
     }
 
+    /// The registration a DRAM descriptor (devId 0) resolves to; the test fails if none covers it.
+    fn dram_hit(r: &Registry, addr: u64, len: u64, md: *const c_void) -> Resolved {
+        r.resolve(MemKind::Dram, &d(addr, len, 0, md))
+            .expect("a live registration covers the descriptor")
+    }
+
+    /// Asserts that `asked` is served not through its own MD but by the registration `owner`
+    /// (a descriptor carrying that registration's MD) resolves to.
+    fn assert_served_by(
+        r: &Registry,
+        asked: (u64, u64, *const c_void),
+        owner: (u64, u64, *const c_void),
+    ) {
+        let got = dram_hit(r, asked.0, asked.1, asked.2);
+        assert!(!got.by_hint && Arc::ptr_eq(&got.reg, &dram_hit(r, owner.0, owner.1, owner.2).reg));
+    }
+
     #[test]
     fn a_stale_or_foreign_md_resolves_by_address_and_tokens_are_never_reused() {
         let r = Registry::default();
         let a = r.insert(dram(0x10000, 0x1000));
         let b = r.insert(dram(0x20000, 0x4000));
         // b's token on a descriptor of a: found by address, not by the token.
-        let got = r
-            .resolve(MemKind::Dram, &d(0x10100, 0x100, 0, b))
-            .ok()
-            .unwrap();
+        let got = dram_hit(&r, 0x10100, 0x100, b);
         assert!(!got.by_hint && got.reg.range() == (0x10000, 0x11000));
-        assert!(
-            r.resolve(MemKind::Dram, &d(0x20000, 0x4000, 0, b))
-                .ok()
-                .unwrap()
-                .by_hint
-        );
+        assert!(dram_hit(&r, 0x20000, 0x4000, b).by_hint);
         assert!(r.remove(a).is_some() && r.remove(a).is_none());
         let c = r.insert(dram(0x10000, 0x1000));
         assert_ne!(a, c);
         // a is gone: a descriptor naming it finds c by address; a range nobody covers fails.
-        assert!(
-            !r.resolve(MemKind::Dram, &d(0x10000, 0x1000, 0, a))
-                .ok()
-                .unwrap()
-                .by_hint
-        );
+        assert!(!dram_hit(&r, 0x10000, 0x1000, a).by_hint);
         let miss = r
             .resolve(MemKind::Dram, &d(0x10f00, 0x200, 0, c))
             .err()
@@ -302,56 +306,15 @@ mod tests {
         let old = r.insert(dram(0x10000, 0x8000));
         let other = r.insert(dram(0x40000, 0x1000));
         let new = r.insert(dram(0x10000, 0x8000));
-        let got = r
-            .resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, old))
-            .ok()
-            .unwrap();
-        assert!(
-            !got.by_hint
-                && Arc::ptr_eq(
-                    &got.reg,
-                    &r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new))
-                        .ok()
-                        .unwrap()
-                        .reg
-                )
-        );
-        assert!(
-            r.resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new))
-                .ok()
-                .unwrap()
-                .by_hint
-        );
+        assert_served_by(&r, (0x11000, 0x1000, old), (0x11000, 0x1000, new));
+        assert!(dram_hit(&r, 0x11000, 0x1000, new).by_hint);
         // A newer registration starting lower and covering more wins over an older, closer one.
         let wider = r.insert(dram(0xf000, 0xa000));
-        let got = r
-            .resolve(MemKind::Dram, &d(0x11000, 0x1000, 0, new))
-            .ok()
-            .unwrap();
-        assert!(
-            !got.by_hint
-                && Arc::ptr_eq(
-                    &got.reg,
-                    &r.resolve(MemKind::Dram, &d(0xf000, 0x10, 0, wider))
-                        .ok()
-                        .unwrap()
-                        .reg
-                )
-        );
+        assert_served_by(&r, (0x11000, 0x1000, new), (0xf000, 0x10, wider));
         // Registrations nothing newer overlaps keep their fast path; removal forgets the mark.
-        assert!(
-            r.resolve(MemKind::Dram, &d(0x40000, 0x10, 0, other))
-                .ok()
-                .unwrap()
-                .by_hint
-        );
+        assert!(dram_hit(&r, 0x40000, 0x10, other).by_hint);
         assert!(r.remove(old).is_some() && r.remove(new).is_some());
-        assert!(
-            r.resolve(MemKind::Dram, &d(0x11000, 0x10, 0, wider))
-                .ok()
-                .unwrap()
-                .by_hint
-        );
+        assert!(dram_hit(&r, 0x11000, 0x10, wider).by_hint);
     }
 
     #[test]
@@ -359,22 +322,13 @@ mod tests {
         let r = Registry::default();
         let long = r.insert(dram(0x1000, 1 << 30));
         let short = r.insert(dram(0x4000_0000, 0x1000));
-        let hit = r
-            .resolve(MemKind::Dram, &d(0x3000_0000, 0x10, 0, short))
-            .ok()
-            .unwrap();
+        let hit = dram_hit(&r, 0x3000_0000, 0x10, short);
         assert_eq!(hit.reg.range().0, 0x1000);
         let newer = r.insert(dram(0x1000, 1 << 30));
-        let hit = r
-            .resolve(MemKind::Dram, &d(0x2000, 0x10, 0, std::ptr::null()))
-            .ok()
-            .unwrap();
+        let hit = dram_hit(&r, 0x2000, 0x10, std::ptr::null());
         assert!(Arc::ptr_eq(
             &hit.reg,
-            &r.resolve(MemKind::Dram, &d(0x2000, 0x10, 0, newer))
-                .ok()
-                .unwrap()
-                .reg
+            &dram_hit(&r, 0x2000, 0x10, newer).reg
         ));
         let _ = long;
         assert_eq!(r.len(), 3);
