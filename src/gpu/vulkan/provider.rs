@@ -4,6 +4,7 @@
 
 use super::{Variant, VulkanProvider, DMA_BUF};
 use crate::error::{Error, ErrorKind, Result};
+use crate::gpu::cuda::Cuda;
 use crate::gpu::provider::{CopyFinished, CopyTicket, DeviceRange, DmabufExport, GpuProvider};
 
 impl GpuProvider for VulkanProvider {
@@ -45,10 +46,7 @@ impl GpuProvider for VulkanProvider {
                 })
             }
             Variant::OpaqueCuda => {
-                let cuda = self
-                    .cuda
-                    .as_ref()
-                    .ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
+                let cuda = self.variant_cuda()?;
                 cuda.export_dmabuf(device, addr, len).map_err(|e| {
                     Error::new(
                         e.kind,
@@ -89,20 +87,8 @@ impl GpuProvider for VulkanProvider {
         dev: u64,
         len: u64,
     ) -> Result<Box<dyn CopyTicket>> {
-        let a = self.registered(dev, len)?;
-        if a.variant.uses_cuda() {
-            let c = self
-                .cuda
-                .as_ref()
-                .ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
-            // SAFETY: forwarded contract.
-            return unsafe { c.copy_to_host(device, host, dev, len) };
-        }
-        let src = a.host_range(dev, len)?;
-        // SAFETY: src is inside the live mapping of `a` (held by the Arc for the copy); the
-        // caller guarantees the host range; staging buffers never overlap device memory.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, host as *mut u8, len as usize) };
-        Ok(Box::new(CopyFinished))
+        // SAFETY: forwarded contract.
+        unsafe { self.copy(device, dev, host, len, true) }
     }
 
     unsafe fn copy_to_device(
@@ -112,19 +98,8 @@ impl GpuProvider for VulkanProvider {
         host: u64,
         len: u64,
     ) -> Result<Box<dyn CopyTicket>> {
-        let a = self.registered(dev, len)?;
-        if a.variant.uses_cuda() {
-            let c = self
-                .cuda
-                .as_ref()
-                .ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))?;
-            // SAFETY: forwarded contract.
-            return unsafe { c.copy_to_device(device, dev, host, len) };
-        }
-        let dst = a.host_range(dev, len)?;
-        // SAFETY: as in copy_to_host, the other direction.
-        unsafe { std::ptr::copy_nonoverlapping(host as *const u8, dst as *mut u8, len as usize) };
-        Ok(Box::new(CopyFinished))
+        // SAFETY: forwarded contract.
+        unsafe { self.copy(device, dev, host, len, false) }
     }
 
     fn fence_app_work(&self, device: i32, host_wait: bool) -> Result<()> {
@@ -162,5 +137,52 @@ impl GpuProvider for VulkanProvider {
             devices.join("; "),
             cuda
         )
+    }
+}
+
+impl VulkanProvider {
+    /// The CUDA driver a CUDA variant's allocation is imported into.
+    fn variant_cuda(&self) -> Result<&Cuda> {
+        self.cuda
+            .as_deref()
+            .ok_or_else(|| Error::backend("internal error: a CUDA variant without CUDA"))
+    }
+
+    /// One staging copy between host memory and a Vulkan allocation (`to_host`: device ->
+    /// host): through CUDA for a CUDA variant, else a memcpy on the allocation's host mapping.
+    ///
+    /// # Safety
+    /// As `GpuProvider::copy_to_host` / `copy_to_device`: both ranges must stay valid until the
+    /// ticket reports completion.
+    unsafe fn copy(
+        &self,
+        device: i32,
+        dev: u64,
+        host: u64,
+        len: u64,
+        to_host: bool,
+    ) -> Result<Box<dyn CopyTicket>> {
+        let a = self.registered(dev, len)?;
+        if a.variant.uses_cuda() {
+            let c = self.variant_cuda()?;
+            // SAFETY: forwarded contract.
+            return unsafe {
+                if to_host {
+                    c.copy_to_host(device, host, dev, len)
+                } else {
+                    c.copy_to_device(device, dev, host, len)
+                }
+            };
+        }
+        let mapped = a.host_range(dev, len)?;
+        let (src, dst) = if to_host {
+            (mapped, host)
+        } else {
+            (host, mapped)
+        };
+        // SAFETY: `mapped` is inside the live mapping of `a` (held by the Arc for the copy); the
+        // caller guarantees the host range; staging buffers never overlap device memory.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize) };
+        Ok(Box::new(CopyFinished))
     }
 }
