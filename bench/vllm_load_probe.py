@@ -44,16 +44,22 @@ from nixl_io_uring_dmabuf.vllm_connector import rankstore as R  # noqa: E402
 from nixl_io_uring_dmabuf.vllm_connector.config import IUD_DEFAULT_PARAMS  # noqa: E402
 
 BLOCK_TOKENS = 16
-# name: backend parameters over the connector's defaults (None: checksums off)
-VARIANTS: dict[str, dict] = {
-    "light": {},
-    "caller": {"page_cache_caller_reads": "true"},
-    "auto": {"page_cache_caller_reads": "auto", "inline_write_max": "auto"},
-    "piece1m": {"staged_read_piece_max": "1048576"},
-    "buf64": {"staging_buffers": "64"},
-    "threads15": {"page_cache_threads": "15"},
-    "spin": {"page_cache_spin_us": "200"},
-    "nosums": {},
+# name: (backend parameters over the connector's defaults, store options, checksum kernel);
+# "nosums" leaves the checksums out
+WHOLE = {"part_bytes": 1 << 62}
+VARIANTS: dict[str, tuple[dict, dict, str]] = {
+    "light": ({}, {}, "auto"),
+    "whole": ({}, WHOLE, "auto"),
+    "whole-torch": ({}, WHOLE, "torch"),
+    "torchsums": ({}, {}, "torch"),
+    "part64m": ({}, {"part_bytes": 64 << 20}, "auto"),
+    "part1g": ({}, {"part_bytes": 1 << 30}, "auto"),
+    "caller": ({"page_cache_caller_reads": "true"}, {}, "auto"),
+    "piece1m": ({"staged_read_piece_max": "1048576"}, {}, "auto"),
+    "buf64": ({"staging_buffers": "64"}, {}, "auto"),
+    "threads15": ({"page_cache_threads": "15"}, {}, "auto"),
+    "spin": ({"page_cache_spin_us": "200"}, {}, "auto"),
+    "nosums": ({}, {}, "auto"),
 }
 
 
@@ -74,10 +80,16 @@ class Probe:
         rows = 2 * self.nblocks + 64
         gen = torch.Generator(device=self.dev).manual_seed(7)
         self.tensors = [
-            torch.randint(-128, 128, (rows, self.page), dtype=torch.int8, device=self.dev, generator=gen)
+            torch.randint(
+                -128, 128, (rows, self.page), dtype=torch.int8, device=self.dev, generator=gen
+            )
             for _ in range(a.layers)
         ]
-        self.sums = checksum.TorchRows(self.tensors, [self.page] * a.layers)
+        self.sums = {
+            k: checksum.TorchRows(self.tensors, [self.page] * a.layers, kernel=k)
+            for k in ("auto", "torch")
+        }
+        emit({"checksum_kernel_auto": self.sums["auto"].kernel})
         self.side = torch.cuda.Stream(self.dev) if self.dev.type == "cuda" else None
         dev_id = (self.dev.index or 0) if self.dev.type == "cuda" else 0
         self.regions = [
@@ -103,26 +115,30 @@ class Probe:
         if self.dev.type == "cuda":
             self.t.cuda.synchronize(self.dev)
 
-    def launcher(self, on: bool):
+    def launcher(self, on: bool, kernel: str = "auto"):
+        rows = self.sums[kernel]
+
         def launch(blocks):
             if not on:
                 return _Const([0] * len(blocks))
             if self.side is None:
-                return self.sums.launch(blocks)
+                return rows.launch(blocks)
             with self.t.cuda.stream(self.side):
-                return self.sums.launch(blocks)
+                return rows.launch(blocks)
 
         return launch
 
-    def run(self, name: str, params: dict, root: str) -> list[dict]:
+    def run(self, name: str, root: str) -> list[dict]:
         a = self.a
+        params, options, kernel = VARIANTS[name]
         sums_on = name != "nosums"
-        opts = R.StoreOptions(backend=a.backend, backend_params={**IUD_DEFAULT_PARAMS, **params})
+        opts = R.StoreOptions(
+            backend=a.backend, backend_params={**IUD_DEFAULT_PARAMS, **params}, **options
+        )
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
-        store = R.RankStore(
-            root, self.geo, 0, self.regions, self.kind, opts, launch_sums=self.launcher(sums_on)
-        )
+        launch = self.launcher(sums_on, kernel)
+        store = R.RankStore(root, self.geo, 0, self.regions, self.kind, opts, launch_sums=launch)
         out = []
         try:
             k = np.arange(self.nblocks)
@@ -134,7 +150,8 @@ class Probe:
             res = self._wait(store, 1)
             store_s = time.perf_counter() - t0
             out.append(self._rec(name, "store", "-", res, store_s))
-            sums = self.sums.block_sums(self.src) if sums_on else [0] * self.nblocks
+            emit(out[-1])
+            sums = self.sums["torch"].block_sums(self.src) if sums_on else [0] * self.nblocks
             job = 2
             for r in range(a.rounds):
                 for rows_kind in a.rows:
@@ -204,7 +221,9 @@ def bounds(p: Probe, root: str) -> list[dict]:
             dev.copy_(host, non_blocking=True)
             p.sync()
             dt = time.perf_counter() - t0
-            out.append({"bound": "pinned host -> VRAM, one copy", "gbps": round(nbytes / dt / 1e9, 2)})
+            out.append(
+                {"bound": "pinned host -> VRAM, one copy", "gbps": round(nbytes / dt / 1e9, 2)}
+            )
         del dev
     else:
         host = t.empty(nbytes, dtype=t.uint8)
@@ -216,9 +235,7 @@ def bounds(p: Probe, root: str) -> list[dict]:
     k = np.arange(p.nblocks)
     store.submit_store(1, p.src, k // a.bpc, k % a.bpc, [])
     p._wait(store, 1)
-    files = [
-        os.open(L.slot_file(root, 0, 1, i), os.O_RDONLY) for i in range(p.geo.num_files)
-    ]
+    files = [os.open(L.slot_file(root, 0, 1, i), os.O_RDONLY) for i in range(p.geo.num_files)]
     hv = host.numpy()
     piece = 4 << 20
     tasks = []
@@ -290,21 +307,21 @@ def bounds(p: Probe, root: str) -> list[dict]:
 
 def summary(loads: list[dict], bnds: list[dict]) -> str:
     lines = [
-        "| variant | rows | load ms (median) | GB/s | post | xfer | check | finish | equal |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| variant | job | rows | ms (median) | GB/s | post | xfer | check | finish | equal |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    keys = sorted({(r["variant"], r["rows"]) for r in loads if r["job"] == "load"})
-    for v, rows in keys:
-        rs = [r for r in loads if r["job"] == "load" and r["variant"] == v and r["rows"] == rows]
+    keys = sorted({(r["variant"], r["job"], r["rows"]) for r in loads})
+    for v, job, rows in keys:
+        rs = [r for r in loads if (r["variant"], r["job"], r["rows"]) == (v, job, rows)]
         med = statistics.median(r["wall_ms"] for r in rs)
 
         def ph(k, rs=rs):
             return statistics.median(r["phases_ms"].get(k, 0.0) for r in rs)
 
         lines.append(
-            f"| {v} | {rows} | {med:.1f} | {rs[0]['gb'] / med * 1e3:.1f} | {ph('post'):.1f} | "
+            f"| {v} | {job} | {rows} | {med:.1f} | {rs[0]['gb'] / med * 1e3:.1f} | {ph('post'):.1f} | "
             f"{ph('xfer'):.1f} | {ph('check'):.1f} | {ph('finish'):.1f} | "
-            f"{all(r['bytes_equal'] for r in rs)} |"
+            f"{all(r.get('bytes_equal', '-') for r in rs)} |"
         )
     by: dict[str, list] = {}
     for b in bnds:
@@ -334,7 +351,7 @@ def main() -> None:
     emit({"machine": os.uname().nodename, "tokens": a.tokens, "blocks": p.nblocks, "args": vars(a)})
     loads = []
     for v in a.variants:
-        loads += p.run(v, VARIANTS[v], os.path.join(a.dir, v))
+        loads += p.run(v, os.path.join(a.dir, v))
     bnds = bounds(p, os.path.join(a.dir, "bounds")) if a.bounds else []
     print(summary(loads, bnds), flush=True)
 

@@ -246,6 +246,57 @@ def test_damaged_data_is_a_miss_on_lookup_and_a_reported_failure_on_load(tmp_pat
     cat.close()
 
 
+def test_a_job_in_many_parts_moves_every_block_and_checks_each_part(tmp_path, kv, backend):
+    """With one block per part, each slot is its own NIXL transfer: every block arrives, a
+    damaged block in a later part is reported alone, and the job's phases are timed."""
+    geo = geometry(slots=8)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend, part_bytes=1)
+    for b in range(6):
+        kv.fill(b, seed=70 + b)
+    want = [kv.block(b) for b in range(6)]
+    done, _ = store_keys(cat, store, [key(b) for b in range(6)], list(range(6)))
+    assert len(done) == 6
+    cat.verify_on_lookup = False
+    slot4, _ = cat.slot_of(key(4))
+    fi, off = geo.locate(slot4)
+    with open(L.slot_file(str(tmp_path), 0, 1, fi), "r+b") as f:
+        f.seek(off + 100)
+        f.write(b"\xff" * 8)
+    targets = list(range(10, 16))
+    res = load_keys(cat, store, [key(b) for b in range(6)], targets)
+    assert res.ok and res.bad_blocks == [14]
+    assert [kv.block(b) for b in (10, 11, 12, 13, 15)] == [want[i] for i in (0, 1, 2, 3, 5)]
+    assert set(res.phases) == {"post", "xfer", "check", "finish"}
+    assert store.stats["load"]["phase_xfer_s"] > 0
+    store.close()
+    cat.close()
+
+
+def test_a_failed_part_fails_the_job_and_the_store_goes_on(tmp_path, kv, backend):
+    """One part of six reads a cut slot file: the job fails naming that slot once every part is
+    over; the next job on the same store is served."""
+    geo = geometry(slots=8)
+    cat = C.Catalog(str(tmp_path), geo)
+    store = open_rank(tmp_path, geo, kv, backend, part_bytes=1)
+    for b in range(6):
+        kv.fill(b, seed=80 + b)
+    store_keys(cat, store, [key(b) for b in range(6)], list(range(6)))
+    cat.verify_on_lookup = False
+    last = max(range(6), key=lambda b: geo.locate(cat.slot_of(key(b))[0])[1])
+    slot, _ = cat.slot_of(key(last))
+    fi, off = geo.locate(slot)
+    os.truncate(L.slot_file(str(tmp_path), 0, 1, fi), off + 1000)
+    res = load_keys(cat, store, [key(b) for b in range(6)], list(range(10, 16)))
+    assert not res.ok and "short file" in res.error and f"slot {slot}" in res.error
+    assert store.in_flight() == 0
+    others = [b for b in range(6) if geo.locate(cat.slot_of(key(b))[0])[0] != fi]
+    res = load_keys(cat, store, [key(b) for b in others], [16 + i for i in range(len(others))])
+    assert res.ok and res.bad_blocks == []
+    store.close()
+    cat.close()
+
+
 def _fill_bytes(kv, seed):
     rng = np.random.default_rng(seed)
     return b"".join(rng.integers(0, 256, p, dtype=np.uint8).tobytes() for p in PAGES)
@@ -401,8 +452,7 @@ def test_a_job_lists_each_slot_as_one_range_of_its_file(tmp_path, kv, backend, b
     blocks = list(range(3, 3 + n))
     slots = [4] * bpc + [1] * bpc  # two chunks, out of slot order
     subs = list(range(bpc)) * 2
-    job = R._Job(1, False, *store._check_pairs(blocks, slots, subs), None)
-    local, remote = store._indices(job)
+    local, remote = store._indices(*store._check_pairs(blocks, slots, subs))
     npg, runs = len(PAGES), L.page_runs(PAGES, bpc)
     chunk, page = np.divmod(remote, npg)
     slot, sub = np.divmod(chunk, bpc)

@@ -95,15 +95,54 @@ class PendingSums:
         return fold_columns(s[0], s[1])
 
 
+def _triton_page_sums():
+    """The page sums as one Triton kernel (one program per (block, page), reading each page once),
+    or None where Triton is not installed. Built on first use."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def page_sums(addrs, words, strides, rows, out, n_rows, n_pages, BLOCK: tl.constexpr):
+        i = tl.program_id(0)  # the block's position in the job
+        p = tl.program_id(1)  # the page (layer)
+        base = tl.load(addrs + p).to(tl.pointer_type(tl.int16))
+        start = tl.load(rows + i) * tl.load(strides + p)
+        n = tl.load(words + p)
+        acc1 = tl.zeros([BLOCK], dtype=tl.int64)
+        acc2 = tl.zeros([BLOCK], dtype=tl.int64)
+        for k in range(0, n, BLOCK):
+            j = k + tl.arange(0, BLOCK)
+            x = tl.load(base + start + j, mask=j < n, other=0).to(tl.int32)
+            acc1 += x.to(tl.int64)
+            # |x| <= 32768 and the weight <= 65521: the product fits in int32
+            acc2 += (x * (j % 65521 + 1)).to(tl.int64)
+        tl.store(out + p * n_rows + i, tl.sum(acc1, axis=0))
+        tl.store(out + (n_pages + p) * n_rows + i, tl.sum(acc2, axis=0))
+
+    return page_sums
+
+
 class TorchRows:
     """Block checksums of rows of 2-D int8 tensors (vLLM's per-layer KV views, CPU or CUDA), the
     same values as `fold(page_sums(...))` over the block's pages. The page sums of all of a job's
-    blocks run on the tensors' device as a few large operations per layer, queued without
-    waiting (`launch`) on the caller's current stream; one copy brings them to host memory,
-    where they are folded. Queued from the engine's own thread, the work needs no Python
-    thread, so it never waits for the GIL while the engine's thread runs."""
+    blocks are queued on the tensors' device without waiting (`launch`) on the caller's current
+    stream: on CUDA one Triton kernel that reads each page once where Triton is installed (vLLM
+    brings it), else a few large torch operations per layer; one copy brings them to host memory,
+    where they are folded. Queued from the engine's own thread, the work needs no Python thread,
+    so it never waits for the GIL while the engine's thread runs.
 
-    def __init__(self, tensors: Sequence, pages: Sequence[int], max_bytes: int = 256 << 20):
+    `kernel`: "auto" (Triton on CUDA where installed, else torch), "torch" or "triton"."""
+
+    def __init__(
+        self,
+        tensors: Sequence,
+        pages: Sequence[int],
+        max_bytes: int = 256 << 20,
+        kernel: str = "auto",
+    ):
         import torch
 
         self._torch = torch
@@ -111,6 +150,36 @@ class TorchRows:
         self._pages = list(pages)
         self._weights: dict[tuple[int, str], object] = {}
         self._max_bytes = max_bytes
+        self._kernel = None
+        dev = self._tensors[0].device
+        if kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"checksum kernel {kernel!r}: auto, torch or triton")
+        if kernel == "triton" or (kernel == "auto" and dev.type == "cuda"):
+            self._kernel = _triton_page_sums()
+            if self._kernel is None and kernel == "triton":
+                raise RuntimeError(
+                    "the Triton checksum kernel needs Triton, which is not installed"
+                )
+        if self._kernel is not None:
+            self._setup_kernel(dev)
+
+    @property
+    def kernel(self) -> str:
+        return "triton" if self._kernel is not None else "torch"
+
+    def _setup_kernel(self, dev) -> None:
+        """Each tensor's address, page and row stride in int16 words, as the kernel reads them."""
+        t = self._torch
+        for x in self._tensors:
+            if x.data_ptr() % 2 or x.stride(0) % 2 or x.stride(1) != 1:
+                raise ValueError("a KV tensor's rows are not 2-byte aligned")
+
+        def words(vals):
+            return t.tensor(vals, dtype=t.int64, device=dev)
+
+        self._addrs = words([x.data_ptr() for x in self._tensors])
+        self._words = words([p // 2 for p in self._pages])
+        self._strides = words([x.stride(0) // 2 for x in self._tensors])
 
     def _w(self, n: int, device):
         k = (n, str(device))
@@ -128,14 +197,20 @@ class TorchRows:
         n = len(block_ids)
         ids = t.as_tensor(np.asarray(block_ids, dtype=np.int64)).to(dev, non_blocking=True)
         out = t.empty((2, len(self._tensors), n), dtype=t.int64, device=dev)
-        for p, (tensor, page) in enumerate(zip(self._tensors, self._pages)):
-            w = self._w(page // 2, dev)
-            step = max(1, self._max_bytes // (page * 2))  # int32 working copy per batch
-            for i in range(0, n, step):
-                rows = tensor.index_select(0, ids[i : i + step])[:, :page].contiguous()
-                words = rows.view(t.int16)
-                t.sum(words, dim=1, dtype=t.int64, out=out[0, p, i : i + step])
-                t.sum(words.to(t.int32) * w, dim=1, dtype=t.int64, out=out[1, p, i : i + step])
+        if self._kernel is not None and n:
+            grid = (n, len(self._tensors))
+            self._kernel[grid](
+                self._addrs,
+                self._words,
+                self._strides,
+                ids,
+                out,
+                n,
+                len(self._tensors),
+                BLOCK=1024,
+            )
+        else:
+            self._launch_torch(ids, out)
         if dev.type != "cuda":
             return PendingSums(out, None)
         host = t.empty(out.shape, dtype=t.int64, pin_memory=True)
@@ -143,6 +218,18 @@ class TorchRows:
         ev = t.cuda.Event()
         ev.record()
         return PendingSums(host, ev)
+
+    def _launch_torch(self, ids, out) -> None:
+        t = self._torch
+        n = len(ids)
+        for p, (tensor, page) in enumerate(zip(self._tensors, self._pages)):
+            w = self._w(page // 2, tensor.device)
+            step = max(1, self._max_bytes // (page * 2))  # int32 working copy per batch
+            for i in range(0, n, step):
+                rows = tensor.index_select(0, ids[i : i + step])[:, :page].contiguous()
+                words = rows.view(t.int16)
+                t.sum(words, dim=1, dtype=t.int64, out=out[0, p, i : i + step])
+                t.sum(words.to(t.int32) * w, dim=1, dtype=t.int64, out=out[1, p, i : i + step])
 
     def block_sums(self, block_ids: np.ndarray) -> list[int]:
         """The checksum of each block in `block_ids` (rows of every tensor, pages in order)."""
@@ -157,7 +244,12 @@ class TorchRows:
         pages = [4096, 2048]
         host = [gen.integers(-128, 128, size=(3, p), dtype=np.int8) for p in pages]
         host[0][0, :2] = [0, -128]  # the word -32768, times the largest weight used here
-        rows = TorchRows([t.as_tensor(x).to(dev) for x in host], pages, 1 << 12)
+        rows = TorchRows(
+            [t.as_tensor(x).to(dev) for x in host],
+            pages,
+            1 << 12,
+            "triton" if self._kernel else "torch",
+        )
         got = rows.block_sums(np.array([2, 0, 1]))
         want = [fold(page_sums(host[p][b].view(np.uint8)) for p in range(2)) for b in (2, 0, 1)]
         if got != want:

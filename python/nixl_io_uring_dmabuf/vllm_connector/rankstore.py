@@ -22,17 +22,16 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
-import dataclasses
-import enum
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from . import checksum, journal
 from . import layout as L
 from .diagnosis import cause_of, diagnose
+from .jobs import Job, Part, Phase, Region, Result, StoreOptions, parts_of
 from .slot_files import RankFiles
 from .transfers import RankTransfers
 
@@ -43,17 +42,6 @@ BlockSumsFn = Callable[[np.ndarray], list[int]]
 # block ids -> a pending result with done() and result() (checksum.PendingSums), started in
 # the calling thread without waiting (device work)
 LaunchSumsFn = Callable[[np.ndarray], object]
-
-
-@dataclasses.dataclass(frozen=True)
-class Region:
-    """One KV tensor as rows: row b (block b) starts at addr + b * stride, page bytes long."""
-
-    addr: int
-    stride: int
-    num_blocks: int
-    page: int
-    dev: int = 0
 
 
 class HostRows:
@@ -71,75 +59,6 @@ class HostRows:
                 pages.append(checksum.page_sums(np.frombuffer(buf, dtype=np.uint8)))
             out.append(checksum.fold(pages))
         return out
-
-
-class Phase(enum.Enum):
-    """Where a job is. RankStore._advance moves a job forward through these, never back, and
-    returns at once where it would have to wait."""
-
-    WAIT = "wait"  # for the device work the job follows (its `ready` callable)
-    SUMS = "sums"  # store: the KV rows' checksums (checksum thread, or queued on the device)
-    POST = "post"  # make_prepped_xfer and transfer
-    XFER = "xfer"  # NIXL moves the bytes (check_xfer_state)
-    CHECK = "check"  # load: the checksums of what arrived
-    FINISH = "finish"  # store: COMMIT records; load: compare, DAMAGED records
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreOptions:
-    """How a rank's files are written and which NIXL backend moves the bytes (the connector's
-    parameters of the same names, docs/vllm-connector.md)."""
-
-    backend: str = "IO_URING_DMABUF"
-    backend_params: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    o_direct: bool = False
-    durable: bool = False
-    preallocate: bool = True
-
-
-@dataclasses.dataclass
-class Result:
-    job_id: int
-    store: bool
-    ok: bool
-    nbytes: int = 0
-    seconds: float = 0.0
-    bad_blocks: list[int] = dataclasses.field(default_factory=list)  # loads: damaged blocks
-    error: str = ""
-    # wall seconds the job spent in each phase it went through (Phase values), from the
-    # moment `ready` said yes to its end: where a job's time goes
-    phases: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class _Job:
-    job_id: int
-    store: bool
-    blocks: np.ndarray
-    slots: np.ndarray
-    subs: np.ndarray
-    ready: Callable[[], bool] | None
-    commits: list[tuple[bytes, int, int]] = dataclasses.field(default_factory=list)
-    expected: list[int] = dataclasses.field(default_factory=list)
-    gens: list[int] = dataclasses.field(default_factory=list)
-    sums: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)
-    handle: object = None
-    t0: float = 0.0
-    post_s: float = 0.0  # time the engine's thread spent starting and finishing it
-    phase: Phase = Phase.WAIT
-    entered: float = 0.0  # when the job entered its phase
-    phases: dict[str, float] = dataclasses.field(default_factory=dict)
-    future: object = None
-    got: list[int] = dataclasses.field(default_factory=list)
-
-    def enter(self, phase: Phase, now: float | None = None) -> None:
-        """Moves to `phase`, adding the time spent in the one it leaves (WAIT not counted:
-        the device work the job follows is the engine's, not the store's)."""
-        now = time.perf_counter() if now is None else now
-        if self.phase is not Phase.WAIT:
-            k = self.phase.value
-            self.phases[k] = self.phases.get(k, 0.0) + now - self.entered
-        self.phase, self.entered = phase, now
 
 
 class RankStore:
@@ -166,6 +85,7 @@ class RankStore:
         self.regions = list(regions)
         self.pages = [r.page for r in self.regions]
         self.durable = options.durable
+        self.part_bytes = options.part_bytes
         if sum(self.pages) > geo.rank_block_bytes:
             raise ValueError(
                 f"rank {rank}: the KV cache has {sum(self.pages)} B per block, more "
@@ -195,7 +115,7 @@ class RankStore:
         except BaseException:
             self._files.close()
             raise
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, Job] = {}
         self._done: list[Result] = []
         # Checksums run here, off the engine's thread (torch and numpy release the GIL).
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="iud-kv-sums")
@@ -236,7 +156,7 @@ class RankStore:
         )
 
     # ---- jobs ----------------------------------------------------------------------------
-    def _indices(self, job: _Job) -> tuple[np.ndarray, np.ndarray]:
+    def _indices(self, blocks, slots, subs) -> tuple[np.ndarray, np.ndarray]:
         # In each slot's byte order: slot by slot, and in a slot page by page, then sub-block.
         # A slot is then one range of its file that the backend reads or writes in few large
         # I/Os (IO_URING_DMABUF's staged runs; buffered I/O of one file batches on its page-cache
@@ -244,7 +164,7 @@ class RankStore:
         # Listing page 0 of every block first would scatter a job's consecutive descriptors
         # over all slot files, one page-cache hand-off per page.
         npg = self._npg
-        blocks, slots, subs = (x.astype(np.int64) for x in (job.blocks, job.slots, job.subs))
+        blocks, slots, subs = (np.asarray(x, dtype=np.int64) for x in (blocks, slots, subs))
         if self.geo.blocks_per_chunk == 1:
             # One block per slot (vLLM's default): block by block, its pages in order.
             p = np.arange(npg, dtype=np.int64)[None, :]
@@ -285,7 +205,7 @@ class RankStore:
         """Store KV rows `blocks[i]` into (slots[i], subs[i]); commit (key, slot, gen) for each
         slot once the transfer is DONE (every sub-block of the slot must be in the job)."""
         blocks, slots, subs = self._check_pairs(blocks, slots, subs)
-        job = _Job(job_id, True, blocks, slots, subs, ready, commits=list(commits))
+        job = Job(job_id, True, blocks, slots, subs, ready, commits=list(commits))
         self._add(job)
 
     def submit_load(
@@ -301,94 +221,109 @@ class RankStore:
         """Load (slots[i], subs[i]) into KV rows `blocks[i]`; `expected[i]` is that sub-block's
         checksum on this rank, `gens[i]` the store generation (for DAMAGED records)."""
         blocks, slots, subs = self._check_pairs(blocks, slots, subs)
-        job = _Job(
+        job = Job(
             job_id, False, blocks, slots, subs, ready, expected=list(expected), gens=list(gens)
         )
         self._add(job)
 
-    def _add(self, job: _Job) -> None:
+    def _add(self, job: Job) -> None:
         if job.job_id in self._jobs:
             raise ValueError(f"job {job.job_id} is already in flight")
         self._jobs[job.job_id] = job
         self.stats["in_flight"] = len(self._jobs)
         self._advance(job)
 
-    def _start_sums(self, job: _Job):
-        """The job's checksums, pending: queued on the device from this thread where the worker
+    def _start_sums(self, job: Job, blocks: np.ndarray):
+        """Checksums of `blocks`, pending: queued on the device from this thread where the worker
         can (launch_sums), else computed in the checksum thread."""
+        st = self.stats["store" if job.store else "load"]
         if self._launch_sums is None:
-            return self._pool.submit(self._timed_sums, job)
+            return self._pool.submit(self._timed_sums, st, blocks)
         t = time.perf_counter()
-        pending = self._launch_sums(job.blocks)
-        self.stats["store" if job.store else "load"]["sum_seconds"] += time.perf_counter() - t
+        pending = self._launch_sums(blocks)
+        st["sum_seconds"] += time.perf_counter() - t
         return pending
 
-    def _timed_sums(self, job: _Job) -> list[int]:
-        """The job's block checksums, in the checksum thread; its time goes to the job counters."""
+    def _timed_sums(self, st: dict, blocks: np.ndarray) -> list[int]:
+        """Block checksums in the checksum thread; its time goes to the job counters."""
         t = time.perf_counter()
         try:
-            return self._block_sums(job.blocks)
+            return self._block_sums(blocks)
         finally:
-            self.stats["store" if job.store else "load"]["sum_seconds"] += time.perf_counter() - t
+            st["sum_seconds"] += time.perf_counter() - t
 
-    def _post(self, job: _Job) -> None:
+    def _post_parts(self, job: Job) -> None:
+        """Cuts the job into parts of whole slots and posts each. A part NIXL refuses ends the
+        posting; the parts already posted still run to their end before the job fails."""
         t = time.perf_counter()
-        local, remote = self._indices(job)
-        job.handle = self._nixl.prep(job.store, local, remote)
-        state = self._nixl.start(job.handle)
+        per_part = max(1, self.part_bytes // max(1, sum(self.pages)))
+        job.parts = [Part(pos) for pos in parts_of(job.slots, per_part)]
+        for part in job.parts:
+            try:
+                local, remote = self._indices(
+                    job.blocks[part.pos], job.slots[part.pos], job.subs[part.pos]
+                )
+                part.handle = self._nixl.prep(job.store, local, remote)
+                if self._nixl.start(part.handle) == "ERR":
+                    raise RuntimeError("NIXL refused to post the transfer")
+            except Exception as e:  # noqa: BLE001 - the job fails once its posted parts end
+                part.error = e
+                for rest in job.parts:
+                    rest.over = rest.over or rest.handle is None or rest is part
+                break
         job.post_s += time.perf_counter() - t
-        if state == "ERR":
-            raise RuntimeError("NIXL refused to post the transfer")
 
-    def _advance(self, job: _Job) -> Result | None:
+    def _poll_parts(self, job: Job) -> bool:
+        """Moves the job's parts on; a load's part that is DONE gets its checksums queued.
+        Whether every part is over."""
+        for part in job.in_flight():
+            t = time.perf_counter()
+            try:
+                state = self._nixl.state(part.handle)
+            except Exception as e:  # noqa: BLE001 - this part failed; NIXL says no more
+                state, part.error = "ERR", e
+            self._timed_poll(job, time.perf_counter() - t)
+            if state == "PROC":
+                continue
+            part.over = True
+            if state != "DONE":
+                part.error = part.error or RuntimeError(f"NIXL transfer state {state}")
+            elif not job.store:
+                part.sums = self._start_sums(job, job.blocks[part.pos])
+        return not job.in_flight()
+
+    def _advance(self, job: Job) -> Result | None:
         """One step of a job (never waits): as far through its phases (Phase) as it can go
-        now; its Result once it is over."""
+        now; its Result once it is over. Its parts are always over before it is."""
         failure, failed_in = None, None
         try:
             if job.phase is Phase.WAIT:
                 if job.ready is not None and not job.ready():
                     return None
                 job.t0 = time.perf_counter()
-                if not len(job.blocks):
-                    job.enter(Phase.FINISH, job.t0)
-                elif job.store:
-                    job.enter(Phase.SUMS, job.t0)
-                    job.future = self._start_sums(job)
-                else:
-                    job.enter(Phase.POST, job.t0)
-            if job.phase is Phase.SUMS:
-                if not job.future.done():
-                    return None
-                for s, sub, h in zip(job.slots.tolist(), job.subs.tolist(), job.future.result()):
-                    job.sums.setdefault(s, {})[sub] = h
-                job.enter(Phase.POST)
+                job.enter(Phase.POST if len(job.blocks) else Phase.FINISH, job.t0)
             if job.phase is Phase.POST:
-                self._post(job)
+                if job.store:  # the rows' checksums, read beside the transfer that reads them
+                    job.sums = self._start_sums(job, job.blocks)
+                self._post_parts(job)
                 job.enter(Phase.XFER)
             if job.phase is Phase.XFER:
-                t = time.perf_counter()
-                state = self._nixl.state(job.handle)
-                self._timed_poll(job, time.perf_counter() - t)
-                if state == "PROC":
+                if not self._poll_parts(job):
                     return None
-                if state != "DONE":
-                    raise RuntimeError(f"NIXL transfer state {state}")
-                if job.store:
-                    job.enter(Phase.FINISH)
-                else:
-                    job.enter(Phase.CHECK)
-                    job.future = self._start_sums(job)
+                error = job.first_error()
+                if error is not None:
+                    raise error
+                job.enter(Phase.CHECK)
             if job.phase is Phase.CHECK:
-                if not job.future.done():
+                pending = [job.sums] if job.store else [p.sums for p in job.parts]
+                if not all(x.done() for x in pending):
                     return None
-                job.got = job.future.result()
                 job.enter(Phase.FINISH)
             t = time.perf_counter()
             res = self._finish(job)
             job.post_s += time.perf_counter() - t
             job.enter(Phase.WAIT)  # over: closes the FINISH phase's time
             res.phases = job.phases
-            failure = None
         except Exception as e:  # noqa: BLE001 - the job is over, reported failed
             failure, failed_in = e, job.phase
         self._release(job)
@@ -430,19 +365,24 @@ class RankStore:
             st[f"phase_{k}_s"] += v
         return res
 
-    def _timed_poll(self, job: _Job, dt: float) -> None:
+    def _timed_poll(self, job: Job, dt: float) -> None:
         st = self.stats["store" if job.store else "load"]
         st["poll_seconds"] += dt
         st["poll_max"] = max(st["poll_max"], dt)
 
-    def _finish(self, job: _Job) -> Result:
+    def _finish(self, job: Job) -> Result:
         nbytes = len(job.blocks) * sum(self.pages)
         res = Result(job.job_id, job.store, True, nbytes, time.perf_counter() - job.t0)
         if job.store:
+            sums: dict[int, dict[int, int]] = {}
+            for slot, sub, h in zip(
+                job.slots.tolist(), job.subs.tolist(), job.sums.result() if job.sums else []
+            ):
+                sums.setdefault(slot, {})[sub] = h
             recs = []
             bpc = self.geo.blocks_per_chunk
             for key, slot, gen in job.commits:
-                subs = job.sums.get(slot, {})
+                subs = sums.get(slot, {})
                 if len(subs) != bpc:
                     logger.warning(
                         "KV store rank %d: slot %d got %d of %d sub-blocks; not committed",
@@ -461,7 +401,10 @@ class RankStore:
                 self._files.fdatasync(job.slots)
             self._log.append(recs)  # whole or not at all (journal.AppendFailed)
             return res
-        got = job.got
+        got = [0] * len(job.blocks)
+        for part in job.parts:
+            for i, h in zip(part.pos.tolist(), part.sums.result()):
+                got[i] = h
         bad = [i for i, (g, e) in enumerate(zip(got, job.expected)) if g != e]
         if bad:
             res.bad_blocks = [int(job.blocks[i]) for i in bad]
@@ -479,13 +422,16 @@ class RankStore:
                 logger.error("KV store rank %d: DAMAGED record not written: %s", self.rank, e)
         return res
 
-    def _release(self, job: _Job) -> None:
-        if job.handle is not None:
+    def _release(self, job: Job) -> None:
+        """Releases the job's transfers; only once every part is over (see _advance)."""
+        for part in job.parts:
+            if part.handle is None:
+                continue
             try:
-                self._nixl.release(job.handle)
+                self._nixl.release(part.handle)
             except Exception as e:  # noqa: BLE001
                 logger.error("KV store rank %d: releasing job %d: %s", self.rank, job.job_id, e)
-            job.handle = None
+            part.handle = None
 
     def poll(self) -> list[Result]:
         for job in list(self._jobs.values()):
