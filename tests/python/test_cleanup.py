@@ -12,31 +12,12 @@ import os
 
 import iud_helpers as H
 import pytest
+from support.rings import registered, ring_fds
 
 
 def rings() -> dict:
     """{ring fd: (registered file paths, registered buffer "addr/len" strings)}"""
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if "io_uring" not in os.readlink(f"/proc/self/fd/{fd}"):
-                continue
-            with open(f"/proc/self/fdinfo/{fd}") as f:
-                lines = f.read().splitlines()
-        except OSError:
-            continue
-        files, bufs, section = [], [], None
-        for ln in lines:
-            if ln.startswith("UserFiles:"):
-                section = files
-            elif ln.startswith("UserBufs:"):
-                section = bufs
-            elif ln[:1] not in (" ", "\t"):
-                section = None
-            elif section is not None and ":" in ln:
-                section.append(ln.split(":", 1)[1].strip())
-        out[int(fd)] = (files, bufs)
-    return out
+    return {fd: registered(fd) for fd in ring_fds()}
 
 
 def holders_of(path: str) -> list[int]:

@@ -34,6 +34,7 @@ import sys
 
 import iud_helpers as H
 import pytest
+from support.rings import ring_tables
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sync_none_shape_child.py")
 NONE_RUNS = int(os.environ.get("IUD_SYNC_NONE_SHAPE_RUNS", "0"))
@@ -61,33 +62,6 @@ def run_child(backend: str, d, sync: str) -> subprocess.CompletedProcess:
         preexec_fn=_cap_memory,
         env=env,
     )
-
-
-def ring_tables() -> tuple[int, int]:
-    """(registered files, registered buffers) summed over this process's io_uring fds."""
-    files = bufs = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if "io_uring" not in os.readlink(f"/proc/self/fd/{fd}"):
-                continue
-            with open(f"/proc/self/fdinfo/{fd}") as f:
-                lines = f.read().splitlines()
-        except OSError:
-            continue
-        section = None
-        for ln in lines:
-            if ln.startswith("UserFiles:"):
-                section = "f"
-            elif ln.startswith("UserBufs:"):
-                section = "b"
-            elif ln[:1] not in (" ", "\t"):
-                section = None
-            elif section and ":" in ln and "<none>" not in ln:
-                if section == "f":
-                    files += 1
-                else:
-                    bufs += 1
-    return files, bufs
 
 
 def test_registration_takes_no_ring_slot_until_a_request_uses_it(backend, is_plugin, rng, tmp_path):

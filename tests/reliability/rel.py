@@ -10,6 +10,7 @@ import time
 import iud_helpers as H
 import numpy as np
 from support.mounts import RULES, FuseMount
+from support.rings import ring_fds, ring_tables
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,41 +48,6 @@ def exc_status(e: BaseException) -> str:
 
 
 # ---- kernel resources -------------------------------------------------------------------------
-
-
-def ring_fds() -> list[int]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if "io_uring" in os.readlink(f"/proc/self/fd/{fd}"):
-                out.append(int(fd))
-        except OSError:
-            pass
-    return sorted(out)
-
-
-def ring_tables(fd: int) -> tuple[int, int]:
-    """(registered files, registered buffers) of one io_uring fd, from its fdinfo."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return (0, 0)
-    files = bufs = 0
-    section = None
-    for ln in lines:
-        if ln.startswith("UserFiles:"):
-            section = "f"
-        elif ln.startswith("UserBufs:"):
-            section = "b"
-        elif ln[:1] not in (" ", "\t"):
-            section = None
-        elif section and ":" in ln and "<none>" not in ln:
-            if section == "f":
-                files += 1
-            else:
-                bufs += 1
-    return files, bufs
 
 
 def rss_kib() -> int:

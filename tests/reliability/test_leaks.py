@@ -21,6 +21,7 @@ import iud_helpers as H
 import numpy as np
 import pytest
 import rel
+from support import rings
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +41,10 @@ def ring_state(fd):
 
 
 def measure(ring):
-    files, bufs = rel.ring_tables(ring)
+    files, bufs = rings.ring_tables(ring)
     return {
         "fds": rel.non_ring_fds(),
-        "rings": len(rel.ring_fds()),
+        "rings": len(rings.ring_fds()),
         "fixed_files": files,
         "fixed_buffers": bufs,
         "rss_kib": rel.rss_kib(),
@@ -55,10 +56,10 @@ def test_register_transfer_deregister_cycles(request, backend, is_plugin, rng, t
     if not is_plugin:
         pytest.skip("measures the plugin's own resources")
     cycles = request.config.getoption("--leak-cycles") or 2000
-    before = set(rel.ring_fds())
+    before = set(rings.ring_fds())
     agent = H.make_agent(backend)
     rig = H.Rig(agent, backend)
-    ring = sorted(set(rel.ring_fds()) - before)
+    ring = sorted(set(rings.ring_fds()) - before)
     assert len(ring) == 1, f"expected one new io_uring for the engine, got {ring}"
     ring = ring[0]
     bufs = [H.Buf(64 * H.KiB).fill(rng) for _ in range(8)]
@@ -111,7 +112,7 @@ def test_register_transfer_deregister_cycles(request, backend, is_plugin, rng, t
     import gc
 
     gc.collect()
-    after = set(rel.ring_fds())
+    after = set(rings.ring_fds())
     summary = {
         "cycles": cycles,
         "seconds": round(took, 1),
