@@ -18,8 +18,12 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from support.descriptors import Layout
 
 PLUGIN = "IO_URING_DMABUF"
 ALIGN = 4096
@@ -335,62 +339,7 @@ def make_agent(backend: str, params: dict | None = None, sync_mode=None, name: s
     return agent
 
 
-# ---- layouts for the round-trip tests -------------------------------------------------------
-
-
-@dataclass
-class Layout:
-    sizes: np.ndarray  # bytes per descriptor
-    mem_off: np.ndarray  # offset of descriptor i in the DRAM buffers
-    file_off: np.ndarray  # offset of descriptor i in the file
-    mem_size: int
-    file_size: int
-
-    @property
-    def n(self) -> int:
-        return len(self.sizes)
-
-    @property
-    def total(self) -> int:
-        return int(self.sizes.sum())
-
-
-def mixed_layout(
-    rng: np.random.Generator, direct: bool, n_small=900, n_medium=180, n_large=10
-) -> Layout:
-    """>= 1000 descriptors, 512 B .. 16 MiB, mostly small: ~125 MiB in all.
-
-    Buffered: arbitrary sizes and offsets. O_DIRECT: sizes, offsets and gaps are multiples of
-    4096. Memory order is a random permutation of file order and both sides have random gaps,
-    so index mix-ups, overruns and merged neighbours all show in the byte comparison."""
-    small = rng.integers(512, 64 * KiB + 1, n_small)
-    medium = rng.integers(64 * KiB, 512 * KiB + 1, n_medium)
-    large = rng.integers(1 * MiB, 8 * MiB + 1, n_large)
-    large[0] = 16 * MiB
-    sizes = np.concatenate([small, medium, large]).astype(np.int64)
-    sizes[0] = 512
-    if direct:
-        sizes = np.maximum(ALIGN, (sizes + ALIGN - 1) // ALIGN * ALIGN)
-    sizes = sizes[rng.permutation(len(sizes))]
-    n = len(sizes)
-
-    def gaps():
-        g = rng.integers(0, 3 * ALIGN, n)
-        g[rng.random(n) < 0.5] = 0  # half adjacent: neighbours that a merge could join
-        return g // ALIGN * ALIGN if direct else g
-
-    fg = gaps()
-    file_off = np.cumsum(fg + sizes) - sizes
-    file_size = int(file_off[-1] + sizes[-1])
-    order = rng.permutation(n)
-    mg = gaps()
-    mem_off = np.empty(n, np.int64)
-    pos = 0
-    for k, i in enumerate(order):
-        pos += int(mg[k])
-        mem_off[i] = pos
-        pos += int(sizes[i])
-    return Layout(sizes, mem_off, file_off.astype(np.int64), pos, file_size)
+# ---- checks for the round-trip tests (layouts: support.descriptors.mixed_layout) ----------
 
 
 def expected_mem(layout: Layout, src: np.ndarray, background: np.ndarray) -> np.ndarray:

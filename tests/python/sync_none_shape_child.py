@@ -36,8 +36,10 @@ import traceback
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # iud_helpers; tests/ for support
 import iud_helpers as H  # noqa: E402
+from support.descriptors import slotted  # noqa: E402
 
 FILE = 16 * H.MiB
 DESCS = 64
@@ -54,15 +56,8 @@ def layout(rng: np.random.Generator, direct: bool):
     random inside 64 disjoint 128 KiB slots of the buffers, both in shuffled orders."""
     unit = 4096 if direct else 1
     sizes = rng.integers(1, MAX_DESC // unit, size=DESCS, endpoint=True) * unit
-    fslot, mslot = FILE // DESCS, MEM // DESCS
-    foff = [
-        int(s) * fslot + int(rng.integers(0, (fslot - z) // unit, endpoint=True)) * unit
-        for s, z in zip(rng.permutation(DESCS), sizes)
-    ]
-    moff = [
-        int(s) * mslot + int(rng.integers(0, (mslot - z) // unit, endpoint=True)) * unit
-        for s, z in zip(rng.permutation(DESCS), sizes)
-    ]
+    foff = slotted(rng, sizes, FILE, unit)
+    moff = slotted(rng, sizes, MEM, unit)
     return [(int(z), m, f) for z, m, f in zip(sizes, moff, foff)]
 
 

@@ -10,6 +10,7 @@ import os
 import iud_helpers as H
 import numpy as np
 import pytest
+from support.descriptors import place
 
 PARAMS = {"punt_buffered_min": "65536"}
 
@@ -43,13 +44,8 @@ def test_buffered_reads_on_workers_round_trip(wrig, rng, tmp_path):
     total = sum(sizes)
     a = H.Buf(total).fill(rng)
     b = H.Buf(total).fill(rng)
-    file_order = rng.permutation(len(sizes))
-    file_off = np.zeros(len(sizes), dtype=np.int64)
-    pos = 0
-    for i in file_order:
-        file_off[i] = pos
-        pos += sizes[i]
-    mem_off = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    file_off = place(sizes, rng.permutation(len(sizes)))
+    mem_off = place(sizes)
     dev, freg = wrig.reg_path(path, total, "rw,create")
     wrig.reg_dram(a)
     wrig.reg_dram(b)

@@ -8,6 +8,7 @@ import os
 import iud_helpers as H
 import numpy as np
 import pytest
+from support.descriptors import place
 
 N_DESC = 96
 POSTS = 4
@@ -18,8 +19,7 @@ def layout(rng, direct):
     if direct:
         sizes = (sizes + H.ALIGN - 1) // H.ALIGN * H.ALIGN
     sizes = sizes.astype(np.int64)
-    off = np.cumsum(sizes) - sizes
-    return sizes, off, int(sizes.sum())
+    return sizes, place(sizes), int(sizes.sum())
 
 
 @pytest.mark.parametrize("prepped", [False, True], ids=["unprepped", "prepped"])

@@ -11,6 +11,7 @@ import os
 import iud_helpers as H
 import numpy as np
 import pytest
+from support.descriptors import Layout, mixed_layout
 
 
 def open_fds_to(path: str) -> list[int]:
@@ -33,10 +34,10 @@ def roundtrip(
     direct: bool,
     mode: str,
     prepped: bool,
-    layout: H.Layout | None = None,
+    layout: Layout | None = None,
     log=None,
 ) -> None:
-    lay = layout or H.mixed_layout(rng, direct)
+    lay = layout or mixed_layout(rng, direct)
     assert lay.n >= 1000
     a = H.Buf(lay.mem_size).fill(rng)
     b = H.Buf(lay.mem_size).fill(rng)
@@ -139,7 +140,7 @@ def test_roundtrip_params(is_plugin, plugin_so, rng, tmp_path, direct, pset, std
     agent = H.make_agent(H.PLUGIN, PARAM_SETS[pset])
     rig = H.Rig(agent, H.PLUGIN)
     try:
-        lay = H.mixed_layout(rng, direct, n_small=950, n_medium=60, n_large=3)
+        lay = mixed_layout(rng, direct, n_small=950, n_medium=60, n_large=3)
         roundtrip(
             rig,
             rng,

@@ -11,26 +11,11 @@ import threading
 import iud_helpers as H
 import numpy as np
 import pytest
+from support.descriptors import fitting
 
 THREADS = 8
 ITERS = 12
 REGION = 4 * H.MiB
-
-
-def pick_descs(rng, max_n=48):
-    n = int(rng.integers(1, max_n + 1))
-    sizes = rng.integers(512, 3 * REGION // (2 * n) + 512, n).astype(np.int64)
-    while sizes.sum() > REGION:
-        sizes //= 2
-    sizes = np.maximum(sizes, 512)
-    foff = np.cumsum(sizes) - sizes
-    order = rng.permutation(n)
-    moff = np.empty(n, np.int64)
-    pos = 0
-    for i in order:
-        moff[i] = pos
-        pos += int(sizes[i])
-    return sizes, foff, moff
 
 
 class Worker:
@@ -59,7 +44,7 @@ class Worker:
 
     def one(self, it):
         rig, rng = self.rig, self.rng
-        sizes, foff, moff = pick_descs(rng)
+        sizes, foff, moff = fitting(rng, REGION, 48)
         self.src.fill(rng)
         self.dst.fill(rng)
         before = self.dst.arr.copy()

@@ -59,25 +59,6 @@ class Patterns:
         return self.block[start : start + size] ^ xb
 
 
-def layout(rng, n, span, sizes):
-    """Non-overlapping starts for `sizes` inside [0, span), in a random order of placement."""
-    import numpy as np
-
-    total = int(sizes.sum())
-    slack = span - total
-    assert slack >= 0
-    order = rng.permutation(n)
-    cuts = np.sort(rng.integers(0, slack + 1, n))
-    gaps = np.diff(np.concatenate([[0], cuts]))
-    starts = np.empty(n, np.int64)
-    pos = 0
-    for k, i in enumerate(order):
-        pos += int(gaps[k])
-        starts[i] = pos
-        pos += int(sizes[i])
-    return starts
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=2.0, help="GiB to move (READ + WRITE)")
@@ -95,6 +76,7 @@ def main(argv=None) -> int:
     _setup()
     import iud_helpers as H
     import numpy as np
+    from support.descriptors import spread
 
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     rng = np.random.default_rng(seed)
@@ -152,8 +134,8 @@ def main(argv=None) -> int:
             budget = min(msize, fsize) // 2
             while sizes.sum() > budget:
                 sizes = np.maximum(unit, sizes // 2 // unit * unit)
-            fstart = layout(rng, n, fsize, sizes)
-            mstart = layout(rng, n, msize, sizes)
+            fstart = spread(rng, sizes, fsize)
+            mstart = spread(rng, sizes, msize)
             if direct:
                 fstart = fstart // 4096 * 4096
                 mstart = mstart // 4096 * 4096

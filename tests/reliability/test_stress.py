@@ -18,6 +18,7 @@ import iud_helpers as H
 import numpy as np
 import pytest
 import rel
+from support.descriptors import fitting
 
 pytestmark = pytest.mark.slow
 
@@ -44,27 +45,11 @@ class Worker:
         }
         self.error = None
 
-    def descs(self, direct):
-        rng = self.rng
-        n = int(rng.integers(1, 64))
-        unit = 4096 if direct else 512
-        sizes = rng.integers(1, 4 * REGION // (3 * n) // unit + 2, n) * unit
-        while sizes.sum() > REGION:
-            sizes = np.maximum(unit, sizes // 2 // unit * unit)
-        foff = np.cumsum(sizes) - sizes
-        order = rng.permutation(n)
-        moff = np.empty(n, np.int64)
-        pos = 0
-        for i in order:
-            moff[i] = pos
-            pos += int(sizes[i])
-        return sizes, foff, moff
-
     def roundtrip(self):
         rig = self.rig
         direct = self.rng.random() < 0.5
         fd = self.dfd if direct else self.fd
-        sizes, foff, moff = self.descs(direct)
+        sizes, foff, moff = fitting(self.rng, REGION, 63, 4096 if direct else 512)
         self.src.fill(self.rng)
         self.dst.arr[:] = 0
         ms = [(self.src.addr + int(m), int(s)) for m, s in zip(moff, sizes)]

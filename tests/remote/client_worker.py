@@ -18,6 +18,9 @@ import traceback
 import numpy as np
 from nixl_io_uring_dmabuf.storage_node import StorageClient, StorageError
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support
+from support.descriptors import scattered_blocks  # noqa: E402
+
 KiB, MiB = 1 << 10, 1 << 20
 BUF = 64 * MiB
 
@@ -34,20 +37,6 @@ def file_size(path: str) -> int:
         return os.lseek(fd, 0, os.SEEK_END)
     finally:
         os.close(fd)
-
-
-def random_blocks(rng, file_size: int, lo: int, hi: int, budget: int, base: int, align: int = 4096):
-    """Scattered blocks of lo..hi bytes (multiples of 4 KiB) at random aligned file offsets,
-    packed into [base, base + budget) of the client buffer."""
-    blocks, used = [], 0
-    while True:
-        ln = int(rng.integers(lo // align, hi // align + 1)) * align
-        if used + ln > budget:
-            break
-        foff = int(rng.integers(0, (file_size - ln) // align + 1)) * align
-        blocks.append((foff, ln, base + used))
-        used += ln
-    return blocks
 
 
 class HostBuf:
@@ -129,7 +118,7 @@ class Worker:
         rng = np.random.default_rng(seed)
         total = 0
         for _ in range(rounds):
-            blocks = random_blocks(rng, size, lo, hi, budget, self.base)
+            blocks = scattered_blocks(rng, size, lo, hi, budget, self.base)
             self.b.fill(0, budget, 0xA5)  # poison: a block that does not land shows up
             n = self.c.read([(file, f, ln, a) for f, ln, a in blocks], mem=self.b.mem)
             with open(path, "rb") as fh:
