@@ -112,7 +112,20 @@ VARIANTS = {
     "iud-reload": ("nixl", "IO_URING_DMABUF", False, LIGHT, {REUSES: "iud-pc-light"}),
     "fs-store": ("fs", None, True),
     "fs-load": ("fs", None, True),
+    # vLLM's TieringOffloadingSpec: its CPU tier in front, the project's NixlFileTier (page-cache
+    # files through IO_URING_DMABUF) behind
+    "nixltier-store": ("nixltier", "IO_URING_DMABUF", False),
+    "nixltier-load": ("nixltier", "IO_URING_DMABUF", False),
 }
+TIERS = ("fs", "nixltier")  # kinds that are vLLM's TieringOffloadingSpec
+
+
+def tier_role(variant: str) -> str | None:
+    """'store' or 'load' for the tiering variants (<kind>-store, <kind>-load), else None."""
+    kind = VARIANTS[base_variant(variant)][0]
+    if kind not in TIERS:
+        return None
+    return base_variant(variant).rsplit("-", 1)[1]
 
 
 GRAPHS = "+graphs"
@@ -210,14 +223,25 @@ def kv_config(variant: str, work: str) -> dict | None:
         return None
     extra.pop(REUSES, None)  # the benchmark's key, not the connector's
     store = store_of(variant, work)
-    if kind == "fs":
+    if kind in TIERS:
+        tier = (
+            {"type": "fs", "root_dir": os.path.join(work, "fs")}
+            if kind == "fs"
+            else {
+                "type": "NixlFileTier",
+                "module_path": "nixl_io_uring_dmabuf.vllm_tier",
+                "path": os.path.join(work, kind),
+                "backend": backend,
+                "direct_io": direct,
+            }
+        )
         return {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "TieringOffloadingSpec",
                 "cpu_bytes_to_use": 24 << 30,
-                "secondary_tiers": [{"type": "fs", "root_dir": os.path.join(work, "fs")}],
+                "secondary_tiers": [tier],
             },
         }
     # The subclass with vLLM's recompute policy, and no scheduler-side read on lookup: the
@@ -340,6 +364,8 @@ class Engine:
         kind = VARIANTS[base_variant(self.variant)][0]
         if kind == "fs":
             return len(glob.glob(os.path.join(self.work, "fs", "**", "*.bin"), recursive=True))
+        if kind == "nixltier":  # one file per chunk; 16-token blocks, chunks of one block
+            return len(glob.glob(os.path.join(self.work, kind, "*.kv")))
         from nixl_io_uring_dmabuf.vllm_connector import journal
 
         path = os.path.join(store_of(self.variant, self.work), "rank0of1", "commits.log")
@@ -605,8 +631,8 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
         ttft_round("tokens-damaged", CHECK_TOKENS)  # failed loads: vLLM recomputes
         eng.reset()
         ttft_round("tokens-after-damage", CHECK_TOKENS)  # the damaged blocks are gone: misses
-    elif variant == "fs-load":
-        ttft_round("hit-1")  # fs -> CPU tier -> GPU (the CPU tier starts empty)
+    elif tier_role(variant) == "load":
+        ttft_round("hit-1")  # file tier -> CPU tier -> GPU (the CPU tier starts empty)
         eng.reset()
         ttft_round("cpu-hit")  # now served by the CPU tier in DRAM
         eng.reset()
@@ -614,13 +640,13 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
     else:
         ttft_round("store")  # recompute, stores posted behind it
         emit("flush", [], **eng.flush(expected))
-        if variant != "fs-store":
+        if tier_role(variant) != "store":
             for i in (1, 2):
                 eng.reset()
                 ttft_round(f"hit-{i}")
             eng.reset()
             ttft_round("tokens-hit", CHECK_TOKENS)
-    if variant != "fs-load" and only != "ttft":
+    if tier_role(variant) != "load" and only != "ttft":
         decode_rounds(eng, emit, stats)
     emit("end", [], wall_s=round(time.monotonic() - t0, 1))
 
@@ -691,6 +717,8 @@ def engines(a) -> int:
     for v in a.variants:
         if v == "fs-store":
             shutil.rmtree(os.path.join(a.work, "fs_r0"), ignore_errors=True)
+        if v == "nixltier-store":
+            shutil.rmtree(os.path.join(a.work, "nixltier"), ignore_errors=True)
         store = store_of(v, a.work)
         if not reuses(v):  # its own store, new
             shutil.rmtree(store, ignore_errors=True)
@@ -773,6 +801,12 @@ def report(a) -> int:
         ("(c) connector, GDS_MT, O_DIRECT file", "gds-od", ("hit-1", "hit-2")),
         ("(d) vLLM CPU offload + fs tier (O_DIRECT), new engine", "fs-load", ("hit-1",)),
         ("vLLM CPU offload, DRAM hit (same engine)", "fs-load", ("cpu-hit",)),
+        (
+            "vLLM CPU offload + NixlFileTier (page-cache files), new engine",
+            "nixltier-load",
+            ("hit-1",),
+        ),
+        ("vLLM CPU offload, DRAM hit, NixlFileTier engine", "nixltier-load", ("cpu-hit",)),
         ("store round (recompute + stores posted), IO_URING_DMABUF", "iud-pc", ("store",)),
     ]
     rec = {

@@ -1,7 +1,7 @@
 """vLLM KV-offload tier: stores and loads KV chunks between vLLM's CPU primary tier and files
 through NIXL, with the NIXL backend IO_URING_DMABUF.
 
-vLLM 0.33 has no NIXL file tier in tree; its multi-tier offloading (TieringOffloadingSpec) loads
+vLLM 0.33 and 0.34 have no NIXL file tier in tree; their multi-tier offloading (TieringOffloadingSpec) loads
 out-of-tree tiers named by a `secondary_tiers` entry with `type` (the class name) and
 `module_path` (vllm/v1/kv_offload/tiering/factory.py, SecondaryTierFactory.get_tier_class; the
 other keys of the entry are passed to the constructor). Configuration:

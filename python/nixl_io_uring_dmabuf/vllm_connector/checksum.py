@@ -11,6 +11,7 @@ damage (zeroed, torn, misplaced or flipped data), not an adversary.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -95,16 +96,18 @@ class PendingSums:
         return fold_columns(s[0], s[1])
 
 
+@functools.cache
 def _triton_page_sums():
     """The page sums as one Triton kernel (one program per (block, page), reading each page once),
-    or None where Triton is not installed. Built on first use."""
+    or None where Triton is not installed. Built once per process, so it is compiled once (at
+    the worker's self-check), and not specialized on the job's block count."""
     try:
         import triton
         import triton.language as tl
     except ImportError:
         return None
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows", "n_pages"])
     def page_sums(addrs, words, strides, rows, out, n_rows, n_pages, BLOCK: tl.constexpr):
         i = tl.program_id(0)  # the block's position in the job
         p = tl.program_id(1)  # the page (layer)

@@ -81,6 +81,7 @@ class Part:
     over: bool = False  # DONE, failed, or never posted
     error: Exception | None = None
     sums: object = None  # a load's pending checksums of this part
+    got: list[int] | None = None  # ... and their values, once they are in
 
 
 def parts_of(slots: np.ndarray, blocks_per_part: int) -> list[np.ndarray]:

@@ -290,6 +290,10 @@ class RankStore:
                 part.error = part.error or RuntimeError(f"NIXL transfer state {state}")
             elif not job.store:
                 part.sums = self._start_sums(job, job.blocks[part.pos])
+        if not job.store:  # fold the checksums that are in while later parts still move
+            for part in job.parts:
+                if part.got is None and part.sums is not None and part.sums.done():
+                    part.got = part.sums.result()
         return not job.in_flight()
 
     def _advance(self, job: Job) -> Result | None:
@@ -403,7 +407,8 @@ class RankStore:
             return res
         got = [0] * len(job.blocks)
         for part in job.parts:
-            for i, h in zip(part.pos.tolist(), part.sums.result()):
+            values = part.got if part.got is not None else part.sums.result()
+            for i, h in zip(part.pos.tolist(), values):
                 got[i] = h
         bad = [i for i, (g, e) in enumerate(zip(got, job.expected)) if g != e]
         if bad:

