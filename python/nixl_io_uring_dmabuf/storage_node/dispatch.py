@@ -58,8 +58,7 @@ class Dispatcher:
         try:
             m = P.decode(raw)
         except P.ProtocolError as e:
-            self.counters.bad_messages += 1
-            log(f"ignoring a message from {client}: {e}")
+            self._ignore(client, "a message", e)
             return
         c = self._client(client, now)
         if m.kind == P.PING:
@@ -83,15 +82,17 @@ class Dispatcher:
                     self.pipeline.fail(a, "cancelled by the client")
                     break
             return
+        self._ignore(client, f"a {m.kind!r} message", "only clients' messages are accepted")
+
+    def _ignore(self, client: str, what: str, why) -> None:
         self.counters.bad_messages += 1
-        log(f"ignoring a {m.kind!r} message from {client}: only clients' messages are accepted")
+        log(f"ignoring {what} from {client}: {why}")
 
     def _on_request(self, client: str, c: ClientState, m: P.Message, now: float) -> None:
         try:
             req = P.decode_request(m)
         except P.ProtocolError as e:
-            self.counters.bad_messages += 1
-            log(f"ignoring a request from {client}: {e}")
+            self._ignore(client, "a request", e)
             return
         md = P.MdExchange.of(m.header)
         if req.instance and c.instance and req.instance != c.instance:
