@@ -714,7 +714,7 @@ def engines(a) -> int:
     results = os.path.join(a.work, "results.jsonl")
     rc = 0
     reused = {store_of(v, a.work) for v in a.variants if reuses(v)}
-    for v in a.variants:
+    for i, v in enumerate(a.variants):
         if v == "fs-store":
             shutil.rmtree(os.path.join(a.work, "fs_r0"), ignore_errors=True)
         if v == "nixltier-store":
@@ -722,6 +722,10 @@ def engines(a) -> int:
         store = store_of(v, a.work)
         if not reuses(v):  # its own store, new
             shutil.rmtree(store, ignore_errors=True)
+        elif not os.path.isdir(store):  # a hit from storage needs what its owner stored
+            print(f"== {v}: no store at {store}: run {reuses(v)} before it, in the same call")
+            rc = 1
+            continue
         # an earlier engine's counters (run_variant)
         for d in ("/dev/shm", a.work, os.environ.get("IUD_VLLM_BENCH_STATS_DIR") or a.work):
             for old in glob.glob(os.path.join(d, f"iud-stats-{v}.*")):
@@ -734,8 +738,9 @@ def engines(a) -> int:
         )
         print(f"== {v}: rc {p.returncode}, {time.monotonic() - t0:.0f} s", flush=True)
         rc |= p.returncode
-        if reuses(v) or store not in reused:  # the disk holds one store at a time
-            shutil.rmtree(store, ignore_errors=True)
+        later = {store_of(x, a.work) for x in a.variants[i + 1 :] if reuses(x)}
+        if store not in later and (reuses(v) or store not in reused):
+            shutil.rmtree(store, ignore_errors=True)  # the disk holds one store at a time
     return rc
 
 
