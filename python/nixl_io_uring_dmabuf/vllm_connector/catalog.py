@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -98,6 +98,10 @@ class Catalog:
         self._owed: list[Entry] = []  # dropped, TOMB not written yet: slot not reusable
         self._log_failing = False
         self.stats = collections.Counter()
+        # Told of every change of the served set (vLLM's KV events, manager.py):
+        # notify(removed, keys) when blocks become loadable (False) or leave the index (True).
+        # Blocks the replay finds at start-up are not reported here (committed() lists them).
+        self.notify: Callable[[bool, list[bytes]], None] | None = None
         self._replay()
 
     # ---- start-up ------------------------------------------------------------------------
@@ -210,6 +214,7 @@ class Catalog:
             v.dropped = True
             self._free.append(v.slot)
         self.stats["evicted"] += len(victims)
+        self._notify(True, [v.key for v in victims])
         accepted = []
         for k in todo:
             e = Entry(k, self._free.pop(), self._next_gen)
@@ -222,7 +227,7 @@ class Catalog:
     def complete_store(self, keys: Iterable[bytes]) -> list[bytes]:
         """The keys whose stores every rank committed; the others' slots are freed."""
         self._pull()
-        done, tombs = [], []
+        done, tombs, made = [], [], []
         for k in keys:
             e = self._storing.pop(k, None)
             if e is None:
@@ -233,6 +238,7 @@ class Catalog:
             if self._all_committed(e, recs):
                 self._make_ready(e, recs)
                 done.append(k)
+                made.append(k)
             else:
                 logger.warning(
                     "KV store: store of slot %d (gen %d) was not committed by every "
@@ -251,6 +257,7 @@ class Catalog:
                     self._free.append(e.slot)
         if tombs or self._owed:
             self._tomb(tombs)
+        self._notify(False, made)
         return done
 
     def prepare_load(self, keys: Iterable[bytes]) -> list[LoadItem]:
@@ -283,7 +290,8 @@ class Catalog:
         """Drops every committed block no load holds (vLLM's reset_cache)."""
         victims = [e for e in self._ready.values() if e.pins == 0]
         for e in victims:
-            self._drop(e)
+            self._drop(e, notify=False)
+        self._notify(True, [e.key for e in victims])
         self._tomb(victims)
 
     def committed(self) -> list[bytes]:
@@ -315,6 +323,7 @@ class Catalog:
         """Stores every rank has committed but vLLM has not completed yet (it reports them a
         step later) become ready now, so a full store can evict them; their data is on file."""
         self._pull()
+        made = []
         for sg, recs in list(self._pending.items()):
             e = self._by_slot_gen.get(sg)
             if e is None or e.ready or not self._all_committed(e, recs):
@@ -322,6 +331,8 @@ class Catalog:
             del self._storing[e.key]
             del self._pending[sg]
             self._make_ready(e, recs)
+            made.append(e.key)
+        self._notify(False, made)
 
     def _pull(self) -> None:
         """New records of the workers' journals: commits of stores in flight, damage found by
@@ -345,13 +356,18 @@ class Catalog:
                     self._drop(e)
                     self._tomb([e])
 
-    def _drop(self, e: Entry) -> None:
+    def _drop(self, e: Entry, notify: bool = True) -> None:
         """Out of the index at once; the caller writes its TOMB (_tomb), which frees the slot."""
-        self._ready.pop(e.key, None)
+        if self._ready.pop(e.key, None) is not None and notify:
+            self._notify(True, [e.key])
         self._by_slot_gen.pop((e.slot, e.gen), None)
         e.dropped = True
         if e.pins:  # a load still reads it: the slot comes free when vLLM completes that load
             self._parked[e.key] = e
+
+    def _notify(self, removed: bool, keys: list[bytes]) -> None:
+        if keys and self.notify is not None:
+            self.notify(removed, keys)
 
     def _tomb(self, entries: list[Entry]) -> bool:
         """Writes the TOMBs of `entries` and of those still owed from a failed write, in one

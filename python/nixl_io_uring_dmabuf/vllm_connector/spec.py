@@ -101,7 +101,8 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
                     self.manifest(),
                     durable=c.durable,
                     verify_on_lookup=c.verify_on_lookup,
-                )
+                ),
+                events=self.kv_events_config.enable_kv_cache_events,
             )
         return self._manager
 
