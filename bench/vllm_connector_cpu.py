@@ -16,9 +16,9 @@ each engine in a new process: A = the prompts on an empty store, max_tokens 64 (
 it decodes); B = the same prompts on A's store, max_tokens 1, each prompt twice in a row in the
 same engine: the first a hit from storage, the second vLLM's own prefix-cache hit (the floor),
 paired in time on a busy machine. Baselines without a connector: each prompt twice at
-max_tokens 1 (recompute, then the prefix-cache hit) and the prompts once at 64. TTFT = one prompt's `generate(max_tokens=1)` time; the table
-gives the median over prompts, then over rounds. Job times are from post to the engine-step poll
-that saw the job DONE. Needs ci/build.sh and ci/clients-setup.sh.
+max_tokens 1 (recompute, then the prefix-cache hit) and the prompts once at 64. TTFT = one
+prompt's `generate(max_tokens=1)` time; the table gives the median over prompts, then over
+rounds. Job times are from post to the engine-step poll that saw the job DONE. Needs ci/build.sh and ci/clients-setup.sh.
 """
 
 from __future__ import annotations
@@ -303,8 +303,9 @@ def write_report(a, rows, base, refused, loads, t0, t1, versions, code) -> None:
         "32 KiB per block), store on ext4 (page cache), buffered.",
         "",
         f"Code: HEAD {code['head']}; the connector's wheel from {code['wheel']}, the plugin "
-        f"from target/release (ci/build.sh, built {code['so_built']}); uncommitted in src/, bench/, tests/python/clients/ "
-        f"(and python/ with --worktree) when the wheel was built: {changed}.",
+        f"from target/release (ci/build.sh, built {code['so_built']}); uncommitted in src/, "
+        f"bench/, tests/python/clients/ (and python/ with --worktree) when the wheel was built: "
+        f"{changed}.",
         "",
         "Command: `python3 bench/vllm_connector_cpu.py --out <this file> "
         f"--prompts {a.prompts} --words {a.words} --reps {a.reps}"
@@ -327,10 +328,10 @@ def write_report(a, rows, base, refused, loads, t0, t1, versions, code) -> None:
         "lookup, and in KV memory after the load.",
         "",
         "| | TTFT, prefix hit from storage | TTFT, vLLM prefix-cache hit, same engine (floor) | "
-        "TTFT, recompute (no connector) | recompute / hit | hit / floor, paired | the engine's first prompt | tokens from storage "
-        "| engine thread per store job | per load job | store GB/s | load GB/s | decode 64 "
-        "tokens x prompts, with stores | same, no connector | blocks checked / damaged | tokens "
-        "equal to no connector |",
+        "TTFT, recompute (no connector) | recompute / hit | hit / floor, paired | the engine's "
+        "first prompt | tokens from storage | engine thread per store job | per load job | "
+        "store GB/s | load GB/s | decode 64 tokens x prompts, with stores | same, no connector | "
+        "blocks checked / damaged | tokens equal to no connector |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     rec = med(base["ttft"])
