@@ -18,7 +18,8 @@ same engine: the first a hit from storage, the second vLLM's own prefix-cache hi
 paired in time on a busy machine. Baselines without a connector: each prompt twice at
 max_tokens 1 (recompute, then the prefix-cache hit) and the prompts once at 64. TTFT = one
 prompt's `generate(max_tokens=1)` time; the table gives the median over prompts, then over
-rounds. Job times are from post to the engine-step poll that saw the job DONE. Needs ci/build.sh and ci/clients-setup.sh.
+rounds. Job times are from post to the engine-step poll that saw the job DONE. Needs ci/build.sh
+and ci/clients-setup.sh.
 """
 
 from __future__ import annotations
