@@ -12,7 +12,8 @@ that a new engine rebuilds from the store's journals. docs/vllm-connector.md has
 parameters, the store format and the limits.
 
 Modules: config (parameters), layout (geometry, files, manifest), journal (records), checksum,
-catalog (the scheduler's index; no vLLM), rankstore (one rank's NIXL transfers; no vLLM),
+catalog (the scheduler's index; no vLLM), rankstore (one rank's NIXL transfers; no vLLM) over
+jobs (a job's records and parts) and transfers (its NIXL agent),
 versions (supported vLLM releases and their worker API), kv_views (vLLM's KV memory and a job's
 device side as KV rows), load_store_specs (what a job hands the workers), manager, worker, spec
 (the OffloadingSpec vLLM loads), connector (the subclass that reports damaged loads to vLLM for
