@@ -39,6 +39,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path[:0] = [os.path.join(REPO, "tests", "python", "clients"), os.path.join(REPO, "python")]
 import clients_env as E  # noqa: E402
 import vllm_engine as VE  # noqa: E402
+from nixl_io_uring_dmabuf.vllm_connector.config import kv_transfer_config  # noqa: E402
 
 # name -> (NIXL backend, its parameters). The second variant leaves the engine's thread only
 # the post: buffered writes and cached reads go to the plugin's ring and page-cache workers.
@@ -80,20 +81,10 @@ def connector_config(name: str, store: str, capacity: int) -> dict:
             "kv_connector_extra_config": extra,
         }
     backend, params = VARIANTS[name]
-    return {  # the README's configuration, page-cache files
-        "kv_connector": "NixlStorageOffloadingConnector",
-        "kv_connector_module_path": "nixl_io_uring_dmabuf.vllm_connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "NixlStorageOffloadingSpec",
-            "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
-            "path": store,
-            "capacity_bytes": capacity,
-            "backend": backend,
-            "backend_params": params,
-        },
-    }
+    # the README's configuration, page-cache files
+    return kv_transfer_config(
+        path=store, capacity_bytes=capacity, backend=backend, backend_params=params
+    )
 
 
 def refusal(err: str) -> dict:

@@ -244,26 +244,20 @@ def kv_config(variant: str, work: str) -> dict | None:
                 "secondary_tiers": [tier],
             },
         }
-    # The subclass with vLLM's recompute policy, and no scheduler-side read on lookup: the
-    # configuration docs/vllm-connector.md gives for storage-bound loads (the worker still checks
-    # every block after every load).
-    return {
-        "kv_connector": "NixlStorageOffloadingConnector",
-        "kv_connector_module_path": "nixl_io_uring_dmabuf.vllm_connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "NixlStorageOffloadingSpec",
-            "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
-            "path": store,
-            "capacity_gb": 24,
-            "backend": backend,
-            "o_direct": direct,
-            "verify_on_lookup": False,
-            "backend_params": params,
-            **extra,
-        },
-    }
+    from nixl_io_uring_dmabuf.vllm_connector.config import kv_transfer_config
+
+    # The README's configuration, and no scheduler-side read on lookup: the configuration
+    # docs/vllm-connector.md gives for storage-bound loads (the worker still checks every block
+    # after every load).
+    return kv_transfer_config(
+        path=store,
+        capacity_gb=24,
+        backend=backend,
+        o_direct=direct,
+        verify_on_lookup=False,
+        backend_params=params,
+        **extra,
+    )
 
 
 def reuses(variant: str) -> str | None:

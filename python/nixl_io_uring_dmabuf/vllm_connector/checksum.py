@@ -247,12 +247,7 @@ class TorchRows:
         pages = [4096, 2048]
         host = [gen.integers(-128, 128, size=(3, p), dtype=np.int8) for p in pages]
         host[0][0, :2] = [0, -128]  # the word -32768, times the largest weight used here
-        rows = TorchRows(
-            [t.as_tensor(x).to(dev) for x in host],
-            pages,
-            1 << 12,
-            "triton" if self._kernel else "torch",
-        )
+        rows = TorchRows([t.as_tensor(x).to(dev) for x in host], pages, 1 << 12, self.kernel)
         got = rows.block_sums(np.array([2, 0, 1]))
         want = [fold(page_sums(host[p][b].view(np.uint8)) for p in range(2)) for b in (2, 0, 1)]
         if got != want:

@@ -29,6 +29,23 @@ VLLM_KEYS = frozenset(
 IUD_DEFAULT_PARAMS = {"inline_write_max": "0", "page_cache_caller_reads": "false"}
 
 
+def kv_transfer_config(**extra: Any) -> dict:
+    """vLLM's `kv_transfer_config` for the connector as the README gives it (the subclass with
+    vLLM's recompute policy); `extra`: the keys of its kv_connector_extra_config (path,
+    capacity_gb, o_direct, backend_params, ...)."""
+    return {
+        "kv_connector": "NixlStorageOffloadingConnector",
+        "kv_connector_module_path": "nixl_io_uring_dmabuf.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": "NixlStorageOffloadingSpec",
+            "spec_module_path": "nixl_io_uring_dmabuf.vllm_connector",
+            **extra,
+        },
+    }
+
+
 def _bool(key: str, v: Any) -> bool:
     if isinstance(v, bool):
         return v
