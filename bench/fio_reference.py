@@ -40,7 +40,7 @@ def fio_job(fio, path, span, seconds, flags):
     return json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
 
 
-def run_fio(fio, path, op, block, depth, seconds, span):
+def run_fio(fio, path, op, block, depth, seconds, span, numjobs=1):
     job = fio_job(
         fio,
         path,
@@ -54,6 +54,10 @@ def run_fio(fio, path, op, block, depth, seconds, span):
             f"--rw={op}",
             f"--bs={block}",
             f"--iodepth={depth}",
+            # several submitters on one device: a loop or md device serves each queue in its
+            # own worker, so one fio thread may not reach what the device gives
+            f"--numjobs={numjobs}",
+            "--group_reporting=1",
         ],
     )
     return job["read" if op == "read" else "write"]["bw_bytes"] / 1e9
@@ -130,8 +134,10 @@ def main():
         help="page-cache reads by pread threads instead of O_DIRECT",
     )
     ap.add_argument("--jobs", default="1,8,16", help="--buffered: thread counts")
-    ap.add_argument("--ops", default="read", help="--buffered: read and/or write")
+    ap.add_argument("--ops", help="read and/or write (default: read,write; --buffered: read)")
+    ap.add_argument("--numjobs", default="1", help="O_DIRECT: submitting threads, e.g. 1,4")
     a = ap.parse_args()
+    a.ops = a.ops or ("read" if a.buffered else "read,write")
     path = os.path.join(a.dir, f"iud-fio-ref-{os.getpid()}")
     if a.buffered:
         try:
@@ -161,22 +167,24 @@ def main():
     )
     print(
         f"command: python3 bench/fio_reference.py --fio {a.fio} --dir {a.dir} (io_uring, fixedbufs, registerfiles, "
-        f"depths {a.depths}, {a.seconds} s each, {a.span // MiB} MiB span)\n"
+        f"depths {a.depths}, threads {a.numjobs}, {a.seconds} s each, {a.span // MiB} MiB span)\n"
     )
-    print("| op | block | best fio GB/s | at depth | all depths GB/s |")
+    print("| op | block | best fio GB/s | at depth x threads | all GB/s @depth x threads |")
     print("|---|---|---|---|---|")
     try:
-        for op in ("read", "write"):
+        for op in a.ops.split(","):
             for block in [int(s) for s in a.sizes.split(",")]:
                 depths = [
                     d for d in (int(x) for x in a.depths.split(",")) if d * block <= 4 * a.span
                 ] or [1]
                 got = []
                 for d in depths:
-                    try:
-                        got.append((run_fio(a.fio, path, op, block, d, a.seconds, a.span), d))
-                    except (RuntimeError, subprocess.TimeoutExpired) as e:
-                        print(f"<!-- {op} {block} depth {d}: {e} -->")
+                    for j in (int(x) for x in a.numjobs.split(",")):
+                        try:
+                            gbs = run_fio(a.fio, path, op, block, d, a.seconds, a.span, j)
+                            got.append((gbs, f"{d}x{j}"))
+                        except (RuntimeError, subprocess.TimeoutExpired) as e:
+                            print(f"<!-- {op} {block} depth {d} threads {j}: {e} -->")
                 if got:
                     best = max(got)
                     detail = ", ".join(f"{g:.2f}@{d}" for g, d in got)

@@ -110,6 +110,8 @@ VARIANTS = {
     # a new engine on iud-pc-light's store (run it after iud-pc-light in the same call): the
     # prefix hit from storage, then slots damaged after the engine's lookup, recomputed
     "iud-reload": ("nixl", "IO_URING_DMABUF", False, LIGHT, {REUSES: "iud-pc-light"}),
+    # the same on iud-od's O_DIRECT store: a new engine's hit from the device, not the page cache
+    "iud-od-reload": ("nixl", "IO_URING_DMABUF", True, {}, {REUSES: "iud-od"}),
     "fs-store": ("fs", None, True),
     "fs-load": ("fs", None, True),
     # vLLM's TieringOffloadingSpec: its CPU tier in front, the project's NixlFileTier (page-cache
@@ -616,7 +618,7 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
         ttft_round("tokens-recompute", CHECK_TOKENS)
         ttft_round("tokens-gpu-hit", CHECK_TOKENS)
         ttft_round("gpu-hit")
-    elif base_variant(variant) == "iud-reload":
+    elif reuses(variant):
         ttft_round("hit-new-engine")  # storage -> GPU in an engine that stored nothing
         eng.reset()
         ttft_round("tokens-hit", CHECK_TOKENS)
@@ -738,13 +740,24 @@ def engines(a) -> int:
     return rc
 
 
-def load(work: str) -> list[dict]:
-    with open(os.path.join(work, "results.jsonl")) as f:
+def load(path: str) -> list[dict]:
+    """The rows of a results.jsonl, or of the one in a work folder."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "results.jsonl")
+    with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+TOKEN_ROUNDS = ("tokens-recompute", "tokens-gpu-hit")
 
 
 def report(a) -> int:
     recs = load(a.work)
+    if a.ref and not any(r["variant"] == "plain" for r in recs):
+        # Only the reference tokens of an earlier run of the same model and prompts: a call
+        # that runs no plain engine still checks every hit's tokens.
+        recs = [r for r in load(a.ref) if r["variant"] == "plain" and r["round"] in TOKEN_ROUNDS]
+        recs += load(a.work)
     by = {}
     for r in recs:
         by.setdefault((r["variant"], r["round"]), []).append(r)
@@ -797,6 +810,11 @@ def report(a) -> int:
             ("hit-new-engine",),
         ),
         ("(c) connector, IO_URING_DMABUF, O_DIRECT file", "iud-od", ("hit-1", "hit-2")),
+        (
+            "(c) connector, IO_URING_DMABUF, O_DIRECT file, new engine",
+            "iud-od-reload",
+            ("hit-new-engine",),
+        ),
         ("(c) connector, GDS_MT, O_DIRECT file", "gds-od", ("hit-1", "hit-2")),
         ("(d) vLLM CPU offload + fs tier (O_DIRECT), new engine", "fs-load", ("hit-1",)),
         ("vLLM CPU offload, DRAM hit (same engine)", "fs-load", ("cpu-hit",)),
@@ -994,6 +1012,9 @@ def main() -> int:
     r = sub.add_parser("report")
     r.add_argument("--work", required=True)
     r.add_argument("--out")
+    r.add_argument(
+        "--ref", help="results.jsonl whose plain engine's tokens to check against, if none here"
+    )
     c = sub.add_parser("child")
     c.add_argument("variant")
     c.add_argument("model")

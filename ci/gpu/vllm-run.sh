@@ -5,7 +5,16 @@
 #   bash ci/gpu/vllm-run.sh model-bg         make the random Llama-3.1-8B-shaped model in the
 #                                            background (setsid: it outlives the call)
 #   bash ci/gpu/vllm-run.sh engines V...     bench/vllm_connector_gpu.py's variants, in order
-#   bash ci/gpu/vllm-run.sh report           the table, into $OUT/vllm-gpu.md
+#   bash ci/gpu/vllm-run.sh report           the table, into $OUT/vllm-gpu[-LABEL].md
+#   bash ci/gpu/vllm-run.sh probe            what the machine offers for block devices (loop,
+#                                            md, tmpfs O_DIRECT), into $OUT/machine-probe.txt
+#   bash ci/gpu/vllm-run.sh memdisk N GIB    N loop devices over files in a tmpfs (memory-speed
+#                                            block devices, GIB in all), striped into one md
+#                                            RAID0 when N > 1, ext4 on top: later steps work
+#                                            there (LABEL memN)
+#   bash ci/gpu/vllm-run.sh disk             later steps work on the machine's disk again
+#   bash ci/gpu/vllm-run.sh fio              fio's O_DIRECT reads in the work folder's file
+#                                            system, into $OUT/fio-LABEL.md
 # Steps can follow each other in one call: `... stash model-bg`. Made by ci/gpu/vllm-prepare.sh
 # here; everything stays on the machine while it is held (the device tool keeps it warm 30 s).
 set -uo pipefail
@@ -14,6 +23,7 @@ H=${IUD_VLLM_HOME:-/root/iud-vllm}
 OUT=${OUT:-/tmp/iud-vllm-out}
 MODEL=$H/model
 WORK=$H/work
+LABEL=disk
 # The package and benchmark to run: this checkout's, or a snapshot of a commit carried in an
 # ignored folder (IUD_SRC=.device/snap), when the checkout may hold work in progress.
 SRC=$(realpath "${IUD_SRC:-.}")
@@ -48,6 +58,10 @@ stash() {
     # A plugin built after the parts were made (ci/gpu/prepare.sh), carried beside them: it
     # replaces the parts' copy.
     [ -f .device/gpu/libplugin_IO_URING_DMABUF.so ] && cp -f .device/gpu/libplugin_IO_URING_DMABUF.so "$H/.plugin-new"
+    # Tools for the memdisk and fio steps, kept on the machine for later calls: fio
+    # (ci/gpu/build-fio.sh) and an mdadm binary for machines without one.
+    [ -x .device/gpu/fio/fio ] && cp -f .device/gpu/fio/fio "$H/fio"
+    [ -x .device/extra/mdadm ] && cp -f .device/extra/mdadm "$H/mdadm"
     ls -la "$H/parts"
     [ -f "$H/.unpacked" ] && return 0
     local p
@@ -69,11 +83,86 @@ engines() {
     python3 "$SRC/bench/vllm_connector_gpu.py" engines --model "$MODEL" --work "$WORK" "$@" 2>&1 \
         | tee -a "$OUT/vllm-engines.log" | grep -E '^\[|^==|Error|error|Traceback' | cut -c1-600
     local r=${PIPESTATUS[0]}
-    python3 "$SRC/bench/vllm_connector_gpu.py" report --work "$WORK" --out "$OUT/vllm-gpu.md" >/dev/null
-    cp -f "$WORK/results.jsonl" "$OUT/" 2>/dev/null
+    report >/dev/null
     return "$r"
 }
 
+# The table of the current work folder; tokens are checked against an earlier plain engine's
+# (IUD_VLLM_REF, a results.jsonl carried in the checkout) when this folder has none.
+report() {
+    local ref=${IUD_VLLM_REF:-}
+    python3 "$SRC/bench/vllm_connector_gpu.py" report --work "$WORK" --out "$OUT/vllm-gpu-$LABEL.md" \
+        ${ref:+--ref "$ref"} || return 1
+    cp -f "$WORK/results.jsonl" "$OUT/results-$LABEL.jsonl" 2>/dev/null
+    return 0
+}
+
+probe() {
+    {
+        date -u; uname -r; nvidia-smi -L
+        grep -E 'MemTotal|MemAvailable' /proc/meminfo; df -h /root | tail -1
+        modprobe raid0 2>&1; modprobe loop 2>&1
+        ls /sys/module | grep -E '^(md_mod|raid0|loop|dm_mod)$'
+        cat /proc/mdstat 2>&1
+        command -v mdadm losetup mkfs.ext4 dmsetup
+        "$MDADM" --version 2>&1
+        losetup --version
+        mkdir -p /dev/shm/iud-dio && python3 -c 'import os, sys
+try:
+    os.close(os.open(sys.argv[1], os.O_CREAT | os.O_RDWR | os.O_DIRECT)); print("tmpfs O_DIRECT: yes")
+except OSError as e:
+    print("tmpfs O_DIRECT:", e)' /dev/shm/iud-dio/f
+        rm -rf /dev/shm/iud-dio
+    } >"$OUT/machine-probe.txt" 2>&1
+    cat "$OUT/machine-probe.txt"
+}
+
+# Removes every memory disk this script made (mounts, md arrays, loop devices, tmpfs).
+memdisk_off() {
+    local m d
+    for m in /mnt/iud-mem*; do mountpoint -q "$m" && umount "$m"; done
+    [ -e "$MD" ] && "$MDADM" --stop "$MD"
+    losetup -j /mnt/iud-tmpfs/mem* 2>/dev/null | cut -d: -f1 | xargs -r -n1 losetup -d
+    mountpoint -q /mnt/iud-tmpfs && umount /mnt/iud-tmpfs
+    return 0
+}
+
+memdisk() {
+    local n=$1 gib=$2 t=/mnt/iud-tmpfs m dev i devs=()
+    LABEL=mem$n
+    m=/mnt/iud-$LABEL
+    WORK=$m/work
+    mountpoint -q "$m" && { mkdir -p "$WORK"; return 0; }
+    memdisk_off
+    mkdir -p "$t" "$m"
+    mount -t tmpfs -o "size=$((gib + 1))g" tmpfs "$t" || return 1
+    for i in $(seq 1 "$n"); do
+        truncate -s "$((gib * 1024 / n))M" "$t/$LABEL-$i.img"
+        # direct I/O to the backing file where tmpfs takes it (kernel 6.6+), else its page cache
+        dev=$(losetup --find --show --direct-io=on "$t/$LABEL-$i.img" 2>/dev/null) \
+            || dev=$(losetup --find --show "$t/$LABEL-$i.img") || return 1
+        devs+=("$dev")
+    done
+    dev=${devs[0]}
+    if [ "$n" -gt 1 ]; then
+        "$MDADM" --create "$MD" --run --level=0 --chunk=512 --metadata=1.2 \
+            --raid-devices="$n" "${devs[@]}" || return 1
+        dev=$MD
+    fi
+    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$dev" && mount "$dev" "$m" || return 1
+    mkdir -p "$WORK"
+    { losetup -l; cat /proc/mdstat; grep "$m" /proc/mounts; } 2>&1 | tee -a "$OUT/vllm-machine.txt"
+}
+
+fio_here() {
+    # reads only (what a load waits for), block sizes around the connector's slot reads
+    timeout 200 python3 bench/fio_reference.py --fio "$H/fio" --dir "$WORK" --ops read \
+        --sizes 1048576,2097152,8388608 --depths 16,64 --numjobs 1,4 --span $((2 << 30)) \
+        2>&1 | tee "$OUT/fio-$LABEL.md"
+}
+
+MDADM=$(command -v mdadm || echo "$H/mdadm")
+MD=/dev/md100  # a number: mdadm makes the node itself where no udev runs
 rc=0
 while [ $# -gt 0 ]; do
     step=$1; shift
@@ -84,10 +173,12 @@ while [ $# -gt 0 ]; do
             > "$H/model.log" 2>&1 < /dev/null &
         ;;
     engines) engines "$@" || rc=1; break ;;   # the rest of the arguments are variants
-    report)
-        python3 "$SRC/bench/vllm_connector_gpu.py" report --work "$WORK" --out "$OUT/vllm-gpu.md" || rc=1
-        cp -f "$WORK/results.jsonl" "$OUT/" 2>/dev/null
-        ;;
+    report) report || rc=1 ;;
+    probe) probe ;;
+    memdisk) memdisk "$1" "$2" || { echo "memdisk $1 $2 failed"; rc=1; break; }; shift 2 ;;
+    disk) LABEL=disk WORK=$H/work ;;
+    memdisk-off) memdisk_off ;;
+    fio) fio_here || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
     esac
 done
