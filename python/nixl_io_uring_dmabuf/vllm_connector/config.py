@@ -66,7 +66,9 @@ class StoreConfig:
     (survives power loss; costs the worker a sync per store job). verify_on_lookup: the
     scheduler reads and checks a block from storage the first time it would answer HIT for it
     in this process (see docs/vllm-connector.md). max_file_bytes: size of one slot file.
-    slot_files: slot files per rank at least (consecutive slots go to different files)."""
+    slot_files: slot files per rank at least (consecutive slots go to different files).
+    store_queue_s: the most store work in flight, in seconds at the rate storage has lately
+    shown; blocks beyond it are not stored (backpressure.py); 0: no limit."""
 
     path: str
     capacity_bytes: int
@@ -78,6 +80,7 @@ class StoreConfig:
     max_file_bytes: int = 64 << 30
     slot_files: int = 8
     preallocate: bool = True
+    store_queue_s: float = 1.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> StoreConfig:
@@ -93,6 +96,7 @@ class StoreConfig:
             "max_file_gb",
             "preallocate",
             "slot_files",
+            "store_queue_s",
         }
         unknown = sorted(k for k in extra if k not in ours and k not in VLLM_KEYS)
         if unknown:
@@ -129,6 +133,12 @@ class StoreConfig:
                 "kv_connector_extra_config['slot_files'] must be a positive "
                 f"integer, not {slot_files!r}"
             )
+        queue_s = extra.get("store_queue_s", 1.0)
+        if isinstance(queue_s, bool) or not isinstance(queue_s, (int, float)) or queue_s < 0:
+            raise ValueError(
+                "kv_connector_extra_config['store_queue_s'] must be a number of seconds >= 0 "
+                f"(0: no limit), not {queue_s!r}"
+            )
         backend = str(extra.get("backend", "IO_URING_DMABUF"))
         # JSON true/false arrive as Python bools; str() would give "True", which NIXL's own
         # backends need not accept
@@ -148,4 +158,5 @@ class StoreConfig:
             max_file_bytes=max_file,
             slot_files=slot_files,
             preallocate=_bool("preallocate", extra.get("preallocate", True)),
+            store_queue_s=float(queue_s),
         )

@@ -25,8 +25,10 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
+from .backpressure import StoreQueue
 from .catalog import Catalog
 from .load_store_specs import NixlLoadSpec, NixlStoreSpec
+from .metrics import QueueStats
 
 # vLLM 0.34 dropped OffloadingManager.touch(): offering a stored block again marks it used.
 _OFFER_IS_USE = not hasattr(OffloadingManager, "touch")
@@ -38,10 +40,13 @@ _EVENT_HAS_REQ_CONTEXT = "req_context" in {f.name for f in dataclasses.fields(Of
 
 
 class NixlStorageManager(OffloadingManager):
-    def __init__(self, catalog: Catalog, events: bool = False):
+    def __init__(self, catalog: Catalog, events: bool = False, queue: StoreQueue | None = None):
         """events: collect KV events (the engine's kv_events_config.enable_kv_cache_events).
-        Without it nothing is collected: vLLM then never drains take_events."""
+        Without it nothing is collected: vLLM then never drains take_events. queue: the
+        stores' backpressure (backpressure.py); None: no limit."""
         self.catalog = catalog
+        self.queue = queue or StoreQueue(0, catalog.geo.rank_block_bytes)
+        self._queue_stats = QueueStats(self.queue)
         self._events: list[OffloadingEvent] | None = None
         self._ctx: ReqContext | None = None  # of the complete_store call in progress
         if events:
@@ -98,10 +103,12 @@ class NixlStorageManager(OffloadingManager):
         keys = [bytes(k) for k in keys]
         if _OFFER_IS_USE:
             self.catalog.touch(keys)
+        keys = self.queue.admit(keys, lambda k: self.catalog.slot_of(k) is not None, req_context)
         out = self.catalog.prepare_store(keys)
         if out is None:
             return None
         accepted, evicted = out
+        self.queue.started(k for k, _, _ in accepted)
         spec = NixlStoreSpec(
             [k for k, _, _ in accepted], [s for _, s, _ in accepted], [g for _, _, g in accepted]
         )
@@ -119,10 +126,14 @@ class NixlStorageManager(OffloadingManager):
         # failed, and that rank then wrote no commit): a block some rank did not commit is
         # dropped.
         self._ctx = req_context
+        self.queue.finished(bytes(k) for k in keys)
         try:
             self.catalog.complete_store([bytes(k) for k in keys])
         finally:
             self._ctx = None
+
+    def get_stats(self):
+        return self._queue_stats.take()  # backpressure counters (metrics.py)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()

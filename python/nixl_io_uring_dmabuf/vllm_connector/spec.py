@@ -9,7 +9,8 @@ import logging
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 
-from . import versions
+from . import metrics, versions
+from .backpressure import StoreQueue
 from .catalog import Catalog
 from .config import StoreConfig
 from .layout import Geometry
@@ -65,6 +66,11 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
         self._manager = None
         self._worker = None
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config) -> dict:
+        """vLLM registers these beside its own kv_offload metrics (metrics.py)."""
+        return {**super().build_metric_definitions(extra_config), **metrics.definitions()}
+
     @property
     def geometry(self) -> Geometry:
         c = self.store_config
@@ -91,18 +97,21 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             from .manager import NixlStorageManager
 
-            c = self.store_config
+            c, g = self.store_config, self.geometry
             if self.worker_api is versions.WorkerApi.DEVICE_POINTERS:
                 _note_failure_policy()
             self._manager = NixlStorageManager(
                 Catalog(
                     c.path,
-                    self.geometry,
+                    g,
                     self.manifest(),
                     durable=c.durable,
                     verify_on_lookup=c.verify_on_lookup,
                 ),
                 events=self.kv_events_config.enable_kv_cache_events,
+                queue=StoreQueue(
+                    c.store_queue_s, g.rank_block_bytes * g.blocks_per_chunk * g.world_size
+                ),
             )
         return self._manager
 
