@@ -157,13 +157,29 @@ def test_enospc_in_the_commit_append_leaves_the_journal_whole_and_stores_resume(
     cat.close()
 
 
-# ---- 2. ENOSPC writing the TOMB of an eviction ------------------------------------------------
+# ---- 2. ENOSPC writing manager.log (ALLOC and TOMB records) ----------------------------------
+
+
+def pad_to_page(path: str) -> None:
+    """Appends stale records (generation 0: every reader ignores them) until `path` ends on a
+    4096-byte boundary, so its next append needs a page the file system must give."""
+    rem = -os.path.getsize(path) % 4096
+    alloc = len(journal.alloc(b"", 0, 0, 1))
+    if rem < alloc:
+        rem += 4096
+    n, rest = divmod(rem - alloc, len(journal.tomb(0, 0)))
+    pad = [journal.tomb(0, 0)] * n + [journal.alloc(b"x" * rest, 0, 0, 1)]
+    with open(path, "ab") as f:
+        f.write(b"".join(pad))
+    assert os.path.getsize(path) % 4096 == 0
 
 
 @pytest.mark.privileged
-def test_an_eviction_whose_tomb_cannot_be_written_refuses_the_store_and_changes_nothing(
+def test_a_store_whose_alloc_cannot_be_written_is_refused_and_changes_nothing(
     small_fs, kv, backend, caplog
 ):
+    """A slot is written only once its ALLOC is on file (it also evicts what the slot held);
+    when manager.log cannot take it, the store call gives up with the index as it was."""
     root = small_fs("1m")
     geo = T.geometry(slots=8)
     cat = C.Catalog(str(root), geo)
@@ -171,7 +187,7 @@ def test_an_eviction_whose_tomb_cannot_be_written_refuses_the_store_and_changes_
     blocks = Blocks(kv)
     res, done = blocks.store(cat, store, keys(0, 8))  # full: the next store must evict
     assert res.ok and len(done) == 8
-    assert os.path.getsize(L.manager_log(str(root))) == 0  # its first TOMB needs a page
+    pad_to_page(L.manager_log(str(root)))
     filler = fill(root)
     caplog.set_level(logging.INFO, logger="nixl_io_uring_dmabuf")
     for _ in range(3):  # vLLM offers the block again at every step
@@ -190,7 +206,7 @@ def test_an_eviction_whose_tomb_cannot_be_written_refuses_the_store_and_changes_
     assert len(evicted) == 1
     store.close()
     cat.close()
-    cat = C.Catalog(str(root), geo)  # the TOMB is on file: the evicted block stays gone
+    cat = C.Catalog(str(root), geo)  # the ALLOC is on file: the evicted block stays gone
     assert sorted(cat.committed()) == sorted(set(keys(0, 8)) - evicted | {T.key(100)})
     store = T.open_rank(root, geo, kv, backend)
     blocks.check_loads(cat, store, cat.committed())
@@ -201,8 +217,9 @@ def test_an_eviction_whose_tomb_cannot_be_written_refuses_the_store_and_changes_
 @pytest.mark.privileged
 def test_a_dropped_block_keeps_its_slot_until_its_tomb_is_written(small_fs, kv, backend):
     """A block found damaged on lookup while manager.log cannot be written: a miss at once, but
-    its slot is not handed to a new store until its TOMB is on file (written with the next
-    journal write that works), so a restart never finds its COMMIT pointing at reused bytes."""
+    its slot is free to no engine until its TOMB is on file (written with the next journal write
+    that works, before that write's ALLOCs), so a restart never finds its COMMIT pointing at
+    reused bytes."""
     root = small_fs("1m")
     geo = T.geometry(slots=4)
     cat = C.Catalog(str(root), geo)
@@ -214,19 +231,23 @@ def test_a_dropped_block_keeps_its_slot_until_its_tomb_is_written(small_fs, kv, 
     with open(L.slot_file(str(root), 0, 1, fi), "r+b") as f:  # damage block 0's bytes
         f.seek(off)
         f.write(bytes(100))
+    pad_to_page(L.manager_log(str(root)))
     filler = fill(root)
     assert not cat.lookup(T.key(0))  # a miss, no exception although the TOMB is not written
-    acc, evicted = cat.prepare_store(keys(10, 12))  # two free slots are left, not slot0
-    assert evicted == [] and slot0 not in [s for _, s, _ in acc]
-    assert cat.prepare_store([T.key(12)]) is None  # slot0 is owed a TOMB: not free
-    for k, _, _ in acc:
-        cat.complete_store([k])  # never stored: freed
+    assert slot0 not in cat.table.free
+    other = C.Catalog(str(root), geo)  # another engine: block 0 is still on file, unchecked
+    assert slot0 not in other.table.free and T.key(0) in other.committed()
+    assert cat.prepare_store(keys(10, 12)) is None  # no ALLOC can be written either
     os.unlink(filler)
-    assert blocks.store(cat, store, [T.key(13)])[0].ok  # writes the owed TOMB with the next one
+    assert blocks.store(cat, store, [T.key(13)])[0].ok  # writes the owed TOMB first
+    recs, _, _ = journal.parse(open(L.manager_log(str(root)), "rb").read())
+    mine = [(r.type, r.slot, r.gen) for r in recs if r.gen]
+    assert mine.index((journal.TOMB, slot0, gen0)) < len(mine) - 1  # before the new ALLOC
+    other.refresh()  # (lookups do so at most every REFRESH_S)
+    assert other.lookup(T.key(1)) and T.key(0) not in other.committed()
+    other.close()
     store.close()
     cat.close()
-    recs, _, _ = journal.parse(open(L.manager_log(str(root)), "rb").read())
-    assert (journal.TOMB, slot0, gen0) in [(r.type, r.slot, r.gen) for r in recs]
 
 
 # ---- 3. one damaged byte in record 2 of 6 -----------------------------------------------------

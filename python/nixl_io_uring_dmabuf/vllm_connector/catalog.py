@@ -1,20 +1,26 @@
-"""The scheduler's view of the store: which block (by vLLM's offload key) is committed in which
-slot, which slots are free, LRU order and eviction, and the replay that rebuilds all of it from
-the journals when an engine starts. No vLLM and no NIXL in here.
+"""One engine's view of a store that any number of engines share: which block (by vLLM's offload
+key) is served from which slot, this engine's LRU order and pins, slot allocation and eviction.
+No vLLM and no NIXL in here.
 
-Visibility rule: a block is loadable only when every rank's worker wrote a COMMIT record for
-its (slot, gen) - written after that rank's data store completed - and no TOMB or DAMAGED
-record names that (slot, gen). `gen` is unique per store (persisted as the largest gen in any
-journal + 1 on start-up), so a stale commit can never make a reused slot look committed. A slot
-is reused only after a TOMB for its previous block is in manager.log (fdatasync'ed with
-`durable`), written before the store spec leaves the scheduler.
+The shared state lives only in the journals (slot_table.py says how records make it): this
+catalog follows them from where it last read (`refresh`: one open, fstat and read of each new
+tail), at start-up from their beginning, then before each allocation, at each completion, and
+at lookup at most every REFRESH_S. So every engine serves what any engine committed.
+
+Allocation (prepare_store) runs under manager.log's lock: read the journals to their end, take
+free slots, then slots of engines that died mid-store, then this engine's least recently used
+blocks that it does not load and that the call does not name; append an ALLOC per slot; only
+then does the store spec leave the scheduler. Another engine may evict a block this engine is
+about to load: the load then reads another block's bytes (or a torn mix), which the worker's
+check after every load finds (the block's checksum and generation are in the load spec), and
+vLLM recomputes the request. So no lease across engines is needed for correctness; the cost of
+that race is one recompute.
 
 A journal that cannot be written (full file system, EIO) never raises into vLLM: a store call
-that needs an eviction gives up (None: vLLM offers the blocks again at its next step) with the
-index unchanged; a block dropped for another reason (damage, a store not every rank committed,
-reset) leaves the index at once, but its slot stays out of use until its TOMB is written, which
-is retried with every later journal write. One log line when writing starts failing, one when it
-works again.
+gives up (None: vLLM offers the blocks again at its next step) with nothing changed; a block
+dropped for another reason (damage, a store not every rank committed, reset) leaves the index
+at once, but its slot stays out of use until its TOMB is written, which is retried with every
+later journal write. One log line when writing starts failing, one when it works again.
 """
 
 from __future__ import annotations
@@ -23,14 +29,19 @@ import collections
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 
-import numpy as np
-
-from . import checksum, journal
+from . import journal, store_version
 from . import layout as L
+from .locks import Liveness
+from .slot_check import SlotChecker
+from .slot_table import SlotTable
 
 logger = logging.getLogger(__name__)
+
+REFRESH_S = 0.01  # lookups read the journals at most this often
+_GONE_KEPT = 65536  # blocks left the index, still loadable by a lookup that saw them
 
 
 @dataclasses.dataclass
@@ -38,10 +49,7 @@ class Entry:
     key: bytes
     slot: int
     gen: int
-    ready: bool = False
     pins: int = 0
-    dropped: bool = False
-    tombed: bool = False  # its TOMB is in manager.log: the slot may be reused once unpinned
     verified: bool = False
     sums: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
@@ -63,55 +71,40 @@ class Catalog:
         durable: bool = False,
         verify_on_lookup: bool = True,
     ):
-        self.root = root
-        self.geo = geometry
-        self.verify_on_lookup = verify_on_lookup
+        self.root, self.geo, self.verify_on_lookup = root, geometry, verify_on_lookup
+        what = "vLLM KV store"
+        self._lock_fd = store_version.open_store(
+            root, geometry.manifest(**(manifest_extra or {})), what
+        )
         try:
-            os.makedirs(root, exist_ok=True)
-            self._lock_fd = journal.lock_exclusive(os.path.join(root, ".lock"), "vLLM KV store")
+            self._live = Liveness(root)
+            self._log = journal.Appender(L.manager_log(root), durable)
         except OSError as e:
-            raise L.StoreUnavailable(f"vLLM KV store: cannot open {L.explain(e, root)}") from None
-        try:
-            L.ensure_json(
-                os.path.join(root, "store.json"),
-                geometry.manifest(**(manifest_extra or {})),
-                "vLLM KV store",
-            )
-            try:
-                self._log = journal.Appender(L.manager_log(root), durable)
-            except OSError as e:
-                raise L.StoreUnavailable(
-                    "vLLM KV store: cannot open " + L.explain(e, L.manager_log(root))
-                ) from None
-        except BaseException:
             os.close(self._lock_fd)
-            raise
+            raise L.StoreUnavailable(f"{what}: cannot open {L.explain(e, root)}") from None
         W = geometry.world_size
+        self._mreader = journal.Reader(L.manager_log(root))
         self._readers = [journal.Reader(L.commits_log(root, r, W)) for r in range(W)]
-        self._ready: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
-        self._storing: dict[bytes, Entry] = {}
-        self._by_slot_gen: dict[tuple[int, int], Entry] = {}
-        self._pending: dict[tuple[int, int], dict[int, journal.Record]] = {}
-        self._parked: dict[bytes, Entry] = {}  # dropped while a load holds them
-        self._rank_pages: dict[int, list[int]] = {}
-        self._fds: dict[tuple[int, int], int] = {}
-        self._owed: list[Entry] = []  # dropped, TOMB not written yet: slot not reusable
+        self.table = SlotTable(geometry.num_slots, W)
+        self._check = SlotChecker(root, geometry)
+        self._ready: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()  # LRU
+        self._gone: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
+        self._storing: dict[bytes, Entry] = {}  # this engine's allocations in flight
+        self._owed: list[tuple[int, int]] = []  # dropped, TOMB not written yet
         self._log_failing = False
+        self._refreshed = 0.0
         self.stats = collections.Counter()
         # Told of every change of the served set (vLLM's KV events, manager.py):
-        # notify(removed, keys) when blocks become loadable (False) or leave the index (True).
-        # Blocks the replay finds at start-up are not reported here (committed() lists them).
+        # notify(removed, keys) when blocks become loadable (False) or leave the index (True),
+        # whichever engine stored or evicted them. The replay's blocks are not reported here
+        # (committed() lists them).
         self.notify: Callable[[bool, list[bytes]], None] | None = None
         self._replay()
 
     # ---- start-up ------------------------------------------------------------------------
     def _replay(self) -> None:
-        W, n = self.geo.world_size, self.geo.num_slots
-        dead = {(r.slot, r.gen) for r in self._log.records if r.type == journal.TOMB}
-        max_gen = max((r.gen for r in self._log.records), default=0)
-        commits: dict[tuple[int, int], dict[int, journal.Record]] = collections.defaultdict(dict)
-        for rank, reader in enumerate(self._readers):
-            recs = reader.read_new()  # logs each damaged range it steps over
+        self.refresh()
+        for reader in [self._mreader, *self._readers]:
             if reader.failing is not None:  # its generations are unknown: cannot start
                 self.close()
                 raise L.StoreUnavailable(
@@ -119,55 +112,28 @@ class Catalog:
                 )
             if reader.tail:
                 logger.warning(
-                    "KV store: %s ends in %d byte(s) that are no whole record (a "
-                    "torn append); ignored",
+                    "KV store: %s ends in %d byte(s) that are no whole record (a torn append, "
+                    "or one being written); ignored",
                     reader.path,
                     reader.tail,
                 )
-            for rec in recs:
-                max_gen = max(max_gen, rec.gen)
-                if rec.type == journal.COMMIT:
-                    commits[(rec.slot, rec.gen)][rank] = rec
-                elif rec.type == journal.DAMAGED:
-                    dead.add((rec.slot, rec.gen))
-        best: dict[int, tuple[int, dict[int, journal.Record]]] = {}
-        for (slot, gen), recs in commits.items():
-            keys = {rec.key for rec in recs.values()}
-            if (slot, gen) in dead or len(recs) != W or len(keys) != 1 or slot >= n:
-                continue
-            if slot not in best or best[slot][0] < gen:
-                best[slot] = (gen, recs)
-        by_key: dict[bytes, Entry] = {}
-        for slot, (gen, recs) in best.items():
-            e = Entry(
-                recs[0].key, slot, gen, ready=True, sums={r: rec.sums for r, rec in recs.items()}
-            )
-            old = by_key.get(e.key)
-            if old is None or old.gen < gen:
-                by_key[e.key] = e
-        for e in sorted(by_key.values(), key=lambda e: e.gen):  # oldest store first = LRU
-            self._ready[e.key] = e
-            self._by_slot_gen[(e.slot, e.gen)] = e
-        used = {e.slot for e in self._ready.values()}
-        self._free = [s for s in range(n - 1, -1, -1) if s not in used]
-        self._next_gen = max_gen + 1
         logger.info(
-            "KV store %s: %d committed block(s) found, %d of %d slots free (cut %d torn "
-            "byte(s) off manager.log)",
+            "KV store %s: %d committed block(s) found, %d of %d slots free",
             self.root,
             len(self._ready),
-            len(self._free),
-            n,
-            self._log.cut,
+            len(self.table.free),
+            self.geo.num_slots,
         )
 
     # ---- scheduler operations ------------------------------------------------------------
     def lookup(self, key: bytes) -> bool:
+        if time.monotonic() - self._refreshed > REFRESH_S:
+            self.refresh()
         e = self._ready.get(key)
         if e is None:
             return False
         if self.verify_on_lookup and not e.verified:
-            problem = self._verify(e)
+            problem = self._check.problem(e.slot, e.sums)
             if problem:
                 logger.warning(
                     "KV store: block in slot %d (gen %d) fails its check (%s); "
@@ -177,8 +143,8 @@ class Catalog:
                     problem,
                 )
                 self.stats["damaged"] += 1
-                self._drop(e)
-                self._tomb([e])
+                self._drop([e])
+                self._tomb([(e.slot, e.gen)])
                 return False
             e.verified = True
         return True
@@ -186,100 +152,81 @@ class Catalog:
     def prepare_store(
         self, keys: Iterable[bytes]
     ) -> tuple[list[tuple[bytes, int, int]], list[bytes]] | None:
-        """Slots for the keys not stored or being stored: [(key, slot, gen)], evicted keys.
-        All or nothing, as vLLM's own CPU manager: None (nothing evicted) when the free slots
-        and the evictable blocks do not hold them all, or when the eviction's TOMBs cannot be
-        written; vLLM then offers them again next step."""
+        """Slots for the keys no engine stores or has stored: [(key, slot, gen)], evicted keys.
+        All or nothing, as vLLM's own CPU manager: None (nothing changed) when free, reclaimable
+        and evictable slots do not hold them all, or when the ALLOC records cannot be written;
+        vLLM then offers them again next step."""
         keys = list(keys)
-        todo = list(
-            dict.fromkeys(k for k in keys if k not in self._ready and k not in self._storing)
-        )
-        short = len(todo) - len(self._free)
-        victims: list[Entry] = []
-        if short > 0:
-            self._adopt_committed()  # more eviction candidates, before vLLM reports them
-            protected = set(keys)  # the request's earlier blocks must stay
-            victims = [e for e in self._ready.values() if e.pins == 0 and e.key not in protected][
-                :short
-            ]
-            if len(victims) < short:
-                return None
-        # The eviction is journaled before it takes effect: no TOMB on file, no eviction.
-        if (victims or self._owed) and not self._tomb(victims) and victims:
-            self.stats["store_refused"] += 1  # the index is as it was; vLLM retries
+        if not self._new(keys):
+            return [], []
+        try:
+            with self._log.locked():
+                self.refresh()
+                todo = self._new(keys)
+                slots, victims = self._find_slots(len(todo), set(keys))
+                if slots is None:
+                    return None
+                gen = self.table.max_gen + 1
+                picks = [(k, s, gen + i) for i, (k, s) in enumerate(zip(todo, slots))]
+                records = [journal.tomb(s, g) for s, g in self._owed]
+                records += [journal.alloc(k, s, g, self._live.owner) for k, s, g in picks]
+                if not self._append(records):
+                    self.stats["store_refused"] += 1  # nothing changed; vLLM retries
+                    return None
+                self._owed = []
+                self.refresh()  # our own records: the victims leave the index
+        except OSError as err:  # the lock itself failed (a file system without locks)
+            self._note_failure(err)
+            self.stats["store_refused"] += 1
             return None
-        for v in victims:
-            del self._ready[v.key]
-            del self._by_slot_gen[(v.slot, v.gen)]
-            v.dropped = True
-            self._free.append(v.slot)
+        for k, s, g in picks:
+            self._storing[k] = Entry(k, s, g)
         self.stats["evicted"] += len(victims)
-        self._notify(True, [v.key for v in victims])
-        accepted = []
-        for k in todo:
-            e = Entry(k, self._free.pop(), self._next_gen)
-            self._next_gen += 1
-            self._storing[k] = e
-            self._by_slot_gen[(e.slot, e.gen)] = e
-            accepted.append((k, e.slot, e.gen))
-        return accepted, [v.key for v in victims]
+        return picks, victims
 
     def complete_store(self, keys: Iterable[bytes]) -> list[bytes]:
-        """The keys whose stores every rank committed; the others' slots are freed."""
-        self._pull()
-        done, tombs, made = [], [], []
+        """The keys whose stores every rank committed; the others' slots are given back."""
+        self.refresh()
+        done, tombs = [], []
         for k in keys:
             e = self._storing.pop(k, None)
-            if e is None:
-                if k in self._ready:  # adopted early by prepare_store
-                    done.append(k)
-                continue
-            recs = self._pending.pop((e.slot, e.gen), {})
-            if self._all_committed(e, recs):
-                self._make_ready(e, recs)
-                done.append(k)
-                made.append(k)
-            else:
+            slot = self.table.slots.get(e.slot) if e is not None else None
+            if slot is not None and slot.gen == e.gen and not slot.ready and not slot.dead:
                 logger.warning(
                     "KV store: store of slot %d (gen %d) was not committed by every "
                     "rank (%d of %d); the block is not kept",
                     e.slot,
                     e.gen,
-                    len(recs),
+                    len(slot.commits),
                     self.geo.world_size,
                 )
                 self.stats["store_failed"] += 1
-                del self._by_slot_gen[(e.slot, e.gen)]
-                e.dropped = True
-                if recs:  # some rank's COMMIT is on file: the slot waits for its TOMB
-                    tombs.append(e)
-                else:
-                    self._free.append(e.slot)
+                tombs.append((e.slot, e.gen))
+            elif k in self._ready:
+                done.append(k)
         if tombs or self._owed:
             self._tomb(tombs)
-        self._notify(False, made)
         return done
 
     def prepare_load(self, keys: Iterable[bytes]) -> list[LoadItem]:
         out = []
         for k in keys:
-            e = self._ready[k]
+            e = self._ready.get(k) or self._gone.get(k)
+            if e is None:  # cannot happen after a hit; a load that fails its check if it does
+                n = self.geo.blocks_per_chunk
+                e = Entry(k, 0, 0, sums={r: (0,) * n for r in range(self.geo.world_size)})
             e.pins += 1
-            self._ready.move_to_end(k)
+            if k in self._ready:
+                self._ready.move_to_end(k)
             out.append(LoadItem(k, e.slot, e.gen, dict(e.sums)))
         return out
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
-        self._pull()
+        self.refresh()  # DAMAGED records a rank wrote during the load
         for k in keys:
-            e = self._ready.get(k) or self._parked.get(k)
-            if e is None:
-                continue
-            e.pins = max(0, e.pins - 1)
-            if e.dropped and e.pins == 0:
-                del self._parked[k]
-                if e.tombed:
-                    self._free.append(e.slot)
+            e = self._ready.get(k) or self._gone.get(k)
+            if e is not None:
+                e.pins = max(0, e.pins - 1)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         for k in keys:
@@ -287,12 +234,11 @@ class Catalog:
                 self._ready.move_to_end(k)
 
     def reset(self) -> None:
-        """Drops every committed block no load holds (vLLM's reset_cache)."""
+        """Drops every committed block this engine does not load (vLLM's reset_cache): for every
+        engine on the store."""
         victims = [e for e in self._ready.values() if e.pins == 0]
-        for e in victims:
-            self._drop(e, notify=False)
-        self._notify(True, [e.key for e in victims])
-        self._tomb(victims)
+        self._drop(victims)
+        self._tomb([(e.slot, e.gen) for e in victims])
 
     def committed(self) -> list[bytes]:
         return list(self._ready)
@@ -302,93 +248,123 @@ class Catalog:
         return (e.slot, e.gen) if e else None
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        if self._storing:  # stores this engine will never complete: their slots go back
+            self._tomb([(e.slot, e.gen) for e in self._storing.values()])
+            self._storing.clear()
+        self._check.close()
         self._log.close()
+        self._live.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
     # ---- internals -----------------------------------------------------------------------
-    def _all_committed(self, e: Entry, recs: dict[int, journal.Record]) -> bool:
-        return len(recs) == self.geo.world_size and all(r.key == e.key for r in recs.values())
-
-    def _make_ready(self, e: Entry, recs: dict[int, journal.Record]) -> None:
-        e.ready = True
-        e.sums = {rank: rec.sums for rank, rec in recs.items()}
-        self._ready[e.key] = e
-
-    def _adopt_committed(self) -> None:
-        """Stores every rank has committed but vLLM has not completed yet (it reports them a
-        step later) become ready now, so a full store can evict them; their data is on file."""
-        self._pull()
-        made = []
-        for sg, recs in list(self._pending.items()):
-            e = self._by_slot_gen.get(sg)
-            if e is None or e.ready or not self._all_committed(e, recs):
+    def _new(self, keys: list[bytes]) -> list[bytes]:
+        """The keys nobody has stored or is storing (an engine that died mid-store aside)."""
+        out = []
+        for k in dict.fromkeys(keys):
+            if k in self._ready or k in self._storing:
                 continue
-            del self._storing[e.key]
-            del self._pending[sg]
-            self._make_ready(e, recs)
-            made.append(e.key)
-        self._notify(False, made)
+            other = self.table.storing_by_key.get(k)
+            if other is not None and self._live.alive(self.table.slots[other].owner):
+                continue
+            out.append(k)
+        return out
 
-    def _pull(self) -> None:
-        """New records of the workers' journals: commits of stores in flight, damage found by
-        loads (the block is dropped, so the next lookup misses)."""
+    def _find_slots(self, n: int, keep: set[bytes]) -> tuple[list[int] | None, list[bytes]]:
+        """n slots to write, and the keys evicted for them; (None, []) if there are not n."""
+        slots = []
+        for s in self.table.free:
+            if len(slots) == n:
+                break
+            slots.append(s)
+        if len(slots) < n:  # slots of engines that died between ALLOC and COMMIT
+            for s, st in self.table.unfinished():
+                if len(slots) == n:
+                    break
+                if st.owner != self._live.owner and not self._live.alive(st.owner):
+                    slots.append(s)
+                    self.stats["reclaimed"] += 1
+        victims = []
+        for e in self._ready.values():
+            if len(slots) == n:
+                break
+            if e.pins == 0 and e.key not in keep:
+                slots.append(e.slot)
+                victims.append(e.key)
+        return (slots, victims) if len(slots) == n else (None, [])
+
+    def refresh(self) -> None:
+        """Reads the journals' new records (manager.log first: an ALLOC precedes its COMMITs)
+        and brings the index up to date with them."""
+        self._refreshed = time.monotonic()
+        for rec in self._mreader.read_new():
+            self.table.apply_manager(rec)
         for rank, reader in enumerate(self._readers):
             for rec in reader.read_new():
-                e = self._by_slot_gen.get((rec.slot, rec.gen))
-                if e is None:
+                self.table.apply_rank(rank, rec)
+        batch: list[bytes] = []
+        kind = False
+        for ch in self.table.take_changes():
+            if batch and ch.removed != kind:
+                self._notify(kind, batch)
+                batch = []
+            kind = ch.removed
+            if ch.removed:
+                e = self._ready.get(ch.key)
+                if e is None or (e.slot, e.gen) != (ch.slot, ch.gen):
                     continue
-                if rec.type == journal.COMMIT and not e.ready:
-                    self._pending.setdefault((rec.slot, rec.gen), {})[rank] = rec
-                elif rec.type == journal.DAMAGED and e.ready:
+                self._forget(e)
+                if ch.damaged:
                     logger.warning(
-                        "KV store: rank %d found the block in slot %d (gen %d) "
-                        "damaged on load; dropped",
-                        rank,
-                        rec.slot,
-                        rec.gen,
+                        "KV store: a rank found the block in slot %d (gen %d) damaged on "
+                        "load; dropped",
+                        ch.slot,
+                        ch.gen,
                     )
                     self.stats["damaged"] += 1
-                    self._drop(e)
-                    self._tomb([e])
+            else:
+                old = self._ready.pop(ch.key, None)
+                self._ready[ch.key] = Entry(ch.key, ch.slot, ch.gen, sums=ch.sums)
+                if old is not None:
+                    continue  # a newer copy of a served block: not news for a router
+            batch.append(ch.key)
+        self._notify(kind, batch)
 
-    def _drop(self, e: Entry, notify: bool = True) -> None:
-        """Out of the index at once; the caller writes its TOMB (_tomb), which frees the slot."""
-        if self._ready.pop(e.key, None) is not None and notify:
-            self._notify(True, [e.key])
-        self._by_slot_gen.pop((e.slot, e.gen), None)
-        e.dropped = True
-        if e.pins:  # a load still reads it: the slot comes free when vLLM completes that load
-            self._parked[e.key] = e
+    def _forget(self, e: Entry) -> None:
+        del self._ready[e.key]
+        self._gone[e.key] = e
+        while len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
+
+    def _drop(self, entries: list[Entry]) -> None:
+        """Out of this engine's index at once; the caller writes their TOMBs."""
+        for e in entries:
+            self._forget(e)
+        self._notify(True, [e.key for e in entries])
 
     def _notify(self, removed: bool, keys: list[bytes]) -> None:
         if keys and self.notify is not None:
             self.notify(removed, keys)
 
-    def _tomb(self, entries: list[Entry]) -> bool:
-        """Writes the TOMBs of `entries` and of those still owed from a failed write, in one
-        append, then frees the slots no load holds. If manager.log cannot be written, the
-        entries stay owed (their slots unused) and False is returned; never raises."""
-        todo = self._owed + list(entries)
+    def _tomb(self, pairs: list[tuple[int, int]]) -> bool:
+        """Writes the TOMBs of (slot, gen) `pairs` and of those still owed, in one append; if
+        manager.log cannot be written they stay owed (their slots unused), never raises."""
+        todo = self._owed + list(pairs)
         if not todo:
             return True
+        if not self._append([journal.tomb(s, g) for s, g in todo]):
+            self._owed = todo
+            return False
+        self._owed = []
+        self.refresh()
+        return True
+
+    def _append(self, records: list[bytes]) -> bool:
         try:
-            self._log.append([journal.tomb(e.slot, e.gen) for e in todo])
+            self._log.append(records)
         except OSError as err:
-            self.stats["journal_failed"] += 1
-            if not self._log_failing:
-                logger.error(
-                    "KV store: %s; stores that need an eviction are refused (vLLM "
-                    "offers them again) and dropped blocks keep their slots until it "
-                    "can be written",
-                    err,
-                )
-                self._log_failing = True
-            self._owed = [e for e in todo if e.dropped]  # an eviction not taken is not owed
+            self._note_failure(err)
             return False
         if self._log_failing:
             logger.warning(
@@ -397,51 +373,14 @@ class Catalog:
                 self.stats["store_refused"],
             )
             self._log_failing = False
-        self._owed = []
-        for e in todo:
-            e.tombed = True
-            if e.dropped and e.pins == 0:
-                if self._parked.get(e.key) is e:
-                    del self._parked[e.key]
-                self._free.append(e.slot)
         return True
 
-    def _verify(self, e: Entry) -> str:
-        for rank in range(self.geo.world_size):
-            pages = self._pages(rank)
-            if pages is None:
-                return f"rank {rank} has no layout.json"
-            fi, off = self.geo.locate(e.slot)
-            n = sum(pages) * self.geo.blocks_per_chunk
-            try:
-                fd = self._fd(rank, fi)
-                data = os.pread(fd, n, off)
-            except OSError as err:
-                return f"rank {rank}: {err}"
-            if len(data) != n:
-                return f"rank {rank}: slot file ends inside the slot"
-            bpc = self.geo.blocks_per_chunk
-            got = checksum.slot_checksums(
-                np.frombuffer(data, dtype=np.uint8), pages, L.page_runs(pages, bpc), bpc
+    def _note_failure(self, err: OSError) -> None:
+        self.stats["journal_failed"] += 1
+        if not self._log_failing:
+            logger.error(
+                "KV store: %s; stores are refused (vLLM offers them again) and dropped "
+                "blocks keep their slots until it can be written",
+                err,
             )
-            if tuple(got) != tuple(e.sums.get(rank, ())):
-                return f"rank {rank}: checksum differs"
-        return ""
-
-    def _pages(self, rank: int) -> list[int] | None:
-        pages = self._rank_pages.get(rank)
-        if pages is None:
-            meta = L.read_json(
-                os.path.join(L.rank_dir(self.root, rank, self.geo.world_size), "layout.json")
-            )
-            if meta is None:
-                return None
-            pages = self._rank_pages[rank] = [int(p) for p in meta["pages"]]
-        return pages
-
-    def _fd(self, rank: int, fi: int) -> int:
-        fd = self._fds.get((rank, fi))
-        if fd is None:
-            fd = os.open(L.slot_file(self.root, rank, self.geo.world_size, fi), os.O_RDONLY)
-            self._fds[(rank, fi)] = fd
-        return fd
+            self._log_failing = True

@@ -1,23 +1,26 @@
 """The store's append-only journals: framed records, an appender that cuts a torn tail off before
 it appends, and an incremental reader that stops at the first incomplete or damaged record.
 
-Each journal has exactly one writer. A rank's worker writes `commits.log` in its rank folder: a
-COMMIT record once a block's data store has completed (and, with `durable`, after the slot file
-was fdatasync'ed), a DAMAGED record when a load found a block not matching its checksum. The
-scheduler's manager writes `manager.log` at the store's root: a TOMB record before a slot is
-reused or a block dropped. A record is
+Every engine on a store appends to the same journals, each append under an OFD write lock on
+the journal (locks.py). A rank's worker writes `commits.log` in its rank folder: a COMMIT
+record once a block's data store has completed (and, with `durable`, after the slot file was
+fdatasync'ed), a DAMAGED record when a load found a block not matching its checksum. The
+schedulers write `manager.log` at the store's root: an ALLOC record before a slot is written
+(store format 4 on), a TOMB record when a block is dropped without its slot being taken. A
+record is
 
     magic u32 'IUDK' | type u8 | version u8 | body length u16 | crc32(type, body) u32 | body
 
 little-endian. COMMIT body: gen u64, slot u32, bytes u32, n u16, key length u16, key, n x u64
-checksums (one per sub-block of the slot). TOMB and DAMAGED bodies: gen u64, slot u32.
+checksums (one per sub-block of the slot). ALLOC body: gen u64, slot u32, owner u64, key length
+u16, key. TOMB and DAMAGED bodies: gen u64, slot u32.
 
 Damage costs only the damaged record: a reader that meets a record whose magic, version, CRC or
 body does not hold scans on for the next offset where a whole valid record starts, and reads on
 from there (the framing above, unchanged since the first store, is enough for that: a record is
 accepted only with its magic and a matching CRC). What follows the last valid record with no
 valid record after it is the tail: a record being written (readers wait for it) or a torn last
-record (the writer cuts it when it opens the journal).
+record, left by a writer that died holding the lock (the next writer cuts it, under the lock).
 
 An append is all or nothing: the writer reserves the bytes first (fallocate, keeping the size),
 so a full file system fails the append before a byte is written, and any append that fails
@@ -28,24 +31,26 @@ as the file system does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
-import fcntl
 import logging
 import os
 import struct
 import zlib
 
 from . import layout as L
+from . import locks
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x4B445549  # b"IUDK" little-endian
 VERSION = 1
-COMMIT, TOMB, DAMAGED = 1, 2, 3
+COMMIT, TOMB, DAMAGED, ALLOC = 1, 2, 3, 4
 _HEAD = struct.Struct("<IBBHI")
 _COMMIT = struct.Struct("<QIIHH")
+_ALLOC = struct.Struct("<QIQH")
 _SLOT = struct.Struct("<QI")
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
 
@@ -58,6 +63,7 @@ class Record:
     key: bytes = b""
     nbytes: int = 0
     sums: tuple[int, ...] = ()
+    owner: int = 0  # ALLOC: the allocating engine (locks.Liveness)
 
 
 def _frame(rtype: int, body: bytes) -> bytes:
@@ -68,6 +74,10 @@ def _frame(rtype: int, body: bytes) -> bytes:
 def commit(key: bytes, slot: int, gen: int, nbytes: int, sums: list[int]) -> bytes:
     body = _COMMIT.pack(gen, slot, nbytes, len(sums), len(key)) + bytes(key)
     return _frame(COMMIT, body + struct.pack(f"<{len(sums)}Q", *sums))
+
+
+def alloc(key: bytes, slot: int, gen: int, owner: int) -> bytes:
+    return _frame(ALLOC, _ALLOC.pack(gen, slot, owner, len(key)) + bytes(key))
 
 
 def tomb(slot: int, gen: int) -> bytes:
@@ -86,6 +96,11 @@ def _parse(rtype: int, body: bytes) -> Record | None:
         key = body[_COMMIT.size : _COMMIT.size + klen]
         sums = struct.unpack_from(f"<{n}Q", body, _COMMIT.size + klen)
         return Record(COMMIT, gen, slot, key, nbytes, tuple(sums))
+    if rtype == ALLOC and len(body) >= _ALLOC.size:
+        gen, slot, owner, klen = _ALLOC.unpack_from(body)
+        if len(body) != _ALLOC.size + klen:
+            return None
+        return Record(ALLOC, gen, slot, body[_ALLOC.size :], owner=owner)
     if rtype in (TOMB, DAMAGED) and len(body) == _SLOT.size:
         gen, slot = _SLOT.unpack(body)
         return Record(rtype, gen, slot)
@@ -222,52 +237,78 @@ class AppendFailed(OSError):
 
 
 class Appender:
-    """The single writer of one journal. Opening it cuts the tail after the last valid record
-    (a torn record left by a process that died mid-append); damaged records before it stay and
-    are skipped by every reader."""
+    """One process's writer of a journal that other processes append to as well. Each append
+    runs under the journal's lock: it first cuts a torn tail (a writer died holding the lock),
+    then writes at the end it read, so no append depends on O_APPEND across nodes. `locked()`
+    holds the lock across a read-decide-append sequence (the scheduler's slot allocation)."""
 
     def __init__(self, path: str, durable: bool):
         self.path = path
         self.durable = durable
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            recs, used, skipped = parse(os.pread(fd, size, 0) if size else b"")
-            if used < size:
-                os.ftruncate(fd, used)
-                os.fsync(fd)
-            self.records = recs  # what was there, for the caller's replay
-            self.skipped = skipped
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-        for off, n in skipped:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._end = 0  # end of the last valid record seen, at or before the file's end
+        self._depth = 0
+        self.cut = 0  # torn bytes this writer cut off
+
+    @contextlib.contextmanager
+    def locked(self):
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        with locks.write_locked(self._fd):
+            self._depth = 1
+            try:
+                self._find_end()
+                yield
+            finally:
+                self._depth = 0
+
+    def _find_end(self) -> None:
+        """Under the lock: the end of the last valid record, a torn tail cut off."""
+        size = os.fstat(self._fd).st_size
+        if size < self._end:
+            self._end = 0
+        if size == self._end:
+            return
+        _recs, used, _skipped = parse(os.pread(self._fd, size - self._end, self._end))
+        if self._end + used < size:  # nobody writes without the lock: torn, not in progress
+            os.ftruncate(self._fd, self._end + used)
+            os.fsync(self._fd)
+            self.cut += size - self._end - used
             logger.warning(
-                "KV store: %s: %d damaged byte(s) at byte %d skipped (the records "
-                "there are lost; the records after them are kept)",
-                path,
-                n,
-                off,
+                "KV store: %s: cut %d byte(s) of a torn append",
+                self.path,
+                size - self._end - used,
             )
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        self._size = used
-        self.cut = size - used
+        self._end += used
 
     def append(self, records: list[bytes]) -> None:
         """Appends `records` whole, or raises AppendFailed with the journal as it was."""
         if not records:
             return
         data = b"".join(records)
-        start = self._size
+        try:
+            with self.locked():
+                self._write_at_end(data)
+        except AppendFailed:
+            raise
+        except OSError as e:
+            raise AppendFailed(e.errno, f"cannot append to {L.explain(e, self.path)}") from None
+
+    def _write_at_end(self, data: bytes) -> None:
+        start = self._end
         try:
             _reserve(self._fd, start, len(data))
-            view = memoryview(data)
+            view, pos = memoryview(data), start
             while view:
-                n = os.write(self._fd, view)
+                n = os.pwrite(self._fd, view, pos)
                 if n <= 0:
                     raise OSError(errno.EIO, "write wrote nothing")
-                view = view[n:]
+                view, pos = view[n:], pos + n
             if self.durable:
                 os.fdatasync(self._fd)
         except OSError as e:
@@ -279,36 +320,10 @@ class Appender:
                     self.path,
                     L.explain(e2, self.path),
                 )
-                try:
-                    self._size = os.fstat(self._fd).st_size
-                except OSError:
-                    pass
             raise AppendFailed(e.errno, f"cannot append to {L.explain(e, self.path)}") from None
-        self._size = start + len(data)
+        self._end = start + len(data)
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-class StoreBusy(RuntimeError):
-    pass
-
-
-def lock_exclusive(path: str, what: str) -> int:
-    """An flock'ed fd on `path`; StoreBusy if another live process holds it. The kernel drops
-    the lock when the holder dies (SIGKILL included), so a crashed engine never blocks the
-    next one."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise StoreBusy(
-                f"{what}: {path} is locked by another live process (another vLLM "
-                "engine uses this store; give each engine its own path)"
-            ) from None
-        raise
-    return fd

@@ -3,12 +3,13 @@ and file names per rank, the store's manifest (refuses a store made for another 
 layout) and the O_DIRECT alignment of a file.
 
     <path>/store.json                 manifest, written once by the first manager
-    <path>/manager.log                TOMB records (manager, the only writer)
-    <path>/.lock                      flock of the live manager
+    <path>/manager.log                ALLOC / TOMB records (every engine's manager)
+    <path>/.lock                      shared flock of each live manager (keeps older releases out)
+    <path>/engines/<id>.lock          one per live manager, locked while it runs (locks.Liveness)
     <path>/rank<r>of<W>/layout.json   the rank's pages per block (worker)
-    <path>/rank<r>of<W>/commits.log   COMMIT / DAMAGED records (that rank's worker)
+    <path>/rank<r>of<W>/commits.log   COMMIT / DAMAGED records (every engine's worker of the rank)
     <path>/rank<r>of<W>/slots-<i>.bin slot files, preallocated; slot s in file s % num_files
-    <path>/rank<r>of<W>/.lock         flock of the live worker of that rank
+    <path>/rank<r>of<W>/.lock         shared flock of each live worker of that rank
 
 A slot holds one offloaded chunk (blocks_per_chunk vLLM blocks) of one rank, page-major: for
 each KV page (layer) in order, that page of each of the chunk's blocks in order; its size is
@@ -26,7 +27,8 @@ import os
 import struct
 
 SLOT_ALIGN = 4096
-FORMAT = "iud-vllm-kv-store/3"  # /2: slots striped over the files; /3: page-major slots
+# /2: slots striped over the files; /3: page-major slots; /4: shared by engines (ALLOC records)
+FORMAT = "iud-vllm-kv-store/4"
 
 
 def round_up(n: int, a: int) -> int:
@@ -167,8 +169,9 @@ def manager_log(root: str) -> str:
     return os.path.join(root, "manager.log")
 
 
-def _write_json(path: str, obj: dict, what: str) -> None:
-    tmp = path + ".tmp"
+def write_json(path: str, obj: dict, what: str) -> None:
+    """Replaces `path` whole (a temporary file of this process, then rename)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=1, sort_keys=True)
@@ -189,8 +192,13 @@ def ensure_json(path: str, wanted: dict, what: str) -> None:
         with open(path) as f:
             have = json.load(f)
     except FileNotFoundError:
-        _write_json(path, wanted, what)
+        write_json(path, wanted, what)
         return
+    refuse_difference(path, have, wanted, what)
+
+
+def refuse_difference(path: str, have: dict, wanted: dict, what: str) -> None:
+    """StoreMismatch naming every key where `have` (read from `path`) and `wanted` differ."""
     diff = {
         k: (have.get(k), wanted.get(k))
         for k in set(have) | set(wanted)

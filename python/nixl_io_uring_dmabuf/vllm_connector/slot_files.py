@@ -1,5 +1,6 @@
-"""One rank's folder of the store: its lock (one process per rank), layout.json, the commit
-journal's appender and the slot files, opened and sized (preallocated, or sparse). Set-up failures
+"""One rank's folder of the store, as one engine's worker opens it: its shared lock (keeps older
+releases out; every engine's worker of this rank works in the folder at once), layout.json, the
+commit journal's appender and the slot files, opened and sized (preallocated, or sparse). Set-up failures
 are one StoreUnavailable naming path and cause. rankstore.RankStore runs the jobs over these.
 """
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import journal
+from . import journal, locks
 from . import layout as L
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class RankFiles:
         what = f"vLLM KV store rank {rank}"
         try:
             os.makedirs(rdir, exist_ok=True)
-            self._lock_fd = journal.lock_exclusive(os.path.join(rdir, ".lock"), what)
+            self._lock_fd = locks.flock_shared(os.path.join(rdir, ".lock"), what)
         except OSError as e:
             raise L.StoreUnavailable(f"{what}: cannot open {L.explain(e, rdir)}") from None
         try:
