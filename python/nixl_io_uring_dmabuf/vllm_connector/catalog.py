@@ -279,10 +279,11 @@ class Catalog:
                 break
             slots.append(s)
         if len(slots) < n:  # slots of engines that died between ALLOC and COMMIT
-            for s, st in self.table.unfinished():
+            for s in self.table.unfinished:
                 if len(slots) == n:
                     break
-                if st.owner != self._live.owner and not self._live.alive(st.owner):
+                owner = self.table.slots[s].owner
+                if owner != self._live.owner and not self._live.alive(owner):
                     slots.append(s)
                     self.stats["reclaimed"] += 1
         victims = []

@@ -23,8 +23,10 @@ import fcntl
 import os
 import secrets
 import struct
+import time
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 and arm64
+ALIVE_S = 1.0  # an engine found running is not probed again for this long
 
 
 class StoreBusy(RuntimeError):
@@ -79,6 +81,7 @@ class Liveness:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         _ofd(self._fd, fcntl.F_WRLCK, wait=False)
         self._dead: set[int] = {0}
+        self._seen_alive: dict[int, float] = {}  # owner -> when its lock was last found held
 
     def _path(self, owner: int) -> str:
         return os.path.join(self.folder, f"{owner:016x}.lock")
@@ -89,6 +92,8 @@ class Liveness:
             return True
         if owner in self._dead:
             return False
+        if time.monotonic() - self._seen_alive.get(owner, -ALIVE_S) < ALIVE_S:
+            return True
         path = self._path(owner)
         try:
             fd = os.open(path, os.O_RDWR)
@@ -97,6 +102,7 @@ class Liveness:
             return False
         try:
             if not _ofd(fd, fcntl.F_WRLCK, wait=False):
+                self._seen_alive[owner] = time.monotonic()
                 return True
             self._dead.add(owner)
             with contextlib.suppress(OSError):

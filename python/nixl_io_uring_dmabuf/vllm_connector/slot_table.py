@@ -55,6 +55,7 @@ class SlotTable:
         self.free: set[int] = set(range(num_slots))
         self.ready_by_key: dict[bytes, int] = {}  # key -> slot that serves it
         self.storing_by_key: dict[bytes, int] = {}  # allocated, not ready, not dead
+        self.unfinished: set[int] = set()  # slots allocated, neither ready nor dead
         self.max_gen = 0
         self.changes: list[Change] = []
 
@@ -90,10 +91,6 @@ class SlotTable:
         s = self.slots.get(slot)
         return s is not None and s.gen == gen and not s.dead
 
-    def unfinished(self) -> list[tuple[int, Slot]]:
-        """Allocated slots that are neither ready nor dead."""
-        return [(i, s) for i, s in self.slots.items() if not s.ready and not s.dead]
-
     # ---- internals ------------------------------------------------------------------------
     def _current(self, slot: int, gen: int) -> Slot | None:
         """The slot's state for `gen`: None if `gen` is older than its current one; a new
@@ -110,6 +107,7 @@ class SlotTable:
             self._retire(slot, s)
         s = self.slots[slot] = Slot(gen)
         self.free.discard(slot)
+        self.unfinished.add(slot)
         return s
 
     def _name(self, slot: int, s: Slot, key: bytes) -> bool:
@@ -127,6 +125,7 @@ class SlotTable:
 
     def _make_ready(self, slot: int, s: Slot) -> None:
         s.ready = True
+        self.unfinished.discard(slot)
         if self.storing_by_key.get(s.key) == slot:
             del self.storing_by_key[s.key]
         other = self.ready_by_key.get(s.key)
@@ -145,6 +144,7 @@ class SlotTable:
             return
         self._retire(slot, s, damaged)
         s.dead = True
+        self.unfinished.discard(slot)
         self.free.add(slot)
 
     def _retire(self, slot: int, s: Slot, damaged: bool = False) -> None:
