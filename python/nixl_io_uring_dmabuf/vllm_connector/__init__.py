@@ -15,7 +15,8 @@ Modules: config (parameters), layout (geometry, files, manifest), journal (recor
 catalog (the scheduler's index; no vLLM), rankstore (one rank's NIXL transfers; no vLLM) over
 jobs (a job's records and parts) and transfers (its NIXL agent),
 versions (supported vLLM releases and their worker API), kv_views (vLLM's KV memory and a job's
-device side as KV rows), load_store_specs (what a job hands the workers), manager, worker, spec
+device side as KV rows), load_store_specs (what a job hands the workers), manager, backpressure
+(stores dropped when storage is behind), metrics (the spec's Prometheus series), worker, spec
 (the OffloadingSpec vLLM loads), connector (the subclass that reports damaged loads to vLLM for
 recomputation). The vLLM-facing names load lazily, so the store's own modules import without
 vLLM.
