@@ -262,3 +262,25 @@ def test_an_engine_of_an_older_release_and_this_one_keep_each_other_out(tmp_path
     json.dump({**m, "format": "iud-vllm-kv-store/2"}, open(meta, "w"))
     with pytest.raises(L.StoreMismatch, match="format is 'iud-vllm-kv-store/2' there"):
         C.Catalog(str(tmp_path), geo)
+
+
+def test_stores_an_engine_never_completed_are_kept_if_committed_else_reclaimed(tmp_path, backend):
+    """vLLM often stops before it completes its last stores: a block every rank committed stays
+    served; a slot allocated and never committed is reused by the next engine that needs room."""
+    geo = T.geometry(slots=2)
+    cat, kv = C.Catalog(str(tmp_path), geo), T.Kv()
+    store = T.open_rank(tmp_path, geo, kv, backend)
+    kv.fill(STORE_ROW, seed=1000)
+    (acc0, acc1), _ = cat.prepare_store([T.key(0), T.key(1)])
+    j = next(T._job)
+    store.submit_store(j, [STORE_ROW], [acc0[1]], [0], [acc0])  # key 1 is never written
+    assert T.wait_jobs(store, [j])[j].ok
+    store.close()
+    cat.close()  # no complete_store
+    cat, kv = C.Catalog(str(tmp_path), geo), T.Kv()
+    store = T.open_rank(tmp_path, geo, kv, backend)
+    assert cat.committed() == [T.key(0)] and load_one(cat, store, kv, 0) == "ok"
+    assert store_one(cat, store, kv, 2) and cat.stats["reclaimed"] == 1
+    assert sorted(cat.committed()) == [T.key(0), T.key(2)]
+    store.close()
+    cat.close()

@@ -248,9 +248,9 @@ class Catalog:
         return (e.slot, e.gen) if e else None
 
     def close(self) -> None:
-        if self._storing:  # stores this engine will never complete: their slots go back
-            self._tomb([(e.slot, e.gen) for e in self._storing.values()])
-            self._storing.clear()
+        # Stores in flight are left as they are: the workers may still commit them (vLLM often
+        # stops before it completes its last stores), and those never committed are reclaimed
+        # by the next engine that needs room, once this one's liveness lock is gone.
         self._check.close()
         self._log.close()
         self._live.close()
