@@ -251,6 +251,9 @@ def kv_config(variant: str, work: str) -> dict | None:
     # The README's configuration, and no scheduler-side read on lookup: the configuration
     # docs/vllm-connector.md gives for storage-bound loads (the worker still checks every block
     # after every load).
+    # No backpressure (store_queue_s 0): the store round offers 16 GB at once and the loads
+    # measured after it need every block stored; decode rounds then run with every store.
+    extra.setdefault("store_queue_s", 0)
     return kv_transfer_config(
         path=store,
         capacity_gb=24,

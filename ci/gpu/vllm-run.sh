@@ -58,10 +58,10 @@ stash() {
     # A plugin built after the parts were made (ci/gpu/prepare.sh), carried beside them: it
     # replaces the parts' copy.
     [ -f .device/gpu/libplugin_IO_URING_DMABUF.so ] && cp -f .device/gpu/libplugin_IO_URING_DMABUF.so "$H/.plugin-new"
-    # Tools for the memdisk and fio steps, kept on the machine for later calls: fio
-    # (ci/gpu/build-fio.sh) and an mdadm binary for machines without one.
-    [ -x .device/gpu/fio/fio ] && cp -f .device/gpu/fio/fio "$H/fio"
-    [ -x .device/extra/mdadm ] && cp -f .device/extra/mdadm "$H/mdadm"
+    # Tools for the memdisk and fio steps, carried in a call of their own (.device/tools) and
+    # kept on the machine: fio (ci/gpu/build-fio.sh) and an mdadm for machines without one.
+    [ -x .device/tools/fio ] && cp -f .device/tools/fio "$H/fio"
+    [ -x .device/tools/mdadm ] && cp -f .device/tools/mdadm "$H/mdadm"
     ls -la "$H/parts"
     [ -f "$H/.unpacked" ] && return 0
     local p

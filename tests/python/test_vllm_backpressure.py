@@ -139,7 +139,7 @@ def test_drops_are_logged_once_per_interval(caplog):
 @pytest.mark.parametrize("bad", [-1, "1", True, None])
 def test_store_queue_s_is_checked(bad):
     base = {"path": "/tmp/x", "capacity_bytes": 1 << 20}
-    assert StoreConfig.from_extra(base).store_queue_s == 1.0
+    assert StoreConfig.from_extra(base).store_queue_s == 10.0
     assert StoreConfig.from_extra({**base, "store_queue_s": 0}).store_queue_s == 0.0
     with pytest.raises(ValueError, match="store_queue_s"):
         StoreConfig.from_extra({**base, "store_queue_s": bad})

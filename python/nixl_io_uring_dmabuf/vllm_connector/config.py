@@ -80,7 +80,7 @@ class StoreConfig:
     max_file_bytes: int = 64 << 30
     slot_files: int = 8
     preallocate: bool = True
-    store_queue_s: float = 1.0
+    store_queue_s: float = 10.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> StoreConfig:
@@ -133,7 +133,7 @@ class StoreConfig:
                 "kv_connector_extra_config['slot_files'] must be a positive "
                 f"integer, not {slot_files!r}"
             )
-        queue_s = extra.get("store_queue_s", 1.0)
+        queue_s = extra.get("store_queue_s", 10.0)
         if isinstance(queue_s, bool) or not isinstance(queue_s, (int, float)) or queue_s < 0:
             raise ValueError(
                 "kv_connector_extra_config['store_queue_s'] must be a number of seconds >= 0 "
