@@ -4,6 +4,7 @@ scheduler and in every worker), validated once, with one error naming the bad ke
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,7 +69,11 @@ class StoreConfig:
     in this process (see docs/vllm-connector.md). max_file_bytes: size of one slot file.
     slot_files: slot files per rank at least (consecutive slots go to different files).
     store_queue_s: the most store work in flight, in seconds at the rate storage has lately
-    shown; blocks beyond it are not stored (backpressure.py); 0: no limit."""
+    shown; blocks beyond it are not stored (backpressure.py); 0: no limit.
+    slot_dirs: directories the slot files are spread over (file i in slot_dirs[i % n]); ():
+    the store's folder. devices: raw block devices the slots are spread over instead (slot s on
+    device s % n; always O_DIRECT; capacity_bytes 0 = their whole size); overwrite_devices:
+    claim a device that carries a file system, a partition table or another store's slots."""
 
     path: str
     capacity_bytes: int
@@ -81,6 +86,9 @@ class StoreConfig:
     slot_files: int = 8
     preallocate: bool = True
     store_queue_s: float = 10.0
+    slot_dirs: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    overwrite_devices: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> StoreConfig:
@@ -97,6 +105,9 @@ class StoreConfig:
             "preallocate",
             "slot_files",
             "store_queue_s",
+            "slot_dirs",
+            "devices",
+            "overwrite_devices",
         }
         unknown = sorted(k for k in extra if k not in ours and k not in VLLM_KEYS)
         if unknown:
@@ -110,16 +121,32 @@ class StoreConfig:
                 "NixlStorageOffloadingSpec: kv_connector_extra_config['path'] "
                 "(the store's folder) is required"
             )
+        slot_dirs = _paths(extra, "slot_dirs")
+        if slot_dirs == (os.path.abspath(path),):
+            slot_dirs = ()  # the store's own folder: the default placement
+        devices = _paths(extra, "devices")
+        if slot_dirs and devices:
+            raise ValueError(
+                "NixlStorageOffloadingSpec: give slot_dirs (slot files in directories) or "
+                "devices (raw block devices), not both"
+            )
+        if devices and not _bool("o_direct", extra.get("o_direct", True)):
+            raise ValueError(
+                "NixlStorageOffloadingSpec: raw devices are always opened with O_DIRECT "
+                "(through the page cache they would cache the KV cache twice); leave o_direct out"
+            )
         if "capacity_bytes" in extra:
             cap = int(extra["capacity_bytes"])
         elif "capacity_gb" in extra:
             cap = int(float(extra["capacity_gb"]) * (1 << 30))
+        elif devices:
+            cap = 0  # the devices' whole size
         else:
             raise ValueError(
                 "NixlStorageOffloadingSpec: kv_connector_extra_config['capacity_gb']"
                 " (bytes of storage for KV blocks, all ranks) is required"
             )
-        if cap <= 0:
+        if cap < 0 or (cap == 0 and not devices):
             raise ValueError(f"NixlStorageOffloadingSpec: capacity must be positive, not {cap}")
         params = extra.get("backend_params") or {}
         if not isinstance(params, Mapping):
@@ -152,11 +179,27 @@ class StoreConfig:
             capacity_bytes=cap,
             backend=backend,
             backend_params=given,
-            o_direct=_bool("o_direct", extra.get("o_direct", False)),
+            o_direct=bool(devices) or _bool("o_direct", extra.get("o_direct", False)),
             durable=_bool("durable", extra.get("durable", False)),
             verify_on_lookup=_bool("verify_on_lookup", extra.get("verify_on_lookup", True)),
             max_file_bytes=max_file,
             slot_files=slot_files,
             preallocate=_bool("preallocate", extra.get("preallocate", True)),
             store_queue_s=float(queue_s),
+            slot_dirs=slot_dirs,
+            devices=devices,
+            overwrite_devices=_bool("overwrite_devices", extra.get("overwrite_devices", False)),
         )
+
+
+def _paths(extra: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    """A list of absolute paths (a lone string is a list of one); none twice."""
+    v = extra.get(key) or ()
+    if isinstance(v, str):
+        v = (v,)
+    if not isinstance(v, (list, tuple)) or not all(isinstance(p, str) and p for p in v):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a list of paths, not {v!r}")
+    out = tuple(os.path.abspath(p) for p in v)
+    if len(set(out)) != len(out):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] names a path twice: {list(v)}")
+    return out

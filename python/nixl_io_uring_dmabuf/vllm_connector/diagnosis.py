@@ -37,10 +37,10 @@ def diagnose(
     failure."""
     free = L.free_space(root)
     for slot in sorted({int(s) for s in slots})[:8]:
-        fi, off = geo.locate(slot)
-        path = L.slot_file(root, rank, geo.world_size, fi)
+        fi, off = geo.locate(slot, rank)
+        path = geo.slot_path(root, rank, fi)
         try:
-            size = os.fstat(fds[fi]).st_size
+            size = L.fd_size(fds[fi])
             if size < off + used:
                 return (
                     f"short file: {path} is {size} B, slot {slot} ends at byte {off + used}",
@@ -63,7 +63,7 @@ def diagnose(
                     if n < used:
                         return (
                             f"short write: {path} took {n} of {used} B at byte {off} "
-                            f"(slot {slot}); {free}",
+                            f"(slot {slot}); {L.free_space(path)}",
                             "short write",
                         )
             finally:

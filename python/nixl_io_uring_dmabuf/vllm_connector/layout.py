@@ -11,6 +11,10 @@ layout) and the O_DIRECT alignment of a file.
     <path>/rank<r>of<W>/slots-<i>.bin slot files, preallocated; slot s in file s % num_files
     <path>/rank<r>of<W>/.lock         shared flock of each live worker of that rank
 
+With `slot_dirs` the slot files are spread over several directories instead (file i of every
+rank in slot_dirs[i % n]/rank<r>of<W>/); with `devices` the slots are areas of raw block devices
+(slot s of rank r on device s % n, devices.py). The journals and layout.json stay under <path>.
+
 A slot holds one offloaded chunk (blocks_per_chunk vLLM blocks) of one rank, page-major: for
 each KV page (layer) in order, that page of each of the chunk's blocks in order; its size is
 rounded up to 4096. A page's blocks lie end to end, so a run of consecutive vLLM blocks moves
@@ -22,11 +26,16 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import json
 import os
+import stat
 import struct
 
 SLOT_ALIGN = 4096
+# Bytes at the start of each raw device that hold no slot: the store's header (devices.py) and
+# the places where file systems and partition tables keep their signatures (wiped on claiming).
+DEVICE_HEADER = 1 << 20
 # /2: slots striped over the files; /3: page-major slots; /4: shared by engines (ALLOC records)
 FORMAT = "iud-vllm-kv-store/4"
 
@@ -99,8 +108,18 @@ class Geometry:
     capacity_bytes: int
     max_file_bytes: int
     slot_files: int = 8
+    # Where the slots live (store.json names it): () = slot files in the store's folder;
+    # slot_dirs: slot files in these directories, file i in slot_dirs[i % n]; devices: raw
+    # block devices of device_bytes bytes each, one "file" per device (devices.py).
+    slot_dirs: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    device_bytes: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if self.slot_dirs and self.devices:
+            raise ValueError("slots go to slot_dirs or to devices, not both")
+        if len(self.devices) != len(self.device_bytes):
+            raise ValueError("one size per device is needed")
         if self.rank_block_bytes <= 0:
             raise ValueError(
                 f"no KV bytes per block ({self.rank_block_bytes}): the engine's KV "
@@ -122,23 +141,54 @@ class Geometry:
 
     @property
     def num_slots(self) -> int:
-        return self.capacity_bytes // (self.slot_bytes * self.world_size)
+        per_slot = self.slot_bytes * self.world_size
+        if not self.devices:
+            return self.capacity_bytes // per_slot
+        # every device holds as many slots (slot s on device s % n): the smallest decides;
+        # capacity_bytes, where given, caps the store below the devices' size
+        n = len(self.devices)
+        each = min((b - DEVICE_HEADER) // per_slot for b in self.device_bytes)
+        if self.capacity_bytes:
+            each = min(each, self.capacity_bytes // per_slot // n)
+        return max(0, each) * n
 
     @property
     def num_files(self) -> int:
         """Slot files per rank: at least `slot_files` (buffered writes to one file serialize on
         its inode lock, so consecutive slots go to different files), more where one file would
-        pass max_file_bytes."""
+        pass max_file_bytes; a multiple of the slot directories where the slots allow, so
+        consecutive slots go to different directories. Raw devices: one per device."""
+        if self.devices:
+            return len(self.devices)
         per_file = max(1, self.max_file_bytes // self.slot_bytes)
-        return max(-(-self.num_slots // per_file), min(self.slot_files, self.num_slots))
+        n = max(-(-self.num_slots // per_file), min(self.slot_files, self.num_slots))
+        k = len(self.slot_dirs)
+        if k > 1 and round_up(n, k) <= self.num_slots:
+            n = round_up(n, k)
+        return n
 
     def file_slots(self, i: int) -> int:
         return (self.num_slots - i + self.num_files - 1) // self.num_files
 
-    def locate(self, slot):
-        """(file index, byte offset in that file) of a slot, or of each of a numpy array of
-        slots."""
-        return slot % self.num_files, (slot // self.num_files) * self.slot_bytes
+    def file_base(self, rank: int = 0) -> int:
+        """Where slot 0 of a rank's file starts: 0 in a slot file; on a raw device, past the
+        header and the areas of the lower ranks."""
+        if not self.devices:
+            return 0
+        return DEVICE_HEADER + rank * self.file_slots(0) * self.slot_bytes
+
+    def locate(self, slot, rank: int = 0):
+        """(file index, byte offset in that file or device) of a slot of `rank`, or of each of
+        a numpy array of slots."""
+        nf = self.num_files
+        return slot % nf, self.file_base(rank) + (slot // nf) * self.slot_bytes
+
+    def slot_path(self, root: str, rank: int, i: int) -> str:
+        """The file (or device) that holds file index `i` of `rank`."""
+        if self.devices:
+            return self.devices[i]
+        where = self.slot_dirs[i % len(self.slot_dirs)] if self.slot_dirs else root
+        return slot_file(where, rank, self.world_size, i)
 
     def manifest(self, **extra) -> dict:
         return {
@@ -149,6 +199,10 @@ class Geometry:
             "slot_bytes": self.slot_bytes,
             "num_slots": self.num_slots,
             "num_files": self.num_files,
+            # only where set, so a store in one folder keeps the manifest it always had (and an
+            # older release refuses a striped or raw-device store: a key it does not know)
+            **({"slot_dirs": list(self.slot_dirs)} if self.slot_dirs else {}),
+            **({"devices": list(self.devices)} if self.devices else {}),
             **extra,
         }
 
@@ -204,6 +258,17 @@ def refuse_difference(path: str, have: dict, wanted: dict, what: str) -> None:
         for k in set(have) | set(wanted)
         if have.get(k) != wanted.get(k)
     }
+    media = [k for k in ("slot_dirs", "devices") if k in diff]
+    if media:
+
+        def where(m: dict) -> str:
+            return next((f"{k} {m[k]!r}" for k in media if m.get(k)), "its own folder")
+
+        raise StoreMismatch(
+            f"{what} at {path} keeps its slots in {where(have)}, but this engine was given "
+            f"{where(wanted)}. Give the same list in the same order (the slots of a store "
+            "cannot move), or another path."
+        )
     if diff:
         raise StoreMismatch(
             f"{what} at {path} was made for another model or layout: "
@@ -218,6 +283,19 @@ def read_json(path: str) -> dict | None:
             return json.load(f)
     except FileNotFoundError:
         return None
+
+
+_BLKGETSIZE64 = 0x80081272
+
+
+def fd_size(fd: int) -> int:
+    """Bytes of a regular file or of a block device (whose st_size is 0)."""
+    st = os.fstat(fd)
+    if not stat.S_ISBLK(st.st_mode):
+        return st.st_size
+    buf = bytearray(8)
+    fcntl.ioctl(fd, _BLKGETSIZE64, buf)
+    return struct.unpack("<Q", bytes(buf))[0]
 
 
 _AT_EMPTY_PATH = 0x1000

@@ -23,7 +23,7 @@ class SlotChecker:
             pages = self._pages(rank)
             if pages is None:
                 return f"rank {rank} has no layout.json"
-            fi, off = self.geo.locate(slot)
+            fi, off = self.geo.locate(slot, rank)
             n = sum(pages) * self.geo.blocks_per_chunk
             try:
                 data = os.pread(self._fd(rank, fi), n, off)
@@ -53,7 +53,7 @@ class SlotChecker:
     def _fd(self, rank: int, fi: int) -> int:
         fd = self._fds.get((rank, fi))
         if fd is None:
-            fd = os.open(L.slot_file(self.root, rank, self.geo.world_size, fi), os.O_RDONLY)
+            fd = os.open(self.geo.slot_path(self.root, rank, fi), os.O_RDONLY)
             self._fds[(rank, fi)] = fd
         return fd
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import journal, locks
+from . import journal, locks, media
 from . import layout as L
 
 if TYPE_CHECKING:
@@ -61,6 +61,8 @@ class RankFiles:
                 raise L.StoreUnavailable(
                     f"{what}: cannot open {L.explain(e, L.commits_log(root, rank, W))}"
                 ) from None
+            if geo.slot_dirs:
+                media.claim_dirs(root, geo)
             self._open_files(o_direct, preallocate)
         except BaseException:
             self.close()
@@ -70,8 +72,9 @@ class RankFiles:
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)
         what = f"vLLM KV store rank {self.rank}"
         for i in range(self.geo.num_files):
-            path = L.slot_file(self.root, self.rank, self.geo.world_size, i)
+            path = self.geo.slot_path(self.root, self.rank, i)
             try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
                 fd = os.open(path, flags, 0o644)
                 self.fds.append(fd)
                 old = os.fstat(fd).st_size
@@ -131,7 +134,7 @@ class RankFiles:
             try:
                 os.fdatasync(self.fds[fi])
             except OSError as e:
-                path = L.slot_file(self.root, self.rank, self.geo.world_size, fi)
+                path = self.geo.slot_path(self.root, self.rank, fi)
                 raise OSError(e.errno, f"fdatasync of {L.explain(e, path)}") from None
 
     def close(self) -> None:

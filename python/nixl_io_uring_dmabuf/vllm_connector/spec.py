@@ -9,7 +9,7 @@ import logging
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 
-from . import metrics, versions
+from . import devices, metrics, versions
 from .backpressure import StoreQueue
 from .catalog import Catalog
 from .config import StoreConfig
@@ -81,6 +81,9 @@ class NixlStorageOffloadingSpec(OffloadingSpec):
             capacity_bytes=c.capacity_bytes,
             max_file_bytes=c.max_file_bytes,
             slot_files=c.slot_files,
+            slot_dirs=c.slot_dirs,
+            devices=c.devices,
+            device_bytes=tuple(devices.size_of(d) for d in c.devices),
         )
 
     def manifest(self) -> dict:

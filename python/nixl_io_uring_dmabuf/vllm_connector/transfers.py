@@ -64,7 +64,10 @@ class RankTransfers:
             [(ad, n, d, "") for ad, n, d in merge_regions(regions)], mem_kind, backends=self._be
         )
         self._file_reg = a.register_memory(
-            [(0, geo.file_slots(i) * geo.slot_bytes, fd, "") for i, fd in enumerate(fds)],
+            [
+                (geo.file_base(rank), geo.file_slots(i) * geo.slot_bytes, fd, "")
+                for i, fd in enumerate(fds)
+            ],
             "FILE",
             backends=self._be,
         )
@@ -77,7 +80,7 @@ class RankTransfers:
         runs = L.page_runs(pages, bpc)
         files = np.empty((geo.num_slots, bpc, npg, 3), dtype=np.int64)
         slots = np.arange(geo.num_slots, dtype=np.int64)
-        fi, base = geo.locate(slots)
+        fi, base = geo.locate(slots, rank)
         slot_fds = np.asarray(fds, dtype=np.int64)[fi]
         for j in range(bpc):
             for p in range(npg):
