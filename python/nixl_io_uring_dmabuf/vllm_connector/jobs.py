@@ -55,6 +55,7 @@ class StoreOptions:
     durable: bool = False
     preallocate: bool = True
     part_bytes: int = PART_BYTES
+    overwrite_devices: bool = False
 
 
 @dataclasses.dataclass

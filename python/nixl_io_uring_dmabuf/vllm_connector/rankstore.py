@@ -96,11 +96,18 @@ class RankStore:
         self._block_sums = block_sums or HostRows(self.regions).block_sums
         self._launch_sums = launch_sums
         self._files = RankFiles(
-            root, geo, rank, self.pages, options.o_direct, options.durable, options.preallocate
+            root,
+            geo,
+            rank,
+            self.pages,
+            options.o_direct or bool(geo.devices),
+            options.durable,
+            options.preallocate,
+            options.overwrite_devices,
         )
         self._root, self._fds, self._log = root, self._files.fds, self._files.log
         try:
-            if options.o_direct:
+            if options.o_direct or geo.devices:
                 self._files.check_direct(self.pages, self.regions, mem_kind)
             self._nixl = RankTransfers(
                 rank,

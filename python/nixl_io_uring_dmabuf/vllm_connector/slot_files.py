@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import journal, locks, media
+from . import devices, journal, locks, media
 from . import layout as L
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class RankFiles:
         o_direct: bool,
         durable: bool,
         preallocate: bool,
+        overwrite_devices: bool = False,
     ):
         self.root, self.geo, self.rank = root, geo, rank
         self.fds: list[int] = []
@@ -63,10 +64,24 @@ class RankFiles:
                 ) from None
             if geo.slot_dirs:
                 media.claim_dirs(root, geo)
-            self._open_files(o_direct, preallocate)
+            if geo.devices:
+                devices.claim(root, geo, overwrite_devices)
+                self._open_devices()
+            else:
+                self._open_files(o_direct, preallocate)
         except BaseException:
             self.close()
             raise
+
+    def _open_devices(self) -> None:
+        """The raw devices, always O_DIRECT; their size was checked by the geometry."""
+        for dev in self.geo.devices:
+            try:
+                self.fds.append(os.open(dev, os.O_RDWR | os.O_DIRECT))
+            except OSError as e:
+                raise L.StoreUnavailable(
+                    f"vLLM KV store rank {self.rank}: cannot open {L.explain(e, dev)}"
+                ) from None
 
     def _open_files(self, o_direct: bool, preallocate: bool) -> None:
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if o_direct else 0)

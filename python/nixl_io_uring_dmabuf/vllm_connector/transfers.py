@@ -63,12 +63,15 @@ class RankTransfers:
         self._mem_reg = a.register_memory(
             [(ad, n, d, "") for ad, n, d in merge_regions(regions)], mem_kind, backends=self._be
         )
+        # The plugin serves a raw device as BLK_SEG (its DMA-BUF path takes only that); NIXL's
+        # own backends take a block device's fd as FILE
+        self.file_kind = "BLOCK" if geo.devices and backend == "IO_URING_DMABUF" else "FILE"
         self._file_reg = a.register_memory(
             [
                 (geo.file_base(rank), geo.file_slots(i) * geo.slot_bytes, fd, "")
                 for i, fd in enumerate(fds)
             ],
-            "FILE",
+            self.file_kind,
             backends=self._be,
         )
         mem = np.empty((nb, npg, 3), dtype=np.int64)
@@ -91,7 +94,9 @@ class RankTransfers:
         self._local = a.prep_xfer_dlist(
             "NIXL_INIT_AGENT", mem.reshape(-1, 3), mem_kind, backends=self._be
         )
-        self._remote = a.prep_xfer_dlist(a.name, files.reshape(-1, 3), "FILE", backends=self._be)
+        self._remote = a.prep_xfer_dlist(
+            a.name, files.reshape(-1, 3), self.file_kind, backends=self._be
+        )
 
     def prep(self, store: bool, local: np.ndarray, remote: np.ndarray) -> object:
         """The handle of a WRITE (store) or READ (load) of the given list indices."""

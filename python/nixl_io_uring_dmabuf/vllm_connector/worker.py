@@ -73,6 +73,7 @@ class NixlStorageWorker(OffloadingWorker):
                 o_direct=cfg.o_direct,
                 durable=cfg.durable,
                 preallocate=cfg.preallocate,
+                overwrite_devices=cfg.overwrite_devices,
             ),
             launch_sums=self._launch_sums,
         )
