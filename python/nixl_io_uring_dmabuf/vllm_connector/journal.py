@@ -40,8 +40,8 @@ import os
 import struct
 import zlib
 
+from . import file_size, locks
 from . import layout as L
-from . import locks
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class Reader:
         except OSError as e:
             return self._unreadable(e)
         try:
-            size = os.fstat(fd).st_size
+            size = file_size.synced_size(fd)  # not a cached size: appends seen sooner
             if size < self.offset:  # the writer cut a torn tail or a failed append
                 self.offset = size
             buf = os.pread(fd, size - self.offset, self.offset) if size > self.offset else b""
@@ -268,8 +268,9 @@ class Appender:
                 self._depth = 0
 
     def _find_end(self) -> None:
-        """Under the lock: the end of the last valid record, a torn tail cut off."""
-        size = os.fstat(self._fd).st_size
+        """Under the lock: the end of the last valid record, a torn tail cut off. The size is
+        asked of the file system: a cached one would put this append over another node's."""
+        size = file_size.synced_size(self._fd)
         if size < self._end:
             self._end = 0
         if size == self._end:
