@@ -134,11 +134,12 @@ print("RESULT " + json.dumps(seen), flush=True)
 """
 
 
-def start(root, backend, seed, seconds):
+def start(root, backend, seed, seconds, on=()):
+    """An engine process on `root`; `on`: a command prefix it runs under (another node's)."""
     here = os.path.dirname(__file__)
     path = os.pathsep.join([here, os.path.join(here, "..", "..", "python")])
     p = subprocess.Popen(
-        [sys.executable, "-c", WORKER, path, str(root), backend, str(seed), str(seconds)],
+        [*on, sys.executable, "-c", WORKER, path, str(root), backend, str(seed), str(seconds)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
