@@ -81,6 +81,21 @@ def install() -> str | None:
     return unavailable()
 
 
+def open_bed(folder) -> GlusterBed:
+    """A bed that is up, GlusterFS installed first where needed; GlusterUnavailable says why
+    not (the tests skip with it)."""
+    why = install()
+    if why:
+        raise GlusterUnavailable(why)
+    bed = GlusterBed(folder)
+    try:
+        bed.up()
+    except BaseException:
+        bed.down()
+        raise
+    return bed
+
+
 def _run(argv: list[str], timeout: float = 60) -> str:
     r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if r.returncode:
