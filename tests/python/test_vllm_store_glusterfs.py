@@ -229,3 +229,36 @@ def test_each_node_is_its_own_network_namespace_with_its_own_client(bed):
         comms = {open(f"/proc/{p}/comm").read().strip() for p in pids}
         assert "glusterfs" in comms, f"node {node}: no FUSE client in its namespace: {comms}"
     assert len(seen) == 2
+
+
+# Put before S.start's `python -c WORKER PATH ...`: runs it with locks that never exclude, what a
+# file system that keeps locks local to each mount gives one engine per node.
+NO_LOCKS = r"""
+import os, sys
+code, sys.argv = sys.argv[3], ["-c", *sys.argv[4:]]
+sys.path[:0] = sys.argv[1].split(os.pathsep)
+from nixl_io_uring_dmabuf.vllm_connector import locks
+locks._ofd = lambda fd, kind, wait: True
+exec(compile(code, "<engine>", "exec"), {"__name__": "__main__"})
+"""
+
+
+def test_without_locks_that_exclude_across_nodes_nothing_torn_is_served(bed, on_both, backend):
+    """One engine per node whose locks never exclude (journal appends and allocations collide,
+    engines look dead to each other): records are overwritten and slots given twice, yet every
+    block that is served has its own bytes; the checks catch the rest. Capacity may be lost."""
+    a_dir, b_dir = on_both
+    procs = [
+        S.start(root, backend, seed, 6.0, on=bed.on(node, [sys.executable, "-c", NO_LOCKS]))
+        for seed, (node, root) in enumerate([("a", a_dir), ("b", b_dir)], 1)
+    ]
+    seen = [S.result(p) for p in procs]
+    print(seen)
+    assert all(s["torn"] == 0 for s in seen), seen
+    geo = T.geometry(slots=8)
+    cat, kv = C.Catalog(b_dir, geo), T.Kv()
+    store = T.open_rank(b_dir, geo, kv, backend)
+    found = [int.from_bytes(k[:32], "big") for k in cat.committed()]
+    assert "torn" not in [S.load_one(cat, store, kv, i) for i in found]
+    store.close()
+    cat.close()
