@@ -11,7 +11,8 @@ DRAM on vLLM's CPU platform) and slot files; the scheduler keeps an index of com
 that a new engine rebuilds from the store's journals. docs/vllm-connector.md has the
 parameters, the store format and the limits.
 
-Modules: config (parameters), layout (geometry, files, manifest), journal (records), checksum,
+Modules: config (parameters), layout (geometry, files, manifest), journal (records) with file_size
+(a journal's size as the file system has it, for stores shared across nodes), checksum,
 catalog (the scheduler's index; no vLLM), rankstore (one rank's NIXL transfers; no vLLM) over
 jobs (a job's records and parts) and transfers (its NIXL agent),
 versions (supported vLLM releases and their worker API), kv_views (vLLM's KV memory and a job's
