@@ -855,7 +855,7 @@ def report(a) -> int:
             )
         m = {n: med(t[n]) for n in LENGTHS}
 
-        def vs(n):  # no plain engine in this run: no recompute to compare with
+        def vs(n, m=m):  # no plain engine in this run: no recompute to compare with
             return "-" if math.isnan(rec[n]) else f"{rec[n] / m[n]:.2f}x"
 
         lines.append(
