@@ -185,3 +185,65 @@ def test_a_regular_file_is_not_a_device(tmp_path):
     f.write_bytes(b"x")
     with pytest.raises(ValueError, match="is not a block device"):
         D.size_of(str(f))
+
+
+def test_two_ranks_keep_their_halves_in_their_own_areas(tmp_path, loops, backend):
+    """TP = 2 on two devices: each rank stores its half of a block in its area; a new store's
+    ranks load their own halves back, and the block is served only once both committed."""
+    geo = on_devices(loops[:2], world=2)
+    root = tmp_path / "kv"
+    kvs = [T.Kv(), T.Kv()]
+    cat = C.Catalog(str(root), geo)
+    stores = [T.open_rank(root, geo, kvs[r], backend, rank=r) for r in (0, 1)]
+    acc, _ = cat.prepare_store([T.key(b) for b in range(4)])
+    for r in (0, 1):
+        for b in range(4):
+            kvs[r].fill(b, seed=1000 * (r + 1) + b)
+        j = next(T._job)
+        stores[r].submit_store(j, list(range(4)), [s for _, s, _ in acc], [0] * 4, acc)
+        assert T.wait_jobs(stores[r], [j])[j].ok
+    cat.complete_store([k for k, _, _ in acc])
+    for s in stores:
+        s.close()
+    cat.close()
+    cat = C.Catalog(str(root), geo)
+    items = cat.prepare_load([T.key(b) for b in range(4)])
+    for r in (0, 1):
+        store = T.open_rank(root, geo, kvs[r], backend, rank=r)
+        j = next(T._job)
+        store.submit_load(
+            j,
+            list(range(10, 14)),
+            [it.slot for it in items],
+            [0] * 4,
+            [it.sums[r][0] for it in items],
+            [it.gen for it in items],
+        )
+        res = T.wait_jobs(store, [j])[j]
+        assert res.ok and res.bad_blocks == [], res.error
+        assert [kvs[r].block(b) for b in range(10, 14)] == [kvs[r].block(b) for b in range(4)]
+        store.close()
+    cat.complete_load([T.key(b) for b in range(4)])
+    cat.close()
+
+
+def test_two_engines_on_the_same_devices_serve_each_others_blocks(tmp_path, loops, backend):
+    geo, root = on_devices(loops), tmp_path / "kv"
+    kvs = [T.Kv(), T.Kv()]
+    cats = [C.Catalog(str(root), geo), C.Catalog(str(root), geo)]
+    stores = [T.open_rank(root, geo, kv, backend) for kv in kvs]
+    for e in (0, 1):
+        for b in range(3):
+            kvs[e].fill(b, seed=3000 + 10 * e + b)
+        T.store_keys(cats[e], stores[e], [T.key(10 * e + b) for b in range(3)], [0, 1, 2])
+    for e in (0, 1):  # each loads the other's three blocks
+        other = 1 - e
+        cats[e].refresh()  # lookups follow the journals at most every 10 ms
+        assert all(cats[e].lookup(T.key(10 * other + b)) for b in range(3))  # checked on lookup
+        res = T.load_keys(
+            cats[e], stores[e], [T.key(10 * other + b) for b in range(3)], [20, 21, 22]
+        )
+        assert res.ok and res.bad_blocks == [], res.error
+        assert [kvs[e].block(b) for b in (20, 21, 22)] == [kvs[other].block(b) for b in range(3)]
+    for x in stores + cats:
+        x.close()
