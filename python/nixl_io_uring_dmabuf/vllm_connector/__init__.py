@@ -7,11 +7,12 @@ IO_URING_DMABUF), loaded by vLLM from its configuration alone:
         "path": "/mnt/nvme/vllm-kv", "capacity_gb": 512}}
 
 The worker moves blocks directly between the engine's own KV cache tensors (VRAM on CUDA,
-DRAM on vLLM's CPU platform) and slot files; the scheduler keeps an index of committed blocks
+DRAM on vLLM's CPU platform) and slot files or raw block devices; the scheduler keeps an index of committed blocks
 that a new engine rebuilds from the store's journals. docs/vllm-connector.md has the
 parameters, the store format and the limits.
 
-Modules: config (parameters), layout (geometry, files, manifest), journal (records) with file_size
+Modules: config (parameters), layout (geometry, files, manifest), media (the store id and
+the slot directories' markers), devices (raw block devices: size, claiming, header), journal (records) with file_size
 (a journal's size as the file system has it, for stores shared across nodes), checksum,
 catalog (the scheduler's index; no vLLM), rankstore (one rank's NIXL transfers; no vLLM) over
 jobs (a job's records and parts) and transfers (its NIXL agent),
