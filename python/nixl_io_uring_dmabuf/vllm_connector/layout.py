@@ -286,6 +286,7 @@ def read_json(path: str) -> dict | None:
 
 
 _BLKGETSIZE64 = 0x80081272
+_BLKSSZGET = 0x1268
 
 
 def fd_size(fd: int) -> int:
@@ -303,8 +304,15 @@ _STATX_DIOALIGN = 0x2000
 
 
 def direct_alignment(fd: int) -> tuple[int, int]:
-    """(memory, offset/length) alignment O_DIRECT needs on this file: statx(STATX_DIOALIGN) where
-    the kernel and file system report it, else 512, as the plugin decides (src/mem/file.rs)."""
+    """(memory, offset/length) alignment O_DIRECT needs on this file: a block device's logical
+    block size (BLKSSZGET), else statx(STATX_DIOALIGN) where the kernel and file system report
+    it, else 512, as the plugin decides (src/mem/file.rs)."""
+    if stat.S_ISBLK(os.fstat(fd).st_mode):
+        buf = bytearray(4)
+        fcntl.ioctl(fd, _BLKSSZGET, buf)
+        lbs = struct.unpack("<i", bytes(buf))[0]
+        if lbs > 0:
+            return lbs, lbs
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         buf = ctypes.create_string_buffer(256)
