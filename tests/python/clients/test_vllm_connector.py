@@ -102,7 +102,7 @@ def store_catalog(store):
         m["rank_block_bytes"],
         m["blocks_per_chunk"],
         m["world_size"],
-        m["num_slots"] * m["slot_bytes"],
+        m["num_slots"] * m["slot_bytes"] * m["world_size"],  # capacity: every rank's slots
         per_file * m["slot_bytes"],
         slot_files=m["num_files"],
     )
