@@ -36,15 +36,7 @@ pytestmark = pytest.mark.privileged
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
-    try:
-        b = G.open_bed(tmp_path_factory.mktemp("gluster"))
-    except G.GlusterUnavailable as e:
-        pytest.skip(f"GlusterFS: {e}")
-    print(b.versions())
-    try:
-        yield b
-    finally:
-        b.down()
+    yield from G.bed_for_tests(tmp_path_factory, pytest.skip)
 
 
 @pytest.fixture

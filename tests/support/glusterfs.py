@@ -299,3 +299,17 @@ def sweep_stale() -> None:
         if m and not os.path.exists(f"/proc/{m[1]}"):
             with contextlib.suppress(OSError):
                 os.unlink(log)
+
+
+def bed_for_tests(tmp_path_factory, skip):
+    """The bed a test module shares (wrap in pytest.fixture(scope="module")): skip(why) when
+    GlusterFS cannot run here; torn down after the module."""
+    try:
+        b = open_bed(tmp_path_factory.mktemp("gluster"))
+    except GlusterUnavailable as e:
+        skip(f"GlusterFS: {e}")
+    print(b.versions())
+    try:
+        yield b
+    finally:
+        b.down()

@@ -274,33 +274,39 @@ def test_capacity_evicts_the_older_prompt(clients, vllm_model, plain, tmp_path):
     assert o8["token_ids"] == plain[8] and o7["token_ids"] == plain[7]
 
 
-def start_engine(clients, model, prompts, kv_transfer_config, tmp) -> subprocess.Popen:
-    """run_engine's child, started without waiting (same environment as run_engine)."""
+def start_engine(
+    clients, model, prompts, kv_transfer_config, tmp, engine_args=None, env=None
+) -> subprocess.Popen:
+    """run_engine's child, started without waiting (same environment as run_engine), in a
+    session of its own: os.killpg(p.pid, ...) reaches the engine's worker processes too.
+    engine_args (e.g. tensor_parallel_size) run it with vLLM's multiprocessing."""
     spec = {
         "model": model,
         "prompts": prompts,
         "kv_transfer_config": kv_transfer_config,
-        "engine_args": {},
+        "engine_args": engine_args or {},
         "max_tokens": 8,
         "sequential": True,
     }
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = VE._base_env(
+    child_env = VE._base_env(
         {
             "PYTHONPATH": os.pathsep.join([*child_path(clients, "IO_URING_DMABUF"), VE.HERE]),
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "PYTHONHASHSEED": "0",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if engine_args else "0",
+            **(env or {}),
         }
     )
     return subprocess.Popen(
         [clients["py"], VE.THIS, "run", spec_path, os.path.join(tmp, "out.json")],
-        env=env,
+        env=child_env,
         cwd=tmp,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
 
 
