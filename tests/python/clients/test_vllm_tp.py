@@ -12,17 +12,15 @@ Needs the clients venv (bash ci/clients-setup.sh) and 2 CPUs; skips without them
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import vllm_engine as VE
-from test_vllm_connector import child_path, kv_config, prompt, run, store_catalog
+from test_vllm_connector import kv_config, prompt, run, start_engine, store_catalog
 
 TP2 = {"tensor_parallel_size": 2}
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -97,30 +95,15 @@ def test_one_ranks_damaged_slots_found_after_the_load_are_recomputed(
     assert "damaged on load; dropped" in res["stdout_tail"] + res["stderr_tail"]
 
 
-def start_tp2_engine(clients, model, prompts, cfg, tmp) -> subprocess.Popen:
-    """A TP=2 engine in its own session (its workers with it), not waited for."""
-    spec = {"model": model, "prompts": prompts, "kv_transfer_config": cfg}
-    spec |= {"engine_args": TP2, "max_tokens": 8, "sequential": True}
-    spec_path = os.path.join(tmp, "spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    env = VE._base_env(
-        {
-            "PYTHONPATH": os.pathsep.join([*child_path(clients, "IO_URING_DMABUF"), VE.HERE]),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "PYTHONHASHSEED": "0",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-            **BIND,
-        }
-    )
-    return subprocess.Popen(
-        [clients["py"], VE.THIS, "run", spec_path, os.path.join(tmp, "out.json")],
-        env=env,
-        cwd=tmp,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+def fd_links(pid: str) -> set[str]:
+    """Where a process's open fds point; fds closed while we look are left out."""
+    links = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return links
 
 
 def rank_worker(session: int, rank: int) -> int | None:
@@ -130,16 +113,27 @@ def rank_worker(session: int, rank: int) -> int | None:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 sid = int(f.read().rsplit(")", 1)[1].split()[3])  # state ppid pgrp session
-            if sid != session:
-                continue
-            fds = os.listdir(f"/proc/{pid}/fd")
-            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds}
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            links = fd_links(pid) if sid == session else set()
+        except OSError:  # the process ended
             continue
         ranks = {r for r in (0, 1) if any(f"rank{r}of2/slots-" in link for link in links)}
         if ranks == {rank}:
             return int(pid)
     return None
+
+
+def session_fds(session: int) -> dict:
+    """pid -> the store files it holds, of every process of `session` (for failure messages)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session:
+                out[pid] = sorted(x for x in fd_links(pid) if "of2" in x)[:3]
+        except OSError:
+            continue
+    return out
 
 
 def test_a_rank_killed_while_it_stores_leaves_only_blocks_both_ranks_committed(
@@ -153,15 +147,19 @@ def test_a_rank_killed_while_it_stores_leaves_only_blocks_both_ranks_committed(
     by test_vllm_connector_store.py::test_tensor_parallel_blocks_need_every_ranks_commit.)"""
     store = tmp_path / "kv"
     prompts = [prompt(100 + i) for i in range(40)]
-    p = start_tp2_engine(clients, vllm_model, prompts, kv_config(store, slots=1000), tmp_path)
+    cfg = kv_config(store, slots=1000)
+    p = start_engine(clients, vllm_model, prompts, cfg, str(tmp_path), TP2, BIND)
     deadline = time.monotonic() + 400
     try:
         while not (store / "rank0of2" / "commits.log").exists() or not commit_keys(store, 0):
             assert p.poll() is None, "the TP=2 engine ended before it stored a block"
             assert time.monotonic() < deadline, "the TP=2 engine stored nothing in 400 s"
             time.sleep(0.05)
-        worker = rank_worker(p.pid, 1)
-        assert worker, "no process of the engine holds rank 1's slot files"
+        worker, until = None, time.monotonic() + 10
+        while worker is None and time.monotonic() < until:  # a process may be between fds
+            worker = rank_worker(p.pid, 1)
+            time.sleep(0.02)
+        assert worker, f"no process of the engine holds rank 1's slot files: {session_fds(p.pid)}"
         os.kill(worker, signal.SIGKILL)
         time.sleep(5)  # rank 0 and the scheduler go on until vLLM notices
     finally:
