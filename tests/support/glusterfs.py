@@ -14,7 +14,7 @@ FUSE client talks to the brick over the bridge; the mounts themselves appear in 
 namespace (nsenter enters the network namespace only), where every process can reach them.
 
 The volume gets VOLUME_OPTIONS and the mounts MOUNT_OPTIONS: what the store needs on GlusterFS
-(docs/vllm-connector.md, "Across nodes"). `down()` unmounts, stops the daemons and deletes the
+(docs/vllm-many-engines.md, "Across nodes"). `down()` unmounts, stops the daemons and deletes the
 namespaces even after a failure; `sweep_stale()` clears what a killed test left.
 
 Needs root, iproute2, nsenter, /dev/fuse and GlusterFS (ci/glusterfs-setup.sh);

@@ -6,7 +6,7 @@ that cannot share it.
   OFD locks belong to the open file, not the process, so two catalogs or two ranks in one
   process exclude each other too; the kernel drops them when the holder dies (SIGKILL
   included). On FUSE they reach the file system as POSIX locks, which is what makes them hold
-  across nodes on a file system that implements them (docs/vllm-connector.md).
+  across nodes on a file system that implements them (docs/vllm-many-engines.md).
 - Engine liveness: each scheduler holds the OFD lock of its own file in `<path>/engines/`. A
   store slot another engine allocated and never committed is reclaimed only once that lock
   can be taken, i.e. its engine is gone.
