@@ -118,7 +118,9 @@ class RankFiles:
 
     def check_direct(self, pages: list[int], regions: Sequence[Region], mem_kind: str) -> None:
         """Refuses (ValueError) a KV layout that O_DIRECT on these files cannot serve."""
-        mem_align, off_align = L.direct_alignment(self.fds[0])
+        # the strictest of the files: slot_dirs and devices may differ in block size
+        aligns = [L.direct_alignment(fd) for fd in self.fds]
+        mem_align, off_align = max(a[0] for a in aligns), max(a[1] for a in aligns)
         problems = []
         offsets = np.cumsum([0] + pages)
         if self.geo.slot_bytes % off_align:
