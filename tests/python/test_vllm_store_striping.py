@@ -97,6 +97,7 @@ def ext4_loops(tmp_path):
         yield loops
 
 
+@pytest.mark.privileged
 @pytest.mark.parametrize("o_direct", [False, True])
 def test_slot_files_on_three_ext4_loop_devices_round_trip(tmp_path, backend, ext4_loops, o_direct):
     geo = striped(9, ext4_loops.mounts)
