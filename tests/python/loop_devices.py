@@ -101,3 +101,16 @@ def _fs_type(path: str) -> str:
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
                 best, kind = mnt, parts[2]
     return kind
+
+
+def loops_or_skip(folder, count: int, size_mb: int, ext4: bool = False, mkfs: bool = False):
+    """A test's loop devices (a generator for a fixture: `yield from loops_or_skip(...)`): skips
+    the test with one line naming why when they cannot be made here. ext4: each device carries
+    a mounted ext4; mkfs: the test runs mkfs.ext4 itself."""
+    import pytest
+
+    why = unavailable(ext4=ext4 or mkfs)
+    if why:
+        pytest.skip(f"no loop devices: {why}")
+    with LoopDevices(folder, count=count, size_mb=size_mb, ext4=ext4) as lo:
+        yield lo

@@ -27,10 +27,7 @@ SIZE_MB = 4
 @pytest.fixture
 def loops(tmp_path):
     """Three raw loop devices of SIZE_MB over files in the test's folder."""
-    why = LD.unavailable()
-    if why:
-        pytest.skip(f"no loop devices: {why}")
-    with LD.LoopDevices(tmp_path, count=3, size_mb=SIZE_MB) as lo:
+    for lo in LD.loops_or_skip(tmp_path, count=3, size_mb=SIZE_MB):
         yield lo.devices
 
 

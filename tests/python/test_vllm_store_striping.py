@@ -90,11 +90,7 @@ def test_directories_in_another_order_or_of_another_store_are_refused(tmp_path, 
 
 @pytest.fixture
 def ext4_loops(tmp_path):
-    why = LD.unavailable(ext4=True)
-    if why:
-        pytest.skip(f"no loop devices: {why}")
-    with LD.LoopDevices(tmp_path, count=3, size_mb=32, ext4=True) as loops:
-        yield loops
+    yield from LD.loops_or_skip(tmp_path, count=3, size_mb=32, ext4=True)
 
 
 @pytest.mark.privileged

@@ -21,10 +21,7 @@ plain = T.plain  # the fixture: tokens of an engine without a connector, per pro
 
 @pytest.fixture
 def loops(tmp_path):
-    why = LD.unavailable(ext4=True)
-    if why:
-        pytest.skip(f"no loop devices: {why}")
-    with LD.LoopDevices(tmp_path, count=3, size_mb=16) as lo:
+    for lo in LD.loops_or_skip(tmp_path, count=3, size_mb=16, mkfs=True):
         yield lo.devices
 
 

@@ -22,11 +22,7 @@ plain = T.plain  # the fixture: tokens of an engine without a connector, per pro
 
 @pytest.fixture
 def ext4_loops(tmp_path):
-    why = LD.unavailable(ext4=True)
-    if why:
-        pytest.skip(f"no loop devices: {why}")
-    with LD.LoopDevices(tmp_path, count=3, size_mb=48, ext4=True) as loops:
-        yield loops
+    yield from LD.loops_or_skip(tmp_path, count=3, size_mb=48, ext4=True)
 
 
 def test_a_new_engine_loads_a_prefix_striped_over_three_file_systems(
