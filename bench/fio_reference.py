@@ -120,7 +120,11 @@ def buffered(a, path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fio", required=True)
-    ap.add_argument("--dir", default="/root")
+    ap.add_argument(
+        "--dir",
+        default="/root",
+        help="folder of the test file; a:b:c (O_DIRECT): one file in each, read as one job",
+    )
     ap.add_argument(
         "--sizes",
         default=",".join(str(s) for s in (64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB)),
@@ -138,12 +142,16 @@ def main():
     ap.add_argument("--numjobs", default="1", help="O_DIRECT: submitting threads, e.g. 1,4")
     a = ap.parse_args()
     a.ops = a.ops or ("read" if a.buffered else "read,write")
-    path = os.path.join(a.dir, f"iud-fio-ref-{os.getpid()}")
+    # fio spreads one job's I/O over the files of a ':'-separated --filename (several devices
+    # read at once, as slot files striped over them are)
+    files = [os.path.join(d, f"iud-fio-ref-{os.getpid()}") for d in a.dir.split(":")]
+    path = ":".join(files)
     if a.buffered:
         try:
             buffered(a, path)
         finally:
-            os.unlink(path)
+            for f in files:
+                os.unlink(f)
         return
     # Lay the file out once so reads hit allocated blocks.
     subprocess.run(
@@ -193,7 +201,8 @@ def main():
                         flush=True,
                     )
     finally:
-        os.unlink(path)
+        for f in files:
+            os.unlink(f)
 
 
 if __name__ == "__main__":

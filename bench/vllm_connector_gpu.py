@@ -255,6 +255,10 @@ def kv_config(variant: str, work: str) -> dict | None:
     # No backpressure (store_queue_s 0): the store round offers 16 GB at once and the loads
     # measured after it need every block stored; decode rounds then run with every store.
     extra.setdefault("store_queue_s", 0)
+    # ci/gpu/vllm-run.sh memdisk N > 1: the slot files striped over N file systems, the journals
+    # in the work folder (vLLM's fs tier takes one root_dir: it stays on the first)
+    if os.environ.get("IUD_VLLM_SLOT_DIRS"):
+        extra.setdefault("slot_dirs", os.environ["IUD_VLLM_SLOT_DIRS"].split(":"))
     return kv_transfer_config(
         path=store,
         capacity_gb=24,
@@ -709,6 +713,15 @@ def versions() -> dict:
 # ----------------------------------------------------------------------------- parent commands
 
 
+def remove_store(store: str) -> None:
+    """A connector store: its folder and, when striped, what it keeps in the slot folders (they
+    are marked as its own, and the next store takes them)."""
+    shutil.rmtree(store, ignore_errors=True)
+    for d in filter(None, os.environ.get("IUD_VLLM_SLOT_DIRS", "").split(":")):
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+
+
 def engines(a) -> int:
     os.makedirs(a.work, exist_ok=True)
     results = os.path.join(a.work, "results.jsonl")
@@ -721,7 +734,7 @@ def engines(a) -> int:
             shutil.rmtree(os.path.join(a.work, "nixltier"), ignore_errors=True)
         store = store_of(v, a.work)
         if not reuses(v):  # its own store, new
-            shutil.rmtree(store, ignore_errors=True)
+            remove_store(store)
         elif not os.path.isdir(store):  # a hit from storage needs what its owner stored
             print(f"== {v}: no store at {store}: run {reuses(v)} before it, in the same call")
             rc = 1
@@ -740,7 +753,7 @@ def engines(a) -> int:
         rc |= p.returncode
         later = {store_of(x, a.work) for x in a.variants[i + 1 :] if reuses(x)}
         if store not in later and (reuses(v) or store not in reused):
-            shutil.rmtree(store, ignore_errors=True)  # the disk holds one store at a time
+            remove_store(store)  # the disk holds one store at a time
     return rc
 
 

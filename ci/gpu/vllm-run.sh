@@ -9,9 +9,11 @@
 #   bash ci/gpu/vllm-run.sh probe            what the machine offers for block devices (loop,
 #                                            md, tmpfs O_DIRECT), into $OUT/machine-probe.txt
 #   bash ci/gpu/vllm-run.sh memdisk N GIB    N loop devices over files in a tmpfs (memory-speed
-#                                            block devices, GIB in all), striped into one md
-#                                            RAID0 when N > 1, ext4 on top: later steps work
-#                                            there (LABEL memN)
+#                                            block devices, GIB in all), ext4 on each: later
+#                                            steps work on the first (LABEL memN); with N > 1
+#                                            the connector's slot files are striped over all
+#                                            (slot_dirs: the machine has no md to stripe under
+#                                            one file system) and fio reads all at once
 #   bash ci/gpu/vllm-run.sh disk             later steps work on the machine's disk again
 #   bash ci/gpu/vllm-run.sh fio              fio's O_DIRECT reads in the work folder's file
 #                                            system, into $OUT/fio-LABEL.md
@@ -58,10 +60,9 @@ stash() {
     # A plugin built after the parts were made (ci/gpu/prepare.sh), carried beside them: it
     # replaces the parts' copy.
     [ -f .device/gpu/libplugin_IO_URING_DMABUF.so ] && cp -f .device/gpu/libplugin_IO_URING_DMABUF.so "$H/.plugin-new"
-    # Tools for the memdisk and fio steps, carried in a call of their own (.device/tools) and
-    # kept on the machine: fio (ci/gpu/build-fio.sh) and an mdadm for machines without one.
+    # fio for the fio step (ci/gpu/build-fio.sh), carried once in .device/tools and kept on
+    # the machine.
     [ -x .device/tools/fio ] && cp -f .device/tools/fio "$H/fio"
-    [ -x .device/tools/mdadm ] && cp -f .device/tools/mdadm "$H/mdadm"
     ls -la "$H/parts"
     [ -f "$H/.unpacked" ] && return 0
     local p
@@ -105,7 +106,6 @@ probe() {
         ls /sys/module | grep -E '^(md_mod|raid0|loop|dm_mod)$'
         cat /proc/mdstat 2>&1
         command -v mdadm losetup mkfs.ext4 dmsetup
-        "$MDADM" --version 2>&1
         losetup --version
         mkdir -p /dev/shm/iud-dio && python3 -c 'import os, sys
 try:
@@ -117,52 +117,60 @@ except OSError as e:
     cat "$OUT/machine-probe.txt"
 }
 
-# Removes every memory disk this script made (mounts, md arrays, loop devices, tmpfs).
+# Removes every memory disk this script made (mounts, loop devices, tmpfs).
 memdisk_off() {
-    local m d
-    for m in /mnt/iud-mem*; do mountpoint -q "$m" && umount "$m"; done
-    [ -e "$MD" ] && "$MDADM" --stop "$MD"
-    losetup -j /mnt/iud-tmpfs/mem* 2>/dev/null | cut -d: -f1 | xargs -r -n1 losetup -d
+    local m
+    for m in /mnt/iud-mem*/d*; do mountpoint -q "$m" && umount "$m"; done
+    for m in /mnt/iud-tmpfs/mem*.img; do
+        [ -e "$m" ] && losetup -j "$m" | cut -d: -f1 | xargs -r -n1 losetup -d
+    done
     mountpoint -q /mnt/iud-tmpfs && umount /mnt/iud-tmpfs
     return 0
 }
 
 memdisk() {
-    local n=$1 gib=$2 t=/mnt/iud-tmpfs m dev i devs=()
+    local n=$1 gib=$2 t=/mnt/iud-tmpfs m dev i dirs=()
     LABEL=mem$n
     m=/mnt/iud-$LABEL
-    WORK=$m/work
-    mountpoint -q "$m" && { mkdir -p "$WORK"; return 0; }
-    memdisk_off
-    mkdir -p "$t" "$m"
-    mount -t tmpfs -o "size=$((gib + 1))g" tmpfs "$t" || return 1
-    for i in $(seq 1 "$n"); do
-        truncate -s "$((gib * 1024 / n))M" "$t/$LABEL-$i.img"
-        # direct I/O to the backing file where tmpfs takes it (kernel 6.6+), else its page cache
-        dev=$(losetup --find --show --direct-io=on "$t/$LABEL-$i.img" 2>/dev/null) \
-            || dev=$(losetup --find --show "$t/$LABEL-$i.img") || return 1
-        devs+=("$dev")
-    done
-    dev=${devs[0]}
-    if [ "$n" -gt 1 ]; then
-        "$MDADM" --create "$MD" --run --level=0 --chunk=512 --metadata=1.2 \
-            --raid-devices="$n" "${devs[@]}" || return 1
-        dev=$MD
+    WORK=$m/d1/work
+    if ! mountpoint -q "$m/d1"; then
+        memdisk_off
+        mkdir -p "$t"
+        mount -t tmpfs -o "size=$((gib + 1))g" tmpfs "$t" || return 1
+        for i in $(seq 1 "$n"); do
+            truncate -s "$((gib * 1024 / n))M" "$t/$LABEL-$i.img"
+            # direct I/O to the backing file where tmpfs takes it (kernel 6.6+), else its page
+            # cache
+            dev=$(losetup --find --show --direct-io=on "$t/$LABEL-$i.img" 2>/dev/null) \
+                || dev=$(losetup --find --show "$t/$LABEL-$i.img") || return 1
+            mkdir -p "$m/d$i"
+            mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$dev" \
+                && mount "$dev" "$m/d$i" || return 1
+        done
+        { losetup -l; grep "$m" /proc/mounts; } 2>&1 | tee -a "$OUT/vllm-machine.txt"
     fi
-    mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$dev" && mount "$dev" "$m" || return 1
     mkdir -p "$WORK"
-    { losetup -l; cat /proc/mdstat; grep "$m" /proc/mounts; } 2>&1 | tee -a "$OUT/vllm-machine.txt"
+    for i in $(seq 1 "$n"); do dirs+=("$m/d$i/slots"); done
+    if [ "$n" -gt 1 ]; then
+        # bench/vllm_connector_gpu.py gives these to the connector as slot_dirs; FIO_DIRS
+        # makes fio read from every device at once
+        IUD_VLLM_SLOT_DIRS=$(IFS=:; echo "${dirs[*]}")
+        FIO_DIRS=$IUD_VLLM_SLOT_DIRS
+        export IUD_VLLM_SLOT_DIRS
+        mkdir -p "${dirs[@]}"
+    else
+        unset IUD_VLLM_SLOT_DIRS
+        FIO_DIRS=$WORK
+    fi
 }
 
 fio_here() {
     # reads only (what a load waits for), block sizes around the connector's slot reads
-    timeout 200 python3 bench/fio_reference.py --fio "$H/fio" --dir "$WORK" --ops read \
+    timeout 200 python3 bench/fio_reference.py --fio "$H/fio" --dir "${FIO_DIRS:-$WORK}" --ops read \
         --sizes 1048576,2097152,8388608 --depths 16,64 --numjobs 1,4 --span $((2 << 30)) \
         2>&1 | tee "$OUT/fio-$LABEL.md"
 }
 
-MDADM=$(command -v mdadm || echo "$H/mdadm")
-MD=/dev/md100  # a number: mdadm makes the node itself where no udev runs
 rc=0
 while [ $# -gt 0 ]; do
     step=$1; shift
@@ -176,7 +184,7 @@ while [ $# -gt 0 ]; do
     report) report || rc=1 ;;
     probe) probe ;;
     memdisk) memdisk "$1" "$2" || { echo "memdisk $1 $2 failed"; rc=1; break; }; shift 2 ;;
-    disk) LABEL=disk WORK=$H/work ;;
+    disk) LABEL=disk WORK=$H/work FIO_DIRS=$H/work; unset IUD_VLLM_SLOT_DIRS ;;
     memdisk-off) memdisk_off ;;
     fio) fio_here || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
