@@ -60,11 +60,18 @@ def load_one(cat, store, kv, i: int) -> str:
     return "ok" if kv.block(LOAD_ROW) == content(kv, i) else "torn"
 
 
+def two_engines(root, geo, backend) -> list[tuple]:
+    """Two engines in this process on one store: (catalog, rank store, KV memory) each."""
+    out = []
+    for _ in range(2):
+        kv = T.Kv()
+        out.append((C.Catalog(str(root), geo), T.open_rank(root, geo, kv, backend), kv))
+    return out
+
+
 def test_engines_serve_each_others_blocks(tmp_path, backend):
     geo = T.geometry(slots=8)
-    a, b = (C.Catalog(str(tmp_path), geo) for _ in range(2))
-    kva, kvb = T.Kv(), T.Kv()
-    sa, sb = T.open_rank(tmp_path, geo, kva, backend), T.open_rank(tmp_path, geo, kvb, backend)
+    (a, sa, kva), (b, sb, kvb) = two_engines(tmp_path, geo, backend)
     for i in range(3):
         kva.fill(i, seed=1000 + i)
     assert T.store_keys(a, sa, [T.key(i) for i in range(3)], [0, 1, 2])[0]
@@ -85,9 +92,7 @@ def test_engines_serve_each_others_blocks(tmp_path, backend):
 
 def test_a_block_evicted_by_another_engine_under_a_load_is_caught_then_a_miss(tmp_path, backend):
     geo = T.geometry(slots=4)
-    a, b = (C.Catalog(str(tmp_path), geo) for _ in range(2))
-    kva, kvb = T.Kv(), T.Kv()
-    sa, sb = T.open_rank(tmp_path, geo, kva, backend), T.open_rank(tmp_path, geo, kvb, backend)
+    (a, sa, kva), (b, sb, kvb) = two_engines(tmp_path, geo, backend)
     for i in range(4):
         assert store_one(a, sa, kva, i)
     b.refresh()
