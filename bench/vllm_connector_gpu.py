@@ -773,8 +773,8 @@ def report(a) -> int:
     if a.ref and not any(r["variant"] == "plain" for r in recs):
         # Only the reference tokens of an earlier run of the same model and prompts: a call
         # that runs no plain engine still checks every hit's tokens.
-        recs = [r for r in load(a.ref) if r["variant"] == "plain" and r["round"] in TOKEN_ROUNDS]
-        recs += load(a.work)
+        ref = [r for r in load(a.ref) if r["variant"] == "plain" and r["round"] in TOKEN_ROUNDS]
+        recs = ref + recs
     by = {}
     for r in recs:
         by.setdefault((r["variant"], r["round"]), []).append(r)
