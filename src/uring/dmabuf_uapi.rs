@@ -6,17 +6,27 @@
 //! read/write via io_uring" (Pavel Begunkov). What is known, and from where, is in
 //! docs/kernel-dmabuf-series.md. Checked against the v3 patches (2026-04-29,
 //! https://lore.kernel.org/io-uring/cover.1777475843.git.asml.silence@gmail.com/), the newest
-//! whose patches could be read. Behaviour was also aligned with the later changes listed in the
-//! v7 cover letter (2026-09-28,
+//! whose io_uring patches could be read. Behaviour was also aligned with the later changes listed
+//! in the v7 cover letter (2026-09-28,
 //! https://lore.kernel.org/linux-block/cover.1790602223.git.asml.silence@gmail.com/):
 //! `desc.flags` must be 0, no IOPOLL rings, reissue spurious -EAGAIN, and a relaxed 1 GiB cap.
 //!
 //! A DMA-BUF slot is registered with IORING_REGISTER_BUFFERS_UPDATE carrying the EXTENDED flag
 //! and one 80-byte `io_uring_regbuf_desc` of type DMABUF bound to the O_DIRECT block-device fd the
 //! I/O will use. READ_FIXED/WRITE_FIXED then address the buffer by byte offset into the DMA-BUF.
-//! Kernels without the series read `flags` as the reserved `resv` and answer -EINVAL; the probe
-//! tells the two apart with a harmless EMPTY descriptor, which supporting kernels accept
-//! (return 1).
+//!
+//! Which uAPI the running kernel speaks is probed, never assumed from a version ([`probe_uapi`]):
+//! 1. an EXTENDED update with an EMPTY descriptor: kernels without the series read `flags` as the
+//!    reserved `resv` and answer -EINVAL; kernels with it clear the slot and return 1;
+//! 2. the same with `desc.flags = 1`: the v3 patches ignore `desc.flags` (1), later code refuses
+//!    it (-EINVAL; seen in `io_uring/rsrc.c` of the CI tree linux-blktests/linux-block-trial);
+//! 3. a DMABUF-shaped descriptor with both fds -1 for each candidate type value
+//!    ([`DMABUF_TYPE_CANDIDATES`]): the DMA-BUF handler fails on the fd (-EBADF), any other or
+//!    unknown type on the non-zero fd fields (-EINVAL). A kernel with the io_uring registration
+//!    rework but without the DMA-BUF patch (the trial tree above is one) passes step 1 and fails
+//!    here, so it is not taken for a DMA-BUF kernel.
+//!
+//! Every probe call fails or clears the slot of a throw-away ring: nothing is registered.
 
 use std::io;
 use std::os::fd::RawFd;
@@ -25,12 +35,49 @@ use std::os::fd::RawFd;
 pub const IORING_REGISTER_BUFFERS_UPDATE: u32 = 16;
 /// `io_uring_rsrc_update2.flags`: the data array holds `io_uring_regbuf_desc` entries.
 pub const IORING_RSRC_UPDATE_EXTENDED: u32 = 1 << 1;
-/// `io_uring_regbuf_desc.type` values (v3). Unverified for v7: a July 2026 RFC ("zcrx tx",
-/// cover.1783614400) gives the value 2 to IO_REGBUF_TYPE_ZCRX; if a kernel with the series
-/// probes as Available but refuses DMABUF registrations with EINVAL, check this value first.
+/// `io_uring_regbuf_desc.type` values of v3 (`enum io_uring_regbuf_type`: EMPTY, UADDR, DMABUF).
 pub const IO_REGBUF_TYPE_EMPTY: u32 = 0;
 pub const IO_REGBUF_TYPE_UADDR: u32 = 1;
 pub const IO_REGBUF_TYPE_DMABUF: u32 = 2;
+/// The DMABUF type values the probe tries, in this order: v3's 2, then 3, where DMABUF lands if
+/// IO_REGBUF_TYPE_ZCRX (the third entry, 2, in the July 2026 "zcrx tx" RFC, cover.1783614400)
+/// is merged first. The value in v4-v7 could not be read (their io_uring patches are not in
+/// the stored archives); a kernel using another one probes as Absent with a reason saying so.
+pub const DMABUF_TYPE_CANDIDATES: [u32; 2] = [IO_REGBUF_TYPE_DMABUF, 3];
+
+/// The uAPI of the running kernel, as [`probe_uapi`] found it. The descriptor layout is the same
+/// 80 bytes in every posting whose header could be read (v3's, asserted below); what differs
+/// between the known revisions is the DMABUF type value and whether `desc.flags` is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Uapi {
+    /// `io_uring_regbuf_desc.type` of a DMA-BUF registration on this kernel.
+    pub dmabuf_type: u32,
+    /// The kernel refuses `desc.flags != 0` (code after v3; v5's changelog: "Fix io_uring uapi
+    /// validation"). v3 ignores the field. The engine sends 0 either way.
+    pub flags_checked: bool,
+}
+
+impl Uapi {
+    /// The v3 posting (2026-04-29), the one whose patches the constants were checked against.
+    pub const V3: Uapi = Uapi {
+        dmabuf_type: IO_REGBUF_TYPE_DMABUF,
+        flags_checked: false,
+    };
+
+    /// One line for logs and the lab: which revision, and why.
+    pub fn describe(&self) -> String {
+        let rev = if *self == Uapi::V3 { "v3" } else { "after v3" };
+        format!(
+            "{rev} uAPI: DMABUF type {}, desc.flags {}",
+            self.dmabuf_type,
+            if self.flags_checked {
+                "checked (non-zero -> EINVAL)"
+            } else {
+                "ignored"
+            }
+        )
+    }
+}
 
 /// Largest DMA-BUF the engine registers in one slot. v3 refuses a dma-buf over 1 GiB with
 /// EINVAL; v6 "relaxed the 1G io_uring registered dma-buf limit" (v7 cover letter, 2026-09-28)
@@ -75,7 +122,7 @@ const _: () = assert!(std::mem::offset_of!(IoUringRsrcUpdate2, data) == 8);
 const _: () = assert!(std::mem::offset_of!(IoUringRsrcUpdate2, nr) == 24);
 
 /// A descriptor of `kind` with every field the kernel requires to be zero left zero: `flags`,
-/// `size` and `uaddr` (DMABUF), `__resv`; the fds only for DMABUF.
+/// `size` and `uaddr` (DMABUF), `__resv`; the fds only for DMABUF. (Only the probe sets `flags`.)
 fn desc(kind: u32, dmabuf_fd: RawFd, target_fd: RawFd) -> IoUringRegbufDesc {
     IoUringRegbufDesc {
         kind,
@@ -119,8 +166,8 @@ unsafe fn update_extended(ring_fd: RawFd, slot: u32, desc: &IoUringRegbufDesc) -
     }
 }
 
-/// Registers `dmabuf_fd` in `slot`, bound to `target_fd` (an O_DIRECT NVMe block device).
-/// The ring must not be IOPOLL (reported refused after v3; see [`Ring::register_dmabuf`]).
+/// Registers `dmabuf_fd` in `slot`, bound to `target_fd` (an O_DIRECT NVMe block device), with
+/// the DMABUF type value of the running kernel ([`uapi`]). The ring must not be IOPOLL (reported refused after v3; see [`Ring::register_dmabuf`]).
 ///
 /// [`Ring::register_dmabuf`]: crate::uring::Ring::register_dmabuf
 pub fn register_dmabuf(
@@ -129,7 +176,7 @@ pub fn register_dmabuf(
     dmabuf_fd: RawFd,
     target_fd: RawFd,
 ) -> io::Result<()> {
-    let d = desc(IO_REGBUF_TYPE_DMABUF, dmabuf_fd, target_fd);
+    let d = desc(uapi().dmabuf_type, dmabuf_fd, target_fd);
     // SAFETY: a DMABUF descriptor references no user memory.
     unsafe { update_extended(ring_fd, slot, &d) }.map(drop)
 }
@@ -185,28 +232,133 @@ pub fn interpret_probe(result: io::Result<i32>) -> DmabufSupport {
     }
 }
 
-/// Probes the running kernel once per call with a throw-away ring: sparse table of one slot,
-/// EXTENDED update with an EMPTY descriptor.
+/// Probes the running kernel once per call with a throw-away ring: Available when
+/// [`probe_uapi`] finds a DMA-BUF uAPI it knows.
 pub fn probe() -> DmabufSupport {
-    let ring = match io_uring::IoUring::new(4) {
-        Ok(r) => r,
-        Err(e) => {
-            return DmabufSupport::Absent(format!(
-                "io_uring_setup failed: {}",
-                crate::error::describe_os_error(&e)
+    match probe_uapi() {
+        Ok(_) => DmabufSupport::Available,
+        Err(reason) => DmabufSupport::Absent(reason),
+    }
+}
+
+/// The uAPI of the running kernel, probed once per process (the first successful
+/// [`probe_uapi`] is kept); v3's where the probe finds none (registrations then fail as the
+/// kernel answers, and callers check [`probe`] first).
+pub fn uapi() -> Uapi {
+    match PROBED.get() {
+        Some(u) => *u,
+        None => probe_uapi().unwrap_or(Uapi::V3),
+    }
+}
+
+static PROBED: std::sync::OnceLock<Uapi> = std::sync::OnceLock::new();
+
+/// Finds which uAPI the running kernel speaks (module documentation: the three steps), on a
+/// throw-away ring with a sparse one-slot table. Err: why there is none the engine can use.
+pub fn probe_uapi() -> Result<Uapi, String> {
+    use std::os::fd::AsRawFd;
+    let ring = io_uring::IoUring::new(4).map_err(|e| {
+        format!(
+            "io_uring_setup failed: {}",
+            crate::error::describe_os_error(&e)
+        )
+    })?;
+    ring.submitter().register_buffers_sparse(1).map_err(|e| {
+        format!(
+            "sparse buffer table refused: {}",
+            crate::error::describe_os_error(&e)
+        )
+    })?;
+    let fd = ring.as_raw_fd();
+    let update = |d: &IoUringRegbufDesc| {
+        // SAFETY: the probe only sends EMPTY and DMABUF descriptors, which reference no user
+        // memory.
+        unsafe { update_extended(fd, 0, d) }
+    };
+    if let DmabufSupport::Absent(reason) =
+        interpret_probe(update(&desc(IO_REGBUF_TYPE_EMPTY, 0, 0)))
+    {
+        return Err(reason);
+    }
+    let flagged = IoUringRegbufDesc {
+        flags: 1,
+        ..desc(IO_REGBUF_TYPE_EMPTY, 0, 0)
+    };
+    let flags = update(&flagged);
+    let mut types = Vec::new();
+    for t in DMABUF_TYPE_CANDIDATES {
+        let r = update(&desc(t, -1, -1));
+        let stop = !matches!(&r, Err(e) if e.raw_os_error() == Some(libc::EINVAL));
+        if matches!(r, Ok(n) if n > 0) {
+            // never expected (fd -1 registered?): leave nothing behind
+            let _ = update(&desc(IO_REGBUF_TYPE_EMPTY, 0, 0));
+        }
+        types.push((t, r));
+        if stop {
+            break;
+        }
+    }
+    let found = classify(flags, &types)?;
+    Ok(*PROBED.get_or_init(|| found))
+}
+
+/// Steps 2 and 3 of the probe, given step 1 passed: `flags` is the answer to the EMPTY update
+/// with `desc.flags = 1`, `types` the answers to the DMABUF-shaped descriptors with fds -1.
+pub fn classify(flags: io::Result<i32>, types: &[(u32, io::Result<i32>)]) -> Result<Uapi, String> {
+    let flags_checked = match flags {
+        Ok(n) if n >= 1 => false,
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => true,
+        other => {
+            return Err(format!(
+                "{ABSENT_KNOWN} (an EMPTY descriptor with desc.flags 1 gave {}, neither 1 nor \
+                 EINVAL)",
+                show(&other)
             ))
         }
     };
-    if let Err(e) = ring.submitter().register_buffers_sparse(1) {
-        return DmabufSupport::Absent(format!(
-            "sparse buffer table refused: {}",
-            crate::error::describe_os_error(&e)
-        ));
+    for (t, r) in types {
+        match r {
+            Err(e) if e.raw_os_error() == Some(libc::EBADF) => {
+                return Ok(Uapi {
+                    dmabuf_type: *t,
+                    flags_checked,
+                })
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                return Err(format!(
+                    "the kernel has the io_uring DMA-BUF uAPI (type {t}) but refuses DMA-BUF \
+                     registrations (EOPNOTSUPP): built without the series' DMA-BUF support \
+                     (v3: CONFIG_DMABUF_TOKEN)"
+                ))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => continue,
+            other => {
+                return Err(format!(
+                    "{ABSENT_KNOWN} (a DMA-BUF descriptor of type {t} with fd -1 gave {}, \
+                     expected EBADF)",
+                    show(other)
+                ))
+            }
+        }
     }
-    use std::os::fd::AsRawFd;
-    let d = desc(IO_REGBUF_TYPE_EMPTY, 0, 0);
-    // SAFETY: an EMPTY descriptor references no user memory.
-    interpret_probe(unsafe { update_extended(ring.as_raw_fd(), 0, &d) })
+    let tried: Vec<String> = types.iter().map(|(t, _)| t.to_string()).collect();
+    Err(format!(
+        "{ABSENT_KNOWN}: EXTENDED buffer updates work, but no DMA-BUF registration type ({}) \
+         answers a descriptor with fd -1 with EBADF: the kernel has the io_uring \
+         registration rework without the DMA-BUF patch, or a revision of the series whose type \
+         value the engine does not know (docs/kernel-dmabuf-series.md)",
+        tried.join(", ")
+    ))
+}
+
+/// How the reasons of [`classify`] start.
+const ABSENT_KNOWN: &str = "kernel without an io_uring DMA-BUF uAPI this engine knows";
+
+fn show(r: &io::Result<i32>) -> String {
+    match r {
+        Ok(n) => format!("{n}"),
+        Err(e) => crate::error::describe_os_error(e),
+    }
 }
 
 #[cfg(test)]
@@ -268,6 +420,79 @@ mod tests {
                 "expected no uAPI, probe says {first:?}"
             ),
             _ => {}
+        }
+    }
+
+    fn errno(e: i32) -> io::Result<i32> {
+        Err(io::Error::from_raw_os_error(e))
+    }
+
+    #[test]
+    fn the_v3_answers_give_the_v3_uapi() {
+        // v3: desc.flags ignored (1), type 2 fails on fget(-1) (EBADF)
+        let u = classify(Ok(1), &[(2, errno(libc::EBADF))]).unwrap();
+        assert_eq!(u, Uapi::V3);
+        assert!(
+            u.describe().starts_with("v3 uAPI: DMABUF type 2"),
+            "{}",
+            u.describe()
+        );
+    }
+
+    #[test]
+    fn a_later_revision_is_told_apart_by_its_answers() {
+        // flags checked, and DMABUF moved to 3 (ZCRX at 2): type 2 is ZCRX's, which refuses the
+        // fd fields (they are its reserved words) with EINVAL
+        let u = classify(
+            errno(libc::EINVAL),
+            &[(2, errno(libc::EINVAL)), (3, errno(libc::EBADF))],
+        )
+        .unwrap();
+        assert_eq!(
+            u,
+            Uapi {
+                dmabuf_type: 3,
+                flags_checked: true
+            }
+        );
+        assert!(u.describe().starts_with("after v3"), "{}", u.describe());
+        // flags checked, DMABUF still 2
+        let u = classify(errno(libc::EINVAL), &[(2, errno(libc::EBADF))]).unwrap();
+        assert_eq!((u.dmabuf_type, u.flags_checked), (2, true));
+    }
+
+    #[test]
+    fn the_registration_rework_without_the_dmabuf_patch_is_absent() {
+        // like io_uring/rsrc.c of linux-blktests/linux-block-trial at 14adc61c: EXTENDED updates
+        // and a checked desc.flags, but no DMABUF type (type >= __IO_REGBUF_TYPE_MAX: EINVAL)
+        let r = classify(
+            errno(libc::EINVAL),
+            &[(2, errno(libc::EINVAL)), (3, errno(libc::EINVAL))],
+        );
+        let msg = r.unwrap_err();
+        assert!(
+            msg.contains("without the DMA-BUF patch") && msg.contains("2, 3"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn other_answers_are_absent_with_their_reason() {
+        let msg = classify(Ok(1), &[(2, errno(libc::EOPNOTSUPP))]).unwrap_err();
+        assert!(msg.contains("CONFIG_DMABUF_TOKEN"), "{msg}");
+        let msg = classify(errno(libc::EFAULT), &[(2, errno(libc::EBADF))]).unwrap_err();
+        assert!(msg.contains("desc.flags 1"), "{msg}");
+        let msg = classify(Ok(1), &[(2, Ok(1))]).unwrap_err();
+        assert!(msg.contains("expected EBADF"), "{msg}");
+    }
+
+    #[test]
+    fn probe_and_probe_uapi_agree_on_this_kernel() {
+        let u = probe_uapi();
+        assert_eq!(u.is_ok(), probe().is_available(), "{u:?}");
+        if let Ok(u) = u {
+            assert_eq!(uapi(), u);
+            assert!(DMABUF_TYPE_CANDIDATES.contains(&u.dmabuf_type));
         }
     }
 
