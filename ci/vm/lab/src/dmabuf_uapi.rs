@@ -14,12 +14,20 @@
 //! the feature reject a non-zero `resv` with -EINVAL, so an EXTENDED update carrying one EMPTY
 //! descriptor is a harmless probe: 1 (one slot updated) where supported, -EINVAL where not.
 //!
+//! Which revision of the uAPI the kernel speaks is probed, as the engine does, in its own code:
+//! after the EMPTY probe, an EMPTY descriptor with `flags` 1 (v3 ignores the field and returns 1,
+//! later code refuses it with -EINVAL), then a DMA-BUF-shaped descriptor with both fds -1 for
+//! each candidate type value (the DMA-BUF handler answers -EBADF, any other type -EINVAL). The
+//! type found is what `RegbufDesc::dmabuf` uses from then on (`DMABUF_TYPE`).
+//!
 //! The engine has its own copy (src/uring/dmabuf_uapi.rs). This one is kept on purpose as an
 //! independent oracle: it speaks raw errnos, adds the plain-update control call, and test c2
 //! checks that both reach the same verdict on the kernel under test, so a mistake in one shows.
 
 use std::io;
 use std::os::fd::RawFd;
+
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use io_uring::IoUring;
 
@@ -28,12 +36,17 @@ pub const IORING_REGISTER_BUFFERS_UPDATE: libc::c_uint = 16;
 /// `io_uring_rsrc_update2.flags`: `data` points at `io_uring_regbuf_desc`s, not iovecs.
 pub const IORING_RSRC_UPDATE_EXTENDED: u32 = 1 << 1;
 
-/// `enum io_uring_regbuf_type` (v3). DMABUF = 2 is unverified for v7: a July 2026 RFC gives 2
-/// to IO_REGBUF_TYPE_ZCRX (docs/kernel-dmabuf-series.md).
+/// `enum io_uring_regbuf_type` (v3). DMABUF = 2 is unverified after v3: a July 2026 RFC gives 2
+/// to IO_REGBUF_TYPE_ZCRX (docs/kernel-dmabuf-series.md), so the probe also tries 3.
 pub const IO_REGBUF_TYPE_EMPTY: u32 = 0;
 #[allow(dead_code)] // ordinary user memory through the extended update; unused by the lab
 pub const IO_REGBUF_TYPE_UADDR: u32 = 1;
 pub const IO_REGBUF_TYPE_DMABUF: u32 = 2;
+/// The DMABUF type values the probe tries, in order.
+pub const TYPE_CANDIDATES: [u32; 2] = [IO_REGBUF_TYPE_DMABUF, 3];
+
+/// The DMABUF type value `RegbufDesc::dmabuf` uses: v3's until `probe` finds the kernel's.
+static DMABUF_TYPE: AtomicU32 = AtomicU32::new(IO_REGBUF_TYPE_DMABUF);
 
 /// `struct io_uring_rsrc_update2` (32 bytes).
 #[repr(C)]
@@ -83,9 +96,13 @@ impl RegbufDesc {
             resv: [0; 6],
         }
     }
+    /// A DMA-BUF registration with the type value the probe found (v3's before any probe).
     pub fn dmabuf(dmabuf_fd: RawFd, target_fd: RawFd) -> RegbufDesc {
+        RegbufDesc::dmabuf_of_type(DMABUF_TYPE.load(Ordering::Relaxed), dmabuf_fd, target_fd)
+    }
+    pub fn dmabuf_of_type(kind: u32, dmabuf_fd: RawFd, target_fd: RawFd) -> RegbufDesc {
         RegbufDesc {
-            kind: IO_REGBUF_TYPE_DMABUF,
+            kind,
             flags: 0,
             size: 0,
             uaddr: 0,
@@ -190,10 +207,47 @@ pub struct Probe {
     pub extended: i64,
     /// Raw return of the same update without the flag (an iovec `{NULL, 0}`): must be 1.
     pub control: i64,
+    /// Raw return of the EMPTY update with `desc.flags` 1 (0 when step 1 failed): 1 = ignored
+    /// (v3), -EINVAL = checked (after v3).
+    pub flags: i64,
+    /// Raw returns of the DMA-BUF descriptors with fds -1, per `TYPE_CANDIDATES` (0 = not tried).
+    pub types: [i64; 2],
+    /// The candidate that answered -EBADF: the kernel's DMABUF type value.
+    pub dmabuf_type: Option<u32>,
+}
+
+impl Probe {
+    /// What steps 2 and 3 found, for the test lines.
+    pub fn revision(&self) -> String {
+        if self.support != Support::Supported {
+            return "no revision probed".into();
+        }
+        let tried: Vec<String> = TYPE_CANDIDATES
+            .iter()
+            .zip(self.types)
+            .filter(|(_, r)| *r != 0)
+            .map(|(t, r)| format!("type {t} -> {}", crate::util::res_str(r)))
+            .collect();
+        let flags = match self.flags {
+            1 => "ignored, as v3".to_owned(),
+            r if r == -(libc::EINVAL as i64) => "checked, as after v3".to_owned(),
+            r => format!("unexpected {}", crate::util::res_str(r)),
+        };
+        format!(
+            "desc.flags 1 -> {} ({flags}); DMA-BUF desc with fds -1: {}: {}",
+            crate::util::res_str(self.flags),
+            tried.join(", "),
+            match self.dmabuf_type {
+                Some(t) => format!("DMABUF type {t}"),
+                None => "no DMABUF type".into(),
+            }
+        )
+    }
 }
 
 /// Probes the running kernel: a small non-IOPOLL ring with a one-slot sparse buffer table, one
-/// EXTENDED update with an EMPTY descriptor, plus the flag-less control on the same slot.
+/// EXTENDED update with an EMPTY descriptor, plus the flag-less control on the same slot; where
+/// supported, the revision steps (module documentation), which set `DMABUF_TYPE`.
 pub fn probe() -> io::Result<Probe> {
     let ring = IoUring::new(2)?;
     ring.submitter().register_buffers_sparse(1)?;
@@ -212,9 +266,35 @@ pub fn probe() -> io::Result<Probe> {
         r if r == -(libc::EINVAL as i64) => Support::Absent,
         r => Support::Unexpected(r),
     };
-    Ok(Probe {
+    let mut p = Probe {
         support,
         extended,
         control,
-    })
+        flags: 0,
+        types: [0; 2],
+        dmabuf_type: None,
+    };
+    if support != Support::Supported {
+        return Ok(p);
+    }
+    let flagged = RegbufDesc {
+        flags: 1,
+        ..RegbufDesc::empty()
+    };
+    p.flags = update_extended(fd, 0, &[flagged]);
+    for (i, t) in TYPE_CANDIDATES.into_iter().enumerate() {
+        let r = update_extended(fd, 0, &[RegbufDesc::dmabuf_of_type(t, -1, -1)]);
+        p.types[i] = r;
+        if r > 0 {
+            let _ = update_extended(fd, 0, &[RegbufDesc::empty()]);
+        }
+        if r == -(libc::EBADF as i64) {
+            p.dmabuf_type = Some(t);
+            DMABUF_TYPE.store(t, Ordering::Relaxed);
+        }
+        if r != -(libc::EINVAL as i64) {
+            break;
+        }
+    }
+    Ok(p)
 }

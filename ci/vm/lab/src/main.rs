@@ -22,6 +22,7 @@ mod t_direct;
 mod t_dmabuf;
 mod t_engine;
 mod t_engine_dmabuf;
+mod t_store;
 mod udmabuf;
 mod util;
 
@@ -154,6 +155,12 @@ fn main() {
     });
     rep.run("e2_engine_dram_dmabuf_slab_boundary", || {
         t_engine_dmabuf::dram_dmabuf_slab_boundary(&device, probe)
+    });
+    rep.run("f1_raw_store_pattern_fixed_buffers", || {
+        t_store::raw_store_pattern(&device, probe, false)
+    });
+    rep.run("f2_raw_store_pattern_dmabuf", || {
+        t_store::raw_store_pattern(&device, probe, true)
     });
 
     info(format!("tests took {} ms", t0.elapsed().as_millis()));

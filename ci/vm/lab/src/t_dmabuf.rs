@@ -71,10 +71,19 @@ pub fn probe_test(out: &mut Option<Probe>) -> TestResult {
             return Err(format!("{shown}: neither 1 nor -EINVAL ({})", res_str(r)))
         }
     };
+    if has && p.dmabuf_type.is_none() {
+        return Err(format!(
+            "{shown}; {}: EXTENDED updates work but no DMABUF type answers like one (a kernel with the io_uring regbuf rework without the DMA-BUF patch, or a type value the lab does not know)",
+            p.revision()
+        ));
+    }
     let found = if has {
-        "has the io_uring DMA-BUF uAPI (a kernel with the patch series)"
+        format!(
+            "has the io_uring DMA-BUF uAPI (a kernel with the patch series; {})",
+            p.revision()
+        )
     } else {
-        "is a kernel without the io_uring DMA-BUF uAPI"
+        "is a kernel without the io_uring DMA-BUF uAPI".to_owned()
     };
     match expected_uapi() {
         Some(want) if want == has => Ok(Outcome::Pass(format!("{shown}: kernel {maj}.{min} {found}, as this run expects (iud_lab.uapi)"))),
@@ -93,11 +102,29 @@ pub fn engine_probe_agrees(lab: Option<Probe>) -> TestResult {
         return Err("the lab's probe (c1) did not run".into());
     };
     let engine = io_uring_dmabuf::uring::dmabuf_uapi::probe();
-    let lab_says = lab.support == Support::Supported;
+    let lab_says = lab.support == Support::Supported && lab.dmabuf_type.is_some();
     if engine.is_available() == lab_says {
+        if !lab_says {
+            return Ok(Outcome::Pass(format!(
+                "engine probe: {engine:?}; lab probe: {:?}",
+                lab.support
+            )));
+        }
+        // both found one: the same revision
+        let u = io_uring_dmabuf::uring::dmabuf_uapi::uapi();
+        let lab_checked = lab.flags == -(libc::EINVAL as i64);
+        if Some(u.dmabuf_type) != lab.dmabuf_type || u.flags_checked != lab_checked {
+            return Err(format!(
+                "engine found {}, the lab {}",
+                u.describe(),
+                lab.revision()
+            ));
+        }
         Ok(Outcome::Pass(format!(
-            "engine probe: {engine:?}; lab probe: {:?}",
-            lab.support
+            "engine probe: {engine:?}, {}; lab probe: {:?}, {}",
+            u.describe(),
+            lab.support,
+            lab.revision()
         )))
     } else {
         Err(format!(

@@ -21,14 +21,14 @@ const BASE: u64 = 192 << 20;
 const TOTAL: usize = 24 << 20;
 
 /// A shared mapping of a memfd created with MFD_ALLOW_SEALING: the only DRAM udmabuf can export.
-struct MemfdBuf {
-    ptr: *mut u8,
+pub(crate) struct MemfdBuf {
+    pub(crate) ptr: *mut u8,
     len: usize,
     _fd: OwnedFd,
 }
 
 impl MemfdBuf {
-    fn new(len: usize) -> Result<MemfdBuf, String> {
+    pub(crate) fn new(len: usize) -> Result<MemfdBuf, String> {
         // SAFETY: the name is a NUL-terminated literal.
         let fd = unsafe {
             libc::memfd_create(
@@ -73,12 +73,12 @@ impl MemfdBuf {
         })
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         // SAFETY: ptr..ptr+len is this object's live mapping.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above, borrowed mutably through &mut self.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
