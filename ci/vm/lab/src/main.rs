@@ -5,7 +5,7 @@
 //! `LAB RESULT: N passed, M failed, K skipped` line, and powers the VM off.
 //!
 //! Outside a VM: `iud-lab --device /dev/XXX --overwrite` runs the same tests against any
-//! block device (they OVERWRITE its first 192 MiB), and exits 1 if a test failed.
+//! block device (they OVERWRITE the whole device), and exits 1 if a test failed.
 //!
 //! Benchmark mode (bench.rs): `iud-lab --bench --device /dev/XXX --overwrite [options]` outside
 //! a VM; as PID 1 when run-lab.sh packed `/lab/bench.args` (LAB_BENCH=1): the engine against fio
@@ -33,9 +33,7 @@ const VM_DEVICE: &str = "/dev/nvme0n1";
 const BENCH_ARGS: &str = "/lab/bench.args";
 
 fn usage() -> ! {
-    eprintln!(
-        "usage: iud-lab --device /dev/BLOCKDEV --overwrite   (destroys the device's first 192 MiB)"
-    );
+    eprintln!("usage: iud-lab --device /dev/BLOCKDEV --overwrite   (destroys the whole device)");
     eprintln!("       (as PID 1 in the lab VM it tests {VM_DEVICE} without arguments)");
     eprintln!("{}", bench::USAGE);
     std::process::exit(2);
