@@ -31,6 +31,25 @@ iud_ensure_matplotlib() {
         "$IUD_PY" -m pip install -q --disable-pip-version-check "$IUD_MATPLOTLIB"
     fi
 }
+# Debian packages for the ci/ scripts, as root or through sudo: the package lists are updated
+# once per script run. Usage: iud_apt_install WHO [apt-get option...] PACKAGE...
+iud_sudo() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+iud_apt_update() {
+    if [ -z "${IUD_APT_UPDATED:-}" ]; then
+        iud_sudo apt-get update -qq
+        IUD_APT_UPDATED=1
+    fi
+}
+iud_apt_install() {
+    local who=$1 a opts=() pkgs=()
+    shift
+    for a in "$@"; do if [[ $a == -* ]]; then opts+=("$a"); else pkgs+=("$a"); fi; done
+    echo "$who: installing ${pkgs[*]} (apt-get)"
+    iud_apt_update
+    # apt's notice about apt-utils is noise on a machine without it; real errors still show.
+    iud_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${opts[@]}" "${pkgs[@]}" \
+        >/dev/null 2> >(grep -v '^debconf: delaying package configuration' >&2)
+}
 iud_nixl_libs() {
     "$IUD_PY" - <<'PY'
 import importlib.util, os, sys

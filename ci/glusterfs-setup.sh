@@ -7,6 +7,7 @@
 # Idempotent and quiet when everything is there. `ci/glusterfs-setup.sh --needs` prints what is
 # missing and exits. The test fixture runs this script (as root) when something is missing.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 need=()
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
@@ -18,16 +19,11 @@ if [ "${1:-}" = --needs ]; then
 fi
 [ ${#need[@]} -gt 0 ] || exit 0
 
-SUDO=""
-[ "$(id -u)" -eq 0 ] || SUDO="sudo"
-echo "ci/glusterfs-setup.sh: installing ${need[*]} (apt-get)"
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" \
-    >/dev/null 2> >(grep -v '^debconf: delaying package configuration' >&2)
+iud_apt_install ci/glusterfs-setup.sh --no-install-recommends "${need[@]}"
 installed_server=0
 [[ " ${need[*]} " == *" glusterfs-server "* ]] && installed_server=1
 if [ "$installed_server" = 1 ] && [ -d /run/systemd/system ] &&
     systemctl is-enabled glusterd >/dev/null 2>&1; then
     echo "ci/glusterfs-setup.sh: stopping and disabling the system glusterd the package started"
-    $SUDO systemctl disable --now glusterd >/dev/null 2>&1 || true
+    iud_sudo systemctl disable --now glusterd >/dev/null 2>&1 || true
 fi

@@ -22,20 +22,14 @@ if [ "${1:-}" = --needs ]; then
 fi
 [ ${#need[@]} -gt 0 ] || exit 0
 
-SUDO=""
-[ "$(id -u)" -eq 0 ] || SUDO="sudo"
-updated=0
-apt_update() { [ "$updated" = 1 ] || { $SUDO apt-get update -qq; updated=1; }; }
 if ! command -v ip >/dev/null 2>&1; then
-    echo "ci/remote-setup.sh: installing iproute2 (apt-get)"
-    apt_update
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq iproute2 >/dev/null
+    iud_apt_install ci/remote-setup.sh iproute2
 fi
 if [ -z "$etcd_bin" ]; then
     echo "ci/remote-setup.sh: unpacking Debian's etcd-server into $tools (apt-get download)"
     mkdir -p "$tools/debs"
     if ! (cd "$tools/debs" && apt-get download -qq etcd-server 2>/dev/null); then
-        apt_update
+        iud_apt_update
         (cd "$tools/debs" && apt-get download -qq etcd-server)
     fi
     # The newest download, picked without `ls | head`: under pipefail a reader that stops early

@@ -29,14 +29,8 @@ if [ "${1:-}" = --needs ]; then
     exit 0
 fi
 
-SUDO=""
-[ "$(id -u)" -eq 0 ] || SUDO="sudo"
 if [ ${#need[@]} -gt 0 ]; then
-    echo "ci/setup.sh: installing ${need[*]} (apt-get)"
-    $SUDO apt-get update -qq
-    # apt's notice about apt-utils is noise on a machine without it; real errors still show.
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null \
-        2> >(grep -v '^debconf: delaying package configuration' >&2)
+    iud_apt_install ci/setup.sh "${need[@]}"
 fi
 
 if [ ! -x "$IUD_PY" ]; then
