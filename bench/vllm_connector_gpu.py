@@ -883,6 +883,11 @@ def main() -> int:
     r.add_argument(
         "--ref", help="results.jsonl whose plain engine's tokens to check against, if none here"
     )
+    r.add_argument(
+        "--hit-ref",
+        help="a variant of this run (e.g. cpu, fs-load) whose tokens-hit the 'equal GPU hit' "
+        "column checks against instead of a plain engine's GPU prefix-cache hit",
+    )
     c = sub.add_parser("child")
     c.add_argument("variant")
     c.add_argument("model")
