@@ -18,6 +18,7 @@
 #                                            no file system: the iud-dev variants put the
 #                                            connector's slots on them (IUD_VLLM_DEVICES); kept
 #                                            for later calls, made again with another N or GIB
+#                                            (rawdisk-off removes them)
 #   bash ci/gpu/vllm-run.sh disk             later steps work on the machine's disk again
 #   bash ci/gpu/vllm-run.sh fio              fio's O_DIRECT reads in the work folder's file
 #                                            system, into $OUT/fio-LABEL.md
