@@ -148,7 +148,7 @@ rawdisk() {
         losetup -l | tee -a "$OUT/vllm-machine.txt"
     fi
     for i in $(seq 1 "$n"); do
-        dev=$(losetup -j "$t/raw-$i.img" | cut -d: -f1 | head -1)
+        dev=$(losetup -j "$t/raw-$i.img" | cut -d: -f1 | sed -n 1p)
         [ -n "$dev" ] || return 1
         devs+=("$dev")
     done
