@@ -10,7 +10,7 @@ import math
 import os
 import statistics
 
-from vllm_connector_gpu import (
+from vllm_gpu_variants import (
     CHECK_TOKENS,
     DECODE_BATCH,
     DECODE_PAIRS,
