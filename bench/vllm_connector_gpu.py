@@ -108,21 +108,16 @@ def damage_slots(store: str, every: int) -> list[int]:
     from nixl_io_uring_dmabuf.vllm_connector import journal, layout
 
     with open(os.path.join(store, "store.json")) as f:
-        m = json.load(f)
+        geo = layout.Geometry.from_manifest(json.load(f))
     with open(os.path.join(store, "rank0of1", "commits.log"), "rb") as f:
         recs, _, _ = journal.parse(f.read())
     slots = sorted({r.slot for r in recs if r.type == journal.COMMIT})[::every]
     for s in slots:
-        fi, off = s % m["num_files"], (s // m["num_files"]) * m["slot_bytes"]
-        if m.get("devices"):  # slot s on device s % n, rank 0's area after the header
-            where, off = m["devices"][fi], layout.DEVICE_HEADER + off
-        else:
-            dirs = m.get("slot_dirs") or [store]
-            where = layout.slot_file(dirs[fi % len(dirs)], 0, 1, fi)
-        fd = os.open(where, os.O_WRONLY)
+        fi, off = geo.locate(s)
+        fd = os.open(geo.slot_path(store, 0, fi), os.O_WRONLY)
         try:
             os.pwrite(fd, bytes(4096), off)
-            if m.get("devices"):
+            if geo.devices:
                 os.fsync(fd)  # through the device's page cache to the medium the store reads
         finally:
             os.close(fd)

@@ -7,6 +7,7 @@ KV memory is page-aligned anonymous mmap standing in for vLLM's per-layer KV ten
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import mmap
 import os
@@ -606,6 +607,32 @@ def test_sigkill_during_stores_leaves_only_whole_blocks_visible(tmp_path, backen
             assert kv.block(n % NUM_BLOCKS) == kv.block(NUM_BLOCKS - 1)
         store.close()
         cat.close()
+
+
+@pytest.mark.parametrize("place", ["folder", "slot_dirs", "devices"])
+def test_a_manifest_gives_back_the_geometry_that_wrote_it(place):
+    """Geometry.from_manifest, what tools without an engine use to find a slot: every slot of
+    every rank in the same file (or device) at the same offset as the geometry that wrote
+    store.json, for slot files in the store's folder, striped over folders, and raw devices of
+    unequal sizes."""
+    geo = geometry(37, bpc=2, world=2)
+    slot = geo.slot_bytes
+    where = {
+        "folder": {},
+        "slot_dirs": {"slot_dirs": ("/a", "/b", "/c")},
+        "devices": {
+            "devices": ("/dev/x", "/dev/y"),
+            "device_bytes": (L.DEVICE_HEADER + 2 * 11 * slot + 1000, L.DEVICE_HEADER + 99 * slot),
+        },
+    }[place]
+    geo = dataclasses.replace(geo, **where)
+    again = L.Geometry.from_manifest(json.loads(json.dumps(geo.manifest())))
+    assert again.manifest() == geo.manifest()
+    for rank in (0, 1):
+        for s in range(geo.num_slots):
+            fi, off = geo.locate(s, rank)
+            assert again.locate(s, rank) == (fi, off)
+            assert again.slot_path("/kv", rank, fi) == geo.slot_path("/kv", rank, fi)
 
 
 def test_checksums_see_zeroing_flips_and_swaps():

@@ -190,6 +190,34 @@ class Geometry:
         where = self.slot_dirs[i % len(self.slot_dirs)] if self.slot_dirs else root
         return slot_file(where, rank, self.world_size, i)
 
+    @classmethod
+    def from_manifest(cls, m: dict) -> Geometry:
+        """The geometry a store's manifest (store.json) describes, slot for slot: the same
+        slots, files or devices and offsets as the geometry that wrote it (for tools that read
+        or damage a store without an engine)."""
+        world, slot_bytes, slots, files = (
+            m["world_size"],
+            m["slot_bytes"],
+            m["num_slots"],
+            m["num_files"],
+        )
+        devices = tuple(m.get("devices", ()))
+        # each device: its header and one area of slots / n slots per rank
+        device_bytes = tuple(
+            DEVICE_HEADER + -(-slots // files) * slot_bytes * world for _ in devices
+        )
+        return cls(
+            m["rank_block_bytes"],
+            m["blocks_per_chunk"],
+            world,
+            slots * slot_bytes * world,  # capacity: every rank's slots
+            -(-slots // files) * slot_bytes,  # max_file_bytes: the manifest's files
+            slot_files=files,
+            slot_dirs=tuple(m.get("slot_dirs", ())),
+            devices=devices,
+            device_bytes=device_bytes,
+        )
+
     def manifest(self, **extra) -> dict:
         return {
             "format": FORMAT,

@@ -97,15 +97,7 @@ def store_catalog(store):
 
     with open(os.path.join(store, "store.json")) as f:
         m = json.load(f)
-    per_file = -(-m["num_slots"] // m["num_files"])  # the manifest's layout, file for file
-    geo = L.Geometry(
-        m["rank_block_bytes"],
-        m["blocks_per_chunk"],
-        m["world_size"],
-        m["num_slots"] * m["slot_bytes"] * m["world_size"],  # capacity: every rank's slots
-        per_file * m["slot_bytes"],
-        slot_files=m["num_files"],
-    )
+    geo = L.Geometry.from_manifest(m)
     return C.Catalog(str(store), geo, {k: m[k] for k in m if k not in geo.manifest()})
 
 
