@@ -167,7 +167,8 @@ unsafe fn update_extended(ring_fd: RawFd, slot: u32, desc: &IoUringRegbufDesc) -
 }
 
 /// Registers `dmabuf_fd` in `slot`, bound to `target_fd` (an O_DIRECT NVMe block device), with
-/// the DMABUF type value of the running kernel ([`uapi`]). The ring must not be IOPOLL (reported refused after v3; see [`Ring::register_dmabuf`]).
+/// the DMABUF type value of the running kernel ([`uapi`]). The ring must not be IOPOLL
+/// (reported refused after v3; see [`Ring::register_dmabuf`]).
 ///
 /// [`Ring::register_dmabuf`]: crate::uring::Ring::register_dmabuf
 pub fn register_dmabuf(
