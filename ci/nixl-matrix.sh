@@ -5,7 +5,9 @@
 #   capi    tests/nixl_sys_roundtrip.rs through that release's libnixl_capi.so (nixl-sys stub-api)
 #   python  the subset below of tests/python through that release's Python API
 # each in its own venv, .venv-nixl/<wheel>-<release> (the two NIXL wheels with --no-deps, numpy,
-# pytest), plugin folder laid out by ci/build.sh. The default wheel (IUD_NIXL_WHEEL) gets only
+# pytest), plugin folder laid out by ci/build.sh. A cell's venv (260-370 MB) is removed once its
+# legs ran, so the matrix never holds more than one (all nine took 2.9 GB, and a CI run on a
+# nearly full disk failed on ENOSPC); IUD_NIXL_MATRIX_KEEP=1 keeps them for local reruns. The default wheel (IUD_NIXL_WHEEL) gets only
 # the abi leg: ci/test.sh's main stages run everything else on it.
 # Then the refusal: under nixl-cu13 0.10.1 (a 31-slot engine vtable) the probe must report the
 # mismatch and the plugin must refuse to load (tests/python/test_nixl_release.py).
@@ -50,7 +52,7 @@ make_venv() {  # wheel release
     rm -rf "$v"
     python3 -m venv "$v"
     site="$("$v/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    "$v/bin/python" -m pip install -q --disable-pip-version-check --no-deps "nixl==$r" "nixl-$w==$r"
+    "$v/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps "nixl==$r" "nixl-$w==$r"
     if grep -q '^import torch' "$site/nixl_$w/_api.py"; then
         [ -x "$CLIENTS/bin/python" ] || { echo "no clients venv at $CLIENTS (ci/clients-setup.sh)" >&2; return 1; }
         local csite e view="$v/clients-view"
@@ -63,7 +65,7 @@ make_venv() {  # wheel release
         echo "$view" > "$site/iud-clients-view.pth"
         touch "$v/.iud-needs-torch"
     else
-        "$v/bin/python" -m pip install -q --disable-pip-version-check numpy pytest
+        "$v/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir numpy pytest
     fi
     echo "$spec" > "$v/.iud-spec"
 }
@@ -147,7 +149,10 @@ for line in sys.stdin:
     if m.get("executable") and m.get("target", {}).get("name") == "nixl_sys_roundtrip":
         print(m["executable"])')"
 [ -x "$CAPI_TEST" ] || { echo "ci/nixl-matrix.sh: could not build tests/nixl_sys_roundtrip.rs" >&2; exit 1; }
-for c in $cells; do run_cell "$c"; done
-for c in $refused; do run_refused "$c"; done
+drop_venv() {  # cell
+    [ "${IUD_NIXL_MATRIX_KEEP:-0}" = 1 ] || rm -rf "${ROOT:?}/$1"
+}
+for c in $cells; do run_cell "$c"; drop_venv "$c"; done
+for c in $refused; do run_refused "$c"; drop_venv "$c"; done
 echo "nixl matrix: $pass passed, $fail failed, $skip skipped in $(( $(date +%s) - start )) s (logs in $LOGS)"
 [ "$fail" -eq 0 ]

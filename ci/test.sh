@@ -28,8 +28,11 @@ export NIXL_PLUGIN_DIR="$IUD_PLUGIN_DIR"
 logs="$IUD_TARGET/test-logs"
 mkdir -p "$logs"
 status=0
+# Free space on the disk holding the checkout, printed with each stage: a stage that dies on
+# ENOSPC then says so in the log (one CI run failed that way, its matrix and lab cut short).
+free_gib() { df -Pk "$IUD_ROOT" | awk 'NR==2 {printf "%.1f GiB free", $4 / 1048576}'; }
 
-echo "== cargo test --release --workspace"
+echo "== cargo test --release --workspace [$(free_gib)]"
 # Rust tests that cannot run here call test_support::skip, which appends "SKIP <test>: <reason>"
 # to this file; they count as skipped below, not as passed.
 export IUD_TEST_SKIP_LOG="$logs/cargo-skips.txt"
@@ -59,7 +62,7 @@ if [ "${IUD_SKIP_ROCM_FEATURE:-0}" != 1 ]; then
     if [ "$rocm_rc" -eq 0 ]; then rocm_feature=ok; else rocm_feature="FAILED (exit $rocm_rc)"; status=1; fi
 fi
 
-echo "== pytest tests/python tests/gpu tests/remote (backend ${IUD_TEST_BACKEND:-IO_URING_DMABUF}; GPU tests skip without a CUDA GPU)"
+echo "== pytest tests/python tests/gpu tests/remote (backend ${IUD_TEST_BACKEND:-IO_URING_DMABUF}; GPU tests skip without a CUDA GPU) [$(free_gib)]"
 py_rc=0
 "$IUD_PY" -m pytest -rs tests/python tests/gpu tests/remote "$@" 2>&1 | tee "$logs/pytest.log" || py_rc=${PIPESTATUS[0]}
 [ "$py_rc" -eq 0 ] || status=1
@@ -70,7 +73,7 @@ py_rc=0
 # IUD_SKIP_NIXL_MATRIX=1 leaves it out. Each leg counts as one check in the total.
 mx_line="skipped (IUD_SKIP_NIXL_MATRIX=1)" mx_pass=0 mx_fail=0 mx_skip=0
 if [ "${IUD_SKIP_NIXL_MATRIX:-0}" != 1 ]; then
-    echo "== NIXL release matrix (ci/nixl-matrix.sh)"
+    echo "== NIXL release matrix (ci/nixl-matrix.sh) [$(free_gib)]"
     mx_rc=0
     bash ci/nixl-matrix.sh 2>&1 | tee "$logs/nixl-matrix.log" || mx_rc=${PIPESTATUS[0]}
     mx_line="$(grep -E '^nixl matrix: ' "$logs/nixl-matrix.log" | tail -n 1 || true)"
@@ -85,7 +88,7 @@ lab_pass=0 lab_fail=0 lab_skip=0
 if [ "${IUD_SKIP_LAB:-0}" = 1 ]; then
     echo "== NVMe lab: skipped (IUD_SKIP_LAB=1)"
 else
-    echo "== NVMe lab (ci/vm/run-lab.sh)"
+    echo "== NVMe lab (ci/vm/run-lab.sh) [$(free_gib)]"
     lab_rc=0
     bash ci/vm/run-lab.sh 2>&1 | tee "$logs/lab.log" || lab_rc=${PIPESTATUS[0]}
     lab_line="$(grep -E 'LAB RESULT: ' "$logs/lab.log" | tail -n 1 || true)"
@@ -106,7 +109,7 @@ rel_fail=0
 if [ "${IUD_SKIP_RELIABILITY:-0}" = 1 ]; then
     echo "== reliability: skipped (IUD_SKIP_RELIABILITY=1)"
 else
-    echo "== reliability (ci/reliability.sh, short)"
+    echo "== reliability (ci/reliability.sh, short) [$(free_gib)]"
     rel_rc=0
     bash ci/reliability.sh 2>&1 | tee "$logs/reliability.log" || rel_rc=${PIPESTATUS[0]}
     if [ "$rel_rc" -ne 0 ]; then
@@ -115,7 +118,7 @@ else
     fi
 fi
 
-echo "== summary"
+echo "== summary [$(free_gib)]"
 read -r c_pass c_fail c_ign < <({ grep -E '^test result: ' "$logs/cargo-test.log" || true; } |
     awk '{p+=$4; f+=$6; i+=$8} END {printf "%d %d %d\n", p, f, i}')
 # a stage that failed without a counted test failure (build error, crash) counts as one failure
