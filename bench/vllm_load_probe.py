@@ -18,7 +18,7 @@ scatter, no checksums).
 
     python3 bench/vllm_load_probe.py --dir /tmp/probe [--tokens 32768] [--rounds 3]
         [--rows consecutive scattered] [--variants light caller nosums ...] [--bounds]
-        [--device cuda|cpu]
+        [--device cuda|cpu] [--o-direct] [--slot-dirs A:B] [--file-mib 3072]
 
 Prints one JSON line per measurement and a summary table (markdown) at the end.
 """
@@ -57,6 +57,9 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "caller": ({"page_cache_caller_reads": "true"}, {}, "auto"),
     "piece1m": ({"staged_read_piece_max": "1048576"}, {}, "auto"),
     "buf64": ({"staging_buffers": "64"}, {}, "auto"),
+    "buf128": ({"staging_buffers": "128"}, {}, "auto"),
+    "sbuf8m": ({"staging_buffer_size": "8388608", "staging_buffers": "16"}, {}, "auto"),
+    "nofixed": ({"fixed_buffers": "off"}, {}, "auto"),
     "threads15": ({"page_cache_threads": "15"}, {}, "auto"),
     "spin": ({"page_cache_spin_us": "200"}, {}, "auto"),
     "nosums": ({}, {}, "auto"),
@@ -101,7 +104,8 @@ class Probe:
             blocks_per_chunk=a.bpc,
             world_size=1,
             capacity_bytes=self.nchunks * L.round_up(a.bpc * self.page * a.layers, 4096),
-            max_file_bytes=64 << 30,
+            max_file_bytes=a.file_mib << 20,
+            slot_dirs=tuple(a.slot_dirs.split(":")) if a.slot_dirs else (),
         )
         rng = np.random.default_rng(3)
         perm = rng.permutation(rows - self.nblocks) + self.nblocks
@@ -133,10 +137,14 @@ class Probe:
         params, options, kernel = VARIANTS[name]
         sums_on = name != "nosums"
         opts = R.StoreOptions(
-            backend=a.backend, backend_params={**IUD_DEFAULT_PARAMS, **params}, **options
+            backend=a.backend,
+            backend_params={**IUD_DEFAULT_PARAMS, **params},
+            o_direct=a.o_direct,
+            **options,
         )
-        shutil.rmtree(root, ignore_errors=True)
-        os.makedirs(root)
+        for d in [root, *self.geo.slot_dirs]:
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d)
         launch = self.launcher(sums_on, kernel)
         store = R.RankStore(root, self.geo, 0, self.regions, self.kind, opts, launch_sums=launch)
         out = []
@@ -172,7 +180,8 @@ class Probe:
                     job += 1
         finally:
             store.close()
-            shutil.rmtree(root, ignore_errors=True)
+            for d in [root, *self.geo.slot_dirs]:
+                shutil.rmtree(d, ignore_errors=True)
         return out
 
     def _wait(self, store, job_id):
@@ -307,8 +316,9 @@ def bounds(p: Probe, root: str) -> list[dict]:
 
 def summary(loads: list[dict], bnds: list[dict]) -> str:
     lines = [
-        "| variant | job | rows | ms (median) | GB/s | post | xfer | check | finish | equal |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| variant | job | rows | ms (median) | GB/s | first round ms | later rounds ms | post | xfer "
+        "| check | finish | equal |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     keys = sorted({(r["variant"], r["job"], r["rows"]) for r in loads})
     for v, job, rows in keys:
@@ -318,8 +328,14 @@ def summary(loads: list[dict], bnds: list[dict]) -> str:
         def ph(k, rs=rs):
             return statistics.median(r["phases_ms"].get(k, 0.0) for r in rs)
 
+        # a process's first load against its later ones (a first-round cost shows here)
+        first = [r["wall_ms"] for r in rs if r.get("round") == 0]
+        later = [r["wall_ms"] for r in rs if r.get("round", 0) > 0]
+        f_ms = f"{first[0]:.1f}" if first else "-"
+        l_ms = f"{statistics.median(later):.1f}" if later else "-"
         lines.append(
-            f"| {v} | {job} | {rows} | {med:.1f} | {rs[0]['gb'] / med * 1e3:.1f} | {ph('post'):.1f} | "
+            f"| {v} | {job} | {rows} | {med:.1f} | {rs[0]['gb'] / med * 1e3:.1f} | {f_ms} | {l_ms} | "
+            f"{ph('post'):.1f} | "
             f"{ph('xfer'):.1f} | {ph('check'):.1f} | {ph('finish'):.1f} | "
             f"{all(r.get('bytes_equal', '-') for r in rs)} |"
         )
@@ -346,6 +362,9 @@ def main() -> None:
     ap.add_argument("--poll-us", type=float, default=200.0)
     ap.add_argument("--bounds", action="store_true")
     ap.add_argument("--read-threads", type=int, nargs="+", default=[8, 14])
+    ap.add_argument("--o-direct", action="store_true", help="the store's o_direct option")
+    ap.add_argument("--slot-dirs", default="", help="A:B: the slot files striped over these")
+    ap.add_argument("--file-mib", type=int, default=64 << 10, help="largest slot file")
     a = ap.parse_args()
     p = Probe(a)
     emit({"machine": os.uname().nodename, "tokens": a.tokens, "blocks": p.nblocks, "args": vars(a)})
