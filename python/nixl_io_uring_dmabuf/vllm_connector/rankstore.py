@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import ctypes
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -36,6 +37,9 @@ from .slot_files import RankFiles
 from .transfers import RankTransfers
 
 logger = logging.getLogger(__name__)
+
+# Longest the start-up warm-up round trip may take (a hung file system must not hang start-up).
+WARM_UP_TIMEOUT_S = 30.0
 
 # block ids -> one checksum per block (checksum.fold over the block's pages, in order)
 BlockSumsFn = Callable[[np.ndarray], list[int]]
@@ -122,6 +126,7 @@ class RankStore:
         except BaseException:
             self._files.close()
             raise
+        self._warm_up(options.o_direct or bool(geo.devices))
         self._jobs: dict[int, Job] = {}
         self._done: list[Result] = []
         # Checksums run here, off the engine's thread (torch and numpy release the GIL).
@@ -161,6 +166,31 @@ class RankStore:
             options.backend,
             " O_DIRECT" if options.o_direct else "",
         )
+
+    def _warm_up(self, o_direct: bool) -> None:
+        """One round trip of each KV tensor's first page (block 0: vLLM's null block, which
+        holds no request's KV) through a private scratch file, so the backend's first-use
+        set-up is paid at start-up, not by the first request. A failure costs only that: one
+        warning, and the store works as it would have."""
+        t0, fd = time.perf_counter(), -1
+        try:
+            fd = self._files.scratch(sum(L.round_up(r.page, 4096) for r in self.regions), o_direct)
+            self._nixl.round_trip(self.regions, fd, WARM_UP_TIMEOUT_S)
+            logger.debug(
+                "KV store rank %d: warm-up round trip in %.1f ms",
+                self.rank,
+                (time.perf_counter() - t0) * 1e3,
+            )
+        except Exception as e:  # noqa: BLE001 - the store works without it
+            logger.warning(
+                "KV store rank %d: the warm-up round trip failed (%s); the first job pays "
+                "the backend's set-up instead",
+                self.rank,
+                e,
+            )
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     # ---- jobs ----------------------------------------------------------------------------
     def _indices(self, blocks, slots, subs) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,9 @@ are one StoreUnavailable naming path and cause. rankstore.RankStore runs the job
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -144,6 +146,30 @@ class RankFiles:
                 + "; ".join(problems)
                 + ". Set o_direct to false."
             )
+
+    def scratch(self, nbytes: int, o_direct: bool) -> int:
+        """An unlinked file of `nbytes` beside the rank's slot files (in the rank's folder for
+        raw devices: nothing may be written on a device outside its slots), O_DIRECT where the
+        slot files are and its file system takes it. Private to this process, so engines that
+        share the store never read each other's scratch bytes. The caller closes it."""
+        where = (
+            L.rank_dir(self.root, self.rank, self.geo.world_size)
+            if self.geo.devices
+            else os.path.dirname(self.geo.slot_path(self.root, self.rank, 0))
+        )
+        fd, path = tempfile.mkstemp(prefix=".warm-up-", dir=where)
+        try:
+            os.unlink(path)
+            os.ftruncate(fd, nbytes)
+            if o_direct:
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+                except OSError:
+                    pass  # this file system has no O_DIRECT: the scratch file stays buffered
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def fdatasync(self, slots) -> None:
         """fdatasync of every slot file that holds one of `slots`; an error names the file."""

@@ -8,6 +8,7 @@ polls and releases them, and tears down.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -56,6 +57,7 @@ class RankTransfers:
             raise ValueError("the KV tensors have different numbers of blocks")
         self.backend = backend
         self._be = [backend]
+        self._mem_kind = mem_kind
         self.agent = a = nixl_agent(
             f"iud-kv-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=[])
         )
@@ -118,6 +120,40 @@ class RankTransfers:
 
     def release(self, handle) -> None:
         self.agent.release_xfer_handle(handle)
+
+    def round_trip(self, regions: Sequence[Region], fd: int, timeout_s: float) -> None:
+        """Writes the first page of every KV tensor to the scratch file `fd` and reads it back
+        into the same place (the bytes are unchanged), through this agent and backend: what a
+        backend sets up on a registration's first use then happens here, at start-up, instead
+        of in the engine's first request (IO_URING_DMABUF pins a DRAM registration as io_uring
+        fixed buffers then: 250 ms for a 1 GiB KV cache on a 2-CPU machine). RuntimeError
+        if a transfer fails or takes longer than `timeout_s`."""
+        a, off, local, remote = self.agent, 0, [], []
+        for r in regions:
+            local.append((r.addr, r.page, r.dev))
+            remote.append((off, r.page, fd))
+            off += L.round_up(r.page, 4096)
+        reg = a.register_memory([(0, off, fd, "")], "FILE", backends=self._be)
+        try:
+            for op in ("WRITE", "READ"):
+                h = a.initialize_xfer(
+                    op,
+                    a.get_xfer_descs(local, self._mem_kind),
+                    a.get_xfer_descs(remote, "FILE"),
+                    a.name,
+                    backends=self._be,
+                )
+                try:
+                    state, end = a.transfer(h), time.monotonic() + timeout_s
+                    while state == "PROC" and time.monotonic() < end:
+                        time.sleep(0.001)
+                        state = a.check_xfer_state(h)
+                    if state != "DONE":
+                        raise RuntimeError(f"the warm-up {op} ended in state {state}")
+                finally:
+                    a.release_xfer_handle(h)
+        finally:
+            a.deregister_memory(reg, backends=self._be)
 
     def close(self) -> None:
         a = self.agent
