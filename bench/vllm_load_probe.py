@@ -82,12 +82,7 @@ class Probe:
         self.nblocks = self.nchunks * a.bpc
         rows = 2 * self.nblocks + 64
         gen = torch.Generator(device=self.dev).manual_seed(7)
-        self.tensors = [
-            torch.randint(
-                -128, 128, (rows, self.page), dtype=torch.int8, device=self.dev, generator=gen
-            )
-            for _ in range(a.layers)
-        ]
+        self.tensors = [self._aligned(rows, gen) for _ in range(a.layers)]
         self.sums = {
             k: checksum.TorchRows(self.tensors, [self.page] * a.layers, kernel=k)
             for k in ("auto", "torch")
@@ -114,6 +109,16 @@ class Probe:
             "consecutive": np.arange(self.nblocks, 2 * self.nblocks, dtype=np.int64),
             "scattered": np.sort(perm[: self.nblocks])[rng.permutation(self.nblocks)],
         }
+
+    def _aligned(self, rows: int, gen):
+        """Random KV rows starting on a 4 KiB boundary (O_DIRECT into DRAM needs it; CUDA's
+        allocations already are)."""
+        t = self.t
+        flat = t.randint(
+            -128, 128, (rows * self.page + 4096,), dtype=t.int8, device=self.dev, generator=gen
+        )
+        skip = -flat.data_ptr() % 4096
+        return flat[skip : skip + rows * self.page].view(rows, self.page)
 
     def sync(self) -> None:
         if self.dev.type == "cuda":
