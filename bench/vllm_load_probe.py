@@ -370,7 +370,12 @@ def main() -> None:
     ap.add_argument("--o-direct", action="store_true", help="the store's o_direct option")
     ap.add_argument("--slot-dirs", default="", help="A:B: the slot files striped over these")
     ap.add_argument("--file-mib", type=int, default=64 << 10, help="largest slot file")
+    ap.add_argument(
+        "--no-warm-up", action="store_true", help="leave out the store's start-up round trip"
+    )
     a = ap.parse_args()
+    if a.no_warm_up:
+        R.RankStore._warm_up = lambda self, o_direct: None
     p = Probe(a)
     emit({"machine": os.uname().nodename, "tokens": a.tokens, "blocks": p.nblocks, "args": vars(a)})
     loads = []
