@@ -19,6 +19,7 @@ scatter, no checksums).
     python3 bench/vllm_load_probe.py --dir /tmp/probe [--tokens 32768] [--rounds 3]
         [--rows consecutive scattered] [--variants light caller nosums ...] [--bounds]
         [--device cuda|cpu] [--o-direct] [--slot-dirs A:B] [--file-mib 3072]
+        [--keep] [--load-only] [--no-warm-up]
 
 Prints one JSON line per measurement and a summary table (markdown) at the end.
 """
@@ -147,9 +148,10 @@ class Probe:
             o_direct=a.o_direct,
             **options,
         )
-        for d in [root, *self.geo.slot_dirs]:
-            shutil.rmtree(d, ignore_errors=True)
-            os.makedirs(d)
+        if not a.load_only:
+            for d in [root, *self.geo.slot_dirs]:
+                shutil.rmtree(d, ignore_errors=True)
+                os.makedirs(d)
         launch = self.launcher(sums_on, kernel)
         store = R.RankStore(root, self.geo, 0, self.regions, self.kind, opts, launch_sums=launch)
         out = []
@@ -157,13 +159,14 @@ class Probe:
             k = np.arange(self.nblocks)
             slots, subs = k // a.bpc, k % a.bpc
             commits = [(b"k%d" % s, int(s), 1) for s in range(self.nchunks)]
-            self.sync()
-            t0 = time.perf_counter()
-            store.submit_store(1, self.src, slots, subs, commits)
-            res = self._wait(store, 1)
-            store_s = time.perf_counter() - t0
-            out.append(self._rec(name, "store", "-", res, store_s))
-            emit(out[-1])
+            if not a.load_only:  # else the slots an earlier --keep run stored
+                self.sync()
+                t0 = time.perf_counter()
+                store.submit_store(1, self.src, slots, subs, commits)
+                res = self._wait(store, 1)
+                store_s = time.perf_counter() - t0
+                out.append(self._rec(name, "store", "-", res, store_s))
+                emit(out[-1])
             sums = self.sums["torch"].block_sums(self.src) if sums_on else [0] * self.nblocks
             job = 2
             for r in range(a.rounds):
@@ -185,8 +188,9 @@ class Probe:
                     job += 1
         finally:
             store.close()
-            for d in [root, *self.geo.slot_dirs]:
-                shutil.rmtree(d, ignore_errors=True)
+            if not a.keep:
+                for d in [root, *self.geo.slot_dirs]:
+                    shutil.rmtree(d, ignore_errors=True)
         return out
 
     def _wait(self, store, job_id):
@@ -370,6 +374,13 @@ def main() -> None:
     ap.add_argument("--o-direct", action="store_true", help="the store's o_direct option")
     ap.add_argument("--slot-dirs", default="", help="A:B: the slot files striped over these")
     ap.add_argument("--file-mib", type=int, default=64 << 10, help="largest slot file")
+    ap.add_argument("--keep", action="store_true", help="leave the store for a --load-only run")
+    ap.add_argument(
+        "--load-only",
+        action="store_true",
+        help="load what an earlier --keep run of the same arguments stored (a new process's "
+        "first load against its later ones)",
+    )
     ap.add_argument(
         "--no-warm-up", action="store_true", help="leave out the store's start-up round trip"
     )
