@@ -7,8 +7,9 @@
 # each in its own venv, .venv-nixl/<wheel>-<release> (the two NIXL wheels with --no-deps, numpy,
 # pytest), plugin folder laid out by ci/build.sh. A cell's venv (260-370 MB) is removed once its
 # legs ran, so the matrix never holds more than one (all nine took 2.9 GB, and a CI run on a
-# nearly full disk failed on ENOSPC); IUD_NIXL_MATRIX_KEEP=1 keeps them for local reruns. The default wheel (IUD_NIXL_WHEEL) gets only
-# the abi leg: ci/test.sh's main stages run everything else on it.
+# nearly full disk failed on ENOSPC); IUD_NIXL_MATRIX_KEEP=1 keeps them for local reruns.
+# The default wheel (IUD_NIXL_WHEEL) gets only the abi leg: ci/test.sh's main stages run
+# everything else on it.
 # Then the refusal: under nixl-cu13 0.10.1 (a 31-slot engine vtable) the probe must report the
 # mismatch and the plugin must refuse to load (tests/python/test_nixl_release.py).
 #

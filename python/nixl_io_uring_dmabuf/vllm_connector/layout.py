@@ -201,17 +201,16 @@ class Geometry:
             m["num_slots"],
             m["num_files"],
         )
+        per_file = -(-slots // files)  # slots in the largest file (or on each device)
         devices = tuple(m.get("devices", ()))
-        # each device: its header and one area of slots / n slots per rank
-        device_bytes = tuple(
-            DEVICE_HEADER + -(-slots // files) * slot_bytes * world for _ in devices
-        )
+        # each device: its header and one area of per_file slots per rank
+        device_bytes = tuple(DEVICE_HEADER + per_file * slot_bytes * world for _ in devices)
         return cls(
             m["rank_block_bytes"],
             m["blocks_per_chunk"],
             world,
             slots * slot_bytes * world,  # capacity: every rank's slots
-            -(-slots // files) * slot_bytes,  # max_file_bytes: the manifest's files
+            per_file * slot_bytes,  # max_file_bytes: the manifest's files
             slot_files=files,
             slot_dirs=tuple(m.get("slot_dirs", ())),
             devices=devices,

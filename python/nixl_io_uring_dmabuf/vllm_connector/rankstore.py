@@ -34,7 +34,7 @@ from . import layout as L
 from .diagnosis import cause_of, diagnose
 from .jobs import Job, Part, Phase, Region, Result, StoreOptions, parts_of
 from .slot_files import RankFiles
-from .transfers import RankTransfers
+from .transfers import RankTransfers, scratch_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -99,19 +99,20 @@ class RankStore:
             checksum.check_page_bytes(p)
         self._block_sums = block_sums or HostRows(self.regions).block_sums
         self._launch_sums = launch_sums
+        direct = options.o_direct or bool(geo.devices)  # raw devices are always O_DIRECT
         self._files = RankFiles(
             root,
             geo,
             rank,
             self.pages,
-            options.o_direct or bool(geo.devices),
+            direct,
             options.durable,
             options.preallocate,
             options.overwrite_devices,
         )
         self._root, self._fds, self._log = root, self._files.fds, self._files.log
         try:
-            if options.o_direct or geo.devices:
+            if direct:
                 self._files.check_direct(self.pages, self.regions, mem_kind)
             self._nixl = RankTransfers(
                 rank,
@@ -126,7 +127,7 @@ class RankStore:
         except BaseException:
             self._files.close()
             raise
-        self._warm_up(options.o_direct or bool(geo.devices))
+        self._warm_up(direct)
         self._jobs: dict[int, Job] = {}
         self._done: list[Result] = []
         # Checksums run here, off the engine's thread (torch and numpy release the GIL).
@@ -174,7 +175,7 @@ class RankStore:
         warning, and the store works as it would have."""
         t0, fd = time.perf_counter(), -1
         try:
-            fd = self._files.scratch(sum(L.round_up(r.page, 4096) for r in self.regions), o_direct)
+            fd = self._files.scratch(scratch_offsets(self.regions)[-1], o_direct)
             self._nixl.round_trip(self.regions, fd, WARM_UP_TIMEOUT_S)
             logger.debug(
                 "KV store rank %d: warm-up round trip in %.1f ms",

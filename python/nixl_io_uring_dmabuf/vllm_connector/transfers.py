@@ -36,6 +36,15 @@ def merge_regions(regions: Sequence[Region]) -> list[tuple[int, int, int]]:
     return [(a, n, d) for a, n, d in out]
 
 
+def scratch_offsets(regions: Sequence[Region]) -> list[int]:
+    """Where each KV tensor's first page goes in the warm-up's scratch file (4 KiB aligned, for
+    O_DIRECT), and the file's size last."""
+    offsets = [0]
+    for r in regions:
+        offsets.append(offsets[-1] + L.round_up(r.page, 4096))
+    return offsets
+
+
 class RankTransfers:
     """The agent, registrations and prepped lists of one rank (see the module doc)."""
 
@@ -128,12 +137,10 @@ class RankTransfers:
         of in the engine's first request (IO_URING_DMABUF pins a DRAM registration as io_uring
         fixed buffers then: 185-275 ms for a 1 GiB KV cache on a 2-CPU machine). RuntimeError
         if a transfer fails or takes longer than `timeout_s`."""
-        a, off, local, remote = self.agent, 0, [], []
-        for r in regions:
-            local.append((r.addr, r.page, r.dev))
-            remote.append((off, r.page, fd))
-            off += L.round_up(r.page, 4096)
-        reg = a.register_memory([(0, off, fd, "")], "FILE", backends=self._be)
+        a, offsets = self.agent, scratch_offsets(regions)
+        local = [(r.addr, r.page, r.dev) for r in regions]
+        remote = [(off, r.page, fd) for off, r in zip(offsets, regions)]
+        reg = a.register_memory([(0, offsets[-1], fd, "")], "FILE", backends=self._be)
         try:
             for op in ("WRITE", "READ"):
                 h = a.initialize_xfer(
