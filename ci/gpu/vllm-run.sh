@@ -22,6 +22,8 @@
 #   bash ci/gpu/vllm-run.sh disk             later steps work on the machine's disk again
 #   bash ci/gpu/vllm-run.sh fio              fio's O_DIRECT reads in the work folder's file
 #                                            system, into $OUT/fio-LABEL.md
+#   bash ci/gpu/vllm-run.sh load-probe ARG...  bench/vllm_load_probe.py with these arguments in
+#                                            the carried site, appended to $OUT/load-probe.txt
 # Steps can follow each other in one call: `... stash model-bg`. Made by ci/gpu/vllm-prepare.sh
 # here; everything stays on the machine while it is held (the device tool keeps it warm 30 s).
 set -uo pipefail
@@ -210,6 +212,14 @@ fio_here() {
         2>&1 | tee "$OUT/fio-$LABEL.md"
 }
 
+load_probe() {
+    setup_env
+    echo "== load-probe $*" | tee -a "$OUT/load-probe.txt"
+    timeout 300 python3 "$SRC/bench/vllm_load_probe.py" "$@" 2>>"$OUT/load-probe.log" \
+        | tee -a "$OUT/load-probe.txt"
+    return "${PIPESTATUS[0]}"
+}
+
 rc=0
 while [ $# -gt 0 ]; do
     step=$1; shift
@@ -221,6 +231,7 @@ while [ $# -gt 0 ]; do
         ;;
     engines) engines "$@" || rc=1; break ;;   # the rest of the arguments are variants
     report) report || rc=1 ;;
+    load-probe) load_probe "$@" || rc=1; break ;;   # the rest of the arguments are the probe's
     probe) probe ;;
     memdisk) memdisk "$1" "$2" || { echo "memdisk $1 $2 failed"; rc=1; break; }; shift 2 ;;
     disk) LABEL=disk WORK=$H/work FIO_DIRS=$H/work; unset IUD_VLLM_SLOT_DIRS ;;
