@@ -57,6 +57,8 @@ VARIANTS: dict[str, tuple[dict, dict, str]] = {
     "part1g": ({}, {"part_bytes": 1 << 30}, "auto"),
     "caller": ({"page_cache_caller_reads": "true"}, {}, "auto"),
     "piece1m": ({"staged_read_piece_max": "1048576"}, {}, "auto"),
+    "buf8": ({"staging_buffers": "8"}, {}, "auto"),
+    "buf16": ({"staging_buffers": "16"}, {}, "auto"),
     "buf64": ({"staging_buffers": "64"}, {}, "auto"),
     "buf128": ({"staging_buffers": "128"}, {}, "auto"),
     "sbuf8m": ({"staging_buffer_size": "8388608", "staging_buffers": "16"}, {}, "auto"),
