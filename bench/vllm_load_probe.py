@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shutil
@@ -150,12 +151,17 @@ class Probe:
             o_direct=a.o_direct,
             **options,
         )
+        # Each variant's store has slot folders of its own (a folder serves one store), so a
+        # --load-only run of any variant finds that variant's slots.
+        geo = dataclasses.replace(
+            self.geo, slot_dirs=tuple(os.path.join(d, name) for d in self.geo.slot_dirs)
+        )
         if not a.load_only:
-            for d in [root, *self.geo.slot_dirs]:
+            for d in [root, *geo.slot_dirs]:
                 shutil.rmtree(d, ignore_errors=True)
                 os.makedirs(d)
         launch = self.launcher(sums_on, kernel)
-        store = R.RankStore(root, self.geo, 0, self.regions, self.kind, opts, launch_sums=launch)
+        store = R.RankStore(root, geo, 0, self.regions, self.kind, opts, launch_sums=launch)
         out = []
         try:
             k = np.arange(self.nblocks)
@@ -191,7 +197,7 @@ class Probe:
         finally:
             store.close()
             if not a.keep:
-                for d in [root, *self.geo.slot_dirs]:
+                for d in [root, *geo.slot_dirs]:
                     shutil.rmtree(d, ignore_errors=True)
         return out
 
