@@ -103,6 +103,18 @@ def report(a) -> int:
             "iud-od-reload",
             ("hit-new-engine",),
         ),
+        ("(c) connector, O_DIRECT file, 8 staging buffers", "iud-od-8buf", ("hit-1", "hit-2")),
+        (
+            "(c) connector, O_DIRECT file, 8 staging buffers, new engine",
+            "iud-od-8buf-reload",
+            ("hit-new-engine",),
+        ),
+        ("(c) connector, O_DIRECT file, 16 staging buffers", "iud-od-16buf", ("hit-1", "hit-2")),
+        (
+            "(c) connector, O_DIRECT file, 16 staging buffers, new engine",
+            "iud-od-16buf-reload",
+            ("hit-new-engine",),
+        ),
         ("(c) connector, GDS_MT, O_DIRECT file", "gds-od", ("hit-1", "hit-2")),
         ("(c) connector, IO_URING_DMABUF, raw block devices", "iud-dev", ("hit-1", "hit-2")),
         (

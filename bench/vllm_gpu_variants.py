@@ -89,6 +89,24 @@ VARIANTS = {
     # twice the staging buffers: 64 O_DIRECT slot reads in flight instead of 32 (does the disk
     # give more at a deeper queue?)
     "iud-od-64buf": ("nixl", "IO_URING_DMABUF", True, {"staging_buffers": "64"}),
+    # fewer: devices that read fastest at a shallow queue (the loop devices over tmpfs peak at
+    # 16 x 2 MiB in fio); 8 for one device, 16 for two striped, each with a new engine after it
+    "iud-od-8buf": ("nixl", "IO_URING_DMABUF", True, {"staging_buffers": "8"}),
+    "iud-od-8buf-reload": (
+        "nixl",
+        "IO_URING_DMABUF",
+        True,
+        {"staging_buffers": "8"},
+        {REUSES: "iud-od-8buf"},
+    ),
+    "iud-od-16buf": ("nixl", "IO_URING_DMABUF", True, {"staging_buffers": "16"}),
+    "iud-od-16buf-reload": (
+        "nixl",
+        "IO_URING_DMABUF",
+        True,
+        {"staging_buffers": "16"},
+        {REUSES: "iud-od-16buf"},
+    ),
     "gds-od": ("nixl", "GDS_MT", True),
     # a new engine on iud-pc-light's store (run it after iud-pc-light in the same call): the
     # prefix hit from storage, then slots damaged after the engine's lookup, recomputed
