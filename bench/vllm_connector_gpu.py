@@ -39,14 +39,17 @@ from vllm_gpu_variants import (
     LLAMA_8B,
     MAX_MODEL_LEN,
     SHARED,
+    TIERS,
     VARIANTS,
     base_variant,
+    kind_of,
     kv_config,
     prompt_ids,
     reuses,
     store_of,
     test_prompts,
     tier_role,
+    tier_store,
     variant_name,
 )
 
@@ -619,10 +622,8 @@ def engines(a) -> int:
     rc = 0
     reused = {store_of(v, a.work) for v in a.variants if reuses(v)}
     for i, v in enumerate(a.variants):
-        if v == "fs-store":
-            shutil.rmtree(os.path.join(a.work, "fs_r0"), ignore_errors=True)
-        if v == "nixltier-store":
-            shutil.rmtree(os.path.join(a.work, "nixltier"), ignore_errors=True)
+        if v in ("fs-store", "nixltier-store"):  # a tier's storing engine starts it anew
+            shutil.rmtree(tier_store(v, a.work), ignore_errors=True)
         store = store_of(v, a.work)
         if not reuses(v):  # its own store, new
             remove_store(store)
@@ -644,6 +645,8 @@ def engines(a) -> int:
         later = {store_of(x, a.work) for x in a.variants[i + 1 :] if reuses(x)}
         if store not in later and (reuses(v) or store not in reused):
             remove_store(store)  # the disk holds one store at a time
+        if kind_of(v) in TIERS and kind_of(v) not in {kind_of(x) for x in a.variants[i + 1 :]}:
+            shutil.rmtree(tier_store(v, a.work), ignore_errors=True)  # and so do vLLM's tiers
     return rc
 
 

@@ -134,9 +134,19 @@ SHARED = ("iud-share",)  # variants run as two live engines (engines_shared)
 TIERS = ("fs", "nixltier")  # kinds that are vLLM's TieringOffloadingSpec
 
 
+def kind_of(variant: str) -> str | None:
+    """What serves the variant's KV: 'nixl' (the connector), a vLLM tier kind, 'cpu', or None."""
+    return VARIANTS[base_variant(variant)][0]
+
+
+def tier_store(variant: str, work: str) -> str:
+    """The folder a tiering variant's storage tier keeps its blocks in (one per kind)."""
+    return os.path.join(work, kind_of(variant))
+
+
 def tier_role(variant: str) -> str | None:
     """'store' or 'load' for the tiering variants (<kind>-store, <kind>-load), else None."""
-    kind = VARIANTS[base_variant(variant)][0]
+    kind = kind_of(variant)
     if kind not in TIERS:
         return None
     return base_variant(variant).rsplit("-", 1)[1]
@@ -199,12 +209,12 @@ def kv_config(variant: str, work: str) -> dict | None:
         }
     if kind in TIERS:
         tier = (
-            {"type": "fs", "root_dir": os.path.join(work, "fs")}
+            {"type": "fs", "root_dir": tier_store(variant, work)}
             if kind == "fs"
             else {
                 "type": "NixlFileTier",
                 "module_path": "nixl_io_uring_dmabuf.vllm_tier",
-                "path": os.path.join(work, kind),
+                "path": tier_store(variant, work),
                 "backend": backend,
                 "direct_io": direct,
             }
