@@ -669,6 +669,18 @@ def test_the_plugin_gets_engine_thread_light_parameters_unless_the_config_sets_t
     assert posix.backend_params == {"use_uring": "true", "ios_pool_size": "64"}
 
 
+def test_vllm_keys_are_taken_and_unknown_keys_refused_with_their_names():
+    from nixl_io_uring_dmabuf.vllm_connector.config import StoreConfig
+
+    base = {"path": "/kv", "capacity_gb": 1}
+    # vLLM 0.34's scheduler reads sync_load_budget_bytes from the same dict
+    StoreConfig.from_extra({**base, "sync_load_budget_bytes": 1 << 30, "block_size": 64})
+    with pytest.raises(
+        ValueError, match=r"unknown kv_connector_extra_config keys \['sync_load_budget'\]"
+    ):
+        StoreConfig.from_extra({**base, "sync_load_budget": 1 << 30})
+
+
 def test_fold_columns_is_fold_for_every_block():
     rng = np.random.default_rng(3)
     s1 = rng.integers(-(1 << 40), 1 << 40, size=(5, 7), dtype=np.int64)

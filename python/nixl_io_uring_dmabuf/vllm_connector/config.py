@@ -8,7 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-# Keys of kv_connector_extra_config that vLLM itself reads (offloading/config.py, base.py).
+# Keys of kv_connector_extra_config that vLLM itself reads (offloading/config.py, base.py;
+# sync_load_budget_bytes: vLLM 0.34's offloading/scheduler.py, loads served in the same step).
 VLLM_KEYS = frozenset(
     {
         "spec_name",
@@ -18,6 +19,7 @@ VLLM_KEYS = frozenset(
         "canonical_layout",
         "self_describing_kv_events",
         "offload_prompt_only",
+        "sync_load_budget_bytes",
     }
 )
 

@@ -174,7 +174,9 @@ def failures(rig, problems: list[str]) -> dict:
 
     ctx = ReqContext(req_id="r")
     seen: dict[str, object] = {}
-    spec = rig.spec(verify_on_lookup=False)
+    # vLLM's own key for sync loads (its scheduler reads it from the same dict): the spec
+    # takes it as vLLM's, beside its own keys
+    spec = rig.spec(verify_on_lookup=False, sync_load_budget_bytes=1 << 30)
     mgr, worker = spec.get_manager(), spec.get_worker(rig.kv)
     a, b, c, d = keys_of(20, 21, 22, 23), keys_of(30), keys_of(40), keys_of(50)
     store(rig, mgr, worker, 10, a, [0, 1, 2, 3], problems)
