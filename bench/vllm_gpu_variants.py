@@ -57,6 +57,9 @@ REUSES = "reuses"  # a variant key, not the connector's: the variant whose store
 # a variant key, not the connector's: the slots on the raw block devices that
 # ci/gpu/vllm-run.sh rawdisk made (IUD_VLLM_DEVICES), the journals in the work folder
 RAW = "raw_devices"
+# vLLM 0.34's key: bytes of hits per engine step loaded in the step that computes them (two
+# 32k-token prefixes, so every hit of the benchmark's one-at-a-time requests qualifies)
+SYNC, SYNC_BUDGET = "sync_load_budget_bytes", 8 << 30
 VARIANTS = {
     # name: (connector kind, NIXL backend, O_DIRECT[, backend parameters[, connector keys]])
     "plain": (None, None, False),
@@ -108,6 +111,17 @@ VARIANTS = {
         {REUSES: "iud-od-16buf"},
     ),
     "gds-od": ("nixl", "GDS_MT", True),
+    # vLLM 0.34's sync loads (a hit loaded in the step that computes the request, not in an
+    # earlier one): the page-cache store, a new engine on it, and vLLM's CPU tier alike
+    "iud-pc-sync": ("nixl", "IO_URING_DMABUF", False, LIGHT, {SYNC: SYNC_BUDGET}),
+    "iud-reload-sync": (
+        "nixl",
+        "IO_URING_DMABUF",
+        False,
+        LIGHT,
+        {REUSES: "iud-pc-sync", SYNC: SYNC_BUDGET},
+    ),
+    "cpu-sync": ("cpu", None, False, {}, {SYNC: SYNC_BUDGET}),
     # a new engine on iud-pc-light's store (run it after iud-pc-light in the same call): the
     # prefix hit from storage, then slots damaged after the engine's lookup, recomputed
     "iud-reload": ("nixl", "IO_URING_DMABUF", False, LIGHT, {REUSES: "iud-pc-light"}),
@@ -205,7 +219,7 @@ def kv_config(variant: str, work: str) -> dict | None:
         return {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": STORE_GB << 30},
+            "kv_connector_extra_config": {"cpu_bytes_to_use": STORE_GB << 30, **extra},
         }
     if kind in TIERS:
         tier = (
