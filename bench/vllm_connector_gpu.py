@@ -622,7 +622,7 @@ def engines(a) -> int:
     rc = 0
     reused = {store_of(v, a.work) for v in a.variants if reuses(v)}
     for i, v in enumerate(a.variants):
-        if v in ("fs-store", "nixltier-store"):  # a tier's storing engine starts it anew
+        if tier_role(v) == "store":  # a tier's storing engine starts it anew
             shutil.rmtree(tier_store(v, a.work), ignore_errors=True)
         store = store_of(v, a.work)
         if not reuses(v):  # its own store, new
