@@ -42,6 +42,7 @@ from vllm_gpu_variants import (
     TIERS,
     VARIANTS,
     base_variant,
+    engine_args,
     kind_of,
     kv_config,
     prompt_ids,
@@ -162,6 +163,7 @@ class Engine:
             args.update(num_gpu_blocks_override=GPU_BLOCKS, gpu_memory_utilization=0.85)
         else:  # vLLM's CPU platform: the fraction of this machine's memory it reserves
             args.update(gpu_memory_utilization=0.15 if shared else 0.3)
+        args.update(engine_args(variant))
         cfg = kv_config(variant, work)
         if cfg is not None:
             args["kv_transfer_config"] = KVTransferConfig(**cfg)

@@ -103,6 +103,11 @@ def report(a) -> int:
             "iud-reload-sync",
             ("hit-new-engine",),
         ),
+        (
+            "(b) connector, page-cache file, sync loads, new engine, no async scheduling",
+            "iud-reload-sync-noasync",
+            ("hit-new-engine",),
+        ),
         ("(c) connector, IO_URING_DMABUF, O_DIRECT file", "iud-od", ("hit-1", "hit-2")),
         (
             "(c) connector, IO_URING_DMABUF, O_DIRECT file, new engine",

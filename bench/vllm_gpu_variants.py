@@ -60,6 +60,8 @@ RAW = "raw_devices"
 # vLLM 0.34's key: bytes of hits per engine step loaded in the step that computes them (two
 # 32k-token prefixes, so every hit of the benchmark's one-at-a-time requests qualifies)
 SYNC, SYNC_BUDGET = "sync_load_budget_bytes", 8 << 30
+# a variant key, not the connector's: vLLM engine arguments of this variant's engine
+ENGINE_ARGS = "engine_args"
 VARIANTS = {
     # name: (connector kind, NIXL backend, O_DIRECT[, backend parameters[, connector keys]])
     "plain": (None, None, False),
@@ -122,6 +124,15 @@ VARIANTS = {
         {REUSES: "iud-pc-sync", SYNC: SYNC_BUDGET},
     ),
     "cpu-sync": ("cpu", None, False, {}, {SYNC: SYNC_BUDGET}),
+    # the same new engine without async scheduling (vLLM 0.34 schedules the next step before
+    # the current one's output, and so before a failed sync load's blocks are reported)
+    "iud-reload-sync-noasync": (
+        "nixl",
+        "IO_URING_DMABUF",
+        False,
+        LIGHT,
+        {REUSES: "iud-pc-sync", SYNC: SYNC_BUDGET, ENGINE_ARGS: {"async_scheduling": False}},
+    ),
     # a new engine on iud-pc-light's store (run it after iud-pc-light in the same call): the
     # prefix hit from storage, then slots damaged after the engine's lookup, recomputed
     "iud-reload": ("nixl", "IO_URING_DMABUF", False, LIGHT, {REUSES: "iud-pc-light"}),
@@ -213,6 +224,7 @@ def kv_config(variant: str, work: str) -> dict | None:
     if kind is None:
         return None
     extra.pop(REUSES, None)  # the benchmark's keys, not the connector's
+    extra.pop(ENGINE_ARGS, None)
     raw = extra.pop(RAW, False)
     store = store_of(variant, work)
     if kind == "cpu":
@@ -276,6 +288,11 @@ def kv_config(variant: str, work: str) -> dict | None:
 def reuses(variant: str) -> str | None:
     """The variant whose store this one opens, if not its own."""
     return (list(VARIANTS[base_variant(variant)][3:]) + [{}, {}])[1].get(REUSES)
+
+
+def engine_args(variant: str) -> dict:
+    """vLLM engine arguments this variant sets beyond the benchmark's."""
+    return dict((list(VARIANTS[base_variant(variant)][3:]) + [{}, {}])[1].get(ENGINE_ARGS, {}))
 
 
 def store_of(variant: str, work: str) -> str:
