@@ -97,15 +97,14 @@ def report(a) -> int:
             "iud-reload",
             ("hit-new-engine",),
         ),
-        ("(b) connector, page-cache file, sync loads", "iud-pc-sync", ("hit-1", "hit-2")),
         (
-            "(b) connector, page-cache file, sync loads, new engine",
-            "iud-reload-sync",
-            ("hit-new-engine",),
+            "(b) connector, page-cache file, sync loads (no async scheduling)",
+            "iud-pc-sync",
+            ("hit-1", "hit-2"),
         ),
         (
-            "(b) connector, page-cache file, sync loads, new engine, no async scheduling",
-            "iud-reload-sync-noasync",
+            "(b) connector, page-cache file, sync loads (no async scheduling), new engine",
+            "iud-reload-sync",
             ("hit-new-engine",),
         ),
         ("(c) connector, IO_URING_DMABUF, O_DIRECT file", "iud-od", ("hit-1", "hit-2")),
@@ -140,6 +139,11 @@ def report(a) -> int:
         ),
         ("vLLM CPU offload (CPUOffloadingSpec), DRAM hit", "cpu", ("hit-1", "hit-2")),
         ("vLLM CPU offload, DRAM hit, sync loads", "cpu-sync", ("hit-1", "hit-2")),
+        (
+            "vLLM CPU offload, DRAM hit, sync loads (no async scheduling)",
+            "cpu-sync-noasync",
+            ("hit-1", "hit-2"),
+        ),
         ("(d) vLLM CPU offload + fs tier (O_DIRECT), new engine", "fs-load", ("hit-1",)),
         ("vLLM CPU offload, DRAM hit (same engine)", "fs-load", ("cpu-hit",)),
         (

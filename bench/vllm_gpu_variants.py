@@ -62,6 +62,7 @@ RAW = "raw_devices"
 SYNC, SYNC_BUDGET = "sync_load_budget_bytes", 8 << 30
 # a variant key, not the connector's: vLLM engine arguments of this variant's engine
 ENGINE_ARGS = "engine_args"
+NO_ASYNC = {ENGINE_ARGS: {"async_scheduling": False}}
 VARIANTS = {
     # name: (connector kind, NIXL backend, O_DIRECT[, backend parameters[, connector keys]])
     "plain": (None, None, False),
@@ -114,9 +115,18 @@ VARIANTS = {
     ),
     "gds-od": ("nixl", "GDS_MT", True),
     # vLLM 0.34's sync loads (a hit loaded in the step that computes the request, not in an
-    # earlier one): the page-cache store, a new engine on it, and vLLM's CPU tier alike
-    "iud-pc-sync": ("nixl", "IO_URING_DMABUF", False, LIGHT, {SYNC: SYNC_BUDGET}),
+    # earlier one): the page-cache store and a new engine on it, with async scheduling off (the
+    # connector refuses sync loads under it: connector.py), and vLLM's CPU tier with and without
+    "iud-pc-sync": ("nixl", "IO_URING_DMABUF", False, LIGHT, {SYNC: SYNC_BUDGET, **NO_ASYNC}),
     "iud-reload-sync": (
+        "nixl",
+        "IO_URING_DMABUF",
+        False,
+        LIGHT,
+        {REUSES: "iud-pc-sync", SYNC: SYNC_BUDGET, **NO_ASYNC},
+    ),
+    # the same new engine with async scheduling on (vLLM 0.34's default): refused at start-up
+    "iud-reload-sync-async": (
         "nixl",
         "IO_URING_DMABUF",
         False,
@@ -124,15 +134,7 @@ VARIANTS = {
         {REUSES: "iud-pc-sync", SYNC: SYNC_BUDGET},
     ),
     "cpu-sync": ("cpu", None, False, {}, {SYNC: SYNC_BUDGET}),
-    # the same new engine without async scheduling (vLLM 0.34 schedules the next step before
-    # the current one's output, and so before a failed sync load's blocks are reported)
-    "iud-reload-sync-noasync": (
-        "nixl",
-        "IO_URING_DMABUF",
-        False,
-        LIGHT,
-        {REUSES: "iud-pc-sync", SYNC: SYNC_BUDGET, ENGINE_ARGS: {"async_scheduling": False}},
-    ),
+    "cpu-sync-noasync": ("cpu", None, False, {}, {SYNC: SYNC_BUDGET, **NO_ASYNC}),
     # a new engine on iud-pc-light's store (run it after iud-pc-light in the same call): the
     # prefix hit from storage, then slots damaged after the engine's lookup, recomputed
     "iud-reload": ("nixl", "IO_URING_DMABUF", False, LIGHT, {REUSES: "iud-pc-light"}),
