@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from typing import Any
 
 # Keys of kv_connector_extra_config that vLLM itself reads (offloading/config.py, base.py;
-# sync_load_budget_bytes: vLLM 0.34's offloading/scheduler.py, loads served in the same step).
+# sync_load_budget_bytes: offloading/scheduler.py of vLLM 0.33 and 0.34, loads served in the
+# step that computes the request).
 VLLM_KEYS = frozenset(
     {
         "spec_name",

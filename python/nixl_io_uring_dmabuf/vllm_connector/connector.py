@@ -5,11 +5,13 @@ recomputes them instead of stopping. Selected with kv_connector
 "NixlStorageOffloadingConnector" and kv_connector_module_path
 "nixl_io_uring_dmabuf.vllm_connector"; everything else is OffloadingConnector's.
 
-It refuses to start with sync loads (`sync_load_budget_bytes`) under async scheduling (vLLM
-0.34's default): a failed sync load's request is rescheduled by vLLM's scheduler, but the next
-step, already scheduled, has run on the unloaded blocks and its token is kept
-(`_update_requests_with_invalid_blocks` in vllm/v1/core/sched/scheduler.py marks no stale
-output, as preemption does). Measured on an H100: every damaged prompt's tokens were wrong."""
+It refuses to start with sync loads (`sync_load_budget_bytes`) under async scheduling (the
+default of vLLM 0.33 and 0.34). Measured with vLLM 0.34.0 on an H100: a new engine whose sync
+loads found damaged blocks reported them, vLLM logged the requests as rescheduled, and every
+such prompt's tokens were wrong. Our reading of vLLM's source (unverified as the cause): under
+async scheduling the request's next step is scheduled before the failed step's output is
+handled, and `_update_requests_with_invalid_blocks` (vllm/v1/core/sched/scheduler.py) marks no
+stale output, as preemption does."""
 
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ from .worker import NixlStorageWorker
 
 
 def sync_loads_used(vllm_config) -> bool:
-    """Whether the running vLLM loads hits in the step that computes them (0.34's scheduler reads
-    `sync_load_budget_bytes`; earlier releases ignore the key)."""
-    try:  # 0.34's module; 0.32 has none
+    """Whether the running vLLM loads hits in the step that computes them (the schedulers of 0.33
+    and 0.34 read `sync_load_budget_bytes`; 0.32 ignores the key)."""
+    try:  # 0.33's and 0.34's module; 0.32 has none
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler
     except ImportError:
         return False

@@ -370,3 +370,9 @@ def test_the_same_spec_serves_the_offloading_apis_of_vllm_0_32_to_0_34(clients, 
     assert (
         "supports vLLM 0.32.0, 0.33.0 and 0.34.0; this is vLLM 0.31.0" in res["refusals"]["version"]
     )
+    # sync loads (vLLM 0.33 and 0.34 read sync_load_budget_bytes) under async scheduling
+    sync = res["refusals"]["sync loads"]
+    if release != "0.32":
+        assert "sync_load_budget_bytes needs async scheduling off" in sync
+    else:
+        assert sync == "not read by this vLLM"

@@ -337,6 +337,7 @@ def refusals(rig, problems: list[str]) -> dict:
             problems.append(f"{what} not refused")
         except ValueError as e:
             out[what] = str(e)
+    out["sync loads"] = sync_load_refusals(problems)
     real = vllm.__version__
     vllm.__version__ = "0.31.0"
     try:
@@ -347,6 +348,39 @@ def refusals(rig, problems: list[str]) -> dict:
     finally:
         vllm.__version__ = real
     return out
+
+
+def sync_load_refusals(problems: list[str]) -> str:
+    """The connector subclass's start-up check, on vLLM's own config classes: sync loads under
+    async scheduling are refused where vLLM reads the key (0.33, 0.34), and nothing else is."""
+    import types
+
+    from nixl_io_uring_dmabuf.vllm_connector.connector import check_sync_loads, sync_loads_used
+    from vllm.config import KVTransferConfig, SchedulerConfig
+
+    def cfg(budget: int, async_scheduling: bool):
+        sched = SchedulerConfig(
+            max_model_len=4096, is_encoder_decoder=False, async_scheduling=async_scheduling
+        )
+        kv = KVTransferConfig(
+            kv_connector="NixlStorageOffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"sync_load_budget_bytes": budget},
+        )
+        return types.SimpleNamespace(kv_transfer_config=kv, scheduler_config=sched)
+
+    read = sync_loads_used(cfg(1 << 30, True))
+    for budget, async_scheduling in ((0, True), (1 << 30, False)):
+        check_sync_loads(cfg(budget, async_scheduling))  # taken
+    try:
+        check_sync_loads(cfg(1 << 30, True))
+    except ValueError as e:
+        if not read:
+            problems.append(f"sync loads refused where vLLM does not read the key: {e}")
+        return str(e)
+    if read:
+        problems.append("sync loads under async scheduling not refused")
+    return "not read by this vLLM"
 
 
 def NixlSpec(config):
