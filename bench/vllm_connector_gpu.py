@@ -623,6 +623,9 @@ def engines(a) -> int:
     results = os.path.join(a.work, "results.jsonl")
     rc = 0
     reused = {store_of(v, a.work) for v in a.variants if reuses(v)}
+    # the sync-load variants without async scheduling: the connector waits for exactly this
+    # check (tokens after damaged sync loads) before it takes them unasked (connector.py)
+    os.environ.setdefault("IUD_VLLM_ALLOW_SYNC_LOADS", "1")
     for i, v in enumerate(a.variants):
         if tier_role(v) == "store":  # a tier's storing engine starts it anew
             shutil.rmtree(tier_store(v, a.work), ignore_errors=True)

@@ -5,15 +5,19 @@ recomputes them instead of stopping. Selected with kv_connector
 "NixlStorageOffloadingConnector" and kv_connector_module_path
 "nixl_io_uring_dmabuf.vllm_connector"; everything else is OffloadingConnector's.
 
-It refuses to start with sync loads (`sync_load_budget_bytes`) under async scheduling (the
-default of vLLM 0.33 and 0.34). Measured with vLLM 0.34.0 on an H100: a new engine whose sync
-loads found damaged blocks reported them, vLLM logged the requests as rescheduled, and every
-such prompt's tokens were wrong. Our reading of vLLM's source (unverified as the cause): under
-async scheduling the request's next step is scheduled before the failed step's output is
-handled, and `_update_requests_with_invalid_blocks` (vllm/v1/core/sched/scheduler.py) marks no
-stale output, as preemption does."""
+It refuses to start with sync loads (`sync_load_budget_bytes`, read by the schedulers of vLLM
+0.33 and 0.34). Under async scheduling (their default) always: measured with vLLM 0.34.0 on an
+H100, a new engine whose sync loads found damaged blocks reported them, vLLM logged the requests
+as rescheduled, and every such prompt's tokens were wrong. Our reading of vLLM's source
+(unverified as the cause): the request's next step is scheduled before the failed step's output
+is handled, and `_update_requests_with_invalid_blocks` (vllm/v1/core/sched/scheduler.py) marks
+no stale output, as preemption does. With async scheduling off, only with
+IUD_VLLM_ALLOW_SYNC_LOADS=1: that recovery has not been checked in an engine. Sync loads were
+also slower in the same run (32k hit 164 ms against vLLM's own CPU tier's 143 without them)."""
 
 from __future__ import annotations
+
+import os
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
@@ -37,15 +41,26 @@ def sync_loads_used(vllm_config) -> bool:
 
 
 def check_sync_loads(vllm_config) -> None:
-    """Raises ValueError for sync loads under async scheduling (the module's docstring: a failed
-    load would give wrong tokens instead of being recomputed)."""
-    if sync_loads_used(vllm_config) and vllm_config.scheduler_config.async_scheduling:
+    """Raises ValueError for sync loads: always under async scheduling, else unless
+    IUD_VLLM_ALLOW_SYNC_LOADS=1 (the module's docstring says why)."""
+    if not sync_loads_used(vllm_config):
+        return
+    way_out = (
+        "Drop sync_load_budget_bytes: loads then finish before the step that uses them "
+        "(vLLM's default), and a failed one is recomputed."
+    )
+    if vllm_config.scheduler_config.async_scheduling:
         raise ValueError(
-            "NixlStorageOffloadingConnector: sync_load_budget_bytes needs async scheduling "
-            "off (--no-async-scheduling): under async scheduling vLLM keeps the next step's "
-            "token of a request whose sync load failed, so its blocks could not be recomputed "
-            "safely. Drop sync_load_budget_bytes (loads then run before the step, the "
-            "default) or turn async scheduling off."
+            "NixlStorageOffloadingConnector: sync_load_budget_bytes is refused under async "
+            "scheduling: when a sync load fails its checksum, vLLM reschedules the request "
+            "but keeps a token computed from the failed blocks (measured with vLLM 0.34.0). "
+            + way_out
+        )
+    if os.environ.get("IUD_VLLM_ALLOW_SYNC_LOADS") != "1":
+        raise ValueError(
+            "NixlStorageOffloadingConnector: sync_load_budget_bytes with async scheduling off "
+            "has not been checked against a failed load in an engine; set "
+            "IUD_VLLM_ALLOW_SYNC_LOADS=1 to use it. " + way_out
         )
 
 

@@ -370,9 +370,12 @@ def test_the_same_spec_serves_the_offloading_apis_of_vllm_0_32_to_0_34(clients, 
     assert (
         "supports vLLM 0.32.0, 0.33.0 and 0.34.0; this is vLLM 0.31.0" in res["refusals"]["version"]
     )
-    # sync loads (vLLM 0.33 and 0.34 read sync_load_budget_bytes) under async scheduling
+    # sync loads (vLLM 0.33 and 0.34 read sync_load_budget_bytes): refused under async
+    # scheduling, and without it unless allowed; nothing refused on 0.32
     sync = res["refusals"]["sync loads"]
+    assert sync["read"] == (release != "0.32")
     if release != "0.32":
-        assert "sync_load_budget_bytes needs async scheduling off" in sync
+        assert "refused under async scheduling" in sync["async"]
+        assert "IUD_VLLM_ALLOW_SYNC_LOADS=1" in sync["no async"]
     else:
-        assert sync == "not read by this vLLM"
+        assert sync["async"] == sync["no async"] == "taken"

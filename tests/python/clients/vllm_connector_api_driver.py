@@ -350,9 +350,11 @@ def refusals(rig, problems: list[str]) -> dict:
     return out
 
 
-def sync_load_refusals(problems: list[str]) -> str:
-    """The connector subclass's start-up check, on vLLM's own config classes: sync loads under
-    async scheduling are refused where vLLM reads the key (0.33, 0.34), and nothing else is."""
+def sync_load_refusals(problems: list[str]) -> dict:
+    """The connector subclass's start-up check, on vLLM's own config classes: where vLLM reads
+    sync_load_budget_bytes (0.33, 0.34), sync loads are refused under async scheduling, and
+    without it unless IUD_VLLM_ALLOW_SYNC_LOADS=1; a budget of 0, and every case on 0.32, is
+    taken."""
     import types
 
     from nixl_io_uring_dmabuf.vllm_connector.connector import check_sync_loads, sync_loads_used
@@ -369,18 +371,30 @@ def sync_load_refusals(problems: list[str]) -> str:
         )
         return types.SimpleNamespace(kv_transfer_config=kv, scheduler_config=sched)
 
-    read = sync_loads_used(cfg(1 << 30, True))
-    for budget, async_scheduling in ((0, True), (1 << 30, False)):
-        check_sync_loads(cfg(budget, async_scheduling))  # taken
-    try:
-        check_sync_loads(cfg(1 << 30, True))
-    except ValueError as e:
-        if not read:
-            problems.append(f"sync loads refused where vLLM does not read the key: {e}")
-        return str(e)
-    if read:
-        problems.append("sync loads under async scheduling not refused")
-    return "not read by this vLLM"
+    def outcome(budget: int, async_scheduling: bool, allow: bool) -> str:
+        os.environ.pop("IUD_VLLM_ALLOW_SYNC_LOADS", None)
+        if allow:
+            os.environ["IUD_VLLM_ALLOW_SYNC_LOADS"] = "1"
+        try:
+            check_sync_loads(cfg(budget, async_scheduling))
+            return "taken"
+        except ValueError as e:
+            return str(e)
+        finally:
+            os.environ.pop("IUD_VLLM_ALLOW_SYNC_LOADS", None)
+
+    out = {
+        "read": sync_loads_used(cfg(1 << 30, True)),
+        "budget 0": outcome(0, True, False),
+        "async": outcome(1 << 30, True, True),
+        "no async": outcome(1 << 30, False, False),
+        "no async, allowed": outcome(1 << 30, False, True),
+    }
+    if out["budget 0"] != "taken" or out["no async, allowed"] != "taken":
+        problems.append(f"sync loads: a case that must be taken was refused: {out}")
+    if not out["read"] and (out["async"] != "taken" or out["no async"] != "taken"):
+        problems.append(f"sync loads refused where vLLM does not read the key: {out}")
+    return out
 
 
 def NixlSpec(config):
