@@ -57,7 +57,7 @@ REUSES = "reuses"  # a variant key, not the connector's: the variant whose store
 # a variant key, not the connector's: the slots on the raw block devices that
 # ci/gpu/vllm-run.sh rawdisk made (IUD_VLLM_DEVICES), the journals in the work folder
 RAW = "raw_devices"
-# vLLM 0.34's key: bytes of hits per engine step loaded in the step that computes them (two
+# vLLM 0.33/0.34's key: bytes of hits per engine step loaded in the step that computes them (two
 # 32k-token prefixes, so every hit of the benchmark's one-at-a-time requests qualifies)
 SYNC, SYNC_BUDGET = "sync_load_budget_bytes", 8 << 30
 # a variant key, not the connector's: vLLM engine arguments of this variant's engine
@@ -114,7 +114,7 @@ VARIANTS = {
         {REUSES: "iud-od-16buf"},
     ),
     "gds-od": ("nixl", "GDS_MT", True),
-    # vLLM 0.34's sync loads (a hit loaded in the step that computes the request, not in an
+    # vLLM's sync loads (a hit loaded in the step that computes the request, not in an
     # earlier one): the page-cache store and a new engine on it, with async scheduling off (the
     # connector refuses sync loads under it: connector.py), and vLLM's CPU tier with and without
     "iud-pc-sync": ("nixl", "IO_URING_DMABUF", False, LIGHT, {SYNC: SYNC_BUDGET, **NO_ASYNC}),

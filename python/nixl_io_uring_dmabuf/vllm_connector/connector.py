@@ -52,9 +52,8 @@ def check_sync_loads(vllm_config) -> None:
     if vllm_config.scheduler_config.async_scheduling:
         raise ValueError(
             "NixlStorageOffloadingConnector: sync_load_budget_bytes is refused under async "
-            "scheduling: when a sync load fails its checksum, vLLM reschedules the request "
-            "but keeps a token computed from the failed blocks (measured with vLLM 0.34.0). "
-            + way_out
+            "scheduling: when sync loads failed their checksums, vLLM 0.34.0 rescheduled the "
+            "requests and still returned wrong tokens (measured on an H100). " + way_out
         )
     if os.environ.get("IUD_VLLM_ALLOW_SYNC_LOADS") != "1":
         raise ValueError(

@@ -18,7 +18,8 @@ the store cannot take) never reach the model:
   and not kept; a failed load is reported failed and vLLM recomputes the request (with
   kv_load_failure_policy "recompute"; "fail" ends the request with an error). A load vLLM waits
   for in the same step (a sync load, `expedited`) cannot be taken back that way: under
-  NixlStorageOffloadingConnector its blocks go to vLLM's load-error path instead.
+  NixlStorageOffloadingConnector its blocks go to vLLM's load-error path instead (that
+  connector refuses sync loads unless allowed: connector.py says why).
 - vLLM 0.32/0.33 assert that every job succeeded, so a failed store is reported finished and
   simply not committed; a failed load's blocks go to vLLM's load-error path under
   NixlStorageOffloadingConnector, and under plain OffloadingConnector the worker stops the
