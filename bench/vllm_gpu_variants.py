@@ -287,14 +287,19 @@ def kv_config(variant: str, work: str) -> dict | None:
     )
 
 
+def variant_keys(variant: str) -> dict:
+    """The variant's connector keys (the fifth field), with the benchmark's own among them."""
+    return (list(VARIANTS[base_variant(variant)][3:]) + [{}, {}])[1]
+
+
 def reuses(variant: str) -> str | None:
     """The variant whose store this one opens, if not its own."""
-    return (list(VARIANTS[base_variant(variant)][3:]) + [{}, {}])[1].get(REUSES)
+    return variant_keys(variant).get(REUSES)
 
 
 def engine_args(variant: str) -> dict:
     """vLLM engine arguments this variant sets beyond the benchmark's."""
-    return dict((list(VARIANTS[base_variant(variant)][3:]) + [{}, {}])[1].get(ENGINE_ARGS, {}))
+    return dict(variant_keys(variant).get(ENGINE_ARGS, {}))
 
 
 def store_of(variant: str, work: str) -> str:

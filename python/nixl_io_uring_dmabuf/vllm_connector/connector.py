@@ -23,21 +23,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
+from . import versions
 from .worker import NixlStorageWorker
 
 
 def sync_loads_used(vllm_config) -> bool:
-    """Whether the running vLLM loads hits in the step that computes them (the schedulers of 0.33
-    and 0.34 read `sync_load_budget_bytes`; 0.32 ignores the key)."""
-    try:  # 0.33's and 0.34's module; 0.32 has none
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler
-    except ImportError:
-        return False
-    cfg = getattr(scheduler, "SchedulerOffloadConfig", None)
+    """Whether this engine loads hits in the step that computes them: a running vLLM that has
+    sync loads, and a budget for them."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    return "sync_load_budget_bytes" in getattr(cfg, "_fields", ()) and bool(
-        int(extra.get("sync_load_budget_bytes") or 0)
-    )
+    return versions.has_sync_loads() and bool(int(extra.get("sync_load_budget_bytes") or 0))
 
 
 def check_sync_loads(vllm_config) -> None:

@@ -1,6 +1,6 @@
 """The vLLM releases the connector was built and tested against, the one check that refuses the
-others at start-up (IUD_VLLM_ALLOW_UNTESTED=1 lets an untested release try), and which of vLLM's
-two worker APIs the running release has."""
+others at start-up (IUD_VLLM_ALLOW_UNTESTED=1 lets an untested release try), and what the running
+release has: which of vLLM's two worker APIs, and whether it has sync loads."""
 
 from __future__ import annotations
 
@@ -41,3 +41,14 @@ def worker_api() -> WorkerApi:
     from vllm.v1.kv_offload import base
 
     return WorkerApi.DEVICE_POINTERS if hasattr(base, "DevicePointers") else WorkerApi.BLOCK_IDS
+
+
+def has_sync_loads() -> bool:
+    """Whether the running vLLM's offloading scheduler reads `sync_load_budget_bytes` (0.33 and
+    0.34 do; 0.32 has no such scheduler module), read from its classes as worker_api() is."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler
+    except ImportError:
+        return False
+    cfg = getattr(scheduler, "SchedulerOffloadConfig", None)
+    return "sync_load_budget_bytes" in getattr(cfg, "_fields", ())
